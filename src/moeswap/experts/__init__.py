@@ -1,0 +1,1 @@
+"""The expert store: routed experts live outside the model and are fetched per (layer, expert)."""

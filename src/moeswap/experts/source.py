@@ -1,0 +1,98 @@
+"""Where each routed expert's tensors sit in a checkpoint, and how to turn them into weights.
+
+`ExpertIndex` is built by the loader from CHECKPOINT_MAP matches and validated against the config
+(every expert of every MoE layer present, with the right shapes and dtypes). `load_expert` reads one
+expert's tensors (MXFP4 packed+scale, or float) and decodes them; nothing else is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moeswap.config import ModelConfig
+from moeswap.formats import mxfp4
+from moeswap.formats.checkpoint import Checkpoint, CheckpointError
+from moeswap.ops.expert import ExpertWeights
+
+PROJS = ("w1", "w2", "w3")  # gate, down, up
+
+
+@dataclass
+class ExpertIndex:
+    """(layer, expert) -> {proj: {kind: checkpoint tensor name}}, kind in weight / weight_packed / weight_scale."""
+
+    entries: dict[tuple[int, int], dict[str, dict[str, str]]] = field(default_factory=dict)
+
+    def add(self, layer: int, expert: int, proj: str, kind: str, name: str) -> None:
+        self.entries.setdefault((layer, expert), {}).setdefault(proj, {})[kind] = name
+
+    def validate(self, ckpt: Checkpoint, cfg: ModelConfig) -> None:
+        """Every MoE layer has all experts with consistent shapes; fails naming the first bad tensor."""
+        moe_layers = [i for i, k in enumerate(cfg.mlp_kinds) if k == "moe"]
+        stray = sorted({layer for layer, _ in self.entries} - set(moe_layers))
+        if stray:
+            raise CheckpointError(f"checkpoint has routed-expert tensors for layer {stray[0]}, "
+                                  f"which config.json says is not an MoE layer")
+        n_in = cfg.moe.latent_dim or cfg.hidden_size
+        f = cfg.moe.expert_dim
+        logical = {"w1": (f, n_in), "w3": (f, n_in), "w2": (n_in, f)}
+        for layer in moe_layers:
+            for e in range(cfg.moe.num_experts):
+                projs = self.entries.get((layer, e))
+                if projs is None:
+                    raise CheckpointError(
+                        f"missing routed expert: layer {layer} expert {e} has no tensors "
+                        f"(config.json says num_experts={cfg.moe.num_experts})")
+                for proj in PROJS:
+                    self._check_proj(ckpt, cfg, layer, e, proj, projs.get(proj, {}), logical[proj])
+
+    def _check_proj(self, ckpt, cfg, layer, e, proj, kinds, shape) -> None:
+        base = f"layer {layer} expert {e} {proj}"
+        out_dim, in_dim = shape
+        if "weight" in kinds:
+            info = ckpt.info(kinds["weight"])
+            _expect(info, shape, None, base)
+            if not info.dtype.is_floating_point:
+                raise CheckpointError(f"{info.name} in {info.file.name}: expected a float tensor, found {info.dtype}")
+            return
+        if "weight_packed" not in kinds or "weight_scale" not in kinds:
+            raise CheckpointError(f"missing tensor for {base}: need weight, or weight_packed + weight_scale")
+        if cfg.quant is None:
+            raise CheckpointError(f"{kinds['weight_packed']}: packed MXFP4 expert but config.json has no quantization_config")
+        _expect(ckpt.info(kinds["weight_packed"]), (out_dim, in_dim // 2), torch.uint8, base)
+        _expect(ckpt.info(kinds["weight_scale"]), (out_dim, in_dim // 32), torch.uint8, base)
+
+    def names(self, layer: int, expert: int) -> dict[str, dict[str, str]]:
+        return self.entries[(layer, expert)]
+
+    def stored_bytes(self, ckpt: Checkpoint, layer: int, expert: int) -> int:
+        return sum(ckpt.info(n).nbytes for kinds in self.entries[(layer, expert)].values() for n in kinds.values())
+
+
+def _expect(info, shape, dtype, what: str) -> None:
+    if tuple(info.shape) != tuple(shape):
+        raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected shape {list(shape)} "
+                              f"from config.json, found {list(info.shape)}")
+    if dtype is not None and info.dtype != dtype:
+        raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected dtype {dtype}, found {info.dtype}")
+
+
+def load_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu", use_mmap: bool = True) -> ExpertWeights:
+    """Read and decode one expert. use_mmap=False reads the exact byte ranges (disk tier)."""
+    read = ckpt.get if use_mmap else ckpt.read
+    mats = {}
+    for proj, kinds in index.names(layer, expert).items():
+        try:
+            if "weight" in kinds:
+                w = read(kinds["weight"]).to(dtype)
+            else:
+                w = mxfp4.decode(read(kinds["weight_packed"]), read(kinds["weight_scale"]), dtype=torch.float32).to(dtype)
+        except (OSError, ValueError) as err:
+            name = kinds.get("weight", kinds.get("weight_packed"))
+            file = ckpt.info(name).file
+            raise CheckpointError(f"layer {layer} expert {expert} {proj}: cannot read {name} from {file}: {err}") from err
+        mats[proj] = w.to(device)
+    return ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])

@@ -1,0 +1,141 @@
+"""Kimi K3 text model, and Kimi Linear through the same code with its flags.
+
+K3: KDA (bounded gate, full-rank output gate) + gated NoPE MLA with q-LoRA, dense SiTU-GLU layer 0,
+latent MoE with routed-expert norm and shared experts, block attention residuals.
+Kimi Linear: unbounded gate, low-rank output gate, SwiGLU, full-width experts, plain residuals.
+Module names equal checkpoint names (minus `language_model.`), so CHECKPOINT_MAP is nearly the
+identity. Routed experts are never parameters: MoE blocks ask the attached expert store.
+Entry points: `KimiModel(config, device=...)`, `.forward(tokens, state)`, `.make_state(batch)`.
+Shapes: B batch, T tokens, D width, V vocab.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeswap.config import ModelConfig
+from moeswap.models.layers.attn_res import mix, score_vector
+from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
+from moeswap.models.layers.kda import KDA, KDAState
+from moeswap.models.layers.mla import MLA, MLACache
+from moeswap.models.layers.moe import MoE
+
+# Checkpoint tensor name (prefix stripped) -> what it is. First match wins.
+#   "expert": a routed-expert tensor, indexed for the expert store (groups: layer, expert, proj, kind)
+#   "skip":   not part of the text model (vision tower, projector)
+#   a template: the model parameter it fills (\1.. refer to groups)
+CHECKPOINT_MAP: tuple[tuple[str, str], ...] = (
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)",
+     "expert"),
+    (r"(vision_tower|mm_projector|multi_modal_projector)\..*", "skip"),
+    # transformers writes the dense layer's MLP under block_sparse_moe; the original files say mlp
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.(gate|up|down)_proj\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
+    (r"(.*)", r"\1"),
+)
+
+
+def sanitize(param_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Checkpoint quirks, in one place: A_log is [128] zero-padded in K3 and [1,1,H,1] in transformers."""
+    if param_name.endswith("self_attn.A_log"):
+        return tensor.reshape(-1)[: config.kda.num_heads]
+    return tensor
+
+
+@dataclass
+class ModelState:
+    """Per-sequence state of a batch: one KDAState or MLACache per layer."""
+
+    layers: list
+
+    @property
+    def batch(self) -> int:
+        first = self.layers[0]
+        return (first.recurrent_BHKK if isinstance(first, KDAState) else first.latent_BSX).shape[0]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, device=None):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attn_kind = cfg.attn_kinds[idx]
+        self.self_attn = KDA(cfg, device) if self.attn_kind == "kda" else MLA(cfg, device)
+        if cfg.mlp_kinds[idx] == "dense":
+            self.mlp = GatedMLP(d, cfg.intermediate_size, cfg.hidden_act, (cfg.situ_beta, cfg.situ_linear_beta), device)
+        else:
+            self.block_sparse_moe = MoE(cfg, idx, device)
+        self.input_layernorm = RMSNorm(d, eps, device)
+        self.post_attention_layernorm = RMSNorm(d, eps, device)
+        if cfg.attn_res_block_size:
+            self.self_attention_res_norm = WeightOnly(d, device=device)
+            self.self_attention_res_proj = WeightOnly(1, d, device=device)
+            self.mlp_res_norm = WeightOnly(d, device=device)
+            self.mlp_res_proj = WeightOnly(1, d, device=device)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) if hasattr(self, "mlp") else self.block_sparse_moe(x)
+
+
+class KimiModel(nn.Module):
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__()
+        c = config
+        self.config = c
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, device=device)
+        self.model.layers = nn.ModuleList(DecoderLayer(c, i, device) for i in range(c.num_layers))
+        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, device)
+        if c.attn_res_block_size:
+            self.model.output_attn_res_norm = WeightOnly(c.hidden_size, device=device)
+            self.model.output_attn_res_proj = WeightOnly(1, c.hidden_size, device=device)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
+
+    def moe_blocks(self) -> list[MoE]:
+        return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
+
+    def make_state(self, batch: int = 1, dtype: torch.dtype | None = None, device=None) -> ModelState:
+        c = self.config
+        ref = self.model.embed_tokens.weight
+        dtype, device = dtype or ref.dtype, device or ref.device
+        layers = []
+        for layer in self.model.layers:
+            if layer.attn_kind == "kda":
+                layers.append(KDAState.zeros(batch, c.kda.num_heads, c.kda.head_dim, c.kda.conv_kernel, dtype, device))
+            else:
+                layers.append(MLACache.empty(batch, layer.self_attn.cache_width(), dtype, device))
+        return ModelState(layers)
+
+    def forward(self, tokens_BT: torch.Tensor, state: ModelState | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, 1, V] with last_only). Updates `state` in place when given."""
+        c, eps = self.config, self.config.rms_norm_eps
+        block = c.attn_res_block_size
+        partial = self.model.embed_tokens(tokens_BT)
+        bank: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            h = mix(partial, bank, score_vector(layer.self_attention_res_norm, layer.self_attention_res_proj), eps) if block else partial
+            if block and i % block == 0:
+                bank.append(partial)  # bank the raw partial sum, then restart it
+                partial = torch.zeros_like(partial)
+            partial = partial + layer.self_attn(layer.input_layernorm(h), state.layers[i] if state else None)
+            m = mix(partial, bank, score_vector(layer.mlp_res_norm, layer.mlp_res_proj), eps) if block else partial
+            partial = partial + layer.feed_forward(layer.post_attention_layernorm(m))
+        if block:
+            partial = mix(partial, bank, score_vector(self.model.output_attn_res_norm, self.model.output_attn_res_proj), eps)
+        if last_only:
+            partial = partial[:, -1:]
+        hidden = self.model.norm(partial)
+        head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
+        return hidden @ head.T
+
+
+def classify(name: str) -> tuple[str, re.Match]:
+    """Map a (prefix-stripped) checkpoint name through CHECKPOINT_MAP: ('expert'|'skip'|param name, match)."""
+    for pattern, target in CHECKPOINT_MAP:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return (target if target in ("expert", "skip") else m.expand(target)), m
+    raise AssertionError("CHECKPOINT_MAP ends with a catch-all")

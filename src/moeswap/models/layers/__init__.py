@@ -1,0 +1,1 @@
+"""Pieces shared by architectures: norms, GLU MLPs, KDA, MLA, MoE, block attention residuals."""

@@ -1,0 +1,100 @@
+"""Kimi Delta Attention layer: projections, short convolutions, decay/beta gates, gated output norm.
+
+The core recurrence lives in ops.kda (chunked for prefill, token recurrence for decode).
+Per-sequence state: KDAState (fp32 recurrent state + the last K-1 conv inputs); constant in length.
+Shapes: B batch, T tokens, D model width, H heads, K head dim, W conv width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from moeswap.config import ModelConfig
+from moeswap.models.layers.basic import WeightOnly, rms_norm
+from moeswap.ops.kda import kda_chunked, kda_recurrent
+
+
+@dataclass
+class KDAState:
+    recurrent_BHKK: torch.Tensor  # fp32
+    conv_BWC: torch.Tensor  # last W-1 inputs of the q, k and v convs, concatenated on channels
+
+    @staticmethod
+    def zeros(batch: int, H: int, K: int, W: int, dtype: torch.dtype, device) -> "KDAState":
+        return KDAState(
+            torch.zeros(batch, H, K, K, dtype=torch.float32, device=device),
+            torch.zeros(batch, W - 1, 3 * H * K, dtype=dtype, device=device),
+        )
+
+
+def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
+    """silu(depthwise causal conv) over [history | x]; history holds the previous W-1 inputs."""
+    full = torch.cat([history_BWC, x_BTC], dim=1).transpose(1, 2)  # [B, C, W-1+T]
+    y = F.conv1d(full, weight_C1W.to(full.dtype), groups=full.shape[1])
+    return F.silu(y).transpose(1, 2)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class KDA(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        d, H, K = cfg.hidden_size, cfg.kda.num_heads, cfg.kda.head_dim
+        self.H, self.K, self.W = H, K, cfg.kda.conv_kernel
+        self.lower_bound = cfg.kda.gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        lin = lambda i, o: nn.Linear(i, o, bias=False, device=device)  # noqa: E731
+        self.q_proj, self.k_proj, self.v_proj = lin(d, H * K), lin(d, H * K), lin(d, H * K)
+        self.q_conv1d = WeightOnly(H * K, 1, self.W, device=device)
+        self.k_conv1d = WeightOnly(H * K, 1, self.W, device=device)
+        self.v_conv1d = WeightOnly(H * K, 1, self.W, device=device)
+        self.f_a_proj, self.f_b_proj = lin(d, K), lin(K, H * K)
+        self.b_proj = lin(d, H)
+        self.A_log = nn.Parameter(torch.zeros(H, device=device))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K, device=device))
+        if cfg.kda.full_rank_gate:
+            self.g_proj = lin(d, H * K)
+        else:
+            self.g_a_proj, self.g_b_proj = lin(d, K), lin(K, H * K)
+        self.o_norm = WeightOnly(K, device=device)
+        self.o_proj = lin(H * K, d)
+
+    def decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Log retention g per head and key channel, [B, T, H, K], in fp32."""
+        z = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
+        z = z.unflatten(-1, (self.H, self.K))
+        a = self.A_log.float().exp()[:, None]
+        if self.lower_bound is not None:  # K3: bounded to (lower_bound, 0)
+            return self.lower_bound * torch.sigmoid(a * z)
+        return -a * F.softplus(z)  # Kimi Linear: unbounded
+
+    def output_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x_BTD)
+        return self.g_b_proj(self.g_a_proj(x_BTD))
+
+    def forward(self, x_BTD: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        if state is None:
+            state = KDAState.zeros(B, self.H, self.K, self.W, x_BTD.dtype, x_BTD.device)
+        qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        conv_BTC = causal_conv_silu(qkv_BTC, state.conv_BWC, weight)
+        state.conv_BWC = torch.cat([state.conv_BWC, qkv_BTC], dim=1)[:, -(self.W - 1):].contiguous()
+        q, k, v = (t.unflatten(-1, (self.H, self.K)).float() for t in conv_BTC.chunk(3, dim=-1))
+        q = l2_normalize(q) * self.K**-0.5
+        k = l2_normalize(k)
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        g_BTHK = self.decay(x_BTD)
+        core = kda_recurrent if T == 1 else kda_chunked
+        o_BTHK, state.recurrent_BHKK = core(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK)
+        gate = self.output_gate(x_BTD).unflatten(-1, (self.H, self.K)).float()
+        y = rms_norm(o_BTHK, self.o_norm.weight, self.eps) * torch.sigmoid(gate)
+        return self.o_proj(y.flatten(-2).to(x_BTD.dtype))
+

@@ -1,0 +1,100 @@
+"""Gated NoPE multi-head latent attention (MLA) with a latent cache.
+
+The cache keeps, per token, the normalised latent c_kv (L) and the shared key slice k_r (R): the
+per-head keys and values are never cached. Attention runs in the absorbed form (queries are mapped
+into the latent space through kv_b_proj), which is exact and reads only L+R values per cached token.
+Shapes: B batch, T new tokens, S cached+new tokens, H heads, N nope dim, R shared-key dim, V value dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeswap.config import ModelConfig
+from moeswap.models.layers.basic import RMSNorm
+
+
+@dataclass
+class MLACache:
+    latent_BSX: torch.Tensor  # [B, capacity, L + R]
+    lengths_B: torch.Tensor  # int64, tokens cached per sequence
+
+    @staticmethod
+    def empty(batch: int, width: int, dtype: torch.dtype, device, capacity: int = 64) -> "MLACache":
+        return MLACache(
+            torch.zeros(batch, capacity, width, dtype=dtype, device=device),
+            torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    def append(self, new_BTX: torch.Tensor) -> None:
+        B, T, _ = new_BTX.shape
+        need = int(self.lengths_B.max()) + T
+        if need > self.latent_BSX.shape[1]:
+            grown = torch.zeros(B, max(need, 2 * self.latent_BSX.shape[1]), new_BTX.shape[-1],
+                                dtype=self.latent_BSX.dtype, device=self.latent_BSX.device)
+            grown[:, : self.latent_BSX.shape[1]] = self.latent_BSX
+            self.latent_BSX = grown
+        pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
+        self.latent_BSX[torch.arange(B, device=new_BTX.device)[:, None], pos_BT] = new_BTX.to(self.latent_BSX.dtype)
+        self.lengths_B = self.lengths_B + T
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        m, d = cfg.mla, cfg.hidden_size
+        self.H, self.N, self.R, self.V, self.L = (
+            m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank)
+        lin = lambda i, o: nn.Linear(i, o, bias=False, device=device)  # noqa: E731
+        q_width = self.H * (self.N + self.R)
+        if m.q_lora_rank:
+            self.q_a_proj = lin(d, m.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, device)
+            self.q_b_proj = lin(m.q_lora_rank, q_width)
+        else:
+            self.q_proj = lin(d, q_width)
+        self.kv_a_proj_with_mqa = lin(d, self.L + self.R)
+        self.kv_a_layernorm = RMSNorm(self.L, cfg.rms_norm_eps, device)
+        self.kv_b_proj = lin(self.L, self.H * (self.N + self.V))
+        if m.output_gate:
+            self.g_proj = lin(d, self.H * self.V)
+        self.o_proj = lin(self.H * self.V, d)
+        self.scale = (self.N + self.R) ** -0.5
+
+    def cache_width(self) -> int:
+        return self.L + self.R
+
+    def queries(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x_BTD)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+
+    def forward(self, x_BTD: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        if cache is None:
+            cache = MLACache.empty(B, self.cache_width(), x_BTD.dtype, x_BTD.device, capacity=T)
+        q_BTHX = self.queries(x_BTD).unflatten(-1, (self.H, self.N + self.R))
+        q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
+        c_kv, k_r = self.kv_a_proj_with_mqa(x_BTD).split([self.L, self.R], dim=-1)
+        past_B = cache.lengths_B
+        cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
+        S = int(cache.lengths_B.max())
+        c_BSL, k_r_BSR = cache.latent_BSX[:, :S].split([self.L, self.R], dim=-1)
+
+        w_HXL = self.kv_b_proj.weight.unflatten(0, (self.H, self.N + self.V))
+        w_k_HNL, w_v_HVL = w_HXL.split([self.N, self.V], dim=1)
+        q_lat_BTHL = torch.einsum("bthn,hnl->bthl", q_nope_BTHN, w_k_HNL.to(x_BTD.dtype))
+        scores_BHTS = torch.einsum("bthl,bsl->bhts", q_lat_BTHL, c_BSL.to(x_BTD.dtype))
+        scores_BHTS = scores_BHTS + torch.einsum("bthr,bsr->bhts", q_r_BTHR, k_r_BSR.to(x_BTD.dtype))
+        # query t of sequence b sits at position past_b + t and sees keys 0..past_b + t
+        visible_BTS = torch.arange(S, device=x_BTD.device) <= (past_B[:, None] + torch.arange(T, device=x_BTD.device))[..., None]
+        scores_BHTS = scores_BHTS.float().mul(self.scale).masked_fill(~visible_BTS[:, None], float("-inf"))
+        probs_BHTS = scores_BHTS.softmax(dim=-1).to(x_BTD.dtype)
+        ctx_BTHL = torch.einsum("bhts,bsl->bthl", probs_BHTS, c_BSL.to(x_BTD.dtype))
+        out_BTHV = torch.einsum("bthl,hvl->bthv", ctx_BTHL, w_v_HVL.to(x_BTD.dtype)).flatten(-2)
+        if hasattr(self, "g_proj"):
+            out_BTHV = out_BTHV * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(out_BTHV)

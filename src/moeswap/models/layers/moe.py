@@ -1,0 +1,101 @@
+"""Mixture-of-experts block: sigmoid (or softmax) router with bias-corrected top-k, optional latent
+projection (K3), routed experts fetched from an expert store, optional latent norm, shared experts.
+
+Routed experts are not parameters of this module: `store.fetch(layer, ids)` returns callables
+(see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
+Shapes: T tokens, D model width, I expert input width, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+from torch import nn
+
+from moeswap.config import ModelConfig
+from moeswap.models.layers.basic import GatedMLP, RMSNorm
+
+
+class ExpertProvider(Protocol):
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Sequence: ...
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        m = cfg.moe
+        self.weight = nn.Parameter(torch.zeros(m.num_experts, cfg.hidden_size, device=device))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(m.num_experts, device=device))
+        self.top_k, self.scoring, self.renormalize = m.top_k, m.scoring, m.renormalize
+        self.scaling, self.groups, self.topk_group = m.routed_scaling_factor, m.num_groups, m.topk_group
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (expert ids [T, K], weights [T, K] fp32). Routing runs in fp32."""
+        logits_TE = x_TD.float() @ self.weight.float().T
+        scores_TE = logits_TE.sigmoid() if self.scoring == "sigmoid" else logits_TE.softmax(-1)
+        choice_TE = scores_TE + self.e_score_correction_bias.float()  # the bias steers selection only
+        if self.groups > 1:
+            choice_TE = self._limit_groups(choice_TE)
+        ids_TK = choice_TE.topk(self.top_k, dim=-1, sorted=True).indices
+        w_TK = scores_TE.gather(-1, ids_TK)
+        if self.renormalize:
+            w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+        return ids_TK, w_TK * self.scaling
+
+    def _limit_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3 group-limited routing: keep the topk_group groups with the best top-2 sums."""
+        T, E = choice_TE.shape
+        grouped = choice_TE.view(T, self.groups, E // self.groups)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device=None):
+        super().__init__()
+        m, d = cfg.moe, cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.act, self.situ_betas = cfg.hidden_act, (cfg.situ_beta, cfg.situ_linear_beta)
+        self.gate = Router(cfg, device)
+        if m.num_shared_experts:
+            self.shared_experts = GatedMLP(d, m.num_shared_experts * m.expert_dim, self.act, self.situ_betas, device)
+        if m.latent_dim:
+            self.routed_expert_down_proj = nn.Linear(d, m.latent_dim, bias=False, device=device)
+            self.routed_expert_up_proj = nn.Linear(m.latent_dim, d, bias=False, device=device)
+            if m.latent_norm:
+                self.routed_expert_norm = RMSNorm(m.latent_dim, cfg.rms_norm_eps, device)
+        self.store: ExpertProvider | None = None  # attached by the loader; never part of state_dict
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        shape = x_BTD.shape
+        x_TD = x_BTD.reshape(-1, shape[-1])
+        ids_TK, w_TK = self.gate(x_TD)
+        h_TI = self.routed_expert_down_proj(x_TD) if hasattr(self, "routed_expert_down_proj") else x_TD
+        routed_TI = self.run_experts(h_TI, ids_TK, w_TK)
+        if hasattr(self, "routed_expert_norm"):
+            routed_TI = self.routed_expert_norm(routed_TI)
+        y_TD = self.routed_expert_up_proj(routed_TI) if hasattr(self, "routed_expert_up_proj") else routed_TI
+        if hasattr(self, "shared_experts"):
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.reshape(shape)
+
+    def run_experts(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        if self.store is None:
+            raise RuntimeError(f"layer {self.layer_idx}: MoE block has no expert store attached")
+        flat_ids = ids_TK.flatten()
+        order = flat_ids.argsort(stable=True)
+        unique_ids, counts = flat_ids[order].unique_consecutive(return_counts=True)
+        token_of = order // ids_TK.shape[1]  # token index of each sorted (token, slot) pair
+        weights = w_TK.flatten()[order]
+        experts = self.store.fetch(self.layer_idx, unique_ids.tolist())
+        out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
+        start = 0
+        for expert, n in zip(experts, counts.tolist()):
+            rows = token_of[start : start + n]
+            y = expert(h_TI[rows], self.act, self.situ_betas)
+            out_TI.index_add_(0, rows, y.float() * weights[start : start + n, None])
+            start += n
+        return out_TI.to(h_TI.dtype)

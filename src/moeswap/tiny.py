@@ -1,0 +1,217 @@
+"""`moeswap init-tiny`: small random models in the exact published checkpoint layout.
+
+K3: multimodal wrapper config with `text_config` and compressed-tensors quantization_config,
+`language_model.` prefix, MXFP4 routed experts (`weight_packed`/`weight_scale`), A_log zero-padded;
+Kimi Linear: flat config, bf16 per-expert `w{1,2,3}.weight`. Always >= 2 shards with an index and a
+tokenizer. Deterministic by seed: every tensor is drawn from a generator seeded by (seed, its name).
+Entry point: `write_tiny_model(out_dir, arch, size, seed)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from moeswap.config import parse_config
+from moeswap.formats import mxfp4
+from moeswap.models import build_model
+
+SIZES = {
+    # tests: every feature on, seconds to write
+    "tiny": dict(hidden=64, layers=6, vocab=512, heads=2, head_dim=32, kv_lora=32, q_lora=32, nope=16, rope=8,
+                 experts=16, top_k=4, expert_dim=64, latent=32, dense=128, res_block=2),
+    # `make demo`: a few tens of MB
+    "small": dict(hidden=256, layers=8, vocab=2048, heads=4, head_dim=32, kv_lora=64, q_lora=64, nope=32, rope=16,
+                  experts=64, top_k=8, expert_dim=256, latent=128, dense=512, res_block=4),
+    # benchmarks and memory checks: ~1.2 GB of MXFP4 experts
+    "bench": dict(hidden=1024, layers=12, vocab=4096, heads=8, head_dim=64, kv_lora=128, q_lora=256, nope=64, rope=32,
+                  experts=384, top_k=8, expert_dim=1024, latent=512, dense=2048, res_block=4),
+}
+ARCHES = ("kimi_k3", "kimi_linear")
+
+
+def tiny_config(arch: str, size: str) -> dict:
+    """config.json content in the layout the real model ships."""
+    s = SIZES[size]
+    n = s["layers"]
+    mla_layers = [i + 1 for i in range(n) if i % 4 == 3 or i == n - 1]  # 1-based, last layer MLA like K3
+    kda_layers = [i + 1 for i in range(n) if i + 1 not in mla_layers]
+    text = {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "hidden_size": s["hidden"], "num_hidden_layers": n, "vocab_size": s["vocab"],
+        "intermediate_size": s["dense"], "moe_intermediate_size": s["expert_dim"],
+        "num_attention_heads": s["heads"], "num_key_value_heads": s["heads"],
+        "kv_lora_rank": s["kv_lora"], "qk_nope_head_dim": s["nope"], "qk_rope_head_dim": s["rope"],
+        "v_head_dim": s["nope"], "mla_use_nope": True,
+        "linear_attn_config": {"kda_layers": kda_layers, "full_attn_layers": mla_layers, "num_heads": s["heads"],
+                               "head_dim": s["head_dim"], "short_conv_kernel_size": 4},
+        "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "num_experts": s["experts"], "num_experts_per_token": s["top_k"],
+        "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "num_expert_group": 1, "topk_group": 1,
+        "moe_renormalize": True, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "max_position_embeddings": 1048576, "dtype": "bfloat16",
+    }
+    if arch == "kimi_linear":
+        text.update(hidden_act="silu", num_shared_experts=1, q_lora_rank=None, routed_scaling_factor=2.446)
+        return text
+    text.update(
+        hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0, num_shared_experts=2,
+        q_lora_rank=s["q_lora"], mla_use_output_gate=True, routed_expert_hidden_size=s["latent"],
+        latent_moe_use_norm=True, routed_scaling_factor=1.0, attn_res_block_size=s["res_block"],
+        quantization_config=_k3_quantization_config(),
+    )
+    text["linear_attn_config"].update(gate_lower_bound=-5.0, use_full_rank_gate=True)
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
+            "tie_word_embeddings": False}
+
+
+def _k3_quantization_config() -> dict:
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+               "dynamic": False, "observer": "minmax", "scale_dtype": "torch.uint8", "actorder": None,
+               "block_structure": None, "observer_kwargs": {}, "zp_dtype": None}
+    return {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"], "weights": weights,
+                                      "input_activations": None, "output_activations": None}},
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+        "kv_cache_scheme": None, "global_compression_ratio": None,
+    }
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def _init_dense(name: str, shape: tuple[int, ...], gen: torch.Generator, num_heads: int) -> torch.Tensor:
+    """Initial values that keep a random model numerically tame (norms 1, small projections)."""
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+    if name.endswith("dt_bias"):
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if name.endswith("e_score_correction_bias"):
+        return torch.randn(shape, generator=gen) * 0.01
+    if "norm" in leaf or leaf.endswith("res_proj"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if "conv1d" in leaf:
+        return torch.randn(shape, generator=gen) * 0.3
+    return torch.randn(shape, generator=gen) * (0.5 / math.sqrt(shape[-1]))
+
+
+def tensors_for(arch: str, size: str, seed: int):
+    """Yields (checkpoint name, tensor) in layer order, the routed experts of a layer together."""
+    raw = tiny_config(arch, size)
+    cfg = parse_config(raw)
+    prefix = cfg.weight_prefix
+    model = build_model(cfg, device="meta")
+    for name, param in model.named_parameters():
+        gen = _generator(seed, name)
+        value = _init_dense(name, tuple(param.shape), gen, cfg.kda.num_heads)
+        if name.endswith("self_attn.A_log"):
+            value = _a_log_layout(arch, value, cfg.kda.head_dim)
+        keep_fp32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight"))
+        yield prefix + name, value.to(torch.float32 if keep_fp32 else torch.bfloat16)
+    n_in = cfg.moe.latent_dim or cfg.hidden_size
+    shapes = {"w1": (cfg.moe.expert_dim, n_in), "w3": (cfg.moe.expert_dim, n_in), "w2": (n_in, cfg.moe.expert_dim)}
+    for layer in (i for i, k in enumerate(cfg.mlp_kinds) if k == "moe"):
+        for e in range(cfg.moe.num_experts):
+            for proj, shape in shapes.items():
+                name = f"{prefix}model.layers.{layer}.block_sparse_moe.experts.{e}.{proj}"
+                w = torch.randn(shape, generator=_generator(seed, name)) * (1.0 / math.sqrt(shape[1]))
+                if cfg.quant is not None:
+                    packed, scale = mxfp4.encode(w, mode="even")
+                    yield name + ".weight_packed", packed
+                    yield name + ".weight_scale", scale
+                else:
+                    yield name + ".weight", w.to(torch.bfloat16)
+
+
+def _a_log_layout(arch: str, a_log_H: torch.Tensor, head_dim: int) -> torch.Tensor:
+    if arch == "kimi_k3":  # K3 ships [128] zero-padded; mimic with padding to max(H, head_dim)
+        out = torch.zeros(max(a_log_H.numel(), head_dim))
+        out[: a_log_H.numel()] = a_log_H
+        return out
+    return a_log_H.reshape(1, 1, -1, 1)  # transformers' Kimi Linear layout
+
+
+def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "tiny", seed: int = 0,
+                     shard_bytes: int | None = None, progress: bool = False) -> Path:
+    """Writes the model atomically: into a temporary sibling directory, renamed at the end."""
+    if arch not in ARCHES:
+        raise ValueError(f"--arch {arch!r}: expected one of {', '.join(ARCHES)}")
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose another directory or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write(tmp, arch, size, seed, shard_bytes, progress)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, progress: bool) -> None:
+    from moeswap.engine.tokenizer import build_tiny_tokenizer
+
+    config = tiny_config(arch, size)
+    text = config.get("text_config", config)
+    build_tiny_tokenizer(out, text["vocab_size"])
+    eos, bos, pad = _special_ids(out)
+    for c in (config, text):
+        c.update(eos_token_id=eos, bos_token_id=bos, pad_token_id=pad)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
+
+    items = list(tqdm(tensors_for(arch, size, seed), desc="making tensors", unit=" tensors", disable=not progress))
+    total = sum(t.numel() * t.element_size() for _, t in items)
+    shard_bytes = shard_bytes or max(1, total // 3)
+    shards, current, current_bytes = [], {}, 0
+    for name, tensor in items:
+        current[name] = tensor.contiguous()
+        current_bytes += tensor.numel() * tensor.element_size()
+        if current_bytes >= shard_bytes:
+            shards.append(current)
+            current, current_bytes = {}, 0
+    if current:
+        shards.append(current)
+    if len(shards) == 1:  # the published layout is sharded: always write at least two
+        names = list(shards[0])
+        half = len(names) // 2
+        shards = [{n: shards[0][n] for n in names[:half]}, {n: shards[0][n] for n in names[half:]}]
+    weight_map, total_size = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = file
+            total_size += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _special_ids(out: Path) -> tuple[int, int, int]:
+    from moeswap.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(out)
+    eos = tok.eos_ids[0]
+    bos = tok.bos_id if tok.bos_id is not None else eos
+    return eos, bos, tok.vocab_size - 1
