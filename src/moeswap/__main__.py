@@ -1,0 +1,5 @@
+import sys
+
+from moeswap.cli import main
+
+sys.exit(main())

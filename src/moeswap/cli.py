@@ -1,0 +1,163 @@
+"""The `moeswap` command: one thin dispatcher over the subsystems.
+
+Each subcommand parses its flags, calls one library entry point and prints the result. User errors
+(bad files, configs, flags, prompts) print one line `moeswap: error: ...` and exit 2 without a
+traceback unless --debug is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MB', '1e9', '0' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1e9)")
+    try:
+        return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1e9)") from None
+
+
+def _add_load_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"),
+                   help="bytes of decoded routed experts kept between steps (default 1GiB)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeswap", description="Run, swap, serve, fine-tune and plan Kimi K3-class MoE models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("init-tiny", help="write a small random model in the published K3 / Kimi Linear layout")
+    p.add_argument("out", help="output directory (must not exist or be empty)")
+    p.add_argument("--arch", default="kimi_k3", choices=("kimi_k3", "kimi_linear"))
+    p.add_argument("--size", default="tiny", choices=("tiny", "small", "bench"),
+                   help="tiny: tests; small: demo (~30 MB); bench: ~1.2 GB of MXFP4 experts")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("generate", help="generate text from a model directory")
+    p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--stats", action="store_true", help="print timing and expert-store statistics")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_load_flags(p)
+
+    p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true")
+
+    try:
+        from moeswap.planner.cli import add_parser as add_plan_parser
+    except ImportError:
+        add_plan_parser = None
+    if add_plan_parser is not None:
+        add_plan_parser(sub)
+    return parser
+
+
+def cmd_init_tiny(args) -> int:
+    from moeswap.tiny import write_tiny_model
+
+    t0 = time.perf_counter()
+    out = write_tiny_model(args.out, args.arch, args.size, args.seed, progress=args.size != "tiny")
+    print(f"wrote {args.arch} ({args.size}, seed {args.seed}) to {out} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.engine.sampling import SamplingParams
+    from moeswap.engine.tokenizer import StreamDecoder, load_tokenizer
+    from moeswap.models.loader import LoadOptions, load_model
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    t0 = time.perf_counter()
+    model, store = load_model(args.model, LoadOptions(args.dtype, args.device, args.expert_memory))
+    tok = load_tokenizer(args.model)
+    load_s = time.perf_counter() - t0
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    ids = tok.encode(text, add_bos=False)
+    cfg = GenerationConfig(
+        max_tokens=args.max_tokens, seed=args.seed,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+        stop_ids=() if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids),
+    )
+    stream = StreamDecoder(tok)
+    on_token = None
+    if not args.json:
+        print(args.prompt if not args.chat else "", end="", flush=True)
+        on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
+    result = generate(model, ids, cfg, on_token=on_token)
+    stats = {
+        "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
+        "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
+        "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        "expert_store": store.stats.as_dict(),
+    }
+    if args.json:
+        print(json.dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
+        return 0
+    print(stream.flush())
+    print(f"\n[{stats['completion_tokens']} tokens, finish: {stats['finish_reason']}, "
+          f"time to first token {stats['ttft_ms']:.1f} ms, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
+          file=sys.stderr)
+    if args.stats:
+        s = store.stats
+        print(f"[load {load_s:.2f}s; experts: {s.hits} hits, {s.misses} misses ({s.as_dict()['hit_rate']:.0%} hit rate), "
+              f"{s.bytes_read / 1e6:.1f} MB read, {s.load_seconds * 1e3:.0f} ms loading]", file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from moeswap.summary import format_summary, summarize
+
+    s = summarize(args.model)
+    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    return 0
+
+
+COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = COMMANDS.get(args.command)
+    if handler is None:  # subcommands added by their own packages (plan)
+        from moeswap.planner.cli import run as handler
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print("\nmoeswap: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        print(f"moeswap: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
