@@ -26,8 +26,15 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1e9)")
     try:
         return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: '1e999' is float inf
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1e9)") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as one line, like every other user error (argparse would print the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"moeswap: error: {message}; see `{self.prog} --help`\n")
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
@@ -38,7 +45,7 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeswap", description="Run, swap, serve, fine-tune and plan Kimi K3-class MoE models.")
+    parser = _Parser(prog="moeswap", description="Run, swap, serve, fine-tune and plan Kimi K3-class MoE models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -67,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("bench", help="measurements (JSON + markdown)")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    b = bench.add_parser("memory", help="peak resident memory while generating vs dense weights + experts kept")
+    b.add_argument("model")
+    b.add_argument("--prompt-tokens", type=int, default=64)
+    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"))
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
+
     try:
         from moeswap.planner.cli import add_parser as add_plan_parser
     except ImportError:
@@ -93,6 +110,7 @@ def cmd_generate(args) -> int:
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    _check_device(args.device)
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions(args.dtype, args.device, args.expert_memory))
     tok = load_tokenizer(args.model)
@@ -130,6 +148,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device {name!r} is not a torch device ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: no CUDA device is available here (use --device cpu)")
+
+
 def cmd_inspect(args) -> int:
     from moeswap.summary import format_summary, summarize
 
@@ -138,7 +167,18 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect}
+def cmd_bench(args) -> int:
+    from moeswap.bench import memory
+
+    result = memory.run(args.model, args.prompt_tokens, args.max_tokens, args.expert_memory, args.dtype)
+    print(memory.format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

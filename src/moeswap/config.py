@@ -141,7 +141,7 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{file}: no config.json found (expected a model directory or a config.json path)")
     try:
         raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     return parse_config(raw, source=str(file))
 
@@ -155,7 +155,9 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: field 'text_config' must be an object")
     model_type = raw.get("model_type", text.get("model_type"))
-    arch = _detect_arch(model_type, archs + tuple(text.get("architectures") or ()), text, source)
+    if wrapped:
+        archs += tuple(text.get("architectures") or ())
+    arch = _detect_arch(model_type, archs, text, source)
     g = _Getter(text, source)
 
     num_layers = g.int("num_hidden_layers")
@@ -263,9 +265,9 @@ def _attn_kinds(text: dict, n: int, source: str) -> tuple[str, ...]:
         kinds: list[str | None] = [None] * n
         for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
             for one_based in lin[key]:
-                if not (1 <= int(one_based) <= n):
+                if not (isinstance(one_based, int) and not isinstance(one_based, bool) and 1 <= one_based <= n):
                     raise ConfigError(
-                        f"{source}: linear_attn_config.{key} lists layer {one_based}, outside 1..{n} (1-based)"
+                        f"{source}: linear_attn_config.{key} lists layer {one_based!r}, not an integer in 1..{n} (1-based)"
                     )
                 if kinds[one_based - 1] is not None:
                     raise ConfigError(f"{source}: layer {one_based} (1-based) is listed as both KDA and MLA")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -34,7 +35,7 @@ SIZES = {
                   experts=64, top_k=8, expert_dim=256, latent=128, dense=512, res_block=4),
     # benchmarks and memory checks: ~1.2 GB of MXFP4 experts
     "bench": dict(hidden=1024, layers=12, vocab=4096, heads=8, head_dim=64, kv_lora=128, q_lora=256, nope=64, rope=32,
-                  experts=384, top_k=8, expert_dim=1024, latent=512, dense=2048, res_block=4),
+                  experts=128, top_k=8, expert_dim=1024, latent=512, dense=2048, res_block=4),
 }
 ARCHES = ("kimi_k3", "kimi_linear")
 
@@ -105,6 +106,8 @@ def _init_dense(name: str, shape: tuple[int, ...], gen: torch.Generator, num_hea
         return torch.randn(shape, generator=gen) * 0.01
     if "norm" in leaf or leaf.endswith("res_proj"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("block_sparse_moe.gate.weight"):  # decisive routing: few near-ties between experts
+        return torch.randn(shape, generator=gen) * (4.0 / math.sqrt(shape[-1]))
     if "conv1d" in leaf:
         return torch.randn(shape, generator=gen) * 0.3
     return torch.randn(shape, generator=gen) * (0.5 / math.sqrt(shape[-1]))
@@ -129,13 +132,24 @@ def tensors_for(arch: str, size: str, seed: int):
         for e in range(cfg.moe.num_experts):
             for proj, shape in shapes.items():
                 name = f"{prefix}model.layers.{layer}.block_sparse_moe.experts.{e}.{proj}"
-                w = torch.randn(shape, generator=_generator(seed, name)) * (1.0 / math.sqrt(shape[1]))
+                gen = _generator(seed, name)
                 if cfg.quant is not None:
-                    packed, scale = mxfp4.encode(w, mode="even")
+                    packed, scale = _random_mxfp4(shape, gen)
                     yield name + ".weight_packed", packed
                     yield name + ".weight_scale", scale
                 else:
-                    yield name + ".weight", w.to(torch.bfloat16)
+                    yield name + ".weight", (torch.randn(shape, generator=gen) / math.sqrt(shape[1])).to(torch.bfloat16)
+
+
+def _random_mxfp4(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random E2M1 codes with block scales giving weights of std ~ 1/sqrt(fan_in). Drawing codes
+    directly (not encoding random floats) keeps `--size bench` to seconds instead of many minutes."""
+    out_dim, in_dim = shape
+    packed = torch.randint(0, 256, (out_dim, in_dim // 2), dtype=torch.uint8, generator=gen)
+    code_rms = math.sqrt(sum(v * v for v in mxfp4.E2M1_VALUES) / len(mxfp4.E2M1_VALUES))
+    exponent = round(math.log2(1.0 / (math.sqrt(in_dim) * code_rms)))
+    jitter = torch.randint(-1, 2, (out_dim, in_dim // 32), generator=gen)
+    return packed, (127 + exponent + jitter).to(torch.uint8)
 
 
 def _a_log_layout(arch: str, a_log_H: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -154,12 +168,17 @@ def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "ti
     if size not in SIZES:
         raise ValueError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose another directory")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose another directory or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         _write(tmp, arch, size, seed, shard_bytes, progress)
+        for file in tmp.iterdir():  # mkdtemp and safetensors create owner-only files
+            file.chmod(0o644)
+        tmp.chmod(0o755)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -184,19 +203,31 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
     items = list(tqdm(tensors_for(arch, size, seed), desc="making tensors", unit=" tensors", disable=not progress))
     total = sum(t.numel() * t.element_size() for _, t in items)
     shard_bytes = shard_bytes or max(1, total // 3)
-    shards, current, current_bytes = [], {}, 0
+    # Shards are cut only between units: one dense tensor, or all tensors of one routed expert (the
+    # published files never split an expert across shards).
+    units: list[list[tuple[str, torch.Tensor]]] = []
+    last_expert = None
     for name, tensor in items:
-        current[name] = tensor.contiguous()
-        current_bytes += tensor.numel() * tensor.element_size()
+        m = _EXPERT_KEY.match(name)
+        expert = m[1] if m else None
+        if expert is not None and expert == last_expert:
+            units[-1].append((name, tensor))
+        else:
+            units.append([(name, tensor)])
+        last_expert = expert
+    groups, current, current_bytes = [], [], 0
+    for unit in units:
+        current.append(unit)
+        current_bytes += sum(t.numel() * t.element_size() for _, t in unit)
         if current_bytes >= shard_bytes:
-            shards.append(current)
-            current, current_bytes = {}, 0
+            groups.append(current)
+            current, current_bytes = [], 0
     if current:
-        shards.append(current)
-    if len(shards) == 1:  # the published layout is sharded: always write at least two
-        names = list(shards[0])
-        half = len(names) // 2
-        shards = [{n: shards[0][n] for n in names[:half]}, {n: shards[0][n] for n in names[half:]}]
+        groups.append(current)
+    if len(groups) == 1:  # the published layout is sharded: always write at least two
+        half = len(units) // 2
+        groups = [units[:half], units[half:]]
+    shards = [{name: t.contiguous() for unit in group for name, t in unit} for group in groups]
     weight_map, total_size = {}, 0
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -206,6 +237,9 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
             total_size += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+_EXPERT_KEY = re.compile(r"(.*\.experts\.\d+)\.")
 
 
 def _special_ids(out: Path) -> tuple[int, int, int]:

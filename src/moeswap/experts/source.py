@@ -35,6 +35,11 @@ class ExpertIndex:
         if stray:
             raise CheckpointError(f"checkpoint has routed-expert tensors for layer {stray[0]}, "
                                   f"which config.json says is not an MoE layer")
+        extra = sorted(key for key in self.entries if key[1] >= cfg.moe.num_experts)
+        if extra:
+            layer, e = extra[0]
+            raise CheckpointError(f"checkpoint has routed-expert tensors for layer {layer} expert {e} (and "
+                                  f"{len(extra) - 1} more), but config.json says num_experts={cfg.moe.num_experts}")
         n_in = cfg.moe.latent_dim or cfg.hidden_size
         f = cfg.moe.expert_dim
         logical = {"w1": (f, n_in), "w3": (f, n_in), "w2": (n_in, f)}
@@ -80,8 +85,9 @@ def _expect(info, shape, dtype, what: str) -> None:
 
 
 def load_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int, dtype: torch.dtype,
-                device: torch.device | str = "cpu", use_mmap: bool = True) -> ExpertWeights:
-    """Read and decode one expert. use_mmap=False reads the exact byte ranges (disk tier)."""
+                device: torch.device | str = "cpu", use_mmap: bool = False) -> ExpertWeights:
+    """Read and decode one expert. By default it reads exactly the expert's byte ranges (pread), so
+    touched pages are not mapped into the process; use_mmap=True serves them from the memory map."""
     read = ckpt.get if use_mmap else ckpt.read
     mats = {}
     for proj, kinds in index.names(layer, expert).items():

@@ -7,6 +7,8 @@ This is the single-tier base of the swap core (tiers, policies and prefetch buil
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, asdict
@@ -33,9 +35,23 @@ class StoreStats:
         return d
 
 
+def return_large_frees_to_os(threshold: int = 1 << 20) -> None:
+    """Serve allocations >= threshold with mmap so freeing them returns memory to the OS.
+
+    Decoded experts come and go in MB-sized blocks; glibc's default (a threshold that grows up to
+    32 MiB) keeps them in the heap, which measured ~500 MB above budget on a 1.2 GB-expert model.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
+        except (OSError, AttributeError):
+            pass  # not glibc: nothing to tune
+
+
 class CheckpointExpertStore:
     def __init__(self, ckpt: Checkpoint, index: ExpertIndex, dtype: torch.dtype, device="cpu",
                  capacity_bytes: int = 1 << 30):
+        return_large_frees_to_os()
         self.ckpt, self.index, self.dtype, self.device = ckpt, index, dtype, device
         self.capacity_bytes = capacity_bytes
         self.cache: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()

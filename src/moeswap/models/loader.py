@@ -1,9 +1,9 @@
 """The one loader: config.json + safetensors -> model with dense weights, routed experts in a store.
 
 Builds the model on `meta`, classifies every checkpoint tensor through the architecture's
-CHECKPOINT_MAP, fills parameters from the memory map (zero-copy when dtype and device already
-match), indexes routed experts for the store, and fails on any unmapped, missing, misshapen or
-wrongly typed tensor. Entry point: `load_model(path, LoadOptions)`.
+CHECKPOINT_MAP, fills each parameter from exactly its byte range (pread into owned memory, so the
+process holds the dense weights once and maps nothing), indexes routed experts for the store, and
+fails on any unmapped, missing, misshapen or wrongly typed tensor. Entry point: `load_model(path, LoadOptions)`.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         info = ckpt.info(name)
         if not info.dtype.is_floating_point:
             raise CheckpointError(f"{name} in {info.file.name}: expected a float tensor, found {info.dtype}")
-        tensor = arch.sanitize(target, ckpt.get(name), config)
+        tensor = arch.sanitize(target, ckpt.read(name), config)
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name} in {info.file.name}: expected shape {list(param.shape)} from config.json, "
@@ -105,6 +105,4 @@ def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch
     # Keep fp32 where the reference computes in fp32 (router bias, gate constants); the rest in `dtype`.
     keep_fp32 = attr in ("A_log", "dt_bias", "e_score_correction_bias")
     value = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
-    if value.data_ptr() == tensor.data_ptr():
-        value = value.clone()  # the map is read-only; own the memory (cheap next to the model)
     owner._parameters[attr] = nn.Parameter(value, requires_grad=False)

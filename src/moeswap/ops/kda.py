@@ -56,10 +56,12 @@ def kda_chunked(
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
-        G_BHCK = g[:, :, start:end].cumsum(dim=2)
+        # G in fp64: differences of large nearly equal fp32 sums would lose |G| * 2^-24
+        G64_BHCK = g[:, :, start:end].double().cumsum(dim=2)
+        G_BHCK = G64_BHCK.float()
         C = end - start
         causal_CC = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-        diff_BHCCK = G_BHCK.unsqueeze(3) - G_BHCK.unsqueeze(2)  # [t, s] = G_t - G_s
+        diff_BHCCK = (G64_BHCK.unsqueeze(3) - G64_BHCK.unsqueeze(2)).float()  # [t, s] = G_t - G_s
         decay_BHCCK = torch.where(causal_CC[..., None], diff_BHCCK, float("-inf")).exp()
         kk_BHCC = torch.einsum("bhtk,bhsk,bhtsk->bhts", kc, kc, decay_BHCCK)
         qk_BHCC = torch.einsum("bhtk,bhsk,bhtsk->bhts", qc, kc, decay_BHCCK)
@@ -70,6 +72,6 @@ def kda_chunked(
         u_BHCV = torch.linalg.solve_triangular(eye + A_BHCC, rhs_BHCV, upper=False, unitriangular=True)
         outs.append((qc * G_BHCK.exp()) @ S + qk_BHCC @ u_BHCV)
         # carry the state to the end of the chunk: every exponent G_C - G_s <= 0
-        to_end_BHCK = (G_BHCK[:, :, -1:] - G_BHCK).exp()
+        to_end_BHCK = (G64_BHCK[:, :, -1:] - G64_BHCK).float().exp()
         S = S * G_BHCK[:, :, -1].exp().unsqueeze(-1) + (kc * to_end_BHCK).transpose(-1, -2) @ u_BHCV
     return torch.cat(outs, dim=2).transpose(1, 2), S

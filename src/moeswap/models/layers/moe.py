@@ -90,10 +90,12 @@ class MoE(nn.Module):
         unique_ids, counts = flat_ids[order].unique_consecutive(return_counts=True)
         token_of = order // ids_TK.shape[1]  # token index of each sorted (token, slot) pair
         weights = w_TK.flatten()[order]
-        experts = self.store.fetch(self.layer_idx, unique_ids.tolist())
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         start = 0
-        for expert, n in zip(experts, counts.tolist()):
+        # One expert at a time: a prefill step may route to every expert of the layer, and holding
+        # them all decoded at once would defeat the store's memory budget.
+        for expert_id, n in zip(unique_ids.tolist(), counts.tolist()):
+            expert = self.store.fetch(self.layer_idx, [expert_id])[0]
             rows = token_of[start : start + n]
             y = expert(h_TI[rows], self.act, self.situ_betas)
             out_TI.index_add_(0, rows, y.float() * weights[start : start + n, None])

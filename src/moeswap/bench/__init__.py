@@ -1,0 +1,1 @@
+"""`moeswap bench ...`: measurements that write JSON + markdown, never timed tests."""

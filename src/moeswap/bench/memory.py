@@ -1,0 +1,72 @@
+"""`moeswap bench memory`: peak resident memory while generating, against what must be resident.
+
+Runs in a fresh process so the peak (ru_maxrss) belongs to this measurement alone, and reports it
+next to its parts: the process before loading (Python + torch), the dense weights as loaded, and
+the decoded experts the run actually touched (capped by --expert-memory).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: int, dtype: str) -> dict:
+    """Runs inside the child process."""
+    import torch
+
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.models.loader import LoadOptions, load_model
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    base = _rss_bytes()
+    model, store = load_model(model_dir, LoadOptions(dtype=dtype, expert_memory=expert_memory))
+    after_load = _rss_bytes()
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    result = generate(model, ids.tolist(), GenerationConfig(max_tokens=max_tokens, stop_ids=()))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    touched = store.stats.misses  # every miss decoded one expert
+    per_expert = next(iter(store.cache.values())).nbytes if store.cache else 0
+    return {
+        "model": model_dir, "dtype": str(next(model.parameters()).dtype), "prompt_tokens": prompt_tokens,
+        "generated": len(result.tokens), "expert_memory": expert_memory,
+        "expert_bytes_in_checkpoint": sum(store.index.stored_bytes(store.ckpt, *k) for k in store.index.entries),
+        "rss_before_load": base, "rss_after_load": after_load, "peak_rss": peak,
+        "dense_weight_bytes": dense, "decoded_expert_bytes": per_expert,
+        "expert_loads": touched, "experts_resident_at_end": len(store.cache),
+        "expert_cache_bytes_at_end": store.cached_bytes,
+        "overhead": peak - base - dense - store.cached_bytes,
+    }
+
+
+def run(model_dir: str, prompt_tokens: int = 64, max_tokens: int = 32, expert_memory: int = 1 << 30,
+        dtype: str = "auto") -> dict:
+    code = ("import json,sys; from moeswap.bench.memory import measure; "
+            f"print(json.dumps(measure({model_dir!r}, {prompt_tokens}, {max_tokens}, {expert_memory}, {dtype!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory benchmark failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def format_report(r: dict) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    rows = [
+        ("routed experts in the checkpoint (MXFP4)", mib(r["expert_bytes_in_checkpoint"])),
+        ("process before loading (Python + torch)", mib(r["rss_before_load"])),
+        (f"dense weights as loaded ({r['dtype']})", mib(r["dense_weight_bytes"])),
+        (f"decoded experts kept at the end ({r['experts_resident_at_end']} of {r['expert_loads']} loaded; "
+         f"budget {mib(r['expert_memory'])})", mib(r["expert_cache_bytes_at_end"])),
+        ("peak resident memory", mib(r["peak_rss"])),
+        ("overhead = peak - before - dense - kept experts", mib(r["overhead"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"| {k:<{width}} | {v:>14} |" for k, v in rows)

@@ -1,0 +1,11 @@
+"""moeswap planner: memory, layout and speed of a MoE model on given hardware, before buying or running it.
+
+Python API: `plan(PlanRequest(model=..., hardware=..., devices=..., workload="serve"|"lora"))`;
+CLI: `moeswap plan ...` (cli.py). Depends only on moeswap.config; no weights, no accelerator needed.
+"""
+
+from .errors import PlanError
+from .plan import PlanRequest, PlanResult, plan
+from .workload import Lora, Offload, Precision, Serve
+
+__all__ = ["PlanError", "PlanRequest", "PlanResult", "plan", "Lora", "Offload", "Precision", "Serve"]

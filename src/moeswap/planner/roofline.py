@@ -1,0 +1,259 @@
+"""Roofline time model: seconds per layer and per pipeline stage for one forward pass of a batch.
+
+Each op costs max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth); ops add up, plus a
+fixed time per kernel, alpha-beta collectives (TP all-reduce, EP all-to-all, PP send) and expert
+swap traffic. Achievable rates come from the engine profile. Knows nothing of serving or training
+schedules (serving.py, lora.py). Entry point: `stage_cost`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .hardware import Hardware
+from .layouts import Layout
+from .params import Linear, ModelParams
+from .workload import BYTES, Precision, bytes_per_param
+
+CATEGORIES = ("gemm", "experts", "attention", "elementwise", "comm", "overhead", "swap", "host")
+
+
+@dataclass
+class Cost:
+    """Seconds by category; `total` is their sum."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, cat: str, seconds: float) -> None:
+        self.parts[cat] = self.parts.get(cat, 0.0) + seconds
+
+    def merge(self, other: "Cost", scale: float = 1.0) -> None:
+        for k, v in other.parts.items():
+            self.add(k, v * scale)
+
+    def scaled(self, factors: dict[str, float]) -> "Cost":
+        return Cost({k: v * factors.get(k, 1.0) for k, v in self.parts.items()})
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One batch through one stage: `tokens` over the whole stage, `ctx` tokens attended per token (mean)."""
+
+    tokens: float
+    ctx: float
+    decode: bool  # one new token per sequence (KDA recurrent step, absorbed MLA over the cache)
+    logits: float = 0.0  # tokens that need lm_head on the last stage (per DP rank)
+    rank_tokens: float | None = None  # tokens on the busiest DP rank; default tokens / dp
+
+    def per_rank(self, dp: int) -> float:
+        return self.tokens / dp if self.rank_tokens is None else self.rank_tokens
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a stage's experts are and how often a touched expert is already in HBM."""
+
+    hit_rate: float = 1.0
+    host_fraction: float = 1.0  # of misses, the share served from host RAM (rest from NVMe)
+    compute: str = "swap"  # "swap": copy misses into HBM; "host": run misses on the host CPU
+    swap_overlap: float = 0.0
+    touched: tuple[float, ...] | None = None  # per-layer expert popularity from a trace (sums to 1)
+
+
+def touched_fraction(tokens: float, top_k: int, num_experts: int, popularity: tuple[float, ...] | None = None) -> float:
+    """Expected fraction of a layer's experts that `tokens` tokens touch (independent top-k draws)."""
+    if tokens <= 0:
+        return 0.0
+    if popularity:
+        draws = tokens * top_k
+        return sum(1 - (1 - p) ** draws for p in popularity) / len(popularity)
+    return 1 - (1 - top_k / num_experts) ** tokens
+
+
+def collective(hw: Hardware, group: int, bytes_per_device: float) -> float:
+    link = hw.link_for(group)
+    if link is None:
+        return 0.0
+    return link.latency_us * 1e-6 + bytes_per_device / (link.gbs * 1e9 * hw.engine.link_efficiency)
+
+
+def all_reduce(hw: Hardware, group: int, size: float) -> float:
+    return 0.0 if group <= 1 else collective(hw, group, 2 * (group - 1) / group * size)
+
+
+def gemm_efficiency(hw: Hardware, m: float, n: float) -> float:
+    eng = hw.engine
+    return eng.gemm_efficiency * m / (m + eng.gemm_half_m) * n / (n + eng.gemm_half_n)
+
+
+def _roof(cost: Cost, cat: str, flops: float, flop_rate: float, nbytes: float, byte_rate: float) -> float:
+    t = max(flops / flop_rate if flops else 0.0, nbytes / byte_rate if nbytes else 0.0)
+    cost.add(cat, t)
+    return t
+
+
+class _Ctx:
+    """Per-stage constants shared by every layer (rates, precisions, layout)."""
+
+    def __init__(self, mp: ModelParams, lay: Layout, hw: Hardware, prec: Precision, pl: Placement):
+        prec = prec.for_model(mp.cfg)
+        self.mp, self.cfg, self.lay, self.hw, self.prec, self.pl = mp, mp.cfg, lay, hw, prec, pl
+        eng = hw.engine
+        self.bw = hw.mem_bw() * eng.mem_efficiency
+        self.f16 = hw.flops("bf16")
+        self.dense_b = bytes_per_param(prec.dense)
+        self.f_dense = hw.flops("fp8") if prec.dense in ("fp8", "mxfp8") else self.f16
+        self.exp_b = mp.expert_params * bytes_per_param(prec.experts)
+
+
+def _linear(cx: _Ctx, cost: Cost, l: Linear, tokens: float) -> float:
+    tp = cx.lay.tp
+    share = 1.0 if l.split == "rep" else 1.0 / tp
+    n = l.out_dim / tp if l.split == "col" else l.out_dim
+    params = l.params * share
+    eff = gemm_efficiency(cx.hw, tokens, n)
+    act = tokens * (l.in_dim * (share if l.split == "row" else 1) + n) * 2
+    return _roof(cost, "gemm", 2 * tokens * params, cx.f_dense * eff, params * cx.dense_b + act, cx.bw)
+
+
+def _attention_core(cx: _Ctx, cost: Cost, kind: str, tokens: float, p: Pass) -> None:
+    cfg, lay = cx.cfg, cx.lay
+    rate = cx.f16 * cx.hw.engine.attn_efficiency
+    if kind == "kda":
+        h, dh = cfg.kda.num_heads / lay.tp, cfg.kda.head_dim
+        if p.decode:  # decay, S^T k, rank-1 update, S^T q on an fp32 D x D state per head
+            _roof(cost, "attention", tokens * h * 8 * dh * dh, rate, tokens * h * dh * dh * 4 * 2, cx.bw)
+        else:  # chunked (WY) form, chunks of 64: intra-chunk attention + state passes
+            flops = tokens * h * 2 * (3 * 64 * dh + 3 * dh * dh)
+            _roof(cost, "attention", flops, rate, tokens * h * dh * 2 * 6, cx.bw)
+        return
+    m = cfg.mla
+    if p.decode:  # absorbed: scores and values against the latent cache
+        ctx = p.ctx / lay.tp if lay.dcp else p.ctx
+        heads = m.num_heads if lay.dcp else m.num_heads / lay.tp
+        width = m.kv_lora_rank + m.qk_rope_head_dim
+        flops = tokens * 2 * heads * (width + m.kv_lora_rank) * ctx
+        _roof(cost, "attention", flops, rate, tokens * ctx * width * BYTES[cx.prec.kv_cache], cx.bw)
+    else:  # per-head K/V expanded from the latent, causal softmax attention
+        heads = m.num_heads / lay.tp
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        flops = tokens * heads * 2 * (qk + m.v_head_dim) * p.ctx
+        _roof(cost, "attention", flops, rate, tokens * heads * (2 * qk + 2 * m.v_head_dim) * 2, cx.bw)
+
+
+def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
+    cfg, lay, hw, prec, pl = cx.cfg, cx.lay, cx.hw, cx.prec, cx.pl
+    moe, eng = cfg.moe, hw.engine
+    pop = pl.touched[layer] if pl.touched and layer < len(pl.touched) else None
+    frac = touched_fraction(p.tokens, moe.top_k, moe.num_experts, pop)
+    touched = moe.num_experts / lay.ep * frac  # touched experts held by this device
+    eb = cx.exp_b / lay.expert_tp
+    assignments = p.tokens * moe.top_k
+    flops = 2 * assignments * cx.mp.expert_params / lay.stage_devices
+    m = assignments / max(moe.num_experts * frac, 1e-9)
+    n = moe.expert_dim / lay.expert_tp
+    eff = gemm_efficiency(hw, m, n)
+    f_rate = hw.flops(prec.expert_compute)
+    width = moe.latent_dim or cfg.hidden_size
+    # Each device handles 1/ep of the token-expert assignments, at full input width (TP splits the
+    # expert's hidden width only): gather inputs, gate/up out and back in, down out, combine.
+    act = assignments / lay.ep * (2 * width + 5 * n) * 2
+    weight_bytes = touched * eb
+    if prec.expert_kernel == "materialize":  # decode to bf16 in memory, then a plain bf16 GEMM
+        weight_bytes += touched * cx.mp.expert_params * 2 / lay.expert_tp * 2
+    elif prec.experts != "bf16" and not (prec.experts == "mxfp4" and prec.expert_compute == "fp4"):
+        eff *= eng.lowbit_gemm_efficiency  # dequantised inside the GEMM main loop
+    hit = pl.hit_rate
+    on_device = 1.0 if pl.compute == "swap" else hit
+    t_dev = _roof(cost, "experts", flops * on_device, f_rate * eff, (weight_bytes + act) * on_device, cx.bw)
+    misses = touched * (1 - hit) * cx.exp_b / lay.expert_tp
+    if misses <= 0:
+        return
+    if pl.compute == "swap":
+        t = misses * pl.host_fraction / max(hw.host_bw_per_device(lay.devices), 1e-9)
+        if pl.host_fraction < 1:
+            t += misses * (1 - pl.host_fraction) / hw.storage_bw_per_device(lay.devices)
+        hidden = pl.swap_overlap * min(t, t_dev)
+        cost.add("swap", t - hidden)
+        return
+    # Computing misses on the host: its DRAM and cores are shared by the server's devices.
+    host = hw.host
+    share = hw.on_node(lay.devices)
+    h_bw = host.mem_bw_gbs * 1e9 * host.mem_efficiency / share
+    h_flops = (host.get("bf16_tflops") or 0) * 1e12 * eng.gemm_efficiency / share
+    t_host = max(misses / h_bw, flops * (1 - hit) / h_flops if h_flops else float("inf"))
+    link = hw.host_link.gbs * 1e9 * eng.host_link_efficiency if hw.host_link else float("inf")
+    t_host += assignments * (1 - hit) / lay.stage_devices * width * 2 * 2 / link
+    cost.add("host", max(0.0, t_host - t_dev))  # runs beside the device's share of the layer
+
+
+def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
+    cfg, lay, hw, eng = cx.cfg, cx.lay, cx.hw, cx.hw.engine
+    lp = cx.mp.layers[layer]
+    d = cfg.hidden_size
+    tokens = p.per_rank(lay.dp)  # attention and dense work is per DP rank
+    cost = Cost()
+    for l in lp.attn:
+        _linear(cx, cost, l, tokens)
+    _attention_core(cx, cost, lp.attn_kind, tokens, p)
+    for l in lp.mlp:
+        _linear(cx, cost, l, tokens)
+    if lp.num_experts:
+        _experts(cx, cost, layer, p)
+
+    # Replicated elementwise traffic: two norms (read + write), residual adds or AttnRes mixes over
+    # the block bank (each mix reads every banked source and the partial sum).
+    if cfg.attn_res_block_size:
+        sources = layer // cfg.attn_res_block_size + 2
+        passes = 4 + 2 * (sources + 1)
+    else:
+        passes = 4 + 2 * 3
+    cost.add("elementwise", tokens * d * 2 * passes / cx.bw)
+
+    ar = tokens * d * 2
+    comm = all_reduce(hw, lay.tp, ar)  # attention output
+    if lp.num_experts and lay.ep > 1:
+        width = cfg.moe.latent_dim or d
+        a2a = p.tokens / lay.stage_devices * cfg.moe.top_k * width * 2 * (lay.ep - 1) / lay.ep
+        comm += 2 * collective(hw, lay.stage_devices, a2a) + all_reduce(hw, lay.tp, ar)
+    elif lay.stage_devices > 1:
+        comm += all_reduce(hw, lay.stage_devices, p.tokens * d * 2)
+    if lp.num_experts and cfg.moe.latent_norm and lay.expert_tp > 1:
+        # K3 normalises the combined latent: TP-split experts give partial sums that must be
+        # reduced before the norm.
+        comm += all_reduce(hw, lay.expert_tp, p.tokens / lay.ep * cfg.moe.latent_dim * 2)
+    cost.add("comm", comm)
+
+    kernels = (eng.kernels_kda if lp.attn_kind == "kda" else eng.kernels_mla)
+    kernels += eng.kernels_moe if lp.num_experts else eng.kernels_dense
+    kernels += eng.kernels_attn_res if cfg.attn_res_block_size else 0
+    cost.add("overhead", kernels * eng.kernel_us * 1e-6)
+    return cost
+
+
+def stage_cost(mp: ModelParams, layers: range, stage: int, lay: Layout, hw: Hardware, prec: Precision,
+               pl: Placement, p: Pass) -> Cost:
+    """Seconds for one device of `stage` to run pass `p` through its layers (plus lm_head and the send)."""
+    cx = _Ctx(mp, lay, hw, prec, pl)
+    cfg = mp.cfg
+    total = Cost()
+    memo: dict[tuple, Cost] = {}
+    for i in layers:
+        lp = mp.layers[i]
+        bank = i // cfg.attn_res_block_size if cfg.attn_res_block_size else 0
+        key = (lp.attn_kind, lp.mlp_kind, bank, i if pl.touched else 0)
+        if key not in memo:  # layers of one kind and bank size cost the same
+            memo[key] = layer_cost(cx, i, p)
+        total.merge(memo[key])
+    if stage == lay.pp - 1 and p.logits and mp.lm_head:
+        head = Linear("lm_head", cfg.vocab_size, cfg.hidden_size, "col")
+        _linear(cx, total, head, p.logits)
+    if stage < lay.pp - 1:
+        banked = (layers.stop // cfg.attn_res_block_size + 1) if cfg.attn_res_block_size else 0
+        send = p.per_rank(lay.dp) * cfg.hidden_size * 2 * (1 + banked)
+        total.add("comm", collective(hw, lay.replica_devices, send))
+    return total

@@ -1,0 +1,271 @@
+"""The `moeswap` command: init-tiny, generate, inspect, and user errors as one line without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from moeswap.cli import main, parse_bytes
+from moeswap.config import ConfigError
+from moeswap.formats.checkpoint import INDEX_NAME
+
+
+PROMPT = "the quick brown fox"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def generate_json(capsys, model: Path, *flags: str) -> dict:
+    code, out, err = run(capsys, "generate", str(model), "--prompt", PROMPT, "--json", *flags)
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # --json prints one object and nothing else
+    return json.loads(lines[0])
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("moeswap: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+# -- init-tiny + generate --------------------------------------------------------------------------
+
+
+def test_init_tiny_then_generate(capsys, tmp_path, tiny_k3_dir):
+    out_dir = tmp_path / "m"
+    code, out, _ = run(capsys, "init-tiny", str(out_dir), "--arch", "kimi_k3", "--size", "tiny", "--seed", "0")
+    assert code == 0
+    assert out.startswith(f"wrote kimi_k3 (tiny, seed 0) to {out_dir} in ")
+    assert (out_dir / "model-00001-of-00003.safetensors").read_bytes() == \
+        (tiny_k3_dir / "model-00001-of-00003.safetensors").read_bytes()
+
+    first = generate_json(capsys, out_dir, "--max-tokens", "5", "--ignore-eos")
+    for key in ("text", "tokens", "prompt_tokens", "completion_tokens", "finish_reason", "ttft_ms",
+                "decode_tokens_per_s", "expert_store"):
+        assert key in first, key
+    assert len(first["tokens"]) == first["completion_tokens"] == 5 and first["finish_reason"] == "length"
+    assert all(isinstance(t, int) and 0 <= t < 512 for t in first["tokens"])
+    assert first["ttft_ms"] > 0 and first["decode_tokens_per_s"] > 0 and first["prompt_tokens"] > 0
+    assert first["expert_store"]["misses"] > 0
+    second = generate_json(capsys, out_dir, "--max-tokens", "5", "--ignore-eos")
+    assert second["tokens"] == first["tokens"] and second["text"] == first["text"]
+
+
+def test_init_tiny_refuses_a_non_empty_directory(capsys, tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    code, _, err = run(capsys, "init-tiny", str(tmp_path))
+    assert_one_line_error(code, err, str(tmp_path), "exists and is not empty")
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_sampling_is_seeded(capsys, tiny_k3_dir):
+    flags = ("--max-tokens", "6", "--ignore-eos", "--temperature", "1.5")
+    a = generate_json(capsys, tiny_k3_dir, *flags, "--seed", "1")
+    b = generate_json(capsys, tiny_k3_dir, *flags, "--seed", "1")
+    c = generate_json(capsys, tiny_k3_dir, *flags, "--seed", "2")
+    assert a["tokens"] == b["tokens"]
+    assert c["tokens"] != a["tokens"]  # the seed is used (fixed model, fixed seeds: not flaky)
+
+
+def test_ignore_eos(capsys, tiny_k3_dir, copy_model):
+    """Make the greedy continuation's 2nd token an eos id: generation stops there, unless --ignore-eos."""
+    greedy = generate_json(capsys, tiny_k3_dir, "--max-tokens", "6", "--ignore-eos")["tokens"]
+    assert len(greedy) == 6
+    stop_at = greedy[1]
+    model = copy_model(tiny_k3_dir)
+    gen_cfg = json.loads((model / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [gen_cfg["eos_token_id"], stop_at]
+    (model / "generation_config.json").write_text(json.dumps(gen_cfg))
+
+    stopped = generate_json(capsys, model, "--max-tokens", "6")
+    assert stopped["tokens"] == greedy[: greedy.index(stop_at) + 1]
+    assert stopped["finish_reason"] == "stop"
+    ignored = generate_json(capsys, model, "--max-tokens", "6", "--ignore-eos")
+    assert ignored["tokens"] == greedy and ignored["finish_reason"] == "length"
+    assert ignored["completion_tokens"] == 6
+
+
+def test_generate_streams_text(capsys, tiny_k3_dir):
+    code, out, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--max-tokens", "3",
+                         "--ignore-eos", "--stats")
+    assert code == 0
+    assert out.startswith(PROMPT)
+    assert "[3 tokens, finish: length" in err and "misses" in err
+
+
+# -- inspect ---------------------------------------------------------------------------------------
+
+
+def test_inspect_text(capsys, tiny_k3_dir):
+    code, out, _ = run(capsys, "inspect", str(tiny_k3_dir))
+    assert code == 0
+    assert out.startswith(f"{tiny_k3_dir}: kimi_k3, hidden 64, 6 layers")
+    for component in ("routed experts", "shared experts", "KDA attention", "MLA attention", "embedding",
+                      "lm_head", "router", "latent projections", "dense MLP", "norms and residual scores"):
+        assert component in out, component
+    assert "quantization: mxfp4-pack-quantized" in out and "mxfp4 (packed)" in out and "in 3 files" in out
+
+
+def test_inspect_json_numbers_add_up(capsys, tiny_k3_dir):
+    code, out, _ = run(capsys, "inspect", str(tiny_k3_dir), "--json")
+    assert code == 0
+    s = json.loads(out)
+    assert s["arch"] == "kimi_k3" and s["layers"] == 6 and s["quantization"] == "mxfp4-pack-quantized"
+    assert sum(s["params_by_component"].values()) == s["total_params"]
+    assert sum(s["bytes_by_component"].values()) == s["total_bytes"]
+    assert sum(s["bytes_by_precision"].values()) == s["total_bytes"]
+    assert set(s["params_by_component"]) == set(s["bytes_by_component"])
+
+    # recount from the shard headers: MXFP4 packed bytes hold 2 parameters, scales none
+    total = routed = embed = nbytes = 0
+    shards = sorted(tiny_k3_dir.glob("*.safetensors"))
+    assert s["files"] == len(shards)
+    for f in shards:
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                t = h.get_tensor(name)
+                nbytes += t.numel() * t.element_size()
+                n = 0 if name.endswith("weight_scale") else t.numel() * (2 if name.endswith("weight_packed") else 1)
+                total += n
+                routed += n if ".experts." in name else 0
+                embed += n if name.endswith("embed_tokens.weight") else 0
+    assert s["total_params"] == total and s["total_bytes"] == nbytes
+    e = s["experts"]
+    moe_layers = s["layers_by_kind"]["kda+moe"] + s["layers_by_kind"]["mla+moe"]
+    assert routed == s["params_by_component"]["routed experts"] == moe_layers * e["routed"] * 3 * 64 * 32
+    assert s["params_by_component"]["embedding"] == embed == 512 * 64
+    assert s["active_params"] == total - embed - routed + routed * e["top_k"] // e["routed"]
+
+
+def test_inspect_kimi_linear(capsys, tiny_linear_dir):
+    code, out, _ = run(capsys, "inspect", str(tiny_linear_dir), "--json")
+    s = json.loads(out)
+    assert code == 0 and s["arch"] == "kimi_linear" and s["quantization"] is None
+    assert sum(s["params_by_component"].values()) == s["total_params"]
+    assert "mxfp4 (packed)" not in s["bytes_by_precision"]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_nonexistent_model_dir(capsys, tmp_path):
+    missing = tmp_path / "no-such-model"
+    for argv in (("generate", str(missing), "--prompt", "hi"), ("inspect", str(missing))):
+        code, out, err = run(capsys, *argv)
+        assert_one_line_error(code, err, str(missing), "no config.json found")
+        assert out == ""
+
+
+@pytest.mark.parametrize("command", ["generate", "inspect"])
+def test_truncated_shard(capsys, tiny_k3_dir, copy_model, command):
+    model = copy_model(tiny_k3_dir)
+    shard = model / "model-00002-of-00003.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
+    argv = (command, str(model)) + (("--prompt", "hi") if command == "generate" else ())
+    code, _, err = run(capsys, *argv)
+    assert_one_line_error(code, err, str(shard), "file truncated")
+
+
+def test_missing_tensor(capsys, tiny_k3_dir, copy_model):
+    model = copy_model(tiny_k3_dir)
+    index = json.loads((model / INDEX_NAME).read_text())
+    index["weight_map"].pop("language_model.model.norm.weight")
+    (model / INDEX_NAME).write_text(json.dumps(index))
+    code, _, err = run(capsys, "generate", str(model), "--prompt", "hi")
+    assert_one_line_error(code, err, "missing tensors", "language_model.model.norm.weight")
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GiB", "1e999", "12 parsecs"])
+def test_bad_expert_memory(capsys, tiny_k3_dir, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_k3_dir), "--prompt", "hi", f"--expert-memory={value}"])
+    _, err = capsys.readouterr()
+    assert_one_line_error(exit_info.value.code, err, "argument --expert-memory", f"{value!r} is not a size")
+
+
+def test_parse_bytes():
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("2GB") == 2_000_000_000
+    assert parse_bytes("1e9") == 10**9 and parse_bytes("0") == 0 and parse_bytes(" 1.5 kib ") == 1536
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (("--max-tokens", "0"), ("--max-tokens must be >= 1, got 0",)),
+    (("--max-tokens", "-3"), ("--max-tokens must be >= 1, got -3",)),
+    (("--dtype", "int8"), ("--dtype 'int8' is not a floating-point torch dtype",)),
+    (("--device", "floppy"), ("--device 'floppy' is not a torch device",)),
+    (("--temperature", "-1"), ("temperature must be >= 0, got -1.0",)),
+    (("--top-p", "0"), ("top_p must be in (0, 1], got 0.0",)),
+])
+def test_bad_generate_flags(capsys, tiny_k3_dir, flags, fragments):
+    code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", "hi", *flags)
+    assert_one_line_error(code, err, *fragments)
+
+
+def test_prompt_longer_than_the_context(capsys, tiny_k3_dir, copy_model):
+    model = copy_model(tiny_k3_dir)
+    raw = json.loads((model / "config.json").read_text())
+    raw["text_config"]["max_position_embeddings"] = 16
+    (model / "config.json").write_text(json.dumps(raw))
+    code, _, err = run(capsys, "generate", str(model), "--prompt", "word " * 40, "--max-tokens", "4")
+    assert_one_line_error(code, err, "tokens + max_tokens 4 exceeds the limit of 16")
+
+
+def test_max_tokens_past_the_context(capsys, tiny_k3_dir):
+    code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", "hi", "--max-tokens", "1048576")
+    assert_one_line_error(code, err, "+ max_tokens 1048576 exceeds the limit of 1048576")
+
+
+def test_empty_prompt(capsys, tiny_k3_dir):
+    code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", "")
+    assert_one_line_error(code, err, "the prompt is empty")
+
+
+def test_debug_raises_instead(capsys, tmp_path):
+    with pytest.raises(ConfigError, match="no config.json found"):
+        main(["--debug", "inspect", str(tmp_path / "nothing")])
+
+
+# -- as a process ----------------------------------------------------------------------------------
+
+
+def moeswap(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "moeswap", *argv], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_process_exit_codes(tmp_path, tiny_k3_dir):
+    ok = moeswap("inspect", str(tiny_k3_dir), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["arch"] == "kimi_k3"
+
+    bad = moeswap("generate", str(tmp_path / "missing"), "--prompt", "hi")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+    assert bad.stderr.startswith(f"moeswap: error: {tmp_path / 'missing'}: no config.json found")
+
+    flag = moeswap("generate", str(tiny_k3_dir), "--prompt", "hi", "--expert-memory", "lots")
+    assert flag.returncode == 2 and len(flag.stderr.strip().splitlines()) == 1
+    assert flag.stderr.startswith("moeswap: error: argument --expert-memory")
+
+
+def test_process_debug_shows_the_traceback(tmp_path):
+    res = moeswap("--debug", "generate", str(tmp_path / "missing"), "--prompt", "hi")
+    assert res.returncode != 0
+    assert "Traceback (most recent call last)" in res.stderr
+    assert "ConfigError" in res.stderr and "no config.json found" in res.stderr
