@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from moeswap.cli import main, parse_bytes
+from moeswap.cli import main
+from moeswap.units import parse_bytes
 from moeswap.config import ConfigError
 from moeswap.formats.checkpoint import INDEX_NAME
 

@@ -8,33 +8,25 @@ traceback unless --debug is given.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import re
 import sys
 import time
 
+from moeswap.units import parse_bytes
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
-
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MB', '1e9', '0' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1e9)")
-    try:
-        return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
-    except (ValueError, OverflowError):  # OverflowError: '1e999' is float inf
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 512MiB, 2GiB, 1e9)") from None
-
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors as one line, like every other user error (argparse would print the usage first)."""
 
     def error(self, message: str):
         self.exit(2, f"moeswap: error: {message}; see `{self.prog} --help`\n")
+
+
+# Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
+SUBCOMMANDS = {"plan": "moeswap.planner.cli"}
+BENCHES = {"memory": "moeswap.bench.memory"}
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
@@ -74,22 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("bench", help="measurements (JSON + markdown)")
+    p = sub.add_parser("bench", help="measurements side by side with named baselines (JSON + markdown)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    b = bench.add_parser("memory", help="peak resident memory while generating vs dense weights + experts kept")
-    b.add_argument("model")
-    b.add_argument("--prompt-tokens", type=int, default=64)
-    b.add_argument("--max-tokens", type=int, default=32)
-    b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"))
-    b.add_argument("--dtype", default="auto")
-    b.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
-
-    try:
-        from moeswap.planner.cli import add_parser as add_plan_parser
-    except ImportError:
-        add_plan_parser = None
-    if add_plan_parser is not None:
-        add_plan_parser(sub)
+    for module in BENCHES.values():
+        importlib.import_module(module).add_parser(bench)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
@@ -167,26 +149,18 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from moeswap.bench import memory
-
-    result = memory.run(args.model, args.prompt_tokens, args.max_tokens, args.expert_memory, args.dtype)
-    print(memory.format_report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
-
-
-COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench}
+COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = COMMANDS.get(args.command)
-    if handler is None:  # subcommands added by their own packages (plan)
-        from moeswap.planner.cli import run as handler
+    if args.command == "bench":
+        handler = importlib.import_module(BENCHES[args.bench]).run
+    elif args.command in SUBCOMMANDS:
+        handler = importlib.import_module(SUBCOMMANDS[args.command]).run
+    else:
+        handler = COMMANDS[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ from pathlib import Path
 from moeswap.config import load_config
 from moeswap.formats.checkpoint import Checkpoint
 from moeswap.models.loader import checkpoint_map_module
+from moeswap.units import human_bytes, human_count
 
 # First match wins; applied to prefix-stripped parameter names.
 COMPONENTS = (
@@ -77,21 +78,6 @@ def summarize(model_dir: str | Path) -> dict:
         "params_by_component": dict(params), "bytes_by_component": dict(nbytes),
         "bytes_by_precision": dict(by_precision), "files": len(ckpt.files()), "total_bytes": ckpt.total_bytes,
     }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def human_count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
 
 
 def format_summary(s: dict) -> str:

@@ -93,3 +93,27 @@ def test_top_k_and_top_p_restrict_the_support():
     assert sample(logits[:1], SamplingParams(), gen).item() == 0
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_mxfp4_resident_experts_match_decoded(tmp_path):
+    """Experts kept as MXFP4 bytes (decoded per call) give the same logits as decoded copies."""
+    from moeswap.experts.source import load_expert
+    from moeswap.ops.expert import MXFP4ExpertWeights
+
+    path = write_tiny_model(tmp_path / "m", "kimi_k3", "tiny", seed=5)
+    model, store = load_model(path, LoadOptions(dtype="float32"))
+    ids = torch.tensor([_tokens(20, 9)])
+    with torch.no_grad():
+        decoded = model(ids)
+    packed = load_expert(store.ckpt, store.index, 1, 0, torch.float32, decode=False)
+    assert isinstance(packed, MXFP4ExpertWeights) and packed.nbytes * 7 < load_expert(
+        store.ckpt, store.index, 1, 0, torch.float32).nbytes
+
+    class PackedStore:
+        def fetch(self, layer, ids_):
+            return [load_expert(store.ckpt, store.index, layer, e, torch.float32, decode=False) for e in ids_]
+
+    for block in model.moe_blocks():
+        block.store = PackedStore()
+    with torch.no_grad():
+        assert torch.equal(model(ids), decoded)

@@ -7,6 +7,7 @@ the decoded experts the run actually touched (capped by --expert-memory).
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import subprocess
@@ -47,7 +48,7 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: 
     }
 
 
-def run(model_dir: str, prompt_tokens: int = 64, max_tokens: int = 32, expert_memory: int = 1 << 30,
+def run_isolated(model_dir: str, prompt_tokens: int = 64, max_tokens: int = 32, expert_memory: int = 1 << 30,
         dtype: str = "auto") -> dict:
     code = ("import json,sys; from moeswap.bench.memory import measure; "
             f"print(json.dumps(measure({model_dir!r}, {prompt_tokens}, {max_tokens}, {expert_memory}, {dtype!r})))")
@@ -70,3 +71,24 @@ def format_report(r: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k:<{width}} | {v:>14} |" for k, v in rows)
+
+
+def add_parser(benches) -> None:
+    from moeswap.units import parse_bytes
+
+    b = benches.add_parser("memory", help="peak resident memory while generating vs dense weights + experts kept")
+    b.add_argument("model")
+    b.add_argument("--prompt-tokens", type=int, default=64)
+    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"))
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_isolated(args.model, args.prompt_tokens, args.max_tokens, args.expert_memory, args.dtype)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -14,7 +14,7 @@ import torch
 from moeswap.config import ModelConfig
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
-from moeswap.ops.expert import ExpertWeights
+from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
 PROJS = ("w1", "w2", "w3")  # gate, down, up
 
@@ -85,20 +85,27 @@ def _expect(info, shape, dtype, what: str) -> None:
 
 
 def load_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int, dtype: torch.dtype,
-                device: torch.device | str = "cpu", use_mmap: bool = False) -> ExpertWeights:
-    """Read and decode one expert. By default it reads exactly the expert's byte ranges (pread), so
-    touched pages are not mapped into the process; use_mmap=True serves them from the memory map."""
+                device: torch.device | str = "cpu", use_mmap: bool = False,
+                decode: bool = True) -> ExpertWeights | MXFP4ExpertWeights:
+    """Read one expert. By default it reads exactly the expert's byte ranges (pread), so touched
+    pages are not mapped into the process; use_mmap=True serves them from the memory map.
+    decode=False keeps MXFP4 experts as their bytes (MXFP4ExpertWeights); float experts are always decoded."""
     read = ckpt.get if use_mmap else ckpt.read
-    mats = {}
-    for proj, kinds in index.names(layer, expert).items():
-        try:
+    names = index.names(layer, expert)
+    try:
+        if not decode and all("weight_packed" in kinds for kinds in names.values()):
+            parts = {f"{proj}_{kind.removeprefix('weight_')}": read(n).to(device)
+                     for proj, kinds in names.items() for kind, n in kinds.items()}
+            return MXFP4ExpertWeights(**parts)
+        mats = {}
+        for proj, kinds in names.items():
             if "weight" in kinds:
                 w = read(kinds["weight"]).to(dtype)
             else:
-                w = mxfp4.decode(read(kinds["weight_packed"]), read(kinds["weight_scale"]), dtype=torch.float32).to(dtype)
-        except (OSError, ValueError) as err:
-            name = kinds.get("weight", kinds.get("weight_packed"))
-            file = ckpt.info(name).file
-            raise CheckpointError(f"layer {layer} expert {expert} {proj}: cannot read {name} from {file}: {err}") from err
-        mats[proj] = w.to(device)
+                w = mxfp4.decode(read(kinds["weight_packed"]), read(kinds["weight_scale"]), torch.float32).to(dtype)
+            mats[proj] = w.to(device)
+    except (OSError, ValueError) as err:
+        files = sorted({str(ckpt.info(n).file) for kinds in names.values() for n in kinds.values()})
+        raise CheckpointError(f"layer {layer} expert {expert}: cannot read or decode its tensors from "
+                              f"{', '.join(files)}: {err}") from err
     return ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])
