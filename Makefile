@@ -1,4 +1,4 @@
-# Two entry points: `make demo` (generate with the built-in tiny K3) and `make test`.
+# Two entry points: `make demo` (generate with the built-in small K3) and `make test`.
 # Each creates .venv and installs what it needs. torch is pinned to the CPU build that this
 # project's machines carry; set TORCH=torch to take whatever pip resolves (a CUDA build on Linux).
 PYTHON ?= python3
@@ -8,22 +8,28 @@ PY     := $(VENV)/bin/python
 MOESWAP := $(VENV)/bin/moeswap
 DEMO_MODEL ?= models/tiny-k3
 
-.PHONY: demo test install clean
+.PHONY: demo test install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 demo: install
 	@test -f $(DEMO_MODEL)/config.json || $(MOESWAP) init-tiny $(DEMO_MODEL) --arch kimi_k3 --size small --seed 0
+	$(MOESWAP) inspect $(DEMO_MODEL)
 	$(MOESWAP) generate $(DEMO_MODEL) --prompt "The quick brown fox" --max-tokens 32 --stats
 
-test: install
+test: install-test
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
