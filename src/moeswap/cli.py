@@ -25,15 +25,36 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = {"plan": "moeswap.planner.cli"}
-BENCHES = {"memory": "moeswap.bench.memory"}
+SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "trace": "moeswap.trace_cmd"}
+BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
+           "cache": "moeswap.bench.cache"}
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    # the expert store (experts/store.py StoreOptions, through LoadOptions)
     p.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"),
-                   help="bytes of decoded routed experts kept between steps (default 1GiB)")
+                   help="bytes of routed experts kept in the fast tier: accelerator memory, or host memory "
+                        "without one (default 1GiB)")
+    p.add_argument("--host-memory", type=parse_bytes, default=0,
+                   help="bytes of a host-memory tier between the fast tier and disk (default 0: none)")
+    p.add_argument("--expert-policy", default="lfru", choices=("lru", "lfu", "lfru", "static", "none"),
+                   help="which expert a full tier gives up (default lfru: frequency with decay); static needs "
+                        "--expert-profile; none reads every expert from disk every time")
+    p.add_argument("--prefetch", default="none", choices=("none", "next-layer"),
+                   help="next-layer: guess the next layer's experts with its router and load them while "
+                        "this layer computes")
+    p.add_argument("--decoded-experts", action="store_true",
+                   help="keep decoded copies in the fast tier instead of the stored MXFP4 bytes (4.25 bits)")
+    p.add_argument("--expert-profile", metavar="TRACE", help="routing trace (moeswap trace) for --expert-policy static")
+
+
+def load_options(args):
+    from moeswap.models.loader import LoadOptions
+
+    return LoadOptions(args.dtype, args.device, args.expert_memory, args.host_memory, args.expert_policy,
+                       args.prefetch, args.decoded_experts, args.expert_profile)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,13 +109,13 @@ def cmd_generate(args) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.tokenizer import StreamDecoder, load_tokenizer
-    from moeswap.models.loader import LoadOptions, load_model
+    from moeswap.models.loader import load_model
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     _check_device(args.device)
     t0 = time.perf_counter()
-    model, store = load_model(args.model, LoadOptions(args.dtype, args.device, args.expert_memory))
+    model, store = load_model(args.model, load_options(args))
     tok = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
@@ -110,6 +131,7 @@ def cmd_generate(args) -> int:
         print(args.prompt if not args.chat else "", end="", flush=True)
         on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
     result = generate(model, ids, cfg, on_token=on_token)
+    store.close()
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
@@ -124,9 +146,7 @@ def cmd_generate(args) -> int:
           f"time to first token {stats['ttft_ms']:.1f} ms, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
           file=sys.stderr)
     if args.stats:
-        s = store.stats
-        print(f"[load {load_s:.2f}s; experts: {s.hits} hits, {s.misses} misses ({s.as_dict()['hit_rate']:.0%} hit rate), "
-              f"{s.bytes_read / 1e6:.1f} MB read, {s.load_seconds * 1e3:.0f} ms loading]", file=sys.stderr)
+        print(f"[load {load_s:.2f}s; {store.stats.summary()}]", file=sys.stderr)
     return 0
 
 

@@ -307,23 +307,13 @@ def _mlp_kinds(text: dict, n: int, source: str) -> tuple[str, ...]:
 def _quant_scheme(q: dict | None, source: str) -> QuantScheme | None:
     if not q:
         return None
-    method = q.get("quant_method")
-    if method != "compressed-tensors":
-        raise ConfigError(
-            f"{source}: quantization_config.quant_method={method!r} is not supported yet "
-            "(moeswap reads compressed-tensors MXFP4 experts)"
-        )
-    groups = q.get("config_groups") or {}
-    fmt = q.get("format")
-    group_size = None
-    for grp in groups.values():
-        fmt = grp.get("format", fmt)
-        group_size = (grp.get("weights") or {}).get("group_size", group_size)
-    if fmt != "mxfp4-pack-quantized":
-        raise ConfigError(f"{source}: quantization format {fmt!r} is not supported (expected mxfp4-pack-quantized)")
-    if group_size != 32:
-        raise ConfigError(f"{source}: MXFP4 group_size must be 32, got {group_size}")
-    return QuantScheme(format=fmt, group_size=group_size, ignore=tuple(q.get("ignore") or ()))
+    from moeswap.formats.compressed_tensors import parse_quantization_config
+
+    try:
+        scheme = parse_quantization_config(q, source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return QuantScheme(format=scheme.format, group_size=scheme.group_size, ignore=scheme.ignore)
 
 
 class _Getter:

@@ -115,5 +115,5 @@ def test_mxfp4_resident_experts_match_decoded(tmp_path):
 
     for block in model.moe_blocks():
         block.store = PackedStore()
-    with torch.no_grad():
-        assert torch.equal(model(ids), decoded)
+    with torch.no_grad():  # the fast kernels sum in another order: equal up to fp32 rounding
+        assert (model(ids) - decoded).abs().max().item() < 1e-4

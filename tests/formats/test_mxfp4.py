@@ -322,3 +322,14 @@ def test_zero_blocks(mode, negative_zeros):
     w = torch.tensor([-0.0 if n else 0.0 for n in negative_zeros])
     packed, scale = mxfp4.encode(w, mode)
     assert scale.tolist() == [0] and packed.eq(0).all()
+
+
+def test_decode_bit_identical_to_compressed_tensors_on_the_init_tiny_model(tiny_k3_dir):
+    from moeswap.formats.checkpoint import Checkpoint
+
+    with Checkpoint.open(tiny_k3_dir) as ckpt:
+        packed_names = [n for n in ckpt.names() if n.endswith(".weight_packed")]
+        assert len(packed_names) > 100
+        for name in packed_names:
+            packed, scale = ckpt.get(name), ckpt.get(name.replace("weight_packed", "weight_scale"))
+            assert torch.equal(bits(mxfp4.decode(packed, scale)), bits(ct_decompress(packed, scale))), name

@@ -2,7 +2,7 @@
 
 Runs in a fresh process so the peak (ru_maxrss) belongs to this measurement alone, and reports it
 next to its parts: the process before loading (Python + torch), the dense weights as loaded, and
-the decoded experts the run actually touched (capped by --expert-memory).
+the experts kept in the store's fast tier (capped by --expert-memory).
 """
 
 from __future__ import annotations
@@ -19,7 +19,21 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: int, dtype: str) -> dict:
+def _peak_rss_bytes() -> int:
+    """This process's own high-water RSS (VmHWM). Not ru_maxrss: Linux carries that across exec, so a
+    child spawned by a big parent (e.g. pytest holding a model) reports the parent's RSS as its peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: int, dtype: str,
+            policy: str = "lfru", prefetch: str = "none") -> dict:
     """Runs inside the child process."""
     import torch
 
@@ -28,30 +42,33 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: 
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     base = _rss_bytes()
-    model, store = load_model(model_dir, LoadOptions(dtype=dtype, expert_memory=expert_memory))
+    model, store = load_model(model_dir, LoadOptions(dtype=dtype, expert_memory=expert_memory, expert_policy=policy,
+                                                     prefetch=prefetch))
     after_load = _rss_bytes()
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
     result = generate(model, ids.tolist(), GenerationConfig(max_tokens=max_tokens, stop_ids=()))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    touched = store.stats.misses  # every miss decoded one expert
-    per_expert = next(iter(store.cache.values())).nbytes if store.cache else 0
+    store.close()
+    peak = _peak_rss_bytes()
+    touched = store.stats.disk_reads  # experts read from the checkpoint
+    per_expert = store.fast.cost(min(store.index.entries))
     return {
         "model": model_dir, "dtype": str(next(model.parameters()).dtype), "prompt_tokens": prompt_tokens,
         "generated": len(result.tokens), "expert_memory": expert_memory,
         "expert_bytes_in_checkpoint": sum(store.index.stored_bytes(store.ckpt, *k) for k in store.index.entries),
         "rss_before_load": base, "rss_after_load": after_load, "peak_rss": peak,
         "dense_weight_bytes": dense, "decoded_expert_bytes": per_expert,
-        "expert_loads": touched, "experts_resident_at_end": len(store.cache),
-        "expert_cache_bytes_at_end": store.cached_bytes,
-        "overhead": peak - base - dense - store.cached_bytes,
+        "expert_loads": touched, "experts_resident_at_end": len(store.fast),
+        "expert_cache_bytes_at_end": store.fast.used, "policy": policy, "prefetch": prefetch,
+        "overhead": peak - base - dense - store.fast.used,
     }
 
 
 def run_isolated(model_dir: str, prompt_tokens: int = 64, max_tokens: int = 32, expert_memory: int = 1 << 30,
-        dtype: str = "auto") -> dict:
+        dtype: str = "auto", policy: str = "lfru", prefetch: str = "none") -> dict:
     code = ("import json,sys; from moeswap.bench.memory import measure; "
-            f"print(json.dumps(measure({model_dir!r}, {prompt_tokens}, {max_tokens}, {expert_memory}, {dtype!r})))")
+            f"print(json.dumps(measure({model_dir!r}, {prompt_tokens}, {max_tokens}, {expert_memory}, {dtype!r}, "
+            f"{policy!r}, {prefetch!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"memory benchmark failed:\n{out.stderr[-2000:]}")
@@ -64,7 +81,7 @@ def format_report(r: dict) -> str:
         ("routed experts in the checkpoint (MXFP4)", mib(r["expert_bytes_in_checkpoint"])),
         ("process before loading (Python + torch)", mib(r["rss_before_load"])),
         (f"dense weights as loaded ({r['dtype']})", mib(r["dense_weight_bytes"])),
-        (f"decoded experts kept at the end ({r['experts_resident_at_end']} of {r['expert_loads']} loaded; "
+        (f"experts kept in the fast tier at the end ({r['experts_resident_at_end']}, {r['expert_loads']} reads; "
          f"budget {mib(r['expert_memory'])})", mib(r["expert_cache_bytes_at_end"])),
         ("peak resident memory", mib(r["peak_rss"])),
         ("overhead = peak - before - dense - kept experts", mib(r["overhead"])),
@@ -82,11 +99,14 @@ def add_parser(benches) -> None:
     b.add_argument("--max-tokens", type=int, default=32)
     b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"))
     b.add_argument("--dtype", default="auto")
+    b.add_argument("--expert-policy", default="lfru")
+    b.add_argument("--prefetch", default="none", choices=("none", "next-layer"))
     b.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
 
 
 def run(args: argparse.Namespace) -> int:
-    result = run_isolated(args.model, args.prompt_tokens, args.max_tokens, args.expert_memory, args.dtype)
+    result = run_isolated(args.model, args.prompt_tokens, args.max_tokens, args.expert_memory, args.dtype,
+                          args.expert_policy, args.prefetch)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:

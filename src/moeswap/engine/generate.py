@@ -1,19 +1,17 @@
-"""Generation over the model: prefill each prompt, then decode the batch one token per step.
+"""Generation over the model: prefill each prompt, then decode the batch one token per step, through
+the continuous-batching scheduler (engine.scheduler) with every request submitted at once.
 
-Tokenizer-free (token ids in, token ids out). Measures time to first token and decode tokens/s.
-Entry points: `generate(model, prompt_ids, config, on_token)` and `generate_batch(model, prompts, config)`.
+Tokenizer-free (token ids in, token ids out). Time to first token and per output token are measured
+inside the engine. Entry points: `generate(model, prompt_ids, config, on_token)`, `generate_batch(...)`.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-import torch
-
-from moeswap.engine.sampling import SamplingParams, sample
-from moeswap.engine.state import stack_states
+from moeswap.engine.sampling import SamplingParams
+from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
 
 
 @dataclass(frozen=True)
@@ -60,43 +58,22 @@ def generate(model, prompt_ids: Sequence[int], cfg: GenerationConfig = Generatio
     return generate_batch(model, [prompt_ids], cfg, on_token=(lambda i, t: on_token(t)) if on_token else None)[0]
 
 
-@torch.no_grad()
 def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfig = GenerationConfig(),
-                   on_token: Callable[[int, int], None] | None = None) -> list[GenerationResult]:
-    """Greedy results equal running each prompt alone: prompts are prefilled one by one, then decoded together."""
+                   on_token: Callable[[int, int], None] | None = None,
+                   engine: EngineConfig | None = None) -> list[GenerationResult]:
+    """Greedy results equal running each prompt alone: each prompt is prefilled alone, then all are
+    decoded together (the scheduler with every request submitted at once). Sequence i of a seeded
+    sampled batch uses seed + i."""
     for p in prompts:
         _check_prompt(model, p, cfg)
-    device = model.model.embed_tokens.weight.device
-    stop = set(model.config.eos_token_ids if cfg.stop_ids is None else cfg.stop_ids)
-    gen = torch.Generator(device="cpu").manual_seed(cfg.seed) if cfg.seed is not None else None
-    t0 = time.perf_counter()
-    states, first_logits = [], []
-    for p in prompts:
-        state = model.make_state(1)
-        first_logits.append(model(torch.tensor([list(p)], device=device), state, last_only=True)[:, -1])
-        states.append(state)
-    next_B = sample(torch.cat(first_logits), cfg.sampling, gen)
-    ttft = time.perf_counter() - t0
-    state = stack_states(states) if len(states) > 1 else states[0]
-    outs: list[list[int]] = [[] for _ in prompts]
-    reasons = ["length"] * len(prompts)
-    live = [True] * len(prompts)
-    t1 = time.perf_counter()
-    for step in range(cfg.max_tokens):
-        for i, tok in enumerate(next_B.tolist()):
-            if not live[i]:
-                continue
-            outs[i].append(tok)
-            if on_token:
-                on_token(i, tok)
-            if tok in stop:
-                live[i], reasons[i] = False, "stop"
-            elif len(outs[i]) >= cfg.max_tokens:
-                live[i] = False
-        if not any(live):
-            break
-        # finished sequences keep a slot in the batch until all finish; their outputs are ignored
-        logits = model(next_B[:, None], state)[:, -1]
-        next_B = sample(logits, cfg.sampling, gen)
-    decode_s = time.perf_counter() - t1
-    return [GenerationResult(o, r, len(p), ttft, decode_s, max(0, len(o) - 1)) for o, r, p in zip(outs, reasons, prompts)]
+    stop = tuple(model.config.eos_token_ids if cfg.stop_ids is None else cfg.stop_ids)
+    longest = max(len(p) for p in prompts) + cfg.max_tokens
+    engine = engine or EngineConfig(max_batch=len(prompts), max_len=longest)
+    if engine.max_len < longest:
+        engine = replace(engine, max_len=longest)
+    sched = Scheduler(model, engine)
+    requests = [Request(list(p), cfg.max_tokens, cfg.sampling, stop, None if cfg.seed is None else cfg.seed + i, i)
+                for i, p in enumerate(prompts)]
+    results = sched.run(requests, (lambda ev: on_token(ev.id, ev.token)) if on_token else None)
+    return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded)
+            for r in results]

@@ -1,6 +1,10 @@
-"""Per-sequence state of a batch (KDA recurrent + conv state, MLA latent cache): stacking sequences
-that were prefilled one by one into a decode batch. The AttnRes bank is per token (it mixes depth,
-not time), so nothing of it carries between steps; pipeline stages hand it over within a step.
+"""Per-sequence state of a batch (KDA recurrent + conv state, MLA latent cache).
+
+`SlotStates` preallocates the state of up to `slots` sequences of up to `max_len` tokens once; live
+sequences occupy slots 0..n-1, so a step runs on views of the first n rows and nothing is copied or
+allocated per step (the layers update state in place). A sequence that leaves is replaced by the last
+one (a row copy per layer). `stack_states` joins single-sequence states (the unbuffered path).
+The AttnRes bank is per token (it mixes depth, not time), so nothing of it carries between steps.
 """
 
 from __future__ import annotations
@@ -25,3 +29,55 @@ def stack_states(states: list[ModelState]) -> ModelState:
             padded = [torch.nn.functional.pad(s.latent_BSX, (0, 0, 0, cap - s.latent_BSX.shape[1])) for s in per_seq]
             layers.append(MLACache(torch.cat(padded), torch.cat([s.lengths_B for s in per_seq])))
     return ModelState(layers)
+
+
+class SlotStates:
+    """State buffers for `slots` sequences of at most `max_len` tokens each (prompt + generated)."""
+
+    def __init__(self, model, slots: int, max_len: int, dtype: torch.dtype | None = None, device=None):
+        self.slots, self.max_len = slots, max_len
+        self.full = model.make_state(slots, dtype, device)
+        for st in self.full.layers:
+            if isinstance(st, MLACache):  # sized once: appends never reallocate, so views stay valid
+                st.latent_BSX = torch.zeros(slots, max_len, st.latent_BSX.shape[-1],
+                                            dtype=st.latent_BSX.dtype, device=st.latent_BSX.device)
+        self.lengths = [0] * slots  # host copy of every slot's cached tokens
+
+    def view(self, start: int, stop: int) -> ModelState:
+        """The state of slots start..stop-1 as views; the model's in-place updates land in the buffers."""
+        longest = max(self.lengths[start:stop])
+        layers = []
+        for st in self.full.layers:
+            if isinstance(st, KDAState):
+                layers.append(KDAState(st.recurrent_BHKK[start:stop], st.conv_BWC[start:stop]))
+            else:
+                layers.append(MLACache(st.latent_BSX[start:stop], st.lengths_B[start:stop], longest))
+        return ModelState(layers)
+
+    def advance(self, start: int, stop: int, tokens: int) -> None:
+        """Record on the host that slots start..stop-1 each took `tokens` more tokens."""
+        for i in range(start, stop):
+            self.lengths[i] += tokens
+            if self.lengths[i] > self.max_len:
+                raise ValueError(f"slot {i} holds {self.lengths[i]} tokens, more than max_len {self.max_len}")
+
+    def clear(self, slot: int) -> None:
+        for st in self.full.layers:
+            if isinstance(st, KDAState):
+                st.recurrent_BHKK[slot].zero_()
+                st.conv_BWC[slot].zero_()
+            else:
+                st.lengths_B[slot] = 0  # stale latent rows are masked by the length
+        self.lengths[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot src into slot dst (the rows of every layer, the MLA cache up to its length)."""
+        n = self.lengths[src]
+        for st in self.full.layers:
+            if isinstance(st, KDAState):
+                st.recurrent_BHKK[dst].copy_(st.recurrent_BHKK[src])
+                st.conv_BWC[dst].copy_(st.conv_BWC[src])
+            else:
+                st.latent_BSX[dst, :n].copy_(st.latent_BSX[src, :n])
+                st.lengths_B[dst] = st.lengths_B[src]
+        self.lengths[dst] = n

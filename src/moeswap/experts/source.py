@@ -2,7 +2,7 @@
 
 `ExpertIndex` is built by the loader from CHECKPOINT_MAP matches and validated against the config
 (every expert of every MoE layer present, with the right shapes and dtypes). `load_expert` reads one
-expert's tensors (MXFP4 packed+scale, or float) and decodes them; nothing else is read.
+expert's tensors (MXFP4 packed+scale, MXFP8 float8+scale, or float) and decodes them; nothing else is read.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeswap.config import ModelConfig
-from moeswap.formats import mxfp4
+from moeswap.formats import mxfp4, mxfp8
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
@@ -56,18 +56,38 @@ class ExpertIndex:
     def _check_proj(self, ckpt, cfg, layer, e, proj, kinds, shape) -> None:
         base = f"layer {layer} expert {e} {proj}"
         out_dim, in_dim = shape
+        if "weight" in kinds and "weight_scale" in kinds:  # MXFP8: float8 weight + E8M0 scale bytes
+            self._check_format(cfg, kinds["weight"], "mxfp8-quantized", "MXFP8")
+            info = ckpt.info(kinds["weight"])
+            _expect(info, shape, None, base)
+            if info.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise CheckpointError(f"{info.name} in {info.file.name} ({base}): MXFP8 weight must be float8_e4m3fn "
+                                      f"or float8_e5m2, found {info.dtype}")
+            _expect(ckpt.info(kinds["weight_scale"]), (out_dim, in_dim // 32), torch.uint8, base)
+            return
         if "weight" in kinds:
             info = ckpt.info(kinds["weight"])
             _expect(info, shape, None, base)
             if not info.dtype.is_floating_point:
                 raise CheckpointError(f"{info.name} in {info.file.name}: expected a float tensor, found {info.dtype}")
+            if info.dtype.itemsize == 1:
+                raise CheckpointError(f"{info.name} in {info.file.name} ({base}): float8 weight without a "
+                                      f"weight_scale: expected bf16/fp16/fp32, or MXFP8 weight + weight_scale")
             return
         if "weight_packed" not in kinds or "weight_scale" not in kinds:
-            raise CheckpointError(f"missing tensor for {base}: need weight, or weight_packed + weight_scale")
-        if cfg.quant is None:
-            raise CheckpointError(f"{kinds['weight_packed']}: packed MXFP4 expert but config.json has no quantization_config")
+            raise CheckpointError(f"missing tensor for {base}: need weight, or weight_packed + weight_scale (MXFP4), "
+                                  f"or weight + weight_scale (MXFP8)")
+        self._check_format(cfg, kinds["weight_packed"], "mxfp4-pack-quantized", "MXFP4")
         _expect(ckpt.info(kinds["weight_packed"]), (out_dim, in_dim // 2), torch.uint8, base)
         _expect(ckpt.info(kinds["weight_scale"]), (out_dim, in_dim // 32), torch.uint8, base)
+
+    @staticmethod
+    def _check_format(cfg, name: str, fmt: str, short: str) -> None:
+        if cfg.quant is None:
+            raise CheckpointError(f"{name}: packed {short} expert but config.json has no quantization_config")
+        if cfg.quant.format != fmt:
+            raise CheckpointError(f"{name}: stored as {short} ({fmt}) but config.json's quantization_config "
+                                  f"says format {cfg.quant.format}")
 
     def names(self, layer: int, expert: int) -> dict[str, dict[str, str]]:
         return self.entries[(layer, expert)]
@@ -89,7 +109,8 @@ def load_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int, d
                 decode: bool = True) -> ExpertWeights | MXFP4ExpertWeights:
     """Read one expert. By default it reads exactly the expert's byte ranges (pread), so touched
     pages are not mapped into the process; use_mmap=True serves them from the memory map.
-    decode=False keeps MXFP4 experts as their bytes (MXFP4ExpertWeights); float experts are always decoded."""
+    decode=False keeps MXFP4 experts as their bytes (MXFP4ExpertWeights); float and MXFP8 experts are
+    always decoded."""
     read = ckpt.get if use_mmap else ckpt.read
     names = index.names(layer, expert)
     try:
@@ -99,7 +120,9 @@ def load_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int, d
             return MXFP4ExpertWeights(**parts)
         mats = {}
         for proj, kinds in names.items():
-            if "weight" in kinds:
+            if "weight" in kinds and "weight_scale" in kinds:
+                w = mxfp8.decode(read(kinds["weight"]), read(kinds["weight_scale"]), torch.float32).to(dtype)
+            elif "weight" in kinds:
                 w = read(kinds["weight"]).to(dtype)
             else:
                 w = mxfp4.decode(read(kinds["weight_packed"]), read(kinds["weight_scale"]), torch.float32).to(dtype)

@@ -1,45 +1,54 @@
-"""A bounded store of decoded experts over a checkpoint: fetch(layer, ids) -> ExpertWeights.
+"""The expert store: `fetch(layer, ids)` -> experts ready for compute, from the fastest tier holding them.
 
-Experts are decoded from the checkpoint on first use and kept in a least-recently-used cache whose
-size is a byte budget; peak memory is the dense weights plus that budget plus one step's experts.
-This is the single-tier base of the swap core (tiers, policies and prefetch build on it).
+Tiers go fastest first: the fast tier (accelerator memory, or host memory without one), an optional
+host tier, then the checkpoint. A miss is read from the first tier below that has the expert and
+promoted into every cache tier above, each evicting by its own CachePolicy within its byte budget.
+Experts of the layer step being computed and those hinted for the next layer are pinned: a prefetch
+never evicts them (a demand may, so nothing waits forever). Knows nothing of models: the loader builds
+it with `build_store(ckpt, index, config, dtype, device, StoreOptions)`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, asdict
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from moeswap.experts.source import ExpertIndex, load_expert
+from moeswap.config import ModelConfig
+from moeswap.experts.keys import Key
+from moeswap.experts.policy import CachePolicy, make_policy
+from moeswap.experts.source import ExpertIndex
+from moeswap.experts.stats import StoreStats, TierStats
+from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, Weights, convert, tensors_of
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.ops.expert import ExpertWeights
+from moeswap.units import human_bytes
+
+PREFETCH_MODES = ("none", "next-layer")
 
 
-@dataclass
-class StoreStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0  # stored (packed) bytes read from the checkpoint
-    load_seconds: float = 0.0
-    evictions: int = 0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["hit_rate"] = self.hits / max(1, self.hits + self.misses)
-        return d
+@dataclass(frozen=True)
+class StoreOptions:
+    expert_memory: int = 1 << 30  # bytes of the fast tier (accelerator memory, or host memory on CPU)
+    host_memory: int = 0  # bytes of a host-memory tier between the fast tier and disk; 0: none
+    policy: str = "lfru"  # lru | lfu | lfru | static | belady; "none": no cache, read every expert every time
+    prefetch: str = "none"  # none | next-layer
+    decoded: bool = False  # keep decoded copies in the fast tier instead of the stored MXFP4 bytes
+    profile: str | None = None  # routing trace (moeswap trace): static's profile, belady's future
+    drop_page_cache: bool = False  # benchmarks: every disk read comes from the device, not the page cache
 
 
-def return_large_frees_to_os(threshold: int = 1 << 20) -> None:
+def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
     """Serve allocations >= threshold with mmap so freeing them returns memory to the OS.
 
-    Decoded experts come and go in MB-sized blocks; glibc's default (a threshold that grows up to
-    32 MiB) keeps them in the heap, which measured ~500 MB above budget on a 1.2 GB-expert model.
+    Experts come and go in blocks of one buffer each (0.8 MB on the bench model, 17.5 MB on K3); glibc's
+    default (a threshold that grows up to 32 MiB) keeps them in the heap, which measured ~500 MB above
+    budget on a 1.2 GB-expert model.
     """
     if sys.platform.startswith("linux"):
         try:
@@ -48,39 +57,360 @@ def return_large_frees_to_os(threshold: int = 1 << 20) -> None:
             pass  # not glibc: nothing to tune
 
 
-class CheckpointExpertStore:
-    def __init__(self, ckpt: Checkpoint, index: ExpertIndex, dtype: torch.dtype, device="cpu",
-                 capacity_bytes: int = 1 << 30):
-        return_large_frees_to_os()
-        self.ckpt, self.index, self.dtype, self.device = ckpt, index, dtype, device
-        self.capacity_bytes = capacity_bytes
-        self.cache: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
-        self.cached_bytes = 0
-        self.stats = StoreStats()
+class _Load:
+    """One expert on its way into the fast tier; whoever else wants it waits on `done`."""
 
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
-        out = [self._get(layer, e) for e in expert_ids]
-        self._evict(keep=len(expert_ids))
-        return out
+    __slots__ = ("key", "need", "done", "value", "error", "event")
 
-    def _get(self, layer: int, expert: int) -> ExpertWeights:
-        key = (layer, expert)
-        if key in self.cache:
-            self.stats.hits += 1
-            self.cache.move_to_end(key)
-            return self.cache[key]
-        self.stats.misses += 1
+    def __init__(self, key: Key, need: int):
+        self.key, self.need, self.done = key, need, threading.Event()
+        self.value = self.error = self.event = None
+
+
+class _Pinned:
+    """Membership test over the store's pins, without building a set per eviction."""
+
+    def __init__(self, store: ExpertStore):
+        self._s = store
+
+    def __contains__(self, key) -> bool:
+        s = self._s
+        if key in s._active:
+            return True
+        hint = s._hints.get(key[0])
+        return hint is not None and key in hint[2]
+
+
+class Fetched(Sequence):
+    """The experts of one fetch. Each is looked up (and loaded if needed) when indexed and not kept here,
+    so a prefill that touches every expert of a layer never holds more than the store's budget."""
+
+    __slots__ = ("_store", "_keys")
+
+    def __init__(self, store: ExpertStore, keys: list[Key]):
+        self._store, self._keys = store, keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._store._get(k) for k in self._keys[i]]
+        return self._store._get(self._keys[i])
+
+
+class ExpertStore:
+    def __init__(self, tiers: Sequence[Tier], policies: Sequence[CachePolicy], max_hint: int | None = None):
+        """tiers: MemoryTiers fastest first, then the source of truth (the checkpoint); one policy per
+        MemoryTier. A fast tier of capacity 0 keeps nothing: every fetch reads the source."""
+        if len(policies) != len(tiers) - 1:
+            raise ValueError(f"one policy per cache tier: {len(tiers) - 1} tiers, {len(policies)} policies")
+        self.tiers, self.policies = list(tiers), list(policies)
+        self.fast, self.source = self.tiers[0], self.tiers[-1]
+        self.stats = StoreStats({t.name: TierStats() for t in self.tiers[:-1]})
+        self.trace = None  # a TraceRecorder, when recording
+        self.prefetcher = None  # a Prefetcher, when prefetching
+        self.max_hint = max_hint  # most experts one hint may load (None: no limit)
+        self._lock = threading.RLock()
+        self._reserved = [0] * (len(self.tiers) - 1)  # bytes promised to loads in flight, per cache tier
+        self._inflight: dict[Key, _Load] = {}
+        self._active: set[Key] = set()  # the layer step being computed
+        self._pending: set[Key] = set()  # ... and not yet asked for (what read-ahead may still load)
+        self._hints: dict[int, tuple[int, frozenset[int], set[Key]]] = {}  # layer -> (fetch no., predicted, to load)
+        self._fetches = 0
+        self._unused: set[Key] = set()  # loaded by prefetch, not yet used
+        self._events: dict[Key, object] = {}  # CUDA: copy-done events of prefetched experts
+        self._pins = _Pinned(self)
+
+    # -- the API --------------------------------------------------------------------------------------
+
+    @property
+    def ckpt(self) -> Checkpoint:
+        return self.source.ckpt
+
+    @property
+    def index(self) -> ExpertIndex:
+        return self.source.index
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Sequence[Weights]:
+        """The experts `expert_ids` of `layer` (one layer step), ready for compute when indexed."""
+        ids = [int(e) for e in expert_ids]
+        keys = [Key(layer, e) for e in ids]
+        with self._lock:
+            if self.trace is not None:
+                self.trace.record(layer, ids)
+            hint = self._hints.pop(layer, None)
+            if hint is not None:  # score the lookahead's guess for this layer step
+                p = self.stats.prefetch
+                p.predicted += len(hint[1])
+                p.actual += len(set(ids))
+                p.correct += len(hint[1].intersection(ids))
+            # hints older than the previous fetch are for layer steps that are gone
+            self._hints = {l: h for l, h in self._hints.items() if h[0] >= self._fetches}
+            self._fetches += 1
+            self._active = set(keys)
+            self._pending = set(keys)
+            missing = [k for k in keys if k not in self.fast and k not in self._inflight]
+        if self.prefetcher is not None and missing:
+            self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
+        return Fetched(self, keys)
+
+    def note_hint(self, layer: int, expert_ids: Sequence[int]) -> list[Key]:
+        """Records a lookahead guess for `layer` (best first) and pins it; returns the keys worth loading."""
+        ids = [int(e) for e in expert_ids]
+        with self._lock:
+            load = [Key(layer, e) for e in ids if Key(layer, e) not in self.fast][: self.max_hint]
+            self._hints[layer] = (self._fetches, frozenset(ids), set(load))
+        return load
+
+    def preload(self, keys) -> None:
+        """Load `keys` into the fast tier (e.g. every expert, for an all-resident run); stats are reset."""
+        for key in keys:
+            self._get(Key(*key))
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = StoreStats({t.name: TierStats() for t in self.tiers[:-1]})
+            self._unused.clear()
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if hasattr(self.source, "close"):
+            self.source.close()
+
+    # -- demand path ----------------------------------------------------------------------------------
+
+    def _get(self, key: Key) -> Weights:
+        with self._lock:
+            self._pending.discard(key)
+            w = self.fast.get(key)
+            if w is not None:
+                self.stats.fast.hits += 1
+                self.policies[0].record(key)
+                if key in self._unused:
+                    self._unused.discard(key)
+                    self.stats.prefetch.used += 1
+                return self._ready(key, w)
+            self.stats.fast.misses += 1
+            load = self._inflight.get(key)
+            mine = load is None
+            if mine:
+                load = self._begin(key, strict=True)
+            else:
+                self.stats.prefetch.late += 1
         t0 = time.perf_counter()
-        weights = load_expert(self.ckpt, self.index, layer, expert, self.dtype, self.device)
-        self.stats.load_seconds += time.perf_counter() - t0
-        self.stats.bytes_read += self.index.stored_bytes(self.ckpt, layer, expert)
-        self.cache[key] = weights
-        self.cached_bytes += weights.nbytes
-        return weights
+        if mine:
+            self._run(load, background=False)
+        else:
+            load.done.wait()
+        with self._lock:
+            self.stats.stall_s += time.perf_counter() - t0
+            if load.error is None:
+                self.policies[0].record(key)
+                self._unused.discard(key)
+        if load.error is not None:
+            raise load.error
+        return self._ready(key, load.value)
 
-    def _evict(self, keep: int) -> None:
-        """Drop least recently used experts over budget, never the `keep` just fetched for this step."""
-        while self.cached_bytes > self.capacity_bytes and len(self.cache) > keep:
-            _, w = self.cache.popitem(last=False)
-            self.cached_bytes -= w.nbytes
-            self.stats.evictions += 1
+    def _prefetch(self, key: Key) -> None:
+        """Called by the prefetcher's thread: load `key` if it is still wanted and fits without
+        evicting a pinned expert; otherwise drop it."""
+        with self._lock:
+            if key in self.fast or key in self._inflight:
+                return
+            hint = self._hints.get(key.layer)
+            wanted = key in self._pending or (hint is not None and key in hint[2])
+            load = self._begin(key, strict=False) if wanted else None
+            if load is None:
+                self.stats.prefetch.dropped += 1
+                return
+        self._run(load, background=True)
+
+    def _begin(self, key: Key, strict: bool) -> _Load | None:
+        """Under the lock: make room in the fast tier and register the load; None if a non-strict
+        (prefetch) load would have to evict a pinned expert."""
+        need = self.fast.cost(key) if self.fast.capacity else 0
+        if need and not self._make_room(0, need, strict):
+            return None
+        load = _Load(key, need)
+        self._inflight[key] = load
+        self._reserved[0] += need
+        return load
+
+    def _run(self, load: _Load, background: bool) -> None:
+        key, t0, value = load.key, time.perf_counter(), None
+        try:
+            value = self.fast.form(self._read_below(key))
+            if background and self.fast.device.type == "cuda":  # the copy ran on the prefetcher's stream
+                load.event = torch.cuda.Event()
+                load.event.record()
+        except BaseException as err:  # re-raised by whoever waits for this expert
+            load.error = err
+        with self._lock:
+            self.stats.load_s += time.perf_counter() - t0
+            self._reserved[0] -= load.need
+            del self._inflight[key]
+            if load.error is None and self.fast.capacity:
+                self.fast.put(key, value)
+                self.policies[0].insert(key)
+                self.stats.fast.bytes_in += load.need
+                if load.event is not None:
+                    self._events[key] = load.event
+                if background:
+                    self._unused.add(key)
+                    self.stats.prefetch.loaded += 1
+            load.value = value
+        load.done.set()
+
+    def _read_below(self, key: Key) -> Weights:
+        """The expert from the first tier below the fast one that has it, promoted into those between."""
+        for i in range(1, len(self.tiers) - 1):
+            with self._lock:
+                w = self.tiers[i].get(key)
+                self.policies[i].record(key)
+                st = self.stats.tiers[self.tiers[i].name]
+                if w is not None:
+                    st.hits += 1
+                    return w
+                st.misses += 1
+        w = self.source.get(key)
+        nbytes = self.source.stored_bytes(key) if hasattr(self.source, "stored_bytes") else 0
+        for i in range(1, len(self.tiers) - 1):
+            tier = self.tiers[i]
+            formed = tier.form(w)
+            with self._lock:
+                if key not in tier and self._make_room(i, tier.cost(key), strict=True):
+                    tier.put(key, formed)
+                    self.policies[i].insert(key)
+                    self.stats.tiers[tier.name].bytes_in += tier.cost(key)
+            w = formed
+        with self._lock:
+            self.stats.disk_reads += 1
+            self.stats.disk_bytes += nbytes
+        return w
+
+    def _make_room(self, i: int, need: int, strict: bool) -> bool:
+        """Under the lock: evict from cache tier i until `need` more bytes fit. Pinned experts go only
+        for a strict (demand) load; if nothing at all is left to evict (everything is in flight), a
+        demand goes over budget by that one load rather than wait."""
+        tier, policy = self.tiers[i], self.policies[i]
+        while tier.used + self._reserved[i] + need > tier.capacity:
+            victim = policy.victim(self._pins if i == 0 else ())
+            if victim is None and strict and i == 0:
+                victim = policy.victim(())
+            if victim is None:
+                return strict
+            tier.drop(victim)
+            self.stats.tiers[tier.name].evictions += 1
+            if i == 0 and victim in self._unused:
+                self._unused.discard(victim)
+                self.stats.prefetch.wasted += 1
+        return True
+
+    def _ready(self, key: Key, w: Weights) -> Weights:
+        """CUDA: the first use of a prefetched expert waits for its side-stream copy, and tells the
+        allocator the main stream uses that memory (so freeing it on eviction waits for this work)."""
+        if self._events:
+            with self._lock:
+                event = self._events.pop(key, None)
+            if event is not None:
+                stream = torch.cuda.current_stream()
+                stream.wait_event(event)
+                for t in tensors_of(w):
+                    t.record_stream(stream)
+        return w
+
+
+def lfru_half_life(slots: int) -> float:
+    """LFRU's default memory, in accesses: a few turnovers of a fast tier holding `slots` experts."""
+    return max(1024, 32 * slots)
+
+
+def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int, bool]:
+    """(stored bytes, decoded bytes at `itemsize`, is MXFP4) of one expert, from the checkpoint header."""
+    stored = decoded = 0
+    packed = True
+    for kinds in index.names(*key).values():
+        for kind, name in kinds.items():
+            info = ckpt.info(name)
+            stored += info.nbytes
+            if kind == "weight":
+                decoded += info.nbytes // info.dtype.itemsize * itemsize
+                packed = False
+            elif kind == "weight_packed":
+                decoded += info.nbytes * 2 * itemsize
+    return stored, decoded, packed
+
+
+def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
+                device: str | torch.device = "cpu", options: StoreOptions = StoreOptions()) -> ExpertStore:
+    """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
+    return_large_frees_to_os()
+    device = torch.device(device)
+    accelerator = device.type != "cpu"
+    if options.prefetch not in PREFETCH_MODES:
+        raise ValueError(f"--prefetch {options.prefetch!r}: expected one of {', '.join(PREFETCH_MODES)}")
+    caching = options.policy != "none"
+    if not caching and options.prefetch != "none":
+        raise ValueError("--prefetch needs a cache: --expert-policy none keeps no experts to prefetch into")
+    sizes: dict[Key, tuple[int, int, bool]] = {}
+
+    def size(key: Key) -> tuple[int, int, bool]:
+        if key not in sizes:
+            sizes[key] = _expert_sizes(ckpt, index, key, dtype.itemsize)
+        return sizes[key]
+
+    def fast_cost(key: Key) -> int:
+        stored, decoded, packed = size(key)
+        return stored if packed and not options.decoded else decoded
+
+    def host_cost(key: Key) -> int:
+        stored, decoded, packed = size(key)
+        return stored if packed else decoded
+
+    disk = CheckpointTier(ckpt, index, dtype, options.drop_page_cache)
+    fast = MemoryTier("fast", options.expert_memory if caching else 0, fast_cost,
+                      partial(convert, decoded=options.decoded, dtype=dtype, device=device), device)
+    tiers: list[Tier] = [fast]
+    if caching and options.host_memory:
+        tiers.append(MemoryTier("host", options.host_memory, host_cost,
+                                partial(convert, decoded=False, dtype=dtype, device=torch.device("cpu"),
+                                        pin=accelerator)))
+    tiers.append(disk)
+
+    first = min(index.entries)  # every expert has the same shapes (ExpertIndex.validate)
+    top_k = config.moe.top_k
+    slots = 0
+    if caching:
+        form = "decoded" if options.decoded or not size(Key(*first))[2] else "MXFP4"
+        need = top_k * fast_cost(Key(*first))
+        if options.expert_memory < need:
+            raise ValueError(
+                f"--expert-memory {human_bytes(options.expert_memory)} is smaller than one layer's active experts: "
+                f"{top_k} x {human_bytes(fast_cost(Key(*first)))} ({form}) = {human_bytes(need)}; "
+                f"give at least {human_bytes(need)}")
+        host_need = top_k * host_cost(Key(*first))
+        if options.host_memory and options.host_memory < host_need:
+            raise ValueError(f"--host-memory {human_bytes(options.host_memory)} is smaller than one layer's active "
+                             f"experts ({human_bytes(host_need)}); give at least that, or 0 for no host tier")
+        slots = options.expert_memory // fast_cost(Key(*first))
+
+    trace = None
+    if options.profile:
+        from moeswap.experts.trace import read_trace
+
+        trace = read_trace(options.profile)
+    policy = options.policy if caching else "lru"
+    kwargs = dict(profile=trace.profile() if trace else None, half_life=lfru_half_life(slots),
+                  future=trace.accesses() if trace and policy == "belady" else None)
+    policies = [make_policy(policy, **kwargs)]
+    if len(tiers) == 3:  # the host tier sees only fast-tier misses: Belady's future does not apply there
+        policies.append(make_policy("lru" if policy == "belady" else policy, **kwargs))
+    store = ExpertStore(tiers, policies, max_hint=max(top_k, slots // 4))
+    if options.prefetch == "next-layer":
+        from moeswap.experts.prefetch import Prefetcher
+
+        store.prefetcher = Prefetcher(store)
+    return store

@@ -93,6 +93,7 @@ class KimiModel(nn.Module):
             self.model.output_attn_res_proj = WeightOnly(1, c.hidden_size, device=device)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
+        self.expert_lookahead = None  # hook(layer, hidden) set by the loader for next-layer prefetch; not a module
 
     def moe_blocks(self) -> list[MoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
@@ -122,6 +123,8 @@ class KimiModel(nn.Module):
                 partial = torch.zeros_like(partial)
             partial = partial + layer.self_attn(layer.input_layernorm(h), state.layers[i] if state else None)
             m = mix(partial, bank, score_vector(layer.mlp_res_norm, layer.mlp_res_proj), eps) if block else partial
+            if self.expert_lookahead is not None:  # guess the next MoE layer's experts while this one computes
+                self.expert_lookahead(i, m)
             partial = partial + layer.feed_forward(layer.post_attention_layernorm(m))
         if block:
             partial = mix(partial, bank, score_vector(self.model.output_attn_res_norm, self.model.output_attn_res_proj), eps)

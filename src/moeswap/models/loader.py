@@ -17,7 +17,7 @@ from torch import nn
 
 from moeswap.config import ModelConfig, load_config
 from moeswap.experts.source import ExpertIndex
-from moeswap.experts.store import CheckpointExpertStore
+from moeswap.experts.store import StoreOptions, build_store
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
 
@@ -26,7 +26,16 @@ from moeswap.models import REGISTRY, build_model
 class LoadOptions:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on accelerators
     device: str = "cpu"
-    expert_memory: int = 1 << 30  # bytes of decoded experts kept between steps
+    expert_memory: int = 1 << 30  # bytes of routed experts kept in the fast tier (experts/store.py)
+    host_memory: int = 0  # bytes of a host-memory tier between the fast tier and disk (0: none)
+    expert_policy: str = "lfru"  # lru | lfu | lfru | static | belady | none (read every expert every time)
+    prefetch: str = "none"  # none | next-layer
+    decoded_experts: bool = False  # keep decoded copies in the fast tier instead of MXFP4 bytes
+    expert_profile: str | None = None  # routing trace for --expert-policy static
+
+    def store_options(self) -> StoreOptions:
+        return StoreOptions(self.expert_memory, self.host_memory, self.expert_policy, self.prefetch,
+                            self.decoded_experts, self.expert_profile)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -49,10 +58,27 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     model = build_model(config, device="meta")
     index = fill_from_checkpoint(model, ckpt, config, dtype, options.device)
     index.validate(ckpt, config)
-    store = CheckpointExpertStore(ckpt, index, dtype, options.device, options.expert_memory)
+    store = build_store(ckpt, index, config, dtype, options.device, options.store_options())
+    attach_store(model, store)
+    return model.eval(), store
+
+
+def attach_store(model: nn.Module, store) -> None:
+    """Every MoE block fetches from `store`; with a prefetcher, the model also gets the next-layer
+    lookahead hook (layer l+1's norm and router applied to layer l's hidden state)."""
     for block in model.moe_blocks():
         block.store = store
-    return model.eval(), store
+    model.expert_lookahead = None
+    if getattr(store, "prefetcher", None) is None:
+        return
+    from moeswap.experts.prefetch import NextLayerLookahead
+
+    routes = {}
+    for i, layer in enumerate(model.model.layers):
+        if i > 0 and hasattr(layer, "block_sparse_moe"):
+            gate, norm = layer.block_sparse_moe.gate, layer.post_attention_layernorm
+            routes[i - 1] = (i, lambda h, gate=gate, norm=norm: gate(norm(h))[0])
+    model.expert_lookahead = NextLayerLookahead(routes, store.prefetcher)
 
 
 def checkpoint_map_module(config: ModelConfig):

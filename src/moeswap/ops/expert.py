@@ -1,7 +1,7 @@
 """Routed-expert math on already-decoded weights: y = w2 (act(w1 x) * w3 x).
 
-`ExpertWeights` is what an expert store hands to the MoE block. A store that computes straight
-from MXFP4 bytes would hand a different object with the same `__call__`.
+`ExpertWeights` is what an expert store hands to the MoE block; `MXFP4ExpertWeights` has the same
+`__call__` and computes straight from MXFP4 bytes (ops/expert_mxfp4.py).
 Shapes: T tokens, I expert input width (latent or model width), F expert width.
 """
 
@@ -32,8 +32,9 @@ class ExpertWeights:
 @dataclass
 class MXFP4ExpertWeights:
     """An expert kept as its stored MXFP4 bytes (4.25 bits per weight); computes without keeping a
-    decoded copy. This is the plain-torch reference: each call decodes, multiplies, and drops the
-    decoded weights. Faster kernels register in ops and must match it."""
+    decoded copy. The math is ops.expert_mxfp4's selected implementation (a C kernel on CPU that decodes
+    blocks in registers, else decoding in row chunks); `expert_mxfp4.reference` is the plain-torch oracle
+    it matches (decode all, multiply, drop)."""
 
     w1_packed: torch.Tensor  # uint8 [F, I/2]
     w1_scale: torch.Tensor  # uint8 [F, I/32]
@@ -47,10 +48,6 @@ class MXFP4ExpertWeights:
         return sum(t.numel() * t.element_size() for t in vars(self).values())
 
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
-        from moeswap.formats import mxfp4
+        from moeswap.ops import expert_mxfp4
 
-        def w(name: str) -> torch.Tensor:
-            return mxfp4.decode(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), torch.float32).to(x_TI.dtype)
-
-        h_TF = glu(act, x_TI @ w("w1").T, x_TI @ w("w3").T, situ_betas)
-        return h_TF @ w("w2").T
+        return expert_mxfp4.select()(self, x_TI, act, situ_betas)

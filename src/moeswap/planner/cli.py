@@ -73,7 +73,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--offload-compute", choices=("swap", "host"), default="swap",
                    help="swap spilled experts into HBM, or run them on the host CPU")
     o.add_argument("--hit-rate", type=float, help="expert-cache hit rate (default: resident fraction, uniform routing)")
-    o.add_argument("--trace", help="JSON {\"expert_counts\": [[count per expert] per layer]} for hit rates")
+    o.add_argument("--trace", help="routing trace from `moeswap trace` (trace.bin), or JSON "
+                   "{\"expert_counts\": [[count per expert] per layer]}, for hit rates")
     o.add_argument("--swap-overlap", type=float, default=0.0, help="fraction of swap time hidden by prefetch")
 
     l = p.add_argument_group("--hardware local")
@@ -93,6 +94,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _trace(path: str) -> tuple[tuple[float, ...], ...]:
+    from moeswap.experts.trace import is_trace_file, read_trace  # torch-free
+
+    if is_trace_file(path):  # a routing trace from `moeswap trace` (trace.bin): its per-layer expert counts
+        try:
+            return tuple(tuple(float(x) for x in layer) for layer in read_trace(path).expert_counts())
+        except ValueError as e:
+            raise PlanError(f"--trace {e}") from None
     try:
         data = json.loads(Path(path).read_text())
         counts = data["expert_counts"]

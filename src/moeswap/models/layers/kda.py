@@ -86,14 +86,16 @@ class KDA(nn.Module):
         qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         conv_BTC = causal_conv_silu(qkv_BTC, state.conv_BWC, weight)
-        state.conv_BWC = torch.cat([state.conv_BWC, qkv_BTC], dim=1)[:, -(self.W - 1):].contiguous()
+        # State is updated in place: it may be a view into an engine's preallocated batch buffers.
+        state.conv_BWC.copy_(torch.cat([state.conv_BWC, qkv_BTC], dim=1)[:, -(self.W - 1):])
         q, k, v = (t.unflatten(-1, (self.H, self.K)).float() for t in conv_BTC.chunk(3, dim=-1))
         q = l2_normalize(q) * self.K**-0.5
         k = l2_normalize(k)
         beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
         g_BTHK = self.decay(x_BTD)
         core = kda_recurrent if T == 1 else kda_chunked
-        o_BTHK, state.recurrent_BHKK = core(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK)
+        o_BTHK, S_BHKK = core(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK)
+        state.recurrent_BHKK.copy_(S_BHKK)
         gate = self.output_gate(x_BTD).unflatten(-1, (self.H, self.K)).float()
         y = rms_norm(o_BTHK, self.o_norm.weight, self.eps) * torch.sigmoid(gate)
         return self.o_proj(y.flatten(-2).to(x_BTD.dtype))

@@ -21,6 +21,9 @@ from moeswap.models.layers.basic import RMSNorm
 class MLACache:
     latent_BSX: torch.Tensor  # [B, capacity, L + R]
     lengths_B: torch.Tensor  # int64, tokens cached per sequence
+    # Host-side max(lengths_B) when the owner knows it (engine), so a step needs no device->host read;
+    # None: read it from lengths_B.
+    max_length: int | None = None
 
     @staticmethod
     def empty(batch: int, width: int, dtype: torch.dtype, device, capacity: int = 64) -> "MLACache":
@@ -29,9 +32,14 @@ class MLACache:
             torch.zeros(batch, dtype=torch.long, device=device),
         )
 
+    def longest(self) -> int:
+        return self.max_length if self.max_length is not None else int(self.lengths_B.max())
+
     def append(self, new_BTX: torch.Tensor) -> None:
+        """Writes in place (latent rows and lengths) unless capacity must grow: the cache may be a
+        view into an engine's preallocated buffers, which are sized so that it never grows."""
         B, T, _ = new_BTX.shape
-        need = int(self.lengths_B.max()) + T
+        need = self.longest() + T
         if need > self.latent_BSX.shape[1]:
             grown = torch.zeros(B, max(need, 2 * self.latent_BSX.shape[1]), new_BTX.shape[-1],
                                 dtype=self.latent_BSX.dtype, device=self.latent_BSX.device)
@@ -39,7 +47,8 @@ class MLACache:
             self.latent_BSX = grown
         pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
         self.latent_BSX[torch.arange(B, device=new_BTX.device)[:, None], pos_BT] = new_BTX.to(self.latent_BSX.dtype)
-        self.lengths_B = self.lengths_B + T
+        self.lengths_B += T
+        self.max_length = need
 
 
 class MLA(nn.Module):
@@ -79,9 +88,9 @@ class MLA(nn.Module):
         q_BTHX = self.queries(x_BTD).unflatten(-1, (self.H, self.N + self.R))
         q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
         c_kv, k_r = self.kv_a_proj_with_mqa(x_BTD).split([self.L, self.R], dim=-1)
-        past_B = cache.lengths_B
+        past_B = cache.lengths_B.clone()  # append updates lengths_B in place
         cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
-        S = int(cache.lengths_B.max())
+        S = cache.longest()
         c_BSL, k_r_BSR = cache.latent_BSX[:, :S].split([self.L, self.R], dim=-1)
 
         w_HXL = self.kv_b_proj.weight.unflatten(0, (self.H, self.N + self.V))

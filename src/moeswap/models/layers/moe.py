@@ -92,12 +92,15 @@ class MoE(nn.Module):
         weights = w_TK.flatten()[order]
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         start = 0
-        # One expert at a time: a prefill step may route to every expert of the layer, and holding
-        # them all decoded at once would defeat the store's memory budget.
-        for expert_id, n in zip(unique_ids.tolist(), counts.tolist()):
-            expert = self.store.fetch(self.layer_idx, [expert_id])[0]
+        # One fetch per layer step, so the store sees the whole active set (pins, traces, read-ahead);
+        # it hands each expert over when indexed, one at a time: a prefill step may route to every expert
+        # of the layer, and holding them all at once would defeat the store's memory budget.
+        experts = self.store.fetch(self.layer_idx, unique_ids.tolist())
+        for i, n in enumerate(counts.tolist()):
+            expert = experts[i]
             rows = token_of[start : start + n]
             y = expert(h_TI[rows], self.act, self.situ_betas)
+            del expert  # the store may evict it while the next one loads; do not keep it alive here
             out_TI.index_add_(0, rows, y.float() * weights[start : start + n, None])
             start += n
         return out_TI.to(h_TI.dtype)

@@ -1,0 +1,90 @@
+"""Counters of the expert store: hits and misses per tier, bytes moved, time stalled, prefetch accuracy.
+
+Plain dataclasses filled by ExpertStore under its lock; `as_dict()` is what the API, `generate --stats`
+and (later) the server export, `summary()` the one line the CLI prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TierStats:
+    hits: int = 0  # demand lookups this tier answered
+    misses: int = 0  # demand lookups it could not answer (served by a slower tier)
+    bytes_in: int = 0  # bytes written into this tier (promotions and prefetches)
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.hits + self.misses)
+
+
+@dataclass
+class PrefetchStats:
+    predicted: int = 0  # experts named by lookahead hints, over the layer steps that had a hint
+    actual: int = 0  # experts those layer steps really used
+    correct: int = 0  # named and used
+    loaded: int = 0  # experts the background thread loaded (lookahead and in-layer read-ahead)
+    used: int = 0  # background loads that a demand then found resident
+    late: int = 0  # demands that found their expert still loading and waited for it
+    wasted: int = 0  # background loads evicted before any demand used them
+    dropped: int = 0  # hinted experts not loaded: no room without evicting a pinned expert, or stale
+
+    @property
+    def precision(self) -> float:
+        return self.correct / self.predicted if self.predicted else float("nan")
+
+    @property
+    def recall(self) -> float:
+        return self.correct / self.actual if self.actual else float("nan")
+
+
+@dataclass
+class StoreStats:
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # fastest first
+    disk_reads: int = 0  # experts read from the checkpoint
+    disk_bytes: int = 0  # stored bytes read from the checkpoint
+    stall_s: float = 0.0  # time fetch waited for experts that were not in the fast tier
+    load_s: float = 0.0  # time spent reading and converting experts, on any thread
+    prefetch: PrefetchStats = field(default_factory=PrefetchStats)
+
+    @property
+    def fast(self) -> TierStats:
+        return next(iter(self.tiers.values()))
+
+    # The single-tier store's names, kept for callers that only care about the fast tier.
+    @property
+    def hits(self) -> int:
+        return self.fast.hits
+
+    @property
+    def misses(self) -> int:
+        return self.fast.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.fast.hit_rate
+
+    @property
+    def bytes_read(self) -> int:
+        return self.disk_bytes
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hits=self.hits, misses=self.misses, hit_rate=self.hit_rate, bytes_read=self.disk_bytes)
+        for name, t in self.tiers.items():
+            d["tiers"][name]["hit_rate"] = t.hit_rate
+        d["prefetch"].update(precision=self.prefetch.precision, recall=self.prefetch.recall)
+        return d
+
+    def summary(self) -> str:
+        tiers = ", ".join(f"{n} {t.hits} hits / {t.misses} misses ({t.hit_rate:.0%})" for n, t in self.tiers.items())
+        line = (f"experts: {tiers}; disk {self.disk_reads} reads, {self.disk_bytes / 1e6:.1f} MB; "
+                f"stalled {self.stall_s * 1e3:.0f} ms")
+        p = self.prefetch
+        if p.loaded or p.predicted:
+            line += (f"; prefetch precision {p.precision:.0%} recall {p.recall:.0%}, {p.loaded} loaded, "
+                     f"{p.used} used, {p.late} late, {p.wasted} wasted, {p.dropped} dropped")
+        return line

@@ -1,0 +1,199 @@
+"""Tiers: places an expert can be. `get(key)` -> weights or None, `put(key, weights)`, a byte capacity.
+
+MemoryTier is accelerator memory (CUDA) or host memory (pinned when an accelerator is present); it keeps
+experts in its own form: the stored MXFP4 bytes (default) or decoded copies. CheckpointTier is the disk:
+the checkpoint itself, read per expert by byte range (pread), never a whole file. Tiers do no eviction
+and no locking: ExpertStore decides what goes where, under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import torch
+
+from moeswap.experts.keys import Key
+from moeswap.experts.source import ExpertIndex, load_expert
+from moeswap.formats import mxfp4
+from moeswap.formats.checkpoint import Checkpoint, CheckpointError
+from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
+
+Weights = ExpertWeights | MXFP4ExpertWeights
+
+
+class Tier:
+    name: str
+    capacity: float  # bytes; math.inf for the checkpoint
+
+    def get(self, key: Key) -> Weights | None:
+        raise NotImplementedError
+
+    def put(self, key: Key, weights: Weights) -> Weights:
+        raise NotImplementedError
+
+
+def tensors_of(w: Weights) -> list[torch.Tensor]:
+    return list(vars(w).values())
+
+
+def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
+    """`w` in a tier's form: MXFP4 bytes or decoded `dtype` weights, on `device` (pinned if asked)."""
+    if isinstance(w, MXFP4ExpertWeights) and decoded:
+        mats = {p: mxfp4.decode(getattr(w, f"{p}_packed"), getattr(w, f"{p}_scale"), torch.float32).to(dtype)
+                for p in ("w1", "w2", "w3")}
+        w = ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])
+    elif isinstance(w, ExpertWeights):
+        w = ExpertWeights(*(t.to(dtype) for t in (w.w1_FI, w.w3_FI, w.w2_IF)))
+    moved = {k: _place(t, device, pin) for k, t in vars(w).items()}
+    return type(w)(**moved)
+
+
+def _place(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if pin and device.type == "cpu" and not t.is_pinned():
+        return t.pin_memory()
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
+class MemoryTier(Tier):
+    """A dict of experts in one form on one device. `form(w)` converts to that form (the slow part: a
+    decode or a device copy, done before taking the store's lock); `put` stores an already-formed expert.
+    `cost(key)` is the bytes a key takes here, known before reading it, so the store can make room first."""
+
+    def __init__(self, name: str, capacity: int, cost: Callable[[Key], int],
+                 form: Callable[[Weights], Weights] = lambda w: w, device: str | torch.device = "cpu"):
+        self.name, self.capacity, self.cost, self.form = name, capacity, cost, form
+        self.device = torch.device(device)
+        self.used = 0
+        self._items: dict[Key, Weights] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list[Key]:
+        return list(self._items)
+
+    def get(self, key: Key) -> Weights | None:
+        return self._items.get(key)
+
+    def put(self, key: Key, weights: Weights) -> Weights:
+        if key not in self._items:
+            self.used += self.cost(key)
+        self._items[key] = weights
+        return weights
+
+    def drop(self, key: Key) -> None:
+        if self._items.pop(key, None) is not None:
+            self.used -= self.cost(key)
+
+
+class CheckpointTier(Tier):
+    """The checkpoint on disk: always has every expert, takes none. Reads only the expert's byte ranges
+    (one pread when its tensors are adjacent, else one per tensor) and checks what it read, so a bad
+    expert fails here naming layer, expert and file.
+
+    drop_page_cache: after each read, ask the OS to drop those pages (posix_fadvise DONTNEED), so the
+    next read of that expert comes from the device again, as it would for a checkpoint larger than RAM
+    (benchmarks use it; clean pages only, so run it on a checkpoint that has been written back)."""
+
+    name = "disk"
+    capacity = math.inf
+
+    def __init__(self, ckpt: Checkpoint, index: ExpertIndex, dtype: torch.dtype, drop_page_cache: bool = False):
+        self.ckpt, self.index, self.dtype, self.drop_page_cache = ckpt, index, dtype, drop_page_cache
+        self._fds: dict = {}  # our own descriptors, opened on first read of each file
+        self._spans: dict = {}
+
+    def get(self, key: Key) -> Weights:
+        span = self._span(key)
+        w = self._read_span(key, *span) if span else load_expert(self.ckpt, self.index, key.layer, key.expert,
+                                                                 self.dtype, decode=False)
+        self._check(key, w)
+        if self.drop_page_cache:
+            self._drop_pages(key)
+        return w
+
+    def put(self, key: Key, weights: Weights) -> Weights:
+        raise TypeError("the checkpoint tier is read-only")
+
+    def stored_bytes(self, key: Key) -> int:
+        return self.index.stored_bytes(self.ckpt, key.layer, key.expert)
+
+    def _files(self, key: Key) -> str:
+        names = self.index.names(key.layer, key.expert)
+        return ", ".join(sorted({str(self.ckpt.info(n).file) for kinds in names.values() for n in kinds.values()}))
+
+    def _check(self, key: Key, w: Weights) -> None:
+        """Bytes that cannot decode to finite weights: a NaN scale byte (0xFF) or a non-finite float.
+        MXFP4 elements are always finite, so the scales are all there is to check (1/16 of the bytes)."""
+        if isinstance(w, MXFP4ExpertWeights):  # numpy: a third of torch's per-call overhead on 16 KB arrays
+            bad = [p for p in ("w1", "w2", "w3") if getattr(w, f"{p}_scale").numpy().max() == mxfp4.SCALE_NAN]
+            what = "NaN scale bytes (0xFF)"
+        else:
+            bad = [p for p, t in (("w1", w.w1_FI), ("w3", w.w3_FI), ("w2", w.w2_IF)) if not bool(torch.isfinite(t).all())]
+            what = "non-finite weights"
+        if bad:
+            raise CheckpointError(f"{key}: {bad[0]} has {what} in {self._files(key)}: the file is corrupt; "
+                                  f"re-download or re-copy it")
+
+    def _span(self, key: Key):
+        """(file, start, end, parts) when the expert is MXFP4 and its tensors sit together in one file (as
+        published checkpoints store them): one pread into one buffer, which eviction returns whole."""
+        if key in self._spans:
+            return self._spans[key]
+        infos = {(proj, kind): self.ckpt.info(name) for proj, kinds in self.index.names(*key).items()
+                 for kind, name in kinds.items()}
+        span = None
+        if all(kind in ("weight_packed", "weight_scale") for _, kind in infos) and len({i.file for i in infos.values()}) == 1:
+            start = min(i.offset for i in infos.values())
+            end = max(i.offset + i.nbytes for i in infos.values())
+            if end - start <= sum(i.nbytes for i in infos.values()) + (64 << 10):  # at most a little padding read
+                parts = {f"{proj}_{kind.removeprefix('weight_')}": (i.offset - start, i.nbytes, i.shape)
+                         for (proj, kind), i in infos.items()}
+                span = (next(iter(infos.values())).file, start, end, parts)
+        self._spans[key] = span
+        return span
+
+    def _read_span(self, key: Key, file, start: int, end: int, parts) -> MXFP4ExpertWeights:
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        try:
+            fd = self._fd(file)
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    raise OSError(f"file shrank since open: expected {end - start} bytes at offset {start}, got {done}")
+                done += n
+        except OSError as err:
+            raise CheckpointError(f"{key}: cannot read its tensors from {file}: {err}") from err
+        return MXFP4ExpertWeights(**{name: buf[o : o + n].view(shape) for name, (o, n, shape) in parts.items()})
+
+    def _fd(self, file) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(file, os.O_RDONLY)
+        return self._fds[file]
+
+    def _drop_pages(self, key: Key) -> None:
+        span = self._spans.get(key)
+        if span:
+            try:
+                os.posix_fadvise(self._fd(span[0]), span[1], span[2] - span[1], os.POSIX_FADV_DONTNEED)
+            except (AttributeError, OSError):
+                pass
+            return
+        for kinds in self.index.names(key.layer, key.expert).values():
+            for name in kinds.values():
+                info = self.ckpt.info(name)
+                try:
+                    os.posix_fadvise(self._fd(info.file), info.offset, info.nbytes, os.POSIX_FADV_DONTNEED)
+                except (AttributeError, OSError):
+                    return  # not available here: reads stay cached, which only makes the disk look faster
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,170 @@
+"""compressed-tensors MX checkpoints: the quantization_config block and the per-module tensors.
+
+Formats: `mxfp4-pack-quantized` (weight_packed uint8 [out, in/2] + weight_scale uint8 [out, in/32]) and
+`mxfp8-quantized` (weight float8_e4m3fn [out, in] + weight_scale uint8 [out, in/32]). Knows module names
+only as strings the caller passes. Entry points: `parse_quantization_config`, `quantization_config`,
+`encode_weight` / `decode_weight`, `ignore_patterns`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# Importable without torch (config parsing and the planner use parse_quantization_config); the codecs
+# are imported where tensors are handled.
+QUANT_METHOD = "compressed-tensors"
+FORMATS = {"mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}  # short name -> format
+GROUP_SIZE = 32  # = mx.BLOCK
+_NUM_BITS = {"mxfp4-pack-quantized": 4, "mxfp8-quantized": 8}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What a compressed-tensors quantization_config says about the quantised modules."""
+
+    format: str  # a value of FORMATS
+    group_size: int
+    ignore: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ("Linear",)
+
+    @property
+    def short_name(self) -> str:
+        return short_name(self.format)
+
+
+def short_name(fmt: str) -> str:
+    for short, full in FORMATS.items():
+        if fmt in (short, full):
+            return short
+    raise ValueError(f"unknown MX format {fmt!r}; expected one of {', '.join(FORMATS)} "
+                     f"({', '.join(FORMATS.values())})")
+
+
+def parse_quantization_config(q: Mapping, source: str = "config.json") -> Scheme:
+    """Checks a compressed-tensors quantization_config holding one MX scheme; errors name the field."""
+    method = q.get("quant_method")
+    if method != QUANT_METHOD:
+        hint = " (block FP8: convert it with `moeswap quantize`)" if method == "fp8" else ""
+        raise ValueError(f"{source}: quantization_config.quant_method={method!r} is not supported "
+                         f"(moeswap reads compressed-tensors MXFP4/MXFP8 experts){hint}")
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(f"{source}: quantization_config.config_groups must name at least one scheme, got {groups!r}")
+    formats, group_sizes, targets = set(), set(), []
+    for name, grp in groups.items():
+        fmt = grp.get("format") or q.get("format")
+        formats.add(fmt)
+        weights = grp.get("weights") or {}
+        group_sizes.add(weights.get("group_size"))
+        targets += list(grp.get("targets") or ())
+        bits = weights.get("num_bits")
+        if fmt in _NUM_BITS and bits not in (None, _NUM_BITS[fmt]):
+            raise ValueError(f"{source}: quantization_config.config_groups.{name}: format {fmt} stores "
+                             f"{_NUM_BITS[fmt]}-bit weights, but weights.num_bits is {bits!r}")
+    if len(formats) != 1:
+        raise ValueError(f"{source}: quantization_config mixes formats {sorted(map(str, formats))}; "
+                         f"moeswap reads one MX format for the routed experts")
+    fmt = formats.pop()
+    if fmt not in _NUM_BITS:
+        raise ValueError(f"{source}: quantization format {fmt!r} is not supported "
+                         f"(expected {' or '.join(FORMATS.values())})")
+    group_size = group_sizes.pop() if len(group_sizes) == 1 else sorted(map(str, group_sizes))
+    if group_size != GROUP_SIZE:
+        raise ValueError(f"{source}: {short_name(fmt).upper()} group_size must be {GROUP_SIZE}, got {group_size}")
+    ignore = q.get("ignore") or ()
+    if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
+        raise ValueError(f"{source}: quantization_config.ignore must be a list of module names or 're:' "
+                         f"regexes, got {ignore!r}")
+    return Scheme(fmt, group_size, tuple(ignore), tuple(targets) or ("Linear",))
+
+
+def quantization_config(fmt: str, ignore: Iterable[str], targets: Iterable[str] = ("Linear",)) -> dict:
+    """The config.json block for modules stored as `fmt` (mxfp4 / mxfp8), as compressed-tensors writes it."""
+    full = FORMATS[short_name(fmt)]
+    weights = {"num_bits": _NUM_BITS[full], "type": "float", "symmetric": True, "group_size": GROUP_SIZE,
+               "strategy": "group", "dynamic": False, "observer": "minmax", "scale_dtype": "torch.uint8",
+               "actorder": None, "block_structure": None, "observer_kwargs": {}, "zp_dtype": None}
+    return {
+        "quant_method": QUANT_METHOD, "format": full, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"format": full, "targets": list(targets), "weights": weights,
+                                      "input_activations": None, "output_activations": None}},
+        "ignore": list(ignore), "kv_cache_scheme": None, "global_compression_ratio": None,
+    }
+
+
+def stored_specs(fmt: str, shape: tuple[int, int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """suffix -> (dtype, shape) of the tensors one [out, in] linear weight is stored as."""
+    import torch
+
+    out_dim, in_dim = shape
+    _check_shape(fmt, shape)
+    scale = (torch.uint8, (out_dim, in_dim // GROUP_SIZE))
+    if short_name(fmt) == "mxfp4":
+        return {"weight_packed": (torch.uint8, (out_dim, in_dim // 2)), "weight_scale": scale}
+    return {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": scale}
+
+
+def encode_weight(fmt: str, w: torch.Tensor, mode: str = "even") -> dict[str, torch.Tensor]:
+    """[out, in] float weight -> {suffix: tensor} in `fmt` (module-relative names, e.g. weight_packed)."""
+    from moeswap.formats import mxfp4, mxfp8
+
+    _check_shape(fmt, tuple(w.shape))
+    if short_name(fmt) == "mxfp4":
+        packed, scale = mxfp4.encode(w, mode)
+        return {"weight_packed": packed, "weight_scale": scale}
+    data, scale = mxfp8.encode(w, mode, "e4m3")
+    return {"weight": data, "weight_scale": scale}
+
+
+def decode_weight(fmt: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """{suffix: tensor} as stored -> the float weight (bf16 unless `dtype` says otherwise)."""
+    import torch
+
+    from moeswap.formats import mxfp4, mxfp8
+
+    dtype = dtype or torch.bfloat16
+    names = stored_names(fmt)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"{FORMATS[short_name(fmt)]} weight needs tensors {', '.join(names)}; missing "
+                         f"{', '.join(missing)} (found {', '.join(sorted(tensors)) or 'none'})")
+    if short_name(fmt) == "mxfp4":
+        return mxfp4.decode(tensors["weight_packed"], tensors["weight_scale"], dtype)
+    return mxfp8.decode(tensors["weight"], tensors["weight_scale"], dtype)
+
+
+def stored_names(fmt: str) -> tuple[str, str]:
+    return ("weight_packed", "weight_scale") if short_name(fmt) == "mxfp4" else ("weight", "weight_scale")
+
+
+def ignore_patterns(module_names: Iterable[str]) -> list[str]:
+    """Compact ignore entries for these modules: numbered path segments (layer, block indices) become
+    `\\d+` in an anchored `re:` pattern; names without numbers stay exact. Every pattern matches whole
+    names only, so it cannot reach a module that differs in any non-numeric segment."""
+    patterns = set()
+    for name in module_names:
+        parts = name.split(".")
+        if not any(p.isdigit() for p in parts):
+            patterns.add(name)
+            continue
+        patterns.add("re:^" + r"\.".join(r"\d+" if p.isdigit() else re.escape(p) for p in parts) + "$")
+    return sorted(patterns)
+
+
+def matches(module_name: str, patterns: Iterable[str]) -> bool:
+    """compressed-tensors' name matching: `re:` patterns with re.match, anything else exactly."""
+    return any(re.match(p[3:], module_name) if p.startswith("re:") else p == module_name for p in patterns)
+
+
+def _check_shape(fmt: str, shape: tuple[int, ...]) -> None:
+    name = FORMATS[short_name(fmt)]
+    if len(shape) != 2:
+        raise ValueError(f"{name} stores 2-D [out, in] weights, got shape {list(shape)}")
+    if shape[1] % GROUP_SIZE:
+        raise ValueError(f"{name} needs the input dim to be a multiple of {GROUP_SIZE}, got shape {list(shape)}")

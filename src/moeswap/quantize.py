@@ -1,0 +1,356 @@
+"""`moeswap quantize SRC DST --experts mxfp4|mxfp8 [--mode even|floor|rceil]`: re-store a checkpoint's
+routed experts as compressed-tensors MXFP4 or MXFP8 and report the error that introduces.
+
+Streams shard by shard, tensor by tensor (each tensor is read with pread, converted if it is an expert
+weight, written and dropped: peak memory is about one tensor), into a temporary sibling renamed to DST
+only when everything is written, so a failure leaves no output. Sources: bf16/fp16/fp32, DeepSeek block
+FP8 (non-expert FP8 weights are written dequantised to bf16) and compressed-tensors MX (same-format
+experts are copied byte for byte). Entry points: `quantize(src, dst, QuantizeOptions)` and
+`compare_models` (logit error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeswap.formats import compressed_tensors as ct
+from moeswap.formats import mx
+from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
+from moeswap.formats.weights import Declared, StoredWeight, group_modules, storage_of
+from moeswap.formats.writer import layout, write_index, write_shard
+
+# Routed experts (K3 / Kimi Linear w1-w3, DeepSeek gate/up/down_proj); `shared_experts.*` never matches.
+EXPERT_PATTERN = r"(?:.*\.)?experts\.\d+\.(?:w[123]|gate_proj|up_proj|down_proj)"
+REPORT_NAME = "quantization_report.json"
+DENSE_DTYPE = torch.bfloat16  # what quantised non-expert weights (block FP8) are written as
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    experts: str = "mxfp4"  # mxfp4 | mxfp8 (or the compressed-tensors format names)
+    mode: str = "even"  # block exponent: even (compressed-tensors) | floor (OCP spec) | rceil
+    expert_pattern: str = EXPERT_PATTERN  # full-match regex on module names
+    progress: bool = False
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOptions = QuantizeOptions()) -> dict:
+    """Writes DST and returns the report (also saved as DST/quantization_report.json)."""
+    fmt = ct.short_name(options.experts)
+    mx.check_mode(options.mode)
+    try:
+        pattern = re.compile(options.expert_pattern)
+    except re.error as err:
+        raise ValueError(f"--expert-pattern {options.expert_pattern!r} is not a valid regex: {err}") from None
+    src, dst = Path(src), Path(dst)
+    raw = _read_config(src)
+    _check_destination(src, dst)
+    t0 = time.perf_counter()
+    with Checkpoint.open(src) as ckpt:
+        plan = _Plan.build(ckpt, raw, fmt, pattern, src)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+        try:
+            report = plan.write(tmp, options)
+            report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
+            _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
+            _copy_side_files(src, tmp)
+            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+            Checkpoint.open(tmp).close()  # every header parses and the index resolves
+            for file in tmp.iterdir():  # mkdtemp creates owner-only files
+                if file.is_file():
+                    file.chmod(0o644)
+            tmp.chmod(0o755)
+            if dst.exists():
+                dst.rmdir()
+            os.replace(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return report
+
+
+# -- planning -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Unit:
+    """Source tensors that become output tensors together: one passthrough tensor or one module."""
+
+    outputs: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # output name -> spec
+    action: str  # "copy" | "encode" | "dequantize"
+    weight: StoredWeight | None = None
+
+
+class _Plan:
+    def __init__(self, ckpt: Checkpoint, declared: Declared, fmt: str, shards: dict[str, list[_Unit]],
+                 ignore: list[str], experts: int):
+        self.ckpt, self.declared, self.fmt, self.shards, self.ignore = ckpt, declared, fmt, shards, ignore
+        self.expert_count = experts
+
+    @classmethod
+    def build(cls, ckpt: Checkpoint, raw: dict, fmt: str, pattern: re.Pattern, src: Path) -> _Plan:
+        declared = Declared.from_config(raw, str(src / "config.json"))
+        modules, _ = group_modules(ckpt.names())
+        weights = {m: storage_of(ckpt, m, t, declared) for m, t in modules.items()}
+        experts = {m for m in weights if pattern.fullmatch(m)}
+        if not experts:
+            raise ValueError(f"{src}: no routed-expert weights found (module names matching {pattern.pattern!r}, "
+                             f"e.g. model.layers.1.block_sparse_moe.experts.0.w1); pass --expert-pattern")
+        owner = {name: m for m, t in modules.items() for name in t.values()}
+        shards: dict[str, list[_Unit]] = {}
+        placed: set[str] = set()
+        by_file: dict[Path, list[str]] = {}
+        for name in ckpt.names():
+            by_file.setdefault(ckpt.info(name).file, []).append(name)
+        for file in ckpt.files():  # each module goes to the shard that holds its first tensor
+            units = shards.setdefault(file.name, [])
+            for name in sorted(by_file[file], key=lambda n: ckpt.info(n).offset):
+                module = owner.get(name)
+                if module is None or (module not in experts and weights[module].kind == "float"):
+                    info = ckpt.info(name)
+                    units.append(_Unit({name: (info.dtype, info.shape)}, "copy"))
+                    continue
+                if module in placed:
+                    continue
+                placed.add(module)
+                units.append(cls._module_unit(ckpt, weights[module], module in experts, fmt))
+        dense_2d = [m for m, w in weights.items() if m not in experts and len(w.shape(ckpt)) == 2]
+        ignore = ct.ignore_patterns(dense_2d)
+        caught = sorted(m for m in experts if ct.matches(m, ignore))
+        if caught:  # cannot happen for names that differ in a non-numeric segment; checked all the same
+            raise ValueError(f"{src}: the ignore list built for the non-expert modules would also match routed "
+                             f"expert {caught[0]!r}; pass a narrower --expert-pattern")
+        return cls(ckpt, declared, fmt, shards, ignore, len(experts))
+
+    @staticmethod
+    def _module_unit(ckpt: Checkpoint, weight: StoredWeight, is_expert: bool, fmt: str) -> _Unit:
+        if not is_expert:  # a quantised dense weight: written dequantised (the new config leaves it unquantised)
+            return _Unit({f"{weight.module}.weight": (DENSE_DTYPE, weight.shape(ckpt))}, "dequantize", weight)
+        if weight.kind == fmt:  # already in the target format: keep the shipped codes
+            return _Unit({n: (ckpt.info(n).dtype, ckpt.info(n).shape) for n in weight.tensors.values()}, "copy", weight)
+        _check_expert_shape(ckpt, weight, fmt)
+        specs = ct.stored_specs(fmt, weight.shape(ckpt))
+        return _Unit({f"{weight.module}.{s}": spec for s, spec in specs.items()}, "encode", weight)
+
+    def write(self, out: Path, options: QuantizeOptions) -> dict:
+        from tqdm import tqdm
+
+        rows: list[dict] = []
+        dequantized: list[str] = []
+        weight_map: dict[str, str] = {}
+        total = 0
+        bar = tqdm(total=self.expert_count, desc="experts", unit=" weights", disable=not options.progress)
+        for file_name, units in self.shards.items():
+            if not units:  # every module of this shard began in an earlier one
+                continue
+            specs = [(name, dtype, shape) for unit in units for name, (dtype, shape) in unit.outputs.items()]
+            by_output = {name: unit for unit in units for name in unit.outputs}
+            total += write_shard(out / file_name, specs, self._produce(specs, by_output, options, rows, bar))
+            weight_map.update({name: file_name for name, _, _ in specs})
+            dequantized += [u.weight.module for u in units if u.action == "dequantize"]
+        bar.close()
+        write_index(out, weight_map, total)
+        return _report(rows, dequantized, self.fmt, options.mode, self.ckpt.total_bytes, total)
+
+    def _produce(self, specs, by_output: dict[str, _Unit], options: QuantizeOptions, rows: list,
+                 bar) -> Iterator[tuple[str, torch.Tensor]]:
+        cache: tuple[_Unit | None, dict[str, torch.Tensor]] = (None, {})
+        for name, _, _ in layout(specs):
+            unit = by_output[name]
+            if unit.action == "copy" and unit.weight is None:
+                yield name, self.ckpt.read(name)
+                continue
+            if cache[0] is not unit:
+                cache = (unit, self._convert(unit, options, rows, bar))
+            yield name, cache[1][name]
+
+    def _convert(self, unit: _Unit, options: QuantizeOptions, rows: list, bar) -> dict[str, torch.Tensor]:
+        weight = unit.weight
+        if unit.action == "copy":  # same-format expert
+            rows.append({"name": weight.module, "shape": list(weight.shape(self.ckpt)), "source": weight.kind,
+                         "action": "copied", "rel_error": 0.0, "max_abs_error": 0.0})
+            bar.update()
+            return {n: self.ckpt.read(n) for n in unit.outputs}
+        if unit.action == "dequantize":
+            return {f"{weight.module}.weight": weight.read_float(self.ckpt, DENSE_DTYPE, self.declared)}
+        # Float sources are encoded in their own dtype (bit-identical to compressed-tensors for bf16 inputs);
+        # quantised ones from their exact fp32 decoding.
+        w = self.ckpt.read(weight.tensors["weight"]) if weight.kind == "float" else \
+            weight.read_float(self.ckpt, torch.float32, self.declared)
+        stored = ct.encode_weight(self.fmt, w, options.mode)
+        back = ct.decode_weight(self.fmt, stored, torch.float32)
+        rows.append({"name": weight.module, "shape": list(w.shape), "source": weight.kind, "action": "encoded",
+                     **_errors(w.float(), back)})
+        bar.update()
+        return {f"{weight.module}.{suffix}": t for suffix, t in stored.items()}
+
+
+def _check_expert_shape(ckpt: Checkpoint, weight: StoredWeight, fmt: str) -> None:
+    shape = weight.shape(ckpt)
+    if len(shape) != 2 or shape[1] % mx.BLOCK:
+        raise ValueError(f"routed expert {weight.module}: shape {list(shape)} cannot be stored as "
+                         f"{ct.FORMATS[fmt]}: the input (last) dim must be a multiple of {mx.BLOCK}")
+
+
+def _errors(w: torch.Tensor, q: torch.Tensor) -> dict:
+    diff = (q - w).double()
+    norm = w.double().norm().item()
+    err = diff.norm().item()
+    return {"rel_error": err / norm if norm else (0.0 if err == 0 else math.inf),
+            "max_abs_error": diff.abs().max().item() if diff.numel() else 0.0}
+
+
+def _report(rows: list[dict], dequantized: list[str], fmt: str, mode: str, bytes_in: int, bytes_out: int) -> dict:
+    encoded = [r for r in rows if r["action"] == "encoded"]
+    summary = {"expert_weights": len(rows), "encoded": len(encoded), "copied": len(rows) - len(encoded),
+               "bytes_in": bytes_in, "bytes_out": bytes_out}
+    if encoded:
+        worst = max(encoded, key=lambda r: r["rel_error"])
+        summary.update(mean_rel_error=sum(r["rel_error"] for r in encoded) / len(encoded),
+                       max_rel_error=worst["rel_error"], worst_tensor=worst["name"],
+                       max_abs_error=max(r["max_abs_error"] for r in encoded))
+    return {"format": ct.FORMATS[fmt], "mode": mode, "summary": summary,
+            "dequantized_to_bf16": dequantized, "tensors": rows}
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+
+def _read_config(src: Path) -> dict:
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: expected a model directory (config.json + safetensors), found "
+                                f"{'a file' if src.exists() else 'nothing'}")
+    path = src / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; a model directory needs its config.json") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: expected JSON, cannot parse it: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    return raw
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ValueError(f"{dst}: the destination must differ from the source")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} exists and is not an empty directory; choose another destination or remove it")
+
+
+def _write_config(out: Path, raw: dict, qconfig: dict) -> None:
+    config = copy.deepcopy(raw)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+    holder = text if text is not None and "quantization_config" in text else config
+    for d in (config, text or {}):
+        d.pop("quantization_config", None)
+    holder["quantization_config"] = qconfig
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Tokenizer, generation config, code: everything but the weights, their index and config.json."""
+    for path in src.iterdir():
+        if path.name in ("config.json", INDEX_NAME, REPORT_NAME) or path.suffix == ".safetensors":
+            continue
+        if path.is_dir():
+            shutil.copytree(path, out / path.name)
+        elif path.is_file():
+            shutil.copy2(path, out / path.name)
+
+
+# -- quality --------------------------------------------------------------------------------------
+
+
+def compare_models(reference: str | os.PathLike, candidate: str | os.PathLike, tokens: int = 64,
+                   generate_tokens: int = 32, seed: int = 0, dtype: str = "float32") -> dict:
+    """Logit error of `candidate` against `reference` on one random prompt (teacher forced), and how many
+    greedy tokens the two generate identically before they first differ. Both must load in moeswap."""
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.models.loader import LoadOptions, load_model
+
+    results = []
+    for path in (reference, candidate):
+        model, _ = load_model(path, LoadOptions(dtype=dtype))
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen)
+        with torch.no_grad():
+            logits = model(ids)[0].float()
+            greedy = generate(model, ids[0].tolist(), GenerationConfig(max_tokens=generate_tokens, stop_ids=()))
+        results.append((logits, greedy.tokens))
+        del model
+    (ref, ref_tokens), (cand, cand_tokens) = results
+    same_prefix = next((i for i, (a, b) in enumerate(zip(ref_tokens, cand_tokens)) if a != b), len(ref_tokens))
+    diff = (cand - ref).double()
+    return {
+        "tokens": tokens, "logit_rel_error": diff.norm().item() / ref.double().norm().item(),
+        "logit_max_abs_error": diff.abs().max().item(),
+        "top1_agreement": (cand.argmax(-1) == ref.argmax(-1)).double().mean().item(),
+        "greedy_tokens": len(ref_tokens), "greedy_identical_prefix": same_prefix,
+        "greedy_agreement": sum(a == b for a, b in zip(ref_tokens, cand_tokens)) / max(1, len(ref_tokens)),
+    }
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="store a checkpoint's routed experts as MXFP4 or MXFP8 (+ error report)")
+    p.add_argument("src", help="model directory (bf16, block-FP8 or compressed-tensors checkpoint)")
+    p.add_argument("dst", help="output directory (must not exist or be empty)")
+    p.add_argument("--experts", required=True, choices=tuple(ct.FORMATS), help="format of the routed experts")
+    p.add_argument("--mode", default="even", choices=mx.MODES,
+                   help="block scale rule: even (compressed-tensors, default), floor (OCP spec), rceil (never clips)")
+    p.add_argument("--expert-pattern", default=EXPERT_PATTERN, help="regex matching routed-expert module names")
+    p.add_argument("--eval-tokens", type=int, default=0, metavar="N",
+                   help="afterwards, compare logits with the source on N random tokens (both must load in moeswap)")
+    p.add_argument("--json", action="store_true", help="print the whole report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = QuantizeOptions(args.experts, args.mode, args.expert_pattern, progress=sys.stderr.isatty())
+    report = quantize(args.src, args.dst, options)
+    if args.eval_tokens > 0:
+        report["quality"] = compare_models(args.src, args.dst, tokens=args.eval_tokens)
+        (Path(args.dst) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def format_report(report: dict) -> str:
+    s = report["summary"]
+    lines = [f"wrote {report['destination']}: routed experts as {report['format']} ({report['mode']}) in "
+             f"{report['seconds']:.1f}s; {s['bytes_in'] / 1e6:,.1f} MB -> {s['bytes_out'] / 1e6:,.1f} MB of tensors"]
+    lines.append(f"expert weights: {s['encoded']} encoded, {s['copied']} copied unchanged")
+    if s["encoded"]:
+        lines.append(f"relative error (||Q - W|| / ||W||): mean {s['mean_rel_error']:.4g}, "
+                     f"max {s['max_rel_error']:.4g} "
+                     f"({s['worst_tensor']}); max abs error {s['max_abs_error']:.4g}")
+        worst = sorted((r for r in report["tensors"] if r["action"] == "encoded"), key=lambda r: -r["rel_error"])[:5]
+        lines += ["| tensor | shape | rel error | max abs error |", "|---|---|---:|---:|"]
+        lines += [f"| {r['name']} | {r['shape']} | {r['rel_error']:.4g} | {r['max_abs_error']:.4g} |" for r in worst]
+    if report["dequantized_to_bf16"]:
+        lines.append(f"{len(report['dequantized_to_bf16'])} quantised non-expert weights written as bf16")
+    if "quality" in report:
+        q = report["quality"]
+        lines.append(f"vs source on {q['tokens']} tokens: logit rel error {q['logit_rel_error']:.4g}, max abs "
+                     f"{q['logit_max_abs_error']:.4g}, top-1 agreement {q['top1_agreement']:.1%}, greedy "
+                     f"{q['greedy_identical_prefix']}/{q['greedy_tokens']} identical tokens before the first "
+                     f"difference")
+    lines.append(f"per-tensor report: {Path(report['destination']) / REPORT_NAME}")
+    return "\n".join(lines)

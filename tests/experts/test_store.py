@@ -1,0 +1,180 @@
+"""ExpertStore mechanics on fake tiers: fastest tier first, promotion, byte budgets, pins, statistics,
+the no-cache mode, prefetch (loads, accuracy, never a hang) and errors from below."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from moeswap.experts.keys import Key
+from moeswap.experts.policy import LRU, make_policy
+from moeswap.experts.prefetch import Prefetcher
+from moeswap.experts.store import ExpertStore
+from moeswap.experts.tiers import MemoryTier, Tier
+
+SIZE = 10  # bytes per fake expert
+
+
+class Blob:
+    def __init__(self, key):
+        self.key, self.nbytes = key, SIZE
+
+
+class Source(Tier):
+    """Every expert; counts reads; can be slowed down or made to fail for one key."""
+
+    name, capacity = "disk", math.inf
+
+    def __init__(self, delay: float = 0.0, bad: Key | None = None):
+        self.reads, self.delay, self.bad = [], delay, bad
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        if self.delay:
+            time.sleep(self.delay)
+        if key == self.bad:
+            raise ValueError(f"{key}: cannot decode")
+        with self._lock:
+            self.reads.append(key)
+        return Blob(key)
+
+    def stored_bytes(self, key):
+        return SIZE
+
+
+def make_store(slots=4, host_slots=0, policy="lru", **source_kw) -> tuple[ExpertStore, Source]:
+    source = Source(**source_kw)
+    tiers = [MemoryTier("fast", slots * SIZE, cost=lambda k: SIZE)]
+    if host_slots:
+        tiers.append(MemoryTier("host", host_slots * SIZE, cost=lambda k: SIZE))
+    tiers.append(source)
+    policies = [make_policy(policy) for _ in tiers[:-1]]
+    return ExpertStore(tiers, policies, max_hint=8), source
+
+
+def fetch(store, layer, ids):
+    return [w.key for w in store.fetch(layer, ids)]
+
+
+def test_hit_after_miss_and_budget_kept():
+    store, source = make_store(slots=4)
+    assert fetch(store, 1, [0, 1]) == [Key(1, 0), Key(1, 1)]
+    assert fetch(store, 1, [0, 1]) == [Key(1, 0), Key(1, 1)]
+    assert len(source.reads) == 2
+    s = store.stats
+    assert (s.hits, s.misses, s.disk_reads, s.disk_bytes, s.fast.bytes_in) == (2, 2, 2, 2 * SIZE, 2 * SIZE)
+    for layer in range(2, 12):
+        fetch(store, layer, [0, 1, 2])
+        assert store.fast.used <= store.fast.capacity
+    assert store.stats.fast.evictions > 0 and len(store.fast) == 4
+
+
+def test_lru_evicts_in_order_and_pins_the_current_step():
+    store, source = make_store(slots=3)
+    fetch(store, 1, [0, 1, 2])
+    fetch(store, 2, [0])  # evicts (1, 0), the least recently used
+    assert Key(1, 0) not in store.fast and Key(1, 1) in store.fast
+    # A step bigger than the budget still completes, one expert at a time (demand beats pins).
+    assert len(fetch(store, 3, [0, 1, 2, 3, 4])) == 5
+    assert store.fast.used <= store.fast.capacity
+
+
+def test_host_tier_sits_between_fast_and_disk():
+    store, source = make_store(slots=2, host_slots=6)
+    fetch(store, 1, [0, 1, 2, 3])  # fast keeps 2, host keeps all 4
+    fetch(store, 1, [0, 1])  # fast misses, host hits: no new disk reads
+    assert len(source.reads) == 4
+    host = store.stats.tiers["host"]
+    assert host.hits == 2 and host.misses == 4 and host.bytes_in == 4 * SIZE
+    assert list(store.stats.tiers) == ["fast", "host"]
+    assert store.stats.as_dict()["tiers"]["host"]["hit_rate"] == pytest.approx(2 / 6)
+
+
+def test_no_cache_reads_every_time():
+    store, source = make_store(slots=0)
+    for _ in range(3):
+        fetch(store, 1, [0, 1])
+    assert len(source.reads) == 6 and len(store.fast) == 0 and store.stats.hits == 0
+
+
+def test_source_errors_reach_the_caller_and_the_store_recovers():
+    store, _ = make_store(slots=4, bad=Key(1, 3))
+    experts = store.fetch(1, [2, 3])
+    assert experts[0].key == Key(1, 2)
+    with pytest.raises(ValueError, match="layer 1 expert 3: cannot decode"):
+        experts[1]
+    assert not store._inflight and store._reserved == [0]
+    assert fetch(store, 1, [2]) == [Key(1, 2)]
+
+
+def test_trace_records_steps():
+    from moeswap.experts.trace import TraceRecorder
+
+    store, _ = make_store(slots=8)
+    store.trace = TraceRecorder({"num_layers": 3, "num_experts": 8, "moe_layers": [1, 2]})
+    for _ in range(2):
+        fetch(store, 1, [0, 5])
+        fetch(store, 2, [3])
+    t = store.trace.trace
+    assert [(s, l, list(e)) for s, l, e in t.events()] == [(0, 1, [0, 5]), (0, 2, [3]), (1, 1, [0, 5]), (1, 2, [3])]
+    assert t.expert_counts() == [[], [2, 0, 0, 0, 0, 2, 0, 0], [0, 0, 0, 2, 0, 0, 0, 0]]
+
+
+def wait_idle(store, timeout=5.0):
+    t0 = time.time()
+    p = store.prefetcher
+    while (p._urgent or p._hinted or store._inflight) and time.time() - t0 < timeout:
+        time.sleep(0.005)
+
+
+def test_prefetch_loads_hinted_experts_and_scores_the_guess():
+    store, source = make_store(slots=8)
+    store.prefetcher = Prefetcher(store)
+    try:
+        store.prefetcher.hint(2, [4, 5, 6])
+        wait_idle(store)
+        assert {Key(2, 4), Key(2, 5), Key(2, 6)} <= set(store.fast.keys())
+        fetch(store, 2, [4, 5, 7])  # two right, one wrong, one missed
+        s = store.stats
+        assert s.prefetch.precision == pytest.approx(2 / 3) and s.prefetch.recall == pytest.approx(2 / 3)
+        assert s.prefetch.used == 2 and s.hits == 2
+        assert s.summary().count("prefetch precision 67% recall 67%") == 1
+    finally:
+        store.close()
+
+
+def test_prefetch_never_evicts_pinned_and_never_hangs():
+    """Budget of exactly one step's experts, slow disk, hints for more than fits: demand still completes."""
+    store, source = make_store(slots=2, delay=0.002)
+    store.prefetcher = Prefetcher(store)
+    try:
+        for step in range(5):
+            for layer in (1, 2, 3):
+                store.prefetcher.hint(layer % 3 + 1, [0, 1, 2, 3])
+                assert len(fetch(store, layer, [step % 3, 3])) == 2
+                assert store.fast.used <= store.fast.capacity
+        wait_idle(store)
+        assert store.stats.prefetch.dropped > 0
+    finally:
+        store.close()
+
+
+def test_demand_waits_for_an_expert_the_prefetcher_is_loading():
+    store, source = make_store(slots=4, delay=0.05)
+    store.prefetcher = Prefetcher(store)
+    try:
+        store.prefetcher.hint(1, [7])
+        time.sleep(0.01)  # the background read has started
+        assert fetch(store, 1, [7]) == [Key(1, 7)]
+        assert source.reads == [Key(1, 7)]  # read once
+        assert store.stats.prefetch.late == 1 and store.stats.stall_s > 0
+    finally:
+        store.close()
+
+
+def test_one_policy_per_cache_tier():
+    with pytest.raises(ValueError, match="one policy per cache tier"):
+        ExpertStore([MemoryTier("fast", 10, cost=lambda k: 1), Source()], [LRU(), LRU()])

@@ -1,0 +1,199 @@
+"""The swap core under a real model: the same greedy tokens at a 10 % fast tier for every policy with and
+without prefetch, decoded copies and a host tier; clear errors for bad budgets and bad expert bytes;
+the trace / bench cache / bench swap commands end to end, and the planner reading trace.bin."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeswap.cli import main
+from moeswap.engine.generate import GenerationConfig, generate
+from moeswap.experts.trace import TraceRecorder, read_trace, write_trace
+from moeswap.formats.checkpoint import CheckpointError
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.trace_cmd import model_meta
+
+PROMPT = list(range(7, 27))
+CFG = GenerationConfig(max_tokens=10, stop_ids=())
+
+
+def expert_bytes(store) -> int:
+    return sum(store.fast.cost(k) for k in store.index.entries)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_k3_dir, tmp_path_factory):
+    """All-resident greedy tokens, the total expert bytes, and a trace of that run (static's profile and
+    Belady's future)."""
+    model, store = load_model(tiny_k3_dir, LoadOptions(expert_memory=1 << 30))
+    store.trace = TraceRecorder(model_meta(model, store, str(tiny_k3_dir)))
+    tokens = generate(model, PROMPT, CFG).tokens
+    path = write_trace(store.trace.trace, tmp_path_factory.mktemp("trace") / "trace.bin")
+    return tokens, expert_bytes(store), str(path)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "static", "belady"])
+def test_tokens_identical_at_10_percent(tiny_k3_dir, reference, policy):
+    tokens, total, trace = reference
+    for prefetch in ("none", "next-layer"):
+        model, store = load_model(tiny_k3_dir, LoadOptions(expert_memory=total // 10, expert_policy=policy,
+                                                           prefetch=prefetch, expert_profile=trace))
+        try:
+            assert generate(model, PROMPT, CFG).tokens == tokens, (policy, prefetch)
+        finally:
+            store.close()
+        s = store.stats
+        assert store.fast.used <= store.fast.capacity and s.misses > 0 and s.disk_reads >= s.misses - s.prefetch.late
+        if prefetch == "next-layer":
+            assert s.prefetch.loaded > 0 and s.prefetch.predicted > 0 and 0 < s.prefetch.recall <= 1
+
+
+def test_decoded_copies_and_a_host_tier_give_the_same_tokens(tiny_k3_dir, reference):
+    tokens, total, _ = reference
+    model, store = load_model(tiny_k3_dir, LoadOptions(expert_memory=total * 8 // 10, decoded_experts=True,
+                                                       host_memory=total // 2, prefetch="next-layer"))
+    try:
+        assert generate(model, PROMPT, CFG).tokens == tokens
+    finally:
+        store.close()
+    assert store.fast.cost(min(store.index.entries)) > 7 * store.tiers[1].cost(min(store.index.entries))  # fp32 vs 4.25 bits
+    assert store.stats.tiers["host"].hits > 0 and store.tiers[1].used <= store.tiers[1].capacity
+
+
+def test_float_experts_swap_too(tiny_linear_dir):
+    model, store = load_model(tiny_linear_dir, LoadOptions(expert_memory=1 << 30))
+    want = generate(model, PROMPT, CFG).tokens
+    budget = expert_bytes(store) // 10
+    model, store = load_model(tiny_linear_dir, LoadOptions(expert_memory=budget, prefetch="next-layer"))
+    try:
+        assert generate(model, PROMPT, CFG).tokens == want
+    finally:
+        store.close()
+
+
+def test_routed_experts_are_not_parameters(tiny_k3_dir):
+    model, _ = load_model(tiny_k3_dir, LoadOptions(prefetch="next-layer"))
+    assert not any("experts." in name and "shared" not in name for name in model.state_dict())
+    assert model.expert_lookahead is not None
+
+
+def test_budget_below_one_layer_is_a_startup_error(tiny_k3_dir, capsys):
+    with pytest.raises(ValueError, match=r"--expert-memory 1000 B is smaller than one layer's active experts: 4 x"):
+        load_model(tiny_k3_dir, LoadOptions(expert_memory=1000))
+    assert main(["generate", str(tiny_k3_dir), "--prompt", "hi", "--expert-memory", "1KB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "smaller than one layer's active experts" in err and "Traceback" not in err
+
+
+def _expert_tensor(store, layer, expert, tensor="w1.weight_scale"):
+    names = store.index.names(layer, expert)
+    proj, kind = tensor.split(".")
+    return store.ckpt.info(names[proj][kind])
+
+
+def test_corrupt_expert_bytes_name_layer_expert_and_file(tiny_k3_dir, copy_model):
+    path = copy_model(tiny_k3_dir)
+    model, store = load_model(path, LoadOptions())
+    for e in range(model.config.moe.num_experts):  # every expert of layer 1: whichever is routed to fails
+        info = _expert_tensor(store, 1, e)
+        with open(info.file, "r+b") as f:
+            f.seek(info.offset)
+            f.write(b"\xff")
+    with pytest.raises(CheckpointError) as err:
+        generate(model, PROMPT, CFG)
+    msg = str(err.value)
+    assert "layer 1 expert" in msg and "NaN scale bytes" in msg and info.file.name in msg
+
+
+def test_expert_file_truncated_mid_run(tiny_k3_dir, copy_model):
+    path = copy_model(tiny_k3_dir)
+    model, store = load_model(path, LoadOptions())
+    info = _expert_tensor(store, 1, 0)
+    os.truncate(info.file, info.offset)  # every expert stored after this point is gone
+    with pytest.raises(CheckpointError) as err:
+        for _ in range(3):
+            generate(model, list(range(3, 40)), CFG)
+    msg = str(err.value)
+    assert "layer " in msg and "expert " in msg and info.file.name in msg and "shrank" in msg
+
+
+def test_expert_file_removed_mid_run(tiny_k3_dir, copy_model):
+    path = copy_model(tiny_k3_dir)
+    model, store = load_model(path, LoadOptions())
+    files = {_expert_tensor(store, 1, e).file for e in range(model.config.moe.num_experts)}
+    for f in files:
+        f.rename(f.with_suffix(".moved"))
+    with pytest.raises(CheckpointError) as err:
+        generate(model, PROMPT, CFG)
+    msg = str(err.value)
+    assert "layer 1 expert" in msg and any(f.name in msg for f in files) and "No such file" in msg
+
+
+def test_generate_stats_and_flags(tiny_k3_dir, capsys):
+    argv = ["generate", str(tiny_k3_dir), "--prompt", "hello", "--max-tokens", "4", "--ignore-eos", "--stats",
+            "--expert-memory", "40KB", "--expert-policy", "lru", "--prefetch", "next-layer"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "experts: fast " in err and "prefetch precision" in err and "disk " in err
+    assert main(argv[:-6] + ["--json", "--expert-policy", "none"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["expert_store"]["hits"] == 0 and data["expert_store"]["disk_reads"] > 0
+
+
+def test_trace_bench_cache_and_planner(tiny_k3_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\n\nOnce upon a time\n")
+    trace_path = tmp_path / "trace.bin"
+    assert main(["trace", str(tiny_k3_dir), "--prompts", str(prompts), "-o", str(trace_path),
+                 "--max-tokens", "6", "--ignore-eos"]) == 0
+    assert "2 prompts, 12 tokens, 12 steps" in capsys.readouterr().out
+    trace = read_trace(trace_path)
+    assert trace.meta["moe_layers"] == [1, 2, 3, 4, 5] and trace.num_steps == 12
+    assert all(len(ids) == len(set(ids)) for _, _, ids in trace.events())
+
+    out = tmp_path / "cache"
+    assert main(["bench", "cache", "--trace", str(trace_path), "--budgets", "3,10,50,100", "--out-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 3% | 2 |" in text and "below one layer's 4 active experts" in text
+    result = json.loads((out / "cache-hit-rate.json").read_text())
+    for row in result["rows"][1:]:
+        rates = row["hit_rate"]
+        assert all(rates[p] <= rates["belady"] + 1e-12 for p in rates) and row["best_online"] in ("lru", "lfu", "lfru")
+    assert (out / "cache-hit-rate.png").read_bytes()[:4] == b"\x89PNG"
+
+    from moeswap.planner.cli import _trace
+
+    counts = _trace(str(trace_path))
+    assert len(counts) == 6 and counts[0] == () and sum(map(sum, counts)) == len(trace.experts)
+    static = tmp_path / "static.bin"
+    write_trace(trace, static)
+    model, store = load_model(tiny_k3_dir, LoadOptions(expert_memory=30_000, expert_policy="static",
+                                                       expert_profile=str(static)))
+    assert store.policies[0].name == "static"
+
+
+def test_bad_trace_file(tmp_path, capsys):
+    bad = tmp_path / "trace.bin"
+    bad.write_bytes(b"not a trace")
+    assert main(["bench", "cache", "--trace", str(bad)]) == 2
+    assert "not a moeswap routing trace" in capsys.readouterr().err
+    bad.write_bytes(Path(bad).read_bytes()[:0] + b"MSWTRACE\x01\x00\x00\x00")
+    with pytest.raises(ValueError, match="corrupt routing trace"):
+        read_trace(bad)
+
+
+def test_bench_swap_runs_and_checks_tokens(tiny_k3_dir, tmp_path):
+    from moeswap.bench.swap import format_report, run_bench
+
+    r = run_bench(str(tiny_k3_dir), budgets=(10, 50), policies=("lru", "belady"), prompt_tokens=4, max_tokens=3,
+                  out_dir=tmp_path, log=lambda *_: None)
+    assert len(r["runs"]) == 8 and all(c["same_tokens"] for c in r["runs"] + r["baselines"])
+    assert r["baselines"][1]["hit_rate"] == 0 and r["baselines"][0]["hit_rate"] == 1
+    text = format_report(r)
+    assert "| lru + next-layer prefetch |" in text and "All configurations produced the all-resident tokens" in text
+    assert (tmp_path / "swap-trace.bin").exists()

@@ -1,0 +1,152 @@
+"""expert_mxfp4: every implementation (and every instruction-set build of the C kernel this CPU can run)
+matches the plain-torch reference; selection, overrides and the fallback when the kernel cannot build."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+
+from moeswap.formats import mxfp4
+from moeswap.ops import expert_mxfp4 as em
+from moeswap.ops.expert import MXFP4ExpertWeights
+
+BETAS = (4.0, 25.0)
+
+
+def random_matrix(out_dim: int, in_dim: int, gen: torch.Generator, scale_range=(118, 130)):
+    packed = torch.randint(0, 256, (out_dim, in_dim // 2), dtype=torch.uint8, generator=gen)
+    return packed, torch.randint(*scale_range, (out_dim, in_dim // 32), dtype=torch.uint8, generator=gen)
+
+
+def random_expert(in_dim: int, expert_dim: int, seed: int = 0) -> MXFP4ExpertWeights:
+    gen = torch.Generator().manual_seed(seed)
+    (a, b), (c, d), (e, f) = (random_matrix(expert_dim, in_dim, gen), random_matrix(expert_dim, in_dim, gen),
+                              random_matrix(in_dim, expert_dim, gen))
+    return MXFP4ExpertWeights(a, b, c, d, e, f)
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    # Same products, different summation order: fp32 sums agree to a few ulps of the largest output;
+    # bf16 outputs may land on the neighbouring bf16 value.
+    tol = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}[dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["torch_rows", "cpu_c"])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 13, 16, 17])
+def test_implementations_match_the_reference(name, tokens):
+    if not em.available()[name]:
+        pytest.skip(f"{name} is not available here")
+    w = random_expert(160, 96, seed=tokens)
+    x = torch.randn(tokens, 160, generator=torch.Generator().manual_seed(1))
+    for act in ("situ", "silu"):
+        assert_matches(em.IMPLEMENTATIONS[name](w, x, act, BETAS), em.reference(w, x, act, BETAS), torch.float32)
+
+
+@pytest.mark.parametrize("name", ["torch_rows", "cpu_c"])
+def test_bf16_inputs_and_batched_shapes(name):
+    if not em.available()[name]:
+        pytest.skip(f"{name} is not available here")
+    w = random_expert(64, 128)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got, want = em.IMPLEMENTATIONS[name](w, x, "situ", BETAS), em.reference(w, x, "situ", BETAS)
+    assert_matches(got, want, torch.bfloat16)
+
+
+def kernel_builds() -> list[tuple[str, ...] | None]:
+    """None = this machine's best; plus the AVX2 and portable builds where the CPU and compiler allow."""
+    builds: list[tuple[str, ...] | None] = [None]
+    if platform.machine() in ("x86_64", "AMD64") and shutil.which("cc") or shutil.which("gcc"):
+        flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+        if " avx2 " in flags and " fma " in flags:
+            builds.append(("-march=native", "-mno-avx512f"))
+        builds.append(("-march=x86-64",))
+    return builds
+
+
+@pytest.mark.parametrize("flags", kernel_builds(), ids=lambda f: "native" if f is None else " ".join(f))
+def test_every_kernel_build_matches_the_decoded_matmul(flags):
+    kernel = em._kernel(flags)
+    if kernel is None:
+        pytest.skip(f"the kernel does not build here: {em._build_error}")
+    gen = torch.Generator().manual_seed(3)
+    packed, scale = random_matrix(37, 96, gen)  # 37 rows: 4-row tiles and a tail
+    scale[0, 0], scale[1, 1], scale[2, 2], scale[3, 0] = 0, 230, 1, 255  # 2^-127, 2^103, 2^-126, NaN
+    weight = mxfp4.decode(packed, scale, torch.float32)
+    second = random_matrix(5, 96, gen)
+    for tokens in (1, 2, 4, 7, 8, 11, 16, 19):
+        x = torch.randn(tokens, 96, generator=gen)
+        y, y2 = kernel.linear(x, [(packed, scale), second])
+        want = x @ weight.T
+        assert y[:, 3].isnan().all() and want[:, 3].isnan().all()
+        keep = [r for r in range(37) if r not in (1, 3)]
+        torch.testing.assert_close(y[:, keep], want[:, keep], rtol=2e-6, atol=2e-6 * want[:, keep].abs().max().item())
+        torch.testing.assert_close(y[:, 1], want[:, 1], rtol=1e-5, atol=0)  # ~2^106 outputs
+        want2 = x @ mxfp4.decode(*second, torch.float32).T
+        torch.testing.assert_close(y2, want2, rtol=2e-6, atol=2e-6 * want2.abs().max().item())
+    w = random_expert(96, 160, seed=9)
+    for tokens, act in ((1, "situ"), (3, "silu"), (9, "situ")):
+        x = torch.randn(tokens, 96, generator=gen)
+        assert_matches(kernel.expert(x, w, act, BETAS), em.reference(w, x, act, BETAS), torch.float32)
+    tiny = torch.zeros(1, 96)
+    tiny[0, 0] = 1.0
+    packed0 = torch.zeros(1, 48, dtype=torch.uint8)
+    packed0[0, 0] = 0x02  # code 2 (1.0) in column 0
+    (out,) = kernel.linear(tiny, [(packed0, torch.zeros(1, 3, dtype=torch.uint8))])
+    assert out.item() == 2.0**-127  # the subnormal scale is not flushed
+
+
+def test_kernel_rejects_mismatched_shapes():
+    kernel = em._kernel()
+    if kernel is None:
+        pytest.skip("no kernel")
+    packed, scale = random_matrix(4, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="do not fit input width 96"):
+        kernel.linear(torch.zeros(1, 96), [(packed, scale)])
+    with pytest.raises(ValueError, match="wrong group size"):
+        kernel.linear(torch.zeros(1, 64), [(packed, scale[:, :1])])
+
+
+def test_select_and_overrides(monkeypatch):
+    monkeypatch.delenv(em.ENV_KERNEL, raising=False)
+    w = random_expert(64, 64)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    assert em.select("reference") is em.reference
+    monkeypatch.setenv(em.ENV_KERNEL, "reference")
+    assert em.select() is em.reference
+    assert torch.equal(w(x, "silu", BETAS), em.reference(w, x, "silu", BETAS))  # MXFP4ExpertWeights uses select()
+    monkeypatch.setenv(em.ENV_KERNEL, "fastest")
+    with pytest.raises(ValueError, match="unknown expert kernel 'fastest'.*reference, torch_rows, cpu_c"):
+        w(x, "silu", BETAS)
+    monkeypatch.delenv(em.ENV_KERNEL)
+    assert em.best_name() == ("cpu_c" if em.available()["cpu_c"] else "torch_rows")
+    assert_matches(w(x, "situ", BETAS), em.reference(w, x, "situ", BETAS), torch.float32)
+
+
+def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
+    monkeypatch.setattr(em, "_loaded", {})
+    monkeypatch.setenv(em.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.delenv(em.ENV_KERNEL, raising=False)
+    w = random_expert(64, 64)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
+    with pytest.warns(RuntimeWarning, match="MXFP4 CPU kernel unavailable, experts use the torch path"):
+        out = w(x, "situ", BETAS)
+    assert_matches(out, em.reference(w, x, "situ", BETAS), torch.float32)
+    assert em.best_name() == "torch_rows"
+    with pytest.raises(RuntimeError, match="'cpu_c' was asked for but is not available here"):
+        em.select("cpu_c")
+
+
+def test_fresh_build_into_an_empty_cache(monkeypatch, tmp_path):
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(em, "_loaded", {})
+    monkeypatch.setenv(em.ENV_CACHE, str(tmp_path))
+    kernel = em._kernel()
+    assert kernel is not None and kernel.path.parent == tmp_path / "kernels"
+    assert em.build() == kernel.path  # cached: the second call compiles nothing

@@ -1,0 +1,272 @@
+"""`moeswap quantize`: bf16, block-FP8 and MXFP4 sources become MXFP4/MXFP8 checkpoints that moeswap and
+compressed-tensors both load and decode to the same bits; the error report; failures leave nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from moeswap.cli import main
+from moeswap.config import load_config
+from moeswap.formats import compressed_tensors as ct
+from moeswap.formats import fp8_block, mxfp4, mxfp8
+from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.quantize import REPORT_NAME, QuantizeOptions, compare_models, quantize
+
+EXPERT = "model.layers.1.block_sparse_moe.experts.3.w2"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.fixture(scope="module")
+def linear_mxfp4(tiny_linear_dir, tmp_path_factory):
+    return quantize(tiny_linear_dir, tmp_path_factory.mktemp("q") / "lin4", QuantizeOptions("mxfp4", "even"))
+
+
+@pytest.fixture(scope="module")
+def linear_mxfp8(tiny_linear_dir, tmp_path_factory):
+    return quantize(tiny_linear_dir, tmp_path_factory.mktemp("q") / "lin8", QuantizeOptions("mxfp8", "rceil"))
+
+
+def test_bf16_to_mxfp4_writes_a_valid_checkpoint(tiny_linear_dir, linear_mxfp4):
+    out = Path(linear_mxfp4["destination"])
+    cfg = load_config(out)
+    assert cfg.quant.format == "mxfp4-pack-quantized" and cfg.quant.group_size == 32
+    assert not cfg.quant.is_ignored(EXPERT) and cfg.quant.is_ignored("model.layers.1.self_attn.q_proj")
+    src, dst = Checkpoint.open(tiny_linear_dir), Checkpoint.open(out)
+    assert sorted(f.name for f in dst.files()) == sorted(f.name for f in src.files())  # same shards
+    assert (out / "tokenizer.json").read_bytes() == (tiny_linear_dir / "tokenizer.json").read_bytes()
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert index["metadata"]["total_size"] == dst.total_bytes < src.total_bytes
+    packed, scale = mxfp4.encode(src.get(EXPERT + ".weight"), "even")
+    assert torch.equal(dst.get(EXPERT + ".weight_packed"), packed)
+    assert torch.equal(dst.get(EXPERT + ".weight_scale"), scale)
+    dense = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(bits(dst.get(dense)), bits(src.get(dense)))  # everything else is copied as is
+
+    summary = linear_mxfp4["summary"]
+    report = json.loads((out / REPORT_NAME).read_text())
+    assert summary["encoded"] == summary["expert_weights"] == len(report["tensors"]) == 5 * 16 * 3
+    assert 0.05 < summary["mean_rel_error"] < summary["max_rel_error"] < 0.2  # MXFP4 on Gaussian weights
+    row = next(r for r in report["tensors"] if r["name"] == EXPERT)
+    w = src.get(EXPERT + ".weight").float()
+    error = (mxfp4.decode(packed, scale, torch.float32) - w).norm() / w.norm()
+    assert row["rel_error"] == pytest.approx(error.item(), rel=1e-6) and row["shape"] == [64, 64]
+
+
+@pytest.mark.parametrize("which", ["linear_mxfp4", "linear_mxfp8"])
+def test_output_loads_and_runs_in_moeswap(which, request):
+    from moeswap.experts.source import ExpertIndex, load_expert
+    from moeswap.ops.expert import ExpertWeights
+
+    report = request.getfixturevalue(which)
+    fmt = "mxfp8" if which.endswith("8") else "mxfp4"
+    model, store = load_model(report["destination"], LoadOptions(dtype="float32"))
+    with torch.no_grad():
+        assert model(torch.arange(12).unsqueeze(0)).isfinite().all()
+    with Checkpoint.open(report["destination"]) as ckpt:
+        index = ExpertIndex()
+        decoded = {}
+        for proj in ("w1", "w2", "w3"):
+            module = EXPERT.replace("w2", proj)
+            stored = {s: ckpt.get(f"{module}.{s}") for s in ct.stored_names(fmt)}
+            decoded[proj] = ct.decode_weight(fmt, stored, torch.float32)
+            for suffix in stored:
+                index.add(1, 3, proj, suffix, f"{module}.{suffix}")
+        expert = load_expert(ckpt, index, 1, 3, torch.float32)
+        assert torch.equal(expert.w2_IF, decoded["w2"]) and torch.equal(expert.w1_FI, decoded["w1"])
+    # Whatever form the store keeps it in, the expert computes what its decoded weights do.
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    fetched = store.fetch(1, [3])[0](x, "silu", (4.0, 25.0))
+    expected = ExpertWeights(decoded["w1"], decoded["w3"], decoded["w2"])(x, "silu", (4.0, 25.0))
+    torch.testing.assert_close(fetched, expected, rtol=1e-5, atol=1e-6)
+
+
+def _skeleton(ckpt: Checkpoint) -> nn.Module:
+    """Linear modules named as in the checkpoint (what a transformers model would have), on meta."""
+    root = nn.Module()
+    modules: dict[str, dict[str, str]] = {}
+    for name in ckpt.names():
+        module, _, suffix = name.rpartition(".")
+        modules.setdefault(module, {})[suffix] = name
+    for module, tensors in modules.items():
+        if "weight_packed" in tensors:
+            out_dim, half = ckpt.info(tensors["weight_packed"]).shape
+            shape = (out_dim, half * 2)
+        elif "weight" in tensors and len(ckpt.info(tensors["weight"]).shape) == 2:
+            shape = ckpt.info(tensors["weight"]).shape
+        else:
+            continue
+        parent = root
+        *path, leaf = module.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, nn.Linear(shape[1], shape[0], bias=False, device="meta"))
+    return root
+
+
+@pytest.mark.parametrize("which", ["linear_mxfp4", "linear_mxfp8"])
+def test_output_loads_in_compressed_tensors(which, request):
+    """compressed-tensors parses the config, quantises exactly the routed experts of a model named like the
+    checkpoint, and its own decompressor turns the written tensors into the weights moeswap decodes."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    out = Path(request.getfixturevalue(which)["destination"])
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    with Checkpoint.open(out) as ckpt:
+        model = _skeleton(ckpt)
+        apply_quantization_config(model, config, show_progress=False)
+        quantised = {n: m for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        assert sorted(quantised) == sorted(n for n in linears if ".experts." in n)
+        assert len(quantised) == 5 * 16 * 3
+        compressor = BaseCompressor.get_value_from_registry(config.format)
+        fmt = ct.short_name(config.format)
+        for name in sorted(quantised)[::7]:
+            stored = {s: ckpt.get(f"{name}.{s}") for s in ct.stored_names(fmt)}
+            theirs = compressor.decompress(dict(stored), quantised[name].quantization_scheme)["weight"]
+            assert torch.equal(bits(ct.decode_weight(fmt, stored, theirs.dtype)), bits(theirs)), name
+
+
+def test_mxfp4_source_to_mxfp8_is_lossless_and_same_format_is_copied(tiny_k3_dir, tmp_path):
+    report = quantize(tiny_k3_dir, tmp_path / "k3_8", QuantizeOptions("mxfp8"))
+    assert report["summary"]["max_rel_error"] == 0.0 and report["summary"]["max_abs_error"] == 0.0
+    raw = json.loads((tmp_path / "k3_8" / "config.json").read_text())
+    assert raw["text_config"]["quantization_config"]["format"] == "mxfp8-quantized"  # where the source had it
+    assert "quantization_config" not in raw
+    quality = compare_models(tiny_k3_dir, tmp_path / "k3_8", tokens=16, generate_tokens=4)
+    # Same weights; only the summation order may differ (MXFP4 experts can run in the CPU kernel).
+    assert quality["logit_rel_error"] < 1e-5 and quality["greedy_identical_prefix"] == 4
+
+    report = quantize(tiny_k3_dir, tmp_path / "k3_4", QuantizeOptions("mxfp4", "floor"))
+    assert report["summary"]["copied"] == report["summary"]["expert_weights"] > 0  # the shipped codes are kept
+    src, dst = Checkpoint.open(tiny_k3_dir), Checkpoint.open(tmp_path / "k3_4")
+    assert all(torch.equal(bits(src.get(n)), bits(dst.get(n))) for n in src.names())
+
+
+def _block_fp8_copy(src: Path, dst: Path) -> list[str]:
+    """A DeepSeek-style copy of a bf16 model: every projection (not embeddings, norms or the head) as block
+    FP8 with weight_scale_inv, and `quant_method: fp8` in config.json. Returns the converted modules."""
+    dst.mkdir()
+    converted = []
+    with Checkpoint.open(src) as ckpt:
+        weight_map = json.loads((src / INDEX_NAME).read_text())["weight_map"]
+        for file in ckpt.files():
+            shard = {}
+            for name in (n for n in ckpt.names() if ckpt.info(n).file == file):
+                t = ckpt.get(name)
+                if name.endswith("proj.weight") or ".experts." in name:
+                    q, scale_inv = fp8_block.encode(t)
+                    shard[name], shard[name + "_scale_inv"] = q, scale_inv
+                    weight_map[name + "_scale_inv"] = file.name
+                    converted.append(name.removesuffix(".weight"))
+                else:
+                    shard[name] = t.clone()
+            save_file(shard, str(dst / file.name), metadata={"format": "pt"})
+    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(config))
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / extra).write_bytes((src / extra).read_bytes())
+    return converted
+
+
+def test_block_fp8_source(tiny_linear_dir, tmp_path):
+    converted = _block_fp8_copy(tiny_linear_dir, tmp_path / "fp8")
+    report = quantize(tmp_path / "fp8", tmp_path / "out", QuantizeOptions("mxfp4"))
+    dense = [m for m in converted if ".experts." not in m]
+    assert sorted(report["dequantized_to_bf16"]) == sorted(dense)
+    assert {r["source"] for r in report["tensors"]} == {"fp8_block"}
+    src, dst = Checkpoint.open(tmp_path / "fp8"), Checkpoint.open(tmp_path / "out")
+    name = "model.layers.1.self_attn.q_proj"
+    assert name + ".weight_scale_inv" not in dst
+    expected = fp8_block.decode(src.get(name + ".weight"), src.get(name + ".weight_scale_inv"), dtype=torch.bfloat16)
+    assert torch.equal(bits(dst.get(name + ".weight")), bits(expected))
+    w = fp8_block.decode(src.get(EXPERT + ".weight"), src.get(EXPERT + ".weight_scale_inv"), dtype=torch.float32)
+    assert torch.equal(dst.get(EXPERT + ".weight_packed"), mxfp4.encode(w)[0])
+    model, _ = load_model(tmp_path / "out", LoadOptions(dtype="float32"))
+    with torch.no_grad():
+        assert model(torch.arange(8).unsqueeze(0)).isfinite().all()
+
+
+def test_cli(tiny_linear_dir, tmp_path, capsys):
+    assert main(["quantize", str(tiny_linear_dir), str(tmp_path / "o"), "--experts", "mxfp8", "--mode", "floor",
+                 "--eval-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "routed experts as mxfp8-quantized (floor)" in out and "relative error" in out and "top-1 agreement" in out
+    assert "quality" in json.loads((tmp_path / "o" / REPORT_NAME).read_text())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quantize", str(tiny_linear_dir), str(tmp_path / "p"), "--experts", "nvfp4"])
+    assert exit_info.value.code == 2 and "invalid choice: 'nvfp4'" in capsys.readouterr().err
+
+
+def test_refusals(tiny_linear_dir, tmp_path, capsys):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    assert main(["quantize", str(tiny_linear_dir), str(tmp_path / "full"), "--experts", "mxfp4"]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert (tmp_path / "full" / "x").read_text() == "keep me"
+    with pytest.raises(ValueError, match="unknown MX format 'int4'"):
+        quantize(tiny_linear_dir, tmp_path / "a", QuantizeOptions("int4"))
+    with pytest.raises(ValueError, match="scale mode must be one of even, floor, rceil"):
+        quantize(tiny_linear_dir, tmp_path / "a", QuantizeOptions("mxfp4", "nearest"))
+    with pytest.raises(ValueError, match=r"no routed-expert weights found \(module names matching 'nothing'"):
+        quantize(tiny_linear_dir, tmp_path / "a", QuantizeOptions("mxfp4", expert_pattern="nothing"))
+    with pytest.raises(FileNotFoundError, match="config.json: missing"):
+        quantize(tmp_path / "full", tmp_path / "a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
+
+
+def test_bad_expert_shape_and_mismatched_tensors(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"experts.0.w1.weight": torch.zeros(8, 40, dtype=torch.bfloat16)}, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts.0.w1: shape \[8, 40\] cannot be stored as mxfp4-pack-quantized"):
+        quantize(src, tmp_path / "out")
+    save_file({"experts.0.w1.weight_packed": torch.zeros(8, 16, dtype=torch.uint8),
+               "experts.0.w1.weight_scale": torch.zeros(8, 2, dtype=torch.uint8)}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"quantization_config": ct.quantization_config("mxfp4", [])}))
+    with pytest.raises(CheckpointError, match=r"experts.0.w1 in model.safetensors: cannot decode its mxfp4 weight: "
+                                              r".*wrong group size"):
+        quantize(src, tmp_path / "out", QuantizeOptions("mxfp8"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_failure_midway_leaves_no_output(tiny_linear_dir, tmp_path, monkeypatch):
+    calls = []
+
+    def failing(fmt, w, mode="even"):
+        calls.append(1)
+        if len(calls) == 50:
+            raise RuntimeError("disk on fire")
+        return original(fmt, w, mode)
+
+    original = ct.encode_weight
+    monkeypatch.setattr(ct, "encode_weight", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        quantize(tiny_linear_dir, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []  # neither the destination nor the temporary sibling
+
+
+def test_mxfp8_experts_against_a_config_that_says_mxfp4(linear_mxfp8, copy_model):
+    broken = copy_model(Path(linear_mxfp8["destination"]))
+    raw = json.loads((broken / "config.json").read_text())
+    raw["quantization_config"] = ct.quantization_config("mxfp4", raw["quantization_config"]["ignore"])
+    (broken / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"stored as MXFP8 \(mxfp8-quantized\) but config.json's "
+                                              r"quantization_config says format mxfp4-pack-quantized"):
+        load_model(broken)
