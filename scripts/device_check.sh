@@ -13,3 +13,7 @@ for dev in cuda cpu; do
     --max-tokens 32 --ignore-eos --json --device $dev --dtype bfloat16 --expert-memory 4GiB \
     2>&1 | tail -1 | tee "$OUT/generate_$dev.json"
 done
+# The CPU kernel benchmark on the GPU machine's quiet host cores, pinned to 2 of them (the dev/CI
+# machines are 2-core and were saturated when it was first measured).
+taskset -c 0,1 python3 -m moeswap bench kernels --threads 2 --json "$OUT/kernels_2threads.json" 2>&1 | tee "$OUT/kernels_2threads.txt"
+taskset -c 0 python3 -m moeswap bench kernels --threads 1 --fast-only 2>&1 | tee "$OUT/kernels_1thread.txt"
