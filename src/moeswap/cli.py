@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "trace": "moeswap.trace_cmd"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
-           "cache": "moeswap.bench.cache"}
+           "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill"}
 
 
 def _add_load_flags(p: argparse.ArgumentParser) -> None:

@@ -146,6 +146,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
         row.update(runs[0])
         row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
         row["tokens_per_s_all"] = [r["tokens_per_s"] for r in runs]
+        row["stall_ms_per_token"] = statistics.median(r["stall_ms_per_token"] for r in runs)
         row["same_tokens"] = all(r["tokens"] == ref_tokens for r in runs)
         rows.append(row)
     reference, no_cache = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]

@@ -66,6 +66,23 @@ class Result:
 
 
 @dataclass
+class EngineStats:
+    """Wall time the engine spent prefilling and decoding, and the tokens it did it for."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0  # sequences x steps
+    decode_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_s if self.prefill_s else float("nan")
+        d["decode_tokens_per_s"] = self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+        return d
+
+
+@dataclass
 class _Seq:
     req: Request
     generator: torch.Generator | None
@@ -87,6 +104,7 @@ class Scheduler:
         self.live: list[_Seq] = []  # live[i] occupies slot i
         self.pending = torch.zeros(config.max_batch, dtype=torch.long, device=self.device)  # next input per slot
         self.finished: dict = {}
+        self.stats = EngineStats()
         self._next_id = 0
         self._decode = model
         if config.compile:
@@ -128,8 +146,14 @@ class Scheduler:
             tok = self._prefill(slot, list(seq.req.prompt), seq)
             self.pending[slot] = tok
             self._emit(slot, int(tok), events)
+            self.stats.prefill_tokens += len(seq.req.prompt)
+            self.stats.prefill_s += seq.t_first - seq.t_admit
         if decoding:
+            t0 = time.perf_counter()
             self._decode_step(decoding, events)
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += decoding
         self._retire()
         return events
 

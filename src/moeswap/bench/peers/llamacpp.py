@@ -180,3 +180,62 @@ class LlamaCppRunner:
                 o.append(t)
         decode_s = time.perf_counter() - t1
         return {"tokens": outs, "ttft_s": ttft, "decode_s": decode_s, "decoded": max_tokens - 1}
+
+
+class _GGMLTensor(ctypes.Structure):
+    """ggml.h `struct ggml_tensor` of the pinned llama.cpp (GGML_MAX_DIMS 4, MAX_SRC 10, MAX_NAME 64)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+
+
+def capture_intermediates(gguf: str | Path, tokens: list[int], kv_f32: bool = True) -> dict:
+    """Run one prompt through llama.cpp and return every named f32/i32 graph tensor it computes (name as
+    llama.cpp's graph callbacks give it, e.g. "attn_norm-3", "ffn_moe_topk-1", "l_out-5"), as numpy
+    arrays in ggml order reversed ([..., ne1, ne0]). For layer-by-layer cross-checks; slow (the graph
+    is evaluated node by node)."""
+    import llama_cpp as L
+    import numpy as np
+
+    caps: dict = {}
+
+    def on_tensor(ptr, ask, user):
+        if ask:
+            return True
+        t = _GGMLTensor.from_address(ptr)
+        name = t.name.decode(errors="replace")
+        if t.type in (0, 26) and t.data and name not in caps:  # GGML_TYPE_F32, GGML_TYPE_I32
+            ne, nb = list(t.ne), list(t.nb)
+            n = sum((ne[i] - 1) * nb[i] for i in range(4)) // 4 + 1
+            ctype = ctypes.c_float if t.type == 0 else ctypes.c_int32
+            base = np.ctypeslib.as_array((ctype * n).from_address(t.data))
+            caps[name] = np.lib.stride_tricks.as_strided(base, shape=ne[::-1], strides=nb[::-1]).copy()
+        return True
+
+    callback = L.ggml_backend_sched_eval_callback(on_tensor)
+    _silence(L)
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+    cp = L.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = -(-len(tokens) // 256) * 256
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.cb_eval, cp.cb_eval_user_data = callback, None
+    if kv_f32:
+        cp.type_k = cp.type_v = 0
+    ctx = L.llama_init_from_model(model, cp)
+    batch = L.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for j, tok in enumerate(tokens):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = tok, j, 1, True
+            batch.seq_id[j][0] = 0
+        batch.n_tokens = len(tokens)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed while capturing intermediates")
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    return caps

@@ -31,11 +31,25 @@ class KDAState:
         )
 
 
-def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
+def causal_conv_silu_reference(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
     """silu(depthwise causal conv) over [history | x]; history holds the previous W-1 inputs."""
     full = torch.cat([history_BWC, x_BTC], dim=1).transpose(1, 2)  # [B, C, W-1+T]
     y = F.conv1d(full, weight_C1W.to(full.dtype), groups=full.shape[1])
     return F.silu(y).transpose(1, 2)
+
+
+def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
+    """Same as `causal_conv_silu_reference`, as W shifted multiply-adds over [B, T, C]. A depthwise
+    conv1d goes through oneDNN on CPU, which measured ~1.9 ms per call for one decode token of a
+    1536-channel layer (more than the layer's projections); this takes microseconds."""
+    W = weight_C1W.shape[-1]
+    full = torch.cat([history_BWC, x_BTC], dim=1)  # [B, W-1+T, C]
+    w_WC = weight_C1W[:, 0, :].T.to(full.dtype)
+    T = x_BTC.shape[1]
+    y = full[:, 0:T] * w_WC[0]
+    for j in range(1, W):
+        y.addcmul_(full[:, j:j + T], w_WC[j])
+    return F.silu(y)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""One implementation under test in its own process: moeswap, llama.cpp or transformers.
+
+Separate processes keep the implementations from sharing a heap or an OpenMP runtime (torch bundles
+its own libgomp, llama.cpp links the system's: two spinning thread pools would slow each other), and
+let the parent alternate between them so that load from other users of the machine hits all alike.
+Protocol: one JSON object per line on stdin ({"op": "generate", "prompts": [[ids]], "max_tokens": n}
+or {"op": "quit"}), one JSON reply per line on the original stdout; everything else goes to stderr.
+Entry point: `Worker(kind, ...)` in the parent; `python -m moeswap.bench.peers.worker` in the child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+class MoeswapRunner:
+    """moeswap's engine (the continuous-batching scheduler) with its own timings."""
+
+    name = "moeswap"
+
+    def __init__(self, model_dir: str, threads: int, dtype: str = "auto", expert_memory: int = 8 << 30,
+                 decoded_experts: bool = False, compile: bool = False):
+        import torch
+
+        from moeswap.models.loader import LoadOptions, load_model
+
+        torch.set_num_threads(threads)
+        wanted = {"dtype": dtype, "expert_memory": expert_memory, "decoded_experts": decoded_experts}
+        known = {f.name for f in dataclasses.fields(LoadOptions)}
+        self.model, self.store = load_model(model_dir, LoadOptions(**{k: v for k, v in wanted.items() if k in known}))
+        self.compile = compile
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
+
+        longest = max(len(p) for p in prompts) + max_tokens
+        sched = Scheduler(self.model, EngineConfig(max_batch=len(prompts), max_len=longest, compile=self.compile))
+        results = sched.run([Request(p, max_tokens, id=i) for i, p in enumerate(prompts)])
+        st = sched.stats
+        return {"tokens": [r.tokens for r in results], "ttft_s": st.prefill_s, "decode_s": st.decode_s,
+                "decoded": st.decode_steps, "engine": st.as_dict(),
+                "request_ttft_s": [r.ttft_s for r in results], "request_tpot_s": [r.tpot_s for r in results]}
+
+
+def _make_runner(args: argparse.Namespace):
+    if args.kind == "moeswap":
+        return MoeswapRunner(args.model, args.threads, args.dtype, args.expert_memory, args.decoded_experts,
+                             args.compile)
+    if args.kind == "llama.cpp":
+        from moeswap.bench.peers.llamacpp import LlamaCppRunner
+
+        return LlamaCppRunner(args.gguf, args.threads, args.max_seqs, args.max_len)
+    if args.kind == "transformers":
+        from moeswap.bench.peers.hf import TransformersRunner
+
+        return TransformersRunner(args.model, args.threads)
+    raise ValueError(f"unknown peer kind {args.kind!r}")
+
+
+def serve(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("kind")
+    p.add_argument("model")
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--gguf")
+    p.add_argument("--max-seqs", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--expert-memory", type=int, default=8 << 30)
+    p.add_argument("--decoded-experts", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    args = p.parse_args(argv)
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything a library prints goes to stderr, never into the protocol
+    sys.stdout = sys.stderr
+    try:
+        t0 = time.perf_counter()
+        runner = _make_runner(args)
+        reply.write(json.dumps({"ready": True, "name": runner.name, "load_s": time.perf_counter() - t0}) + "\n")
+    except Exception as err:  # reported to the parent, which skips this peer and says why
+        reply.write(json.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}) + "\n")
+        return
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["op"] == "quit":
+            break
+        try:
+            out = runner.generate(msg["prompts"], msg["max_tokens"])
+        except Exception as err:
+            out = {"error": f"{type(err).__name__}: {err}"}
+        reply.write(json.dumps(out) + "\n")
+
+
+class Worker:
+    """Parent side: start a worker process and call it."""
+
+    def __init__(self, kind: str, model: str, threads: int, extra: list[str] = (), env: dict | None = None):
+        cmd = [sys.executable, "-m", "moeswap.bench.peers.worker", kind, str(model), "--threads", str(threads), *extra]
+        environ = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+        self.kind = kind
+        self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks on it
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=environ)
+        hello = self._read()
+        if not hello.get("ready"):
+            raise RuntimeError(hello.get("error", "worker did not start"))
+        self.name, self.load_s = hello["name"], hello["load_s"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            self.log.seek(0)
+            err = self.log.read()[-3000:]
+            raise RuntimeError(f"{self.kind} worker exited (code {code}): {err}")
+        return json.loads(line)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        if "error" in out:
+            raise RuntimeError(f"{self.kind}: {out['error']}")
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])

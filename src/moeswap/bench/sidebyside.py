@@ -1,0 +1,274 @@
+"""What `bench decode` and `bench prefill` share: the peers in worker processes, the machine's memory
+bandwidth, the decode roofline, and the JSON + markdown report.
+
+Peers: moeswap (always), llama.cpp (llama-cpp-python 0.3.36 on a GGUF made by its own converter from
+the same checkpoint) and transformers (KimiLinearForCausalLM, Kimi Linear checkpoints only). A peer
+that is not installed or cannot run the model is skipped and the report says why. Every measurement
+runs each implementation in turn, `reps` rounds, and keeps each one's best round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PEERS = ("llama.cpp", "transformers")
+
+
+@dataclass
+class Setup:
+    model: str
+    threads: int
+    peers: tuple[str, ...] = PEERS
+    reps: int = 2
+    dtype: str = "auto"
+    expert_memory: int = 8 << 30
+    decoded_experts: bool = False
+    compile: bool = False
+    gguf: str | None = None  # an existing GGUF for llama.cpp; default: convert the checkpoint (cached in .peers/)
+    moeswap_env: dict = field(default_factory=dict)  # extra environment for the moeswap worker
+
+
+def _git_revision() -> str:
+    try:
+        root = Path(__file__).resolve().parents[3]
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "") if rev else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("transformers", "llama_cpp"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            versions[mod] = None
+    return {"git": _git_revision(), "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": threads,
+            "load_average": os.getloadavg(), "versions": versions, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def memory_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> dict:
+    """Best of `reps`: read (sum of a large fp32 tensor) and copy (read + write) bandwidth in GB/s."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = mib * 2**20 // 4
+        src = torch.ones(n)
+        dst = torch.empty(n)
+        src.sum(), dst.copy_(src)  # touch the pages
+        read = copy = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            src.sum()
+            read = min(read, time.perf_counter() - t)
+            t = time.perf_counter()
+            dst.copy_(src)
+            copy = min(copy, time.perf_counter() - t)
+        nbytes = n * 4
+        return {"read_GBps": nbytes / read / 1e9, "copy_GBps": 2 * nbytes / copy / 1e9, "buffer_MiB": mib}
+    finally:
+        torch.set_num_threads(before)
+
+
+def decode_bytes(model_dir: str) -> dict:
+    """Bytes one batch-1 decode step must read: every dense weight but the embedding (a row gather), plus
+    top-k routed experts in each MoE layer, as stored (bf16 dense, MXFP4 experts for K3)."""
+    import re
+
+    from moeswap.config import load_config
+    from moeswap.formats.checkpoint import Checkpoint
+
+    cfg = load_config(model_dir)
+    ckpt = Checkpoint.open(model_dir)
+    expert = re.compile(r".*\.experts\.(\d+)\.")
+    dense = dense_params = expert_bytes = 0
+    for name in ckpt.names():
+        info = ckpt.info(name)
+        if expert.match(name):
+            expert_bytes += info.nbytes
+        elif not name.endswith("embed_tokens.weight") and not name.startswith(("vision_tower", "mm_projector")):
+            dense += info.nbytes
+            dense_params += info.nbytes // info.dtype.itemsize
+    moe_layers = sum(1 for k in cfg.mlp_kinds if k == "moe")
+    per_expert = expert_bytes / max(1, moe_layers * cfg.moe.num_experts)
+    active = cfg.moe.top_k * moe_layers * per_expert
+    ckpt.close()
+    return {"dense_bytes": dense, "dense_params": dense_params, "active_expert_bytes": active,
+            "per_token_bytes": dense + active, "per_token_bytes_fp32_dense": 4 * dense_params + active,
+            "moe_layers": moe_layers, "top_k": cfg.moe.top_k, "arch": cfg.arch}
+
+
+class Peers:
+    """The workers of one benchmark run; `skipped` says which peers are missing and why."""
+
+    def __init__(self, setup: Setup, max_seqs: int, max_len: int):
+        from moeswap.bench.peers.worker import Worker
+        from moeswap.config import load_config
+
+        self.workers: dict[str, Worker] = {}
+        self.max_len = max_len
+        self.skipped: dict[str, str] = {}
+        arch = load_config(setup.model).arch
+        extra = ["--dtype", setup.dtype, "--expert-memory", str(setup.expert_memory)]
+        extra += ["--decoded-experts"] * setup.decoded_experts + ["--compile"] * setup.compile
+        self.workers["moeswap"] = Worker("moeswap", setup.model, setup.threads, extra, setup.moeswap_env)
+        for peer in setup.peers:
+            try:
+                if peer == "llama.cpp":
+                    from moeswap.bench.peers import llamacpp
+
+                    ok, why = llamacpp.available()
+                    if not ok:
+                        self.skipped[peer] = why
+                        continue
+                    gguf = setup.gguf or str(llamacpp.ensure_gguf(setup.model))
+                    self.workers[peer] = Worker(peer, setup.model, setup.threads, [
+                        "--gguf", gguf, "--max-seqs", str(max_seqs), "--max-len", str(max_len)])
+                elif peer == "transformers":
+                    from moeswap.bench.peers import hf
+
+                    ok, why = hf.available()
+                    if not ok:
+                        self.skipped[peer] = why
+                    elif arch != "kimi_linear":
+                        self.skipped[peer] = f"transformers has no {arch} model (its peer is for the Kimi Linear variant)"
+                    else:
+                        self.workers[peer] = Worker(peer, setup.model, setup.threads)
+                else:
+                    self.skipped[peer] = f"unknown peer {peer!r} (known: {', '.join(PEERS)})"
+            except RuntimeError as err:
+                self.skipped[peer] = f"could not start: {str(err)[-500:]}"
+
+    def names(self) -> dict[str, str]:
+        return {k: w.name for k, w in self.workers.items()}
+
+    def warm_up(self, prompt: list[int]) -> None:
+        """First touches: pages of mmap'd weights, experts into the store, lazy kernel builds."""
+        prompt = prompt[: max(1, self.max_len - 8)]
+        for w in self.workers.values():
+            w.generate([prompt], 4)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(batch)]
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Leading tokens two greedy runs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def write_report(kind: str, report: dict, markdown: str, out_dir: str | None, json_path: str | None,
+                 md_path: str | None) -> list[str]:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    paths = []
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        json_path = json_path or str(Path(out_dir) / f"{kind}-{stamp}.json")
+        md_path = md_path or str(Path(out_dir) / f"{kind}-{stamp}.md")
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        paths.append(json_path)
+    if md_path:
+        Path(md_path).write_text(markdown + "\n")
+        paths.append(md_path)
+    return paths
+
+
+def header_markdown(report: dict) -> str:
+    m, bw, by = report["machine"], report["bandwidth"], report["bytes"]
+    lines = [f"model `{report['model']}` ({by['arch']}), {m['threads']} threads on {m['cores']} cores ({m['cpu']}), "
+             f"git {m['git']}, load average {m['load_average'][0]:.1f} at start",
+             f"memory bandwidth (measured): read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s; "
+             f"bytes per decode token (batch 1, as stored): {by['per_token_bytes'] / 1e6:.1f} MB "
+             f"({by['dense_bytes'] / 1e6:.1f} dense + {by['active_expert_bytes'] / 1e6:.1f} routed experts) -> "
+             f"decode roofline {report['roofline_tokens_per_s']:.1f} tokens/s "
+             f"({report['roofline_fp32_dense_tokens_per_s']:.1f} with dense weights in fp32, as moeswap runs them on CPU)"]
+    for peer, name in report["peers"].items():
+        lines.append(f"- {peer}: {name}")
+    for peer, why in report["skipped"].items():
+        lines.append(f"- {peer}: SKIPPED, {why}")
+    return "\n".join(lines)
+
+
+def common_report(setup: Setup, peers: Peers) -> dict:
+    bw = memory_bandwidth(setup.threads)
+    by = decode_bytes(setup.model)
+    return {"model": setup.model, "machine": machine_info(setup.threads), "bandwidth": bw, "bytes": by,
+            "roofline_tokens_per_s": bw["read_GBps"] * 1e9 / by["per_token_bytes"],
+            "roofline_fp32_dense_tokens_per_s": bw["read_GBps"] * 1e9 / by["per_token_bytes_fp32_dense"],
+            "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
+            "settings": {"dtype": setup.dtype, "expert_memory": setup.expert_memory,
+                         "decoded_experts": setup.decoded_experts, "compile": setup.compile,
+                         "moeswap_env": setup.moeswap_env}}
+
+
+def add_common_flags(b) -> None:
+    from moeswap.units import parse_bytes
+
+    b.add_argument("model", help="checkpoint directory (K3 or Kimi Linear layout)")
+    b.add_argument("--threads", type=int, default=2, help="threads for every implementation (default 2)")
+    b.add_argument("--peers", default=",".join(PEERS), help="comma list of peers: llama.cpp,transformers ('' = none)")
+    b.add_argument("--reps", type=int, default=2, help="rounds per measurement; each implementation's best is kept")
+    b.add_argument("--dtype", default="auto", help="moeswap compute dtype (auto: fp32 on CPU)")
+    b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("8GiB"),
+                   help="moeswap expert store budget (default 8GiB: every expert of a bench model stays resident)")
+    b.add_argument("--decoded-experts", action="store_true", help="moeswap keeps decoded experts, not MXFP4 bytes")
+    b.add_argument("--compile", action="store_true", help="moeswap: torch.compile the decode step")
+    b.add_argument("--omp-passive", action="store_true",
+                   help="moeswap worker with OMP_WAIT_POLICY=PASSIVE (see docs/benchmarks.md)")
+    b.add_argument("--gguf", help="an existing GGUF for llama.cpp (default: convert MODEL with llama.cpp's converter)")
+    b.add_argument("--out-dir", default="bench-results", help="where the JSON and markdown go ('' = only print)")
+    b.add_argument("--json", metavar="FILE", help="JSON path (default: OUT_DIR/<bench>-<time>.json)")
+    b.add_argument("--markdown", metavar="FILE", help="markdown path (default: OUT_DIR/<bench>-<time>.md)")
+
+
+def setup_from_args(args) -> Setup:
+    peers = tuple(p for p in args.peers.split(",") if p)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    if not (Path(args.model) / "config.json").is_file():
+        raise FileNotFoundError(f"{args.model}: no config.json; give a checkpoint directory")
+    return Setup(args.model, args.threads, peers, args.reps, args.dtype, args.expert_memory, args.decoded_experts,
+                 args.compile, args.gguf, {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {})
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected a comma list of integers, e.g. 1,4,16") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} {text!r}: expected positive integers")
+    return values

@@ -1,0 +1,38 @@
+"""Optional torch.compile of the decode step, applied from outside the model (EngineConfig.compile).
+
+Only the attention sublayers (KDA, MLA) are compiled: the MoE block asks a Python expert store for
+its experts, which would break any graph. The compiled versions are swapped in for decode steps only,
+so prefill and every other caller keep the eager model, which stays the reference.
+Entry point: `compile_decode(model) -> callable(tokens_B1, state) -> logits`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+class CompiledDecode:
+    def __init__(self, model):
+        import torch
+
+        self.model = model
+        self.compiled = [torch.compile(layer.self_attn.forward, dynamic=True) for layer in model.model.layers]
+
+    @contextmanager
+    def _swapped(self):
+        layers = self.model.model.layers
+        for layer, fn in zip(layers, self.compiled):
+            layer.self_attn.forward = fn  # instance attribute shadows the class method
+        try:
+            yield
+        finally:
+            for layer in layers:
+                del layer.self_attn.forward
+
+    def __call__(self, tokens_BT, state):
+        with self._swapped():
+            return self.model(tokens_BT, state)
+
+
+def compile_decode(model) -> CompiledDecode:
+    return CompiledDecode(model)

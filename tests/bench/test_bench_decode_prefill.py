@@ -1,0 +1,44 @@
+"""`moeswap bench decode|prefill`: the report's shape, the roofline inputs, peers skipped with a reason.
+(The measurements themselves are benchmarks, not tests: only their plumbing is checked here.)"""
+
+import json
+
+import pytest
+
+from moeswap.bench import decode, prefill, sidebyside as sbs
+from moeswap.cli import main
+
+
+def test_decode_bytes_counts_dense_and_active_experts(tiny_k3_dir):
+    b = sbs.decode_bytes(str(tiny_k3_dir))
+    # tiny K3: 5 MoE layers, top-4 of 16 experts; experts are MXFP4 (17 bytes per 32 weights)
+    per_expert = 3 * 32 * 64 * 17 / 32
+    assert b["moe_layers"] == 5 and b["top_k"] == 4
+    assert b["active_expert_bytes"] == pytest.approx(4 * 5 * per_expert)
+    assert b["per_token_bytes"] == b["dense_bytes"] + b["active_expert_bytes"]
+    assert b["per_token_bytes_fp32_dense"] > b["per_token_bytes"]
+
+
+def test_decode_and_prefill_reports(tiny_k3_dir, tmp_path):
+    setup = sbs.Setup(str(tiny_k3_dir), threads=1, peers=("transformers", "nonesuch"), reps=1)
+    rep = decode.measure(setup, [1, 2], prompt_tokens=8, tokens=3)
+    assert rep["skipped"]["transformers"].startswith("transformers has no kimi_k3 model")
+    assert "unknown peer" in rep["skipped"]["nonesuch"] and list(rep["peers"]) == ["moeswap"]
+    assert [r["batch"] for r in rep["rows"]] == [1, 2]
+    assert all(r["results"]["moeswap"]["tokens_per_s"] > 0 for r in rep["rows"])
+    assert rep["roofline_tokens_per_s"] > 0 and rep["bandwidth"]["read_GBps"] > 0
+    md = decode.format_markdown(rep)
+    assert "SKIPPED" in md and "roofline" in md and md.count("\n| ") == 3
+    json.dumps(rep)
+    rep = prefill.measure(setup, [5, 9])
+    assert [r["prompt_tokens"] for r in rep["rows"]] == [5, 9]
+    assert prefill.format_markdown(rep).count("\n| ") == 3
+
+
+def test_cli_writes_json_and_markdown(tiny_k3_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = main(["bench", "prefill", str(tiny_k3_dir), "--peers", "", "--reps", "1", "--threads", "1",
+                 "--prompt-tokens", "4", "--out-dir", "", "--json", str(out)])
+    assert code == 0 and json.loads(out.read_text())["bench"] == "prefill"
+    assert "prefill, batch 1" in capsys.readouterr().out
+    assert main(["bench", "decode", str(tiny_k3_dir), "--batch", "0"]) == 2

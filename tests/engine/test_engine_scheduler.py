@@ -1,0 +1,81 @@
+"""The continuous-batching scheduler: greedy tokens equal each request run alone, whatever joins or
+leaves between steps, however prompts are chunked; slots are reused; timings are recorded."""
+
+import pytest
+import torch
+
+from moeswap.engine.sampling import SamplingParams
+from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.tiny import write_tiny_model
+
+
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+def model(request, tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, "tiny", seed=4)
+    return load_model(path, LoadOptions(dtype="float32"))[0]
+
+
+def _tokens(n, seed):
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _alone(model, req: Request) -> list[int]:
+    sched = Scheduler(model, EngineConfig(max_batch=1, max_len=128))
+    return sched.run([Request(req.prompt, req.max_tokens, req.sampling, req.stop_ids)])[0].tokens
+
+
+def test_sequences_join_and_leave_without_changing_tokens(model):
+    # 5 requests, 2 slots: later requests join as earlier ones leave, at different steps
+    reqs = [Request(_tokens(n, s), m) for s, (n, m) in enumerate([(5, 3), (30, 9), (12, 4), (70, 6), (1, 5)])]
+    sched = Scheduler(model, EngineConfig(max_batch=2, max_len=128))
+    for r in reqs:
+        sched.submit(r)
+    live_counts, order = [], []
+    while sched.busy:
+        events = sched.step()
+        live_counts.append(len(sched.live))
+        order += [e.id for e in events if e.finish_reason]
+    results = {i: sched.finished[i] for i in range(len(reqs))}
+    for i, r in enumerate(reqs):
+        assert results[i].tokens == _alone(model, r), f"request {i}"
+        assert len(results[i].tokens) == r.max_tokens and results[i].finish_reason == "length"
+    assert max(live_counts) == 2 and order[:2] == [0, 2]  # short ones leave first, others take their slots
+    assert results[4].queued_s > 0 and results[4].ttft_s >= results[4].queued_s
+
+
+def test_batched_equals_single_with_stops_and_uneven_lengths(model):
+    prompts = [_tokens(n, 10 + n) for n in (3, 17, 64, 65, 8, 40)]
+    free = [_alone(model, Request(p, 10)) for p in prompts]
+    stop = free[2][4]
+    reqs = [Request(p, 10, stop_ids=(stop,)) for p in prompts]
+    got = Scheduler(model, EngineConfig(max_batch=6, max_len=128)).run(reqs)
+    for g, f in zip(got, free):
+        want = f[: f.index(stop) + 1] if stop in f else f
+        assert g.tokens == want and g.finish_reason == ("stop" if stop in f else "length")
+
+
+def test_chunked_prefill_equals_one_forward(model):
+    prompt = _tokens(150, 7)
+    whole = Scheduler(model, EngineConfig(max_batch=1, max_len=200, prefill_chunk=512)).run([Request(prompt, 6)])
+    chunked = Scheduler(model, EngineConfig(max_batch=1, max_len=200, prefill_chunk=37)).run([Request(prompt, 6)])
+    assert chunked[0].tokens == whole[0].tokens
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    sampled = Request(_tokens(9, 3), 12, SamplingParams(temperature=1.2, top_p=0.9), seed=5)
+    alone = Scheduler(model, EngineConfig(max_batch=1, max_len=64)).run([sampled])[0].tokens
+    sampled = Request(_tokens(9, 3), 12, SamplingParams(temperature=1.2, top_p=0.9), seed=5)
+    mixed = Scheduler(model, EngineConfig(max_batch=3, max_len=64)).run(
+        [Request(_tokens(20, 1), 12), sampled, Request(_tokens(4, 2), 3)])
+    assert mixed[1].tokens == alone
+
+
+def test_stats_and_limits(model):
+    sched = Scheduler(model, EngineConfig(max_batch=2, max_len=40))
+    res = sched.run([Request(_tokens(10, 1), 5), Request(_tokens(20, 2), 3)])
+    st = sched.stats
+    assert st.prefill_tokens == 30 and st.decode_steps == 4 and st.decode_tokens == 4 + 2
+    assert st.prefill_s > 0 and st.decode_s > 0 and res[0].tpot_s > 0 and res[0].decoded == 4
+    with pytest.raises(ValueError, match="max_len"):
+        sched.submit(Request(_tokens(38, 3), 5))
