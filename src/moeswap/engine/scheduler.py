@@ -26,6 +26,7 @@ class EngineConfig:
     max_len: int = 4096  # prompt + generated tokens per sequence (sizes the MLA caches)
     prefill_chunk: int = 512  # prompt tokens per forward while prefilling (bounds activation memory)
     compile: bool = False  # torch.compile the decode step's attention (eager stays the reference)
+    fuse: bool = True  # one matmul for all projections of an attention layer's input (same values)
 
 
 @dataclass
@@ -95,9 +96,19 @@ class _Seq:
     done: bool = False
 
 
+def fuse_projections(model) -> None:
+    """Fuse each attention layer's input projections (models.layers.kda.fuse_linears); idempotent."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if hasattr(attn, "fuse_projections") and "_fused_input" not in attn.__dict__:
+            attn.fuse_projections()
+
+
 class Scheduler:
     def __init__(self, model, config: EngineConfig = EngineConfig(), dtype: torch.dtype | None = None):
         self.model, self.config = model, config
+        if config.fuse:
+            fuse_projections(model)
         self.device = model.model.embed_tokens.weight.device
         self.states = SlotStates(model, config.max_batch, config.max_len, dtype, self.device)
         self.waiting: deque[_Seq] = deque()

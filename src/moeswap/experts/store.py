@@ -48,7 +48,9 @@ def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
 
     Experts come and go in blocks of one buffer each (0.8 MB on the bench model, 17.5 MB on K3); glibc's
     default (a threshold that grows up to 32 MiB) keeps them in the heap, which measured ~500 MB above
-    budget on a 1.2 GB-expert model.
+    budget on a 1.2 GB-expert model, and 1 MiB still 110-250 MB more than 512 KiB. The price is page
+    faults on every read (~18 ms/token of system time at a 25 % budget on the bench model); a slot
+    allocator for the fast tier would avoid both.
     """
     if sys.platform.startswith("linux"):
         try:

@@ -1,8 +1,9 @@
 """Kimi Delta Attention core: the token recurrence (reference, decode) and the chunked form (prefill).
 
 Knows nothing of projections or checkpoints: inputs are already normalised q/k, v, the log-decay g
-and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent`, `kda_chunked`.
-Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length.
+and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the reference, decode),
+`kda_chunked` (prefill), `kda_chunked_pairwise` (the chunked form written plainly, its reference).
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length, N sub-chunk length.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def kda_recurrent(
     return torch.stack(outs, dim=1), S
 
 
-def kda_chunked(
+def kda_chunked_pairwise(
     q_BTHK: torch.Tensor,
     k_BTHK: torch.Tensor,
     v_BTHV: torch.Tensor,
@@ -40,7 +41,8 @@ def kda_chunked(
     state_BHKV: torch.Tensor,
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same result as `kda_recurrent`, a chunk at a time.
+    """Same result as `kda_recurrent`, a chunk at a time; every pairwise decay formed explicitly
+    ([B, H, C, C, K] per chunk): the plain reference for `kda_chunked`.
 
     Inside a chunk, with G_t the cumulative log decay, the updates u solve the unit lower-triangular
     system (I + A) u = beta (v - (e^G_t * k_t)^T S0), A_ts = beta_t sum_i k_ti k_si e^(G_ti - G_si).
@@ -72,6 +74,68 @@ def kda_chunked(
         u_BHCV = torch.linalg.solve_triangular(eye + A_BHCC, rhs_BHCV, upper=False, unitriangular=True)
         outs.append((qc * G_BHCK.exp()) @ S + qk_BHCC @ u_BHCV)
         # carry the state to the end of the chunk: every exponent G_C - G_s <= 0
+        to_end_BHCK = (G64_BHCK[:, :, -1:] - G64_BHCK).float().exp()
+        S = S * G_BHCK[:, :, -1].exp().unsqueeze(-1) + (kc * to_end_BHCK).transpose(-1, -2) @ u_BHCV
+    return torch.cat(outs, dim=2).transpose(1, 2), S
+
+
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G64: torch.Tensor, sub: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kk[t, s] = sum_i k_ti k_si e^(G_ti - G_si) (s < t) and qk[t, s] likewise with q_t (s <= t), [B, H, C, C].
+
+    Pairs within one sub-chunk of `sub` tokens are formed pairwise ([B, H, N, N, K]); a pair with s in
+    an earlier sub-chunk factors through that sub-chunk's first position r: e^(G_t - G_r) e^(G_r - G_s),
+    both exponents <= 0 (G decreases), so the products are matmuls and nothing can overflow."""
+    B, H, C, K = k.shape
+    kk = torch.zeros(B, H, C, C, dtype=k.dtype, device=k.device)
+    qk = torch.zeros_like(kk)
+    for r in range(0, C, sub):
+        e = min(r + sub, C)
+        Gi = G64[:, :, r:e]
+        n = e - r
+        diff = (Gi.unsqueeze(3) - Gi.unsqueeze(2)).float()  # [B, H, n, n, K]: [t, s] = G_t - G_s
+        causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
+        decay = torch.where(causal[..., None], diff, float("-inf")).exp()
+        ks = k[:, :, r:e]
+        kk[:, :, r:e, r:e] = torch.einsum("bhtsk,bhsk->bhts", decay * k[:, :, r:e].unsqueeze(3), ks)
+        qk[:, :, r:e, r:e] = torch.einsum("bhtsk,bhsk->bhts", decay * q[:, :, r:e].unsqueeze(3), ks)
+        if r:
+            to_r = (Gi - G64[:, :, r:r + 1]).float().exp()  # e^(G_t - G_r) <= 1
+            from_r = (G64[:, :, r:r + 1] - G64[:, :, :r]).float().exp()  # e^(G_r - G_s) <= 1, s < r
+            right = (k[:, :, :r] * from_r).transpose(-1, -2)  # [B, H, K, r]
+            kk[:, :, r:e, :r] = (k[:, :, r:e] * to_r) @ right
+            qk[:, :, r:e, :r] = (q[:, :, r:e] * to_r) @ right
+    return kk.tril(-1), qk
+
+
+def kda_chunked(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g_BTHK: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor,
+    chunk: int = 64,
+    sub: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_chunked_pairwise` with the intra-chunk decays factored (`_intra_chunk`): the [C, C, K]
+    pairwise tensor shrinks to sub-chunk blocks and the rest are matmuls (~3x faster measured on CPU)."""
+    B, T, H, K = k_BTHK.shape
+    S = state_BHKV.float()
+    q, k, v, g = (t.float().transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
+    beta = beta_BTH.float().transpose(1, 2)
+    outs = []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
+        G64_BHCK = g[:, :, start:end].double().cumsum(dim=2)  # fp64: see kda_chunked_pairwise
+        G_BHCK = G64_BHCK.float()
+        C = end - start
+        kk_BHCC, qk_BHCC = _intra_chunk(qc, kc, G64_BHCK, sub)
+        A_BHCC = bc.unsqueeze(-1) * kk_BHCC
+        eye = torch.eye(C, dtype=A_BHCC.dtype, device=A_BHCC.device)
+        rhs_BHCV = bc.unsqueeze(-1) * (vc - (kc * G_BHCK.exp()) @ S)
+        u_BHCV = torch.linalg.solve_triangular(eye + A_BHCC, rhs_BHCV, upper=False, unitriangular=True)
+        outs.append((qc * G_BHCK.exp()) @ S + qk_BHCC @ u_BHCV)
         to_end_BHCK = (G64_BHCK[:, :, -1:] - G64_BHCK).float().exp()
         S = S * G_BHCK[:, :, -1].exp().unsqueeze(-1) + (kc * to_end_BHCK).transpose(-1, -2) @ u_BHCV
     return torch.cat(outs, dim=2).transpose(1, 2), S

@@ -8,6 +8,7 @@ Shapes: B batch, T tokens, D model width, H heads, K head dim, W conv width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -52,6 +53,35 @@ def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W:
     return F.silu(y)
 
 
+def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
+    """Speed only: the weights of the named bias-free nn.Linear children become views into one
+    [sum of outputs, in] tensor, so `project` reads the input once in one matmul (small batches pay
+    per call on CPU: 4 separate [16, 1024] x [1024, 512] products measured 3.6x one fused one). Values,
+    names and state_dict are unchanged; memory is not duplicated. No-op unless all are plain nn.Linear."""
+    mods = [getattr(module, n) for n in names]
+    if not all(type(m) is nn.Linear and m.bias is None for m in mods):
+        return
+    fused = torch.cat([m.weight.detach() for m in mods])
+    start = 0
+    for m in mods:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[start:start + rows], requires_grad=m.weight.requires_grad)
+        start += rows
+    module.__dict__["_fused_input"] = (fused, tuple(names), [m.weight.data_ptr() for m in mods],
+                                       [m.weight.shape[0] for m in mods])
+
+
+def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[torch.Tensor]:
+    """[getattr(module, n)(x) for n in names], in one matmul while the fusion still holds (no child
+    replaced by a wrapper, no weight re-materialised by .to() or a loader)."""
+    fused = module.__dict__.get("_fused_input")
+    if fused is not None and fused[1] == tuple(names):
+        mods = [getattr(module, n) for n in names]
+        if all(type(m) is nn.Linear for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]:
+            return list(F.linear(x, fused[0]).split(fused[3], dim=-1))
+    return [getattr(module, n)(x) for n in names]
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -79,25 +109,36 @@ class KDA(nn.Module):
         self.o_norm = WeightOnly(K, device=device)
         self.o_proj = lin(H * K, d)
 
-    def decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def input_projections(self) -> tuple[str, ...]:
+        """The projections that read the layer input x (fused into one matmul by `fuse_projections`)."""
+        gate = ("g_proj",) if hasattr(self, "g_proj") else ("g_a_proj",)
+        return ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj") + gate
+
+    def fuse_projections(self) -> None:
+        fuse_linears(self, self.input_projections())
+
+    def decay(self, x_BTD: torch.Tensor, f_a_BTK: torch.Tensor | None = None) -> torch.Tensor:
         """Log retention g per head and key channel, [B, T, H, K], in fp32."""
-        z = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
+        f_a_BTK = self.f_a_proj(x_BTD) if f_a_BTK is None else f_a_BTK
+        z = self.f_b_proj(f_a_BTK).float() + self.dt_bias.float()
         z = z.unflatten(-1, (self.H, self.K))
         a = self.A_log.float().exp()[:, None]
         if self.lower_bound is not None:  # K3: bounded to (lower_bound, 0)
             return self.lower_bound * torch.sigmoid(a * z)
         return -a * F.softplus(z)  # Kimi Linear: unbounded
 
-    def output_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def output_gate(self, x_BTD: torch.Tensor, g_in: torch.Tensor | None = None) -> torch.Tensor:
+        """g_in: g_proj(x) (K3) or g_a_proj(x) (Kimi Linear) when already computed."""
         if hasattr(self, "g_proj"):
-            return self.g_proj(x_BTD)
-        return self.g_b_proj(self.g_a_proj(x_BTD))
+            return self.g_proj(x_BTD) if g_in is None else g_in
+        return self.g_b_proj(self.g_a_proj(x_BTD) if g_in is None else g_in)
 
     def forward(self, x_BTD: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         if state is None:
             state = KDAState.zeros(B, self.H, self.K, self.W, x_BTD.dtype, x_BTD.device)
-        qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
+        q_in, k_in, v_in, f_a, b_in, g_in = project(self, x_BTD, self.input_projections())
+        qkv_BTC = torch.cat([q_in, k_in, v_in], dim=-1)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         conv_BTC = causal_conv_silu(qkv_BTC, state.conv_BWC, weight)
         # State is updated in place: it may be a view into an engine's preallocated batch buffers.
@@ -105,12 +146,12 @@ class KDA(nn.Module):
         q, k, v = (t.unflatten(-1, (self.H, self.K)).float() for t in conv_BTC.chunk(3, dim=-1))
         q = l2_normalize(q) * self.K**-0.5
         k = l2_normalize(k)
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
-        g_BTHK = self.decay(x_BTD)
+        beta_BTH = torch.sigmoid(b_in.float())
+        g_BTHK = self.decay(x_BTD, f_a)
         core = kda_recurrent if T == 1 else kda_chunked
         o_BTHK, S_BHKK = core(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK)
         state.recurrent_BHKK.copy_(S_BHKK)
-        gate = self.output_gate(x_BTD).unflatten(-1, (self.H, self.K)).float()
+        gate = self.output_gate(x_BTD, g_in).unflatten(-1, (self.H, self.K)).float()
         y = rms_norm(o_BTHK, self.o_norm.weight, self.eps) * torch.sigmoid(gate)
         return self.o_proj(y.flatten(-2).to(x_BTD.dtype))
 

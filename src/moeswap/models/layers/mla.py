@@ -15,6 +15,7 @@ from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import RMSNorm
+from moeswap.models.layers.kda import fuse_linears, project
 
 
 @dataclass
@@ -76,18 +77,28 @@ class MLA(nn.Module):
     def cache_width(self) -> int:
         return self.L + self.R
 
-    def queries(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def input_projections(self) -> tuple[str, ...]:
+        """The projections that read the layer input x (fused into one matmul by `fuse_projections`)."""
+        q = ("q_proj",) if hasattr(self, "q_proj") else ("q_a_proj",)
+        return q + ("kv_a_proj_with_mqa",) + (("g_proj",) if hasattr(self, "g_proj") else ())
+
+    def fuse_projections(self) -> None:
+        fuse_linears(self, self.input_projections())
+
+    def queries(self, x_BTD: torch.Tensor, q_in: torch.Tensor | None = None) -> torch.Tensor:
+        """q_in: q_proj(x) or q_a_proj(x) when already computed."""
         if hasattr(self, "q_proj"):
-            return self.q_proj(x_BTD)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+            return self.q_proj(x_BTD) if q_in is None else q_in
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD) if q_in is None else q_in))
 
     def forward(self, x_BTD: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         if cache is None:
             cache = MLACache.empty(B, self.cache_width(), x_BTD.dtype, x_BTD.device, capacity=T)
-        q_BTHX = self.queries(x_BTD).unflatten(-1, (self.H, self.N + self.R))
+        q_in, kv_in, *gate_in = project(self, x_BTD, self.input_projections())
+        q_BTHX = self.queries(x_BTD, q_in).unflatten(-1, (self.H, self.N + self.R))
         q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
-        c_kv, k_r = self.kv_a_proj_with_mqa(x_BTD).split([self.L, self.R], dim=-1)
+        c_kv, k_r = kv_in.split([self.L, self.R], dim=-1)
         past_B = cache.lengths_B.clone()  # append updates lengths_B in place
         cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
         S = cache.longest()
@@ -104,6 +115,6 @@ class MLA(nn.Module):
         probs_BHTS = scores_BHTS.softmax(dim=-1).to(x_BTD.dtype)
         ctx_BTHL = torch.einsum("bhts,bsl->bthl", probs_BHTS, c_BSL.to(x_BTD.dtype))
         out_BTHV = torch.einsum("bthl,hvl->bthv", ctx_BTHL, w_v_HVL.to(x_BTD.dtype)).flatten(-2)
-        if hasattr(self, "g_proj"):
-            out_BTHV = out_BTHV * torch.sigmoid(self.g_proj(x_BTD))
+        if gate_in:
+            out_BTHV = out_BTHV * torch.sigmoid(gate_in[0])
         return self.o_proj(out_BTHV)
