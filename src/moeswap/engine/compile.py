@@ -35,4 +35,8 @@ class CompiledDecode:
 
 
 def compile_decode(model) -> CompiledDecode:
-    return CompiledDecode(model)
+    """One per model (kept on it): schedulers made later reuse the compiled graphs instead of recompiling."""
+    compiled = model.__dict__.get("_compiled_decode")
+    if compiled is None:
+        compiled = model.__dict__["_compiled_decode"] = CompiledDecode(model)
+    return compiled

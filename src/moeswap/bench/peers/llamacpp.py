@@ -150,7 +150,8 @@ class LlamaCppRunner:
                 out.append(int(row.argmax()))
         return out
 
-    def logits_last(self) -> "np.ndarray":  # noqa: F821 - for cross-checks: logits of the last decoded row
+    def logits_last(self):
+        """Logits of the last decoded row (numpy, copied): for cross-checks."""
         return self.np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
 
     def prefill(self, prompt: list[int], seq: int = 0) -> int:
