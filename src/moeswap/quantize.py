@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from moeswap.atomic_dir import atomic_directory
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mx
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
@@ -61,25 +61,13 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
     t0 = time.perf_counter()
     with Checkpoint.open(src) as ckpt:
         plan = _Plan.build(ckpt, raw, fmt, pattern, src)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-        try:
+        with atomic_directory(dst) as tmp:
             report = plan.write(tmp, options)
             report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
             _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
             _copy_side_files(src, tmp)
             (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
-            for file in tmp.iterdir():  # mkdtemp creates owner-only files
-                if file.is_file():
-                    file.chmod(0o644)
-            tmp.chmod(0o755)
-            if dst.exists():
-                dst.rmdir()
-            os.replace(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return report
 
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
 from moeswap.formats import mxfp4
 from moeswap.models import build_model
@@ -172,19 +170,8 @@ def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "ti
         raise FileExistsError(f"{out} exists and is not a directory; choose another directory")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose another directory or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         _write(tmp, arch, size, seed, shard_bytes, progress)
-        for file in tmp.iterdir():  # mkdtemp and safetensors create owner-only files
-            file.chmod(0o644)
-        tmp.chmod(0o755)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
