@@ -3,7 +3,7 @@
 `SlotStates` preallocates the state of up to `slots` sequences of up to `max_len` tokens once; live
 sequences occupy slots 0..n-1, so a step runs on views of the first n rows and nothing is copied or
 allocated per step (the layers update state in place). A sequence that leaves is replaced by the last
-one (a row copy per layer). `stack_states` joins single-sequence states (the unbuffered path).
+one (a row copy per layer).
 The AttnRes bank is per token (it mixes depth, not time), so nothing of it carries between steps.
 """
 
@@ -14,21 +14,6 @@ import torch
 from moeswap.models.kimi_k3 import ModelState
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
-
-
-def stack_states(states: list[ModelState]) -> ModelState:
-    """One batched state from single-sequence states, layer by layer (MLA caches padded to one capacity)."""
-    layers = []
-    for per_seq in zip(*(s.layers for s in states)):
-        first = per_seq[0]
-        if isinstance(first, KDAState):
-            layers.append(KDAState(torch.cat([s.recurrent_BHKK for s in per_seq]),
-                                   torch.cat([s.conv_BWC for s in per_seq])))
-        else:
-            cap = max(s.latent_BSX.shape[1] for s in per_seq)
-            padded = [torch.nn.functional.pad(s.latent_BSX, (0, 0, 0, cap - s.latent_BSX.shape[1])) for s in per_seq]
-            layers.append(MLACache(torch.cat(padded), torch.cat([s.lengths_B for s in per_seq])))
-    return ModelState(layers)
 
 
 class SlotStates:
