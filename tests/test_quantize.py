@@ -146,8 +146,9 @@ def test_mxfp4_source_to_mxfp8_is_lossless_and_same_format_is_copied(tiny_k3_dir
     assert raw["text_config"]["quantization_config"]["format"] == "mxfp8-quantized"  # where the source had it
     assert "quantization_config" not in raw
     quality = compare_models(tiny_k3_dir, tmp_path / "k3_8", tokens=16, generate_tokens=4)
-    # Same weights; only the summation order may differ (MXFP4 experts can run in the CPU kernel).
-    assert quality["logit_rel_error"] < 1e-5 and quality["greedy_identical_prefix"] == 4
+    # Same weights; only the summation order differs (MXFP4 experts run in the CPU kernel, MXFP8 ones
+    # in torch): fp32 rounding, ~1e-5 after 4 layers of random weights; a real format error is ~1e-2.
+    assert quality["logit_rel_error"] < 1e-4 and quality["greedy_identical_prefix"] == 4
 
     report = quantize(tiny_k3_dir, tmp_path / "k3_4", QuantizeOptions("mxfp4", "floor"))
     assert report["summary"]["copied"] == report["summary"]["expert_weights"] > 0  # the shipped codes are kept

@@ -33,6 +33,9 @@ BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels",
 def _add_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--dense-weights", default="auto", choices=("auto", "compute"),
+                   help="auto: keep bf16-stored Linear weights in bf16 under fp32 math where a CPU kernel runs "
+                        "them (half the bytes per decode step, same values); compute: convert to --dtype")
     # the expert store (experts/store.py StoreOptions, through LoadOptions)
     p.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"),
                    help="bytes of routed experts kept in the fast tier: accelerator memory, or host memory "
@@ -54,7 +57,7 @@ def load_options(args):
     from moeswap.models.loader import LoadOptions
 
     return LoadOptions(args.dtype, args.device, args.expert_memory, args.host_memory, args.expert_policy,
-                       args.prefetch, args.decoded_experts, args.expert_profile)
+                       args.prefetch, args.decoded_experts, args.expert_profile, args.dense_weights)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,7 +111,7 @@ def test_every_sublayer_matches_llamacpp(tiny_k3_dir, gguf_dir):
             check(f"{i} {'moe' if i else 'dense mlp'}", layer.feed_forward(get(f"ffn_norm-{i}")), f"ffn_out-{i}")
         y = mix(get(f"l_out-{len(model.model.layers) - 1}"), bank,
                 score_vector(model.model.output_attn_res_norm, model.model.output_attn_res_proj), eps)
-        logits = model.model.norm(y) @ model.lm_head.weight.T
+        logits = model.lm_head(model.model.norm(y))
         theirs = torch.from_numpy(caps["result_output"].reshape(logits.shape))
         errors["output AttnRes + norm + lm_head"] = ((logits - theirs).abs().max() / theirs.abs().max()).item()
     # MLA: llama.cpp's flash-attention path rounds through f16 (~3e-4); KDA: its l2-norm epsilon

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moeswap.formats import mxfp4
+from moeswap.ops import cpu_kernels
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.expert import MXFP4ExpertWeights
 
@@ -70,9 +71,9 @@ def kernel_builds() -> list[tuple[str, ...] | None]:
 
 @pytest.mark.parametrize("flags", kernel_builds(), ids=lambda f: "native" if f is None else " ".join(f))
 def test_every_kernel_build_matches_the_decoded_matmul(flags):
-    kernel = em._kernel(flags)
+    kernel = cpu_kernels.kernel(flags)
     if kernel is None:
-        pytest.skip(f"the kernel does not build here: {em._build_error}")
+        pytest.skip(f"the kernel does not build here: {cpu_kernels.build_error()}")
     gen = torch.Generator().manual_seed(3)
     packed, scale = random_matrix(37, 96, gen)  # 37 rows: 4-row tiles and a tail
     scale[0, 0], scale[1, 1], scale[2, 2], scale[3, 0] = 0, 230, 1, 255  # 2^-127, 2^103, 2^-126, NaN
@@ -92,6 +93,8 @@ def test_every_kernel_build_matches_the_decoded_matmul(flags):
     for tokens, act in ((1, "situ"), (3, "silu"), (9, "situ")):
         x = torch.randn(tokens, 96, generator=gen)
         assert_matches(kernel.expert(x, w, act, BETAS), em.reference(w, x, act, BETAS), torch.float32)
+    check_grouped_moe(kernel, gen)
+    check_bf16_linear(kernel, gen)
     tiny = torch.zeros(1, 96)
     tiny[0, 0] = 1.0
     packed0 = torch.zeros(1, 48, dtype=torch.uint8)
@@ -101,7 +104,7 @@ def test_every_kernel_build_matches_the_decoded_matmul(flags):
 
 
 def test_kernel_rejects_mismatched_shapes():
-    kernel = em._kernel()
+    kernel = cpu_kernels.kernel()
     if kernel is None:
         pytest.skip("no kernel")
     packed, scale = random_matrix(4, 64, torch.Generator().manual_seed(0))
@@ -128,13 +131,13 @@ def test_select_and_overrides(monkeypatch):
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
-    monkeypatch.setattr(em, "_loaded", {})
-    monkeypatch.setenv(em.ENV_CACHE, str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv(cpu_kernels.ENV_CACHE, str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.delenv(em.ENV_KERNEL, raising=False)
     w = random_expert(64, 64)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
-    with pytest.warns(RuntimeWarning, match="MXFP4 CPU kernel unavailable, experts use the torch path"):
+    with pytest.warns(RuntimeWarning, match="CPU kernels unavailable, using the plain torch paths"):
         out = w(x, "situ", BETAS)
     assert_matches(out, em.reference(w, x, "situ", BETAS), torch.float32)
     assert em.best_name() == "torch_rows"
@@ -145,8 +148,44 @@ def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
 def test_fresh_build_into_an_empty_cache(monkeypatch, tmp_path):
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
-    monkeypatch.setattr(em, "_loaded", {})
-    monkeypatch.setenv(em.ENV_CACHE, str(tmp_path))
-    kernel = em._kernel()
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv(cpu_kernels.ENV_CACHE, str(tmp_path))
+    kernel = cpu_kernels.kernel()
     assert kernel is not None and kernel.path.parent == tmp_path / "kernels"
-    assert em.build() == kernel.path  # cached: the second call compiles nothing
+    assert cpu_kernels.build() == kernel.path  # cached: the second call compiles nothing
+
+
+def check_grouped_moe(kernel, gen: torch.Generator) -> None:
+    """moe(): each expert's weighted output summed per token, equal to the per-expert reference."""
+    experts = [random_expert(64, 96, seed=20 + e) for e in range(3)]
+    for tokens, pairs in ((1, [[0], [0], [0]]), (5, [[0, 2, 4], [1], [0, 1, 2, 3, 4]]), (9, [[3], [], list(range(9))])):
+        x = torch.randn(tokens, 64, generator=gen)
+        flat = [t for p in pairs for t in p]
+        weights = torch.rand(len(flat), generator=gen)
+        offsets = [0]
+        for p in pairs:
+            offsets.append(offsets[-1] + len(p))
+        y = torch.full((tokens, 64), 0.5)  # the kernel adds to what is there
+        kernel.moe(x, experts, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS, y)
+        want = torch.full((tokens, 64), 0.5)
+        for e, p in enumerate(pairs):
+            for k, t in enumerate(p):
+                want[t] += weights[offsets[e] + k] * em.reference(experts[e], x[t : t + 1], "situ", BETAS)[0]
+        torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+    with pytest.raises(ValueError, match="do not fit x"):
+        kernel.moe(x, experts, torch.zeros(2, dtype=torch.int64), [0, 1, 2], torch.ones(2), "situ", BETAS, y)
+    with pytest.raises(RuntimeError, match="bad sizes"):  # a token index outside x
+        kernel.moe(x, experts[:1], torch.tensor([tokens]), [0, 1], torch.ones(1), "situ", BETAS, y)
+
+
+def check_bf16_linear(kernel, gen: torch.Generator) -> None:
+    """bf16_linear(): fp32 x times bf16 weights widened exactly; sizes with vector tails and row tails."""
+    for rows, cols in ((37, 96), (5, 1027), (64, 16)):
+        w = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+        for tokens in (1, 2, 3, 4, 8, 13, 16):
+            x = torch.randn(tokens, cols, generator=gen)
+            want = x @ w.float().T
+            torch.testing.assert_close(kernel.bf16_linear(x, w), want, rtol=2e-6,
+                                       atol=4e-6 * want.abs().max().item())
+    with pytest.raises(ValueError, match="expected fp32 .T, I. and bf16"):
+        kernel.bf16_linear(torch.zeros(1, 16), torch.zeros(4, 16))

@@ -143,7 +143,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
                          "spread": (min(samples[name]) * 1e6, max(samples[name]) * 1e6)})
     selected = f"mxfp4 direct ({expert_mxfp4.best_name()})"
     best = next(r for r in rows if r["tokens"] == min(tokens) and r["variant"] == selected)
-    kernel = expert_mxfp4._kernel()
+    kernel = cpu_kernels.kernel()
     return {
         "expert": {"in_dim": in_dim, "expert_dim": expert_dim, "act": act, "packed_bytes": packed_bytes,
                    "bf16_bytes": resident[0].nbytes, "experts_cycled": n_experts},

@@ -23,6 +23,7 @@ from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
+from moeswap.ops.linear import linear
 
 # Checkpoint tensor name (prefix stripped) -> what it is. First match wins.
 #   "expert": a routed-expert tensor, indexed for the expert store (groups: layer, expert, proj, kind)
@@ -132,7 +133,7 @@ class KimiModel(nn.Module):
             partial = partial[:, -1:]
         hidden = self.model.norm(partial)
         head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
-        return hidden @ head.T
+        return linear(hidden, head)
 
 
 def classify(name: str) -> tuple[str, re.Match]:

@@ -20,6 +20,9 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.experts.store import StoreOptions, build_store
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
+from moeswap.ops.linear import StoredWeightLinear, can_keep_stored
+
+DENSE_WEIGHTS = ("auto", "compute")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class LoadOptions:
     prefetch: str = "none"  # none | next-layer
     decoded_experts: bool = False  # keep decoded copies in the fast tier instead of MXFP4 bytes
     expert_profile: str | None = None  # routing trace for --expert-policy static
+    # Linear weights: "auto" keeps bf16-stored ones in bf16 under fp32 math where a CPU kernel runs them
+    # (ops/linear.py; half the bytes per decode step); "compute" converts every one to `dtype`.
+    dense_weights: str = "auto"
 
     def store_options(self) -> StoreOptions:
         return StoreOptions(self.expert_memory, self.host_memory, self.expert_policy, self.prefetch,
@@ -55,8 +61,10 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     config = load_config(path)
     ckpt = Checkpoint.open(path)
     dtype = resolve_dtype(options.dtype, options.device)
+    if options.dense_weights not in DENSE_WEIGHTS:
+        raise ValueError(f"dense weights {options.dense_weights!r}: expected one of {', '.join(DENSE_WEIGHTS)}")
     model = build_model(config, device="meta")
-    index = fill_from_checkpoint(model, ckpt, config, dtype, options.device)
+    index = fill_from_checkpoint(model, ckpt, config, dtype, options.device, options.dense_weights)
     index.validate(ckpt, config)
     store = build_store(ckpt, index, config, dtype, options.device, options.store_options())
     attach_store(model, store)
@@ -86,7 +94,7 @@ def checkpoint_map_module(config: ModelConfig):
 
 
 def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
-                         device: str) -> ExpertIndex:
+                         device: str, dense_weights: str = "compute") -> ExpertIndex:
     arch = checkpoint_map_module(config)
     params = dict(model.named_parameters())
     filled: set[str] = set()
@@ -115,7 +123,7 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
             raise CheckpointError(
                 f"{name} in {info.file.name}: expected shape {list(param.shape)} from config.json, "
                 f"found {list(info.shape)}")
-        _set_param(model, target, tensor, dtype, device)
+        _set_param(model, target, tensor, dtype, device, dense_weights)
         filled.add(target)
     missing = sorted(set(params) - filled)
     if missing:
@@ -125,10 +133,16 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
     return index
 
 
-def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str) -> None:
+def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str,
+               dense_weights: str = "compute") -> None:
     owner_name, _, attr = target.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     # Keep fp32 where the reference computes in fp32 (router bias, gate constants); the rest in `dtype`.
     keep_fp32 = attr in ("A_log", "dt_bias", "e_score_correction_bias")
-    value = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    target_dtype = torch.float32 if keep_fp32 else dtype
+    if (dense_weights != "compute" and type(owner) is nn.Linear and attr == "weight" and owner.bias is None
+            and can_keep_stored(tensor.dtype, dtype, device)):
+        target_dtype = tensor.dtype
+        owner.__class__ = StoredWeightLinear  # same parameters and state_dict; forward runs ops.linear
+    value = tensor.to(device=device, dtype=target_dtype)
     owner._parameters[attr] = nn.Parameter(value, requires_grad=False)

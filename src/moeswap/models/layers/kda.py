@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import WeightOnly, rms_norm
 from moeswap.ops.kda import kda_chunked, kda_recurrent
+from moeswap.ops.linear import StoredWeightLinear, linear
 
 
 @dataclass
@@ -53,13 +54,16 @@ def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W:
     return F.silu(y)
 
 
+FUSABLE = (nn.Linear, StoredWeightLinear)
+
+
 def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
     """Speed only: the weights of the named bias-free nn.Linear children become views into one
     [sum of outputs, in] tensor, so `project` reads the input once in one matmul instead of 3-6
     (fewer kernel launches; on a 2-core CPU it measured neutral end to end). Values, names and
-    state_dict are unchanged; memory is not duplicated. No-op unless all are plain nn.Linear."""
+    state_dict are unchanged; memory is not duplicated. No-op unless all are plain (or stored-weight) Linears of one dtype."""
     mods = [getattr(module, n) for n in names]
-    if not all(type(m) is nn.Linear and m.bias is None for m in mods):
+    if not all(type(m) in FUSABLE and m.bias is None for m in mods) or len({m.weight.dtype for m in mods}) > 1:
         return
     fused = torch.cat([m.weight.detach() for m in mods])
     start = 0
@@ -77,8 +81,8 @@ def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[to
     fused = module.__dict__.get("_fused_input")
     if fused is not None and fused[1] == tuple(names):
         mods = [getattr(module, n) for n in names]
-        if all(type(m) is nn.Linear for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]:
-            return list(F.linear(x, fused[0]).split(fused[3], dim=-1))
+        if all(type(m) in FUSABLE for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]:
+            return list(linear(x, fused[0]).split(fused[3], dim=-1))
     return [getattr(module, n)(x) for n in names]
 
 

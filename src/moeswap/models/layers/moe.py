@@ -15,6 +15,8 @@ from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import GatedMLP, RMSNorm
+from moeswap.ops import expert_mxfp4
+from moeswap.ops.expert import MXFP4ExpertWeights
 
 
 class ExpertProvider(Protocol):
@@ -91,16 +93,59 @@ class MoE(nn.Module):
         token_of = order // ids_TK.shape[1]  # token index of each sorted (token, slot) pair
         weights = w_TK.flatten()[order]
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
-        start = 0
         # One fetch per layer step, so the store sees the whole active set (pins, traces, read-ahead);
         # it hands each expert over when indexed, one at a time: a prefill step may route to every expert
         # of the layer, and holding them all at once would defeat the store's memory budget.
         experts = self.store.fetch(self.layer_idx, unique_ids.tolist())
+        group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas)
+        start = 0
         for i, n in enumerate(counts.tolist()):
             expert = experts[i]
-            rows = token_of[start : start + n]
-            y = expert(h_TI[rows], self.act, self.situ_betas)
+            if not group.add(expert, start, n):
+                rows = token_of[start : start + n]
+                y = expert(h_TI[rows], self.act, self.situ_betas)
+                out_TI.index_add_(0, rows, y.float() * weights[start : start + n, None])
             del expert  # the store may evict it while the next one loads; do not keep it alive here
-            out_TI.index_add_(0, rows, y.float() * weights[start : start + n, None])
             start += n
+        group.flush()
         return out_TI.to(h_TI.dtype)
+
+
+class _Group:
+    """Consecutive MXFP4 experts of a layer step computed by one kernel call (ops.expert_mxfp4.grouped):
+    one call per decode step instead of one per expert. Flushed before it holds GROUP_BYTES of experts
+    (the store's budget still bounds memory) or GROUP_SCRATCH bytes of activations."""
+
+    GROUP_BYTES = 64 << 20
+    GROUP_SCRATCH = 64 << 20
+
+    def __init__(self, h_TI, token_of, weights, out_TI, act, situ_betas):
+        self.run = expert_mxfp4.grouped() if h_TI.device.type == "cpu" else None
+        self.h_TI, self.token_of, self.weights, self.out_TI = h_TI, token_of, weights, out_TI
+        self.act, self.situ_betas = act, situ_betas
+        self.experts: list[MXFP4ExpertWeights] = []
+        self.offsets = [0]
+        self.start = self.nbytes = 0
+
+    def add(self, expert, start: int, n: int) -> bool:
+        """Takes the expert's n pairs from `start` into the group; False when it must run on its own."""
+        if self.run is None or not isinstance(expert, MXFP4ExpertWeights) or expert.w1_packed.device.type != "cpu":
+            self.flush()
+            return False
+        if not self.experts:
+            self.start = start
+        self.experts.append(expert)
+        self.offsets.append(self.offsets[-1] + n)
+        self.nbytes += expert.nbytes
+        pairs_bytes = self.offsets[-1] * 4 * 2 * (self.h_TI.shape[-1] + expert.w1_packed.shape[0])
+        if self.nbytes >= self.GROUP_BYTES or pairs_bytes >= self.GROUP_SCRATCH:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        if not self.experts:
+            return
+        end = self.start + self.offsets[-1]
+        self.run(self.h_TI, self.experts, self.token_of[self.start : end], self.offsets,
+                 self.weights[self.start : end], self.act, self.situ_betas, self.out_TI)
+        self.experts, self.offsets, self.nbytes = [], [0], 0

@@ -1,15 +1,19 @@
-/* MXFP4 linear layers on the CPU straight from the packed bytes (moeswap/ops/expert_mxfp4.py builds and
- * loads this file; see there for the contract).
+/* CPU kernels for the decode-sized matmuls moeswap runs (moeswap/ops/cpu_kernels.py builds and loads this
+ * file; ops/expert_mxfp4.py and ops/linear.py hold the contracts and the plain-torch references).
  *
+ * MXFP4 (routed experts), straight from the packed bytes:
  *   y[t, o] = sum_i x[t, i] * W[o, i],  W[o, i] = E2M1(nibble i of row o) * 2^(scale[o, i/32] - 127)
- *
  * packed: uint8 [O, I/2], column 2j in the low nibble of byte j; scale: uint8 [O, I/32] E8M0 (0xFF = NaN,
- * 0 = 2^-127 unflushed). x, y: fp32 row-major [T, I] / [T, O]. Products and sums in fp32; no decoded copy
- * of W is kept: each 32-weight block is decoded into registers and used for every token of the call.
- * Paths: AVX-512 (16 fp32 lanes; a 16-entry value table in one register), AVX2+FMA (8 lanes, sign applied
- * by xor), portable C. Rows are split over OpenMP threads, several rows and tokens per register tile.
- * Entry points: moeswap_mxfp4_linear (matrices sharing an input) and moeswap_mxfp4_expert (a whole
- * gated expert in one call: gate and up rows, the activation on them, then the down projection).
+ * 0 = 2^-127 unflushed). No decoded copy of W is kept: each 32-weight block is decoded into registers and
+ * used for every token of the call. Entry points: moeswap_mxfp4_linear (matrices sharing an input),
+ * moeswap_mxfp4_expert (one gated expert) and moeswap_mxfp4_moe (all experts of a layer step in one call,
+ * weighted and summed per token, so a decode step pays one call and two thread fork/joins per layer).
+ *
+ * bf16 weights with fp32 activations (dense layers, weight-only): moeswap_bf16_linear, y = x @ W^T with
+ * each bf16 weight widened exactly to fp32; products and sums in fp32.
+ *
+ * x, y: fp32 row-major [T, I] / [T, O]. Paths: AVX-512 (16 fp32 lanes), AVX2+FMA (8 lanes), portable C.
+ * Rows are split over OpenMP threads (the same libgomp torch loads), several rows and tokens per tile.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -143,11 +147,72 @@ INLINE void tile(const float *xp, const int TT, const int R, int64_t I, const ui
 #define PERMUTED_WIDTH 0
 #endif
 
+#ifndef PF_TILES
+#define PF_TILES 1
+#endif
+
+/* bf16 -> fp32 is exact: the 16 bits are the top half of the fp32 pattern. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* R rows from o of W bf16 [O, I] times TT tokens of x; columns [0, I) with a scalar tail. */
+INLINE void bf16_tile(const float *x, const int TT, const int R, int64_t I, const uint16_t *W, int64_t o,
+                      float *y, int64_t O) {
+    int64_t i = 0;
+    float tail[8][8] = {{0}};
+#if defined(__AVX512F__)
+    __m512 acc[8][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (; i + 16 <= I; i += 16) {
+        __m512 w[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint16_t *p = W + (o + r) * I + i;
+            if ((i & 31) == 0) _mm_prefetch((const char *)(p + PF_TILES * R * I), _MM_HINT_T0);
+            w[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            const __m512 xv = _mm512_loadu_ps(x + t * I + i);
+            UNROLL for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) tail[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+        __m256 w[4];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint16_t *p = W + (o + r) * I + i;
+            if ((i & 31) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0);
+            w[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            const __m256 xv = _mm256_loadu_ps(x + t * I + i);
+            UNROLL for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) tail[r][t] = hsum(acc[r][t]);
+#endif
+    for (; i < I; i++)
+        for (int r = 0; r < R; r++) {
+            const float w = bf16_to_f32(W[(o + r) * I + i]);
+            for (int t = 0; t < TT; t++) tail[r][t] += w * x[t * I + i];
+        }
+    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) y[t * O + o + r] = tail[r][t];
+}
+
+#ifndef MX_R1
+#define MX_R1 0
+#endif
 /* n rows from o, for a tile of TT tokens (1, 2, 4 or 8): 4 rows at a time (2 for 8 tokens), then the tail. */
 static void rows(const float *xp, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
                  int64_t n, float *y, int64_t O) {
     const int64_t end = o + n;
-    for (; o + 4 <= end; o += 4) {
+    for (; o + 4 <= end && !(TT == 1 && MX_R1); o += 4) {
         switch (TT) {
         case 1: tile(xp, 1, 4, I, packed, scale, o, y, O); break;
         case 2: tile(xp, 2, 4, I, packed, scale, o, y, O); break;
@@ -258,5 +323,141 @@ int moeswap_mxfp4_expert(const float *x, int64_t T, int64_t I, int64_t F, const 
         linear_rows(hp, T, F, p2, s2, I, o, I - o < CHUNK_ROWS ? I - o : CHUNK_ROWS, y);
     }
     free(hp);
+    return 0;
+}
+
+/* One token, one row: the rows of a chunk are read as one sequential stream (what the hardware
+ * prefetcher follows best), with four independent accumulators so the FMA latency is hidden. */
+static float bf16_dot(const float *x, const uint16_t *w, int64_t I) {
+    int64_t i = 0;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (; i + 64 <= I; i += 64)
+        UNROLL for (int k = 0; k < 4; k++) {
+            const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i + 16 * k))), 16));
+            acc[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i + 16 * k), acc[k]);
+        }
+    for (; i + 16 <= I; i += 16) {
+        const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16));
+        acc[0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), acc[0]);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; i + 32 <= I; i += 32)
+        UNROLL for (int k = 0; k < 4; k++) {
+            const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + i + 8 * k))), 16));
+            acc[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i + 8 * k), acc[k]);
+        }
+    sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+#endif
+    for (; i < I; i++) sum += bf16_to_f32(w[i]) * x[i];
+    return sum;
+}
+
+/* Rows [o, o + n) of y[T, O] = x @ W^T for bf16 W, tokens in tiles of 8, 4, 2, 1. */
+static void bf16_rows(const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, int64_t o, int64_t n,
+                      float *y) {
+    for (int64_t t = 0; t < T;) {
+        const int TT = T - t >= 8 ? 8 : T - t >= 4 ? 4 : T - t >= 2 ? 2 : 1;
+        const float *xt = x + t * I;
+        float *yt = y + t * O;
+        int64_t r = o;
+        for (; TT == 8 && r + 2 <= o + n; r += 2) bf16_tile(xt, 8, 2, I, W, r, yt, O);
+        for (; TT == 4 && r + 4 <= o + n; r += 4) bf16_tile(xt, 4, 4, I, W, r, yt, O);
+        for (; TT == 2 && r + 4 <= o + n; r += 4) bf16_tile(xt, 2, 4, I, W, r, yt, O);
+        for (; TT == 1 && r < o + n; r++) yt[r] = bf16_dot(xt, W + r * I, I);
+        for (; r < o + n; r++) {
+            switch (TT) {
+            case 8: bf16_tile(xt, 8, 1, I, W, r, yt, O); break;
+            case 4: bf16_tile(xt, 4, 1, I, W, r, yt, O); break;
+            case 2: bf16_tile(xt, 2, 1, I, W, r, yt, O); break;
+            default: bf16_tile(xt, 1, 1, I, W, r, yt, O); break;
+            }
+        }
+        t += TT;
+    }
+}
+
+/* y[T, O] = x[T, I] @ W^T, W bf16 [O, I] (row-major, as torch stores a Linear weight). Returns 0, 1 for bad
+ * sizes. Small T is the point (decode); callers send large T to a GEMM library. */
+int moeswap_bf16_linear(const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, float *y,
+                        int nthreads) {
+    if (T < 1 || I < 1 || O < 1) return 1;
+    const int64_t chunks = (O + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 2)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o = c * CHUNK_ROWS;
+        bf16_rows(x, T, I, W, O, o, O - o < CHUNK_ROWS ? O - o : CHUNK_ROWS, y);
+    }
+    return 0;
+}
+
+typedef struct { int32_t expert; int32_t chunk; } work_item;
+
+/* All experts of one layer step: for expert e (0 <= e < E) and its token list tokens[off[e] .. off[e+1]),
+ *   y[t] += weight[k] * W2_e @ act(W1_e x[t], W3_e x[t])   for each pair k = (t, e), pairs in order,
+ * with W1_e, W3_e [F, I] and W2_e [I, F] MXFP4 (pointer arrays indexed by e). Work items are (expert, row
+ * chunk) pairs, so a decode step's 8-16 small experts keep every thread busy in one fork/join per phase.
+ * The per-token sums run serially in pair order: deterministic. Returns 0, 1 for bad sizes, 2 out of memory. */
+int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint8_t *const *p1,
+                      const uint8_t *const *s1, const uint8_t *const *p3, const uint8_t *const *s3,
+                      const uint8_t *const *p2, const uint8_t *const *s2, const int64_t *off, const int64_t *tokens,
+                      const float *weight, int act, float b1, float b2, float *y, int nthreads) {
+    if (I % 32 || F % 32 || act < 0 || act > 1 || E < 1 || off[0] != 0) return 1;
+    const int64_t P = off[E];
+    for (int64_t k = 0; k < P; k++)
+        if (tokens[k] < 0 || tokens[k] >= T) return 1;
+    const int64_t up_chunks = (F + CHUNK_ROWS - 1) / CHUNK_ROWS, down_chunks = (I + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    float *xg = (float *)malloc((size_t)(P * I) * sizeof(float) + 64);
+    float *g = (float *)malloc((size_t)(2 * P * F) * sizeof(float) + 64);
+    float *out = (float *)malloc((size_t)(P * I) * sizeof(float) + 64);
+    work_item *items = (work_item *)malloc((size_t)E * (up_chunks > down_chunks ? up_chunks : down_chunks) * sizeof(work_item) + 64);
+    float *xp = permuted(x, T, I);
+    if (!xg || !g || !out || !items || !xp) { free(xg); free(g); free(out); free(items); free(xp); return 2; }
+    float *u = g + P * F;
+    for (int64_t k = 0; k < P; k++) memcpy(xg + k * I, xp + tokens[k] * I, (size_t)I * sizeof(float));
+    free(xp);
+    int64_t n_items = 0;
+    for (int e = 0; e < E; e++)
+        if (off[e + 1] > off[e])
+            for (int64_t c = 0; c < up_chunks; c++) items[n_items++] = (work_item){e, (int32_t)c};
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; w++) {
+        const int e = items[w].expert;
+        const int64_t o = (int64_t)items[w].chunk * CHUNK_ROWS, n = F - o < CHUNK_ROWS ? F - o : CHUNK_ROWS;
+        const int64_t k0 = off[e], nt = off[e + 1] - off[e];
+        float *ge = g + k0 * F, *ue = u + k0 * F;
+        linear_rows(xg + k0 * I, nt, I, p1[e], s1[e], F, o, n, ge);
+        linear_rows(xg + k0 * I, nt, I, p3[e], s3[e], F, o, n, ue);
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t r = o; r < o + n; r++) {
+                const float gv = ge[t * F + r], uv = ue[t * F + r];
+                ge[t * F + r] = act == 0 ? gv * sigmoid(gv) * uv
+                                         : (b1 * tanhf(gv / b1) * sigmoid(gv)) * (b2 * tanhf(uv / b2));
+            }
+    }
+    float *hp = permuted(g, P, F);
+    if (!hp) { free(xg); free(g); free(out); free(items); return 2; }
+    n_items = 0;
+    for (int e = 0; e < E; e++)
+        if (off[e + 1] > off[e])
+            for (int64_t c = 0; c < down_chunks; c++) items[n_items++] = (work_item){e, (int32_t)c};
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; w++) {
+        const int e = items[w].expert;
+        const int64_t o = (int64_t)items[w].chunk * CHUNK_ROWS, n = I - o < CHUNK_ROWS ? I - o : CHUNK_ROWS;
+        const int64_t k0 = off[e], nt = off[e + 1] - off[e];
+        linear_rows(hp + k0 * F, nt, F, p2[e], s2[e], I, o, n, out + k0 * I);
+    }
+    for (int64_t k = 0; k < P; k++) {
+        float *yt = y + tokens[k] * I;
+        const float *ok = out + k * I, wk = weight[k];
+        for (int64_t i = 0; i < I; i++) yt[i] += wk * ok[i];
+    }
+    free(xg); free(g); free(out); free(items); free(hp);
     return 0;
 }

@@ -1,0 +1,244 @@
+"""cpu_kernels: the C kernels of cpu_kernels.c, JIT-compiled with the system C compiler at first use
+(-march=native, OpenMP when available), cached per source, compiler and CPU, and loaded with ctypes.
+
+`kernel()` returns the loaded `CpuKernels` or None when it cannot be built here (a RuntimeWarning says
+why once; callers then use their plain-torch path). Each method checks shapes and dtypes and raises a
+ValueError naming them; the C side only sees contiguous CPU buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from moeswap.formats import mx
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ENV_CACHE = "MOESWAP_CACHE_DIR"
+ACTS = {"silu": 0, "situ": 1}
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_SIGNATURES = {
+    "moeswap_mxfp4_linear": [_p, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, ctypes.c_int],
+    "moeswap_mxfp4_expert": [_p, _i64, _i64, _i64, *[_p] * 6, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p,
+                             ctypes.c_int],
+    "moeswap_mxfp4_moe": [_p, _i64, _i64, _i64, ctypes.c_int, *[_p] * 6, _p, _p, _p, ctypes.c_int, ctypes.c_float,
+                          ctypes.c_float, _p, ctypes.c_int],
+    "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
+}
+
+
+class CpuKernels:
+    def __init__(self, path: Path):
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        self.lib.moeswap_mxfp4_isa.restype = ctypes.c_int
+        self.isa = {512: "avx512", 256: "avx2", 0: "portable"}[self.lib.moeswap_mxfp4_isa()]
+
+    @staticmethod
+    def _threads() -> int:
+        return max(1, torch.get_num_threads())
+
+    @staticmethod
+    def _status(status: int, what: str) -> None:
+        if status:
+            reason = {1: "bad sizes", 2: "out of memory"}.get(status, f"status {status}")
+            raise RuntimeError(f"CPU kernel {what} failed: {reason}")
+
+    def linear(self, x_TI: torch.Tensor, mats: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """MXFP4: x fp32 contiguous [T, I]; each (packed [O, I/2], scale [O, I/32]) -> y fp32 [T, O]."""
+        T, I = x_TI.shape
+        mats = [_checked(p, s, I) for p, s in mats]
+        outs = [torch.empty(T, p.shape[0], dtype=torch.float32) for p, _ in mats]
+        n = len(mats)
+        status = self.lib.moeswap_mxfp4_linear(
+            x_TI.data_ptr(), T, I, n, _ptrs([p for p, _ in mats]), _ptrs([s for _, s in mats]),
+            (ctypes.c_int64 * n)(*[p.shape[0] for p, _ in mats]), _ptrs(outs), self._threads())
+        self._status(status, f"mxfp4_linear (x {tuple(x_TI.shape)})")
+        return outs
+
+    def expert(self, x_TI: torch.Tensor, w, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+        """MXFP4 expert: x fp32 contiguous [T, I] -> w2 · act(w1 x, w3 x), fp32 [T, I]."""
+        T, I = x_TI.shape
+        mats = _expert_mats(w, I)
+        y = torch.empty(T, I, dtype=torch.float32)
+        status = self.lib.moeswap_mxfp4_expert(
+            x_TI.data_ptr(), T, I, mats[0].shape[0], *[m.data_ptr() for m in mats], _act(act),
+            float(situ_betas[0]), float(situ_betas[1]), y.data_ptr(), self._threads())
+        self._status(status, f"mxfp4_expert (x {tuple(x_TI.shape)})")
+        return y
+
+    def moe(self, x_TI: torch.Tensor, experts: Sequence, tokens: torch.Tensor, offsets: Sequence[int],
+            weights: torch.Tensor, act: str, situ_betas: tuple[float, float], y_TI: torch.Tensor) -> None:
+        """MXFP4 experts of one layer step, summed into y: for pair k of expert e (k in offsets[e]..offsets[e+1]),
+        y[tokens[k]] += weights[k] * expert_e(x[tokens[k]]). x, y fp32 contiguous [T, I]; tokens int64 [P];
+        weights fp32 [P]."""
+        T, I = x_TI.shape
+        E = len(experts)
+        if (len(offsets) != E + 1 or tokens.dtype != torch.int64 or weights.dtype != torch.float32
+                or tokens.numel() != offsets[-1] or weights.numel() != offsets[-1] or y_TI.shape != x_TI.shape
+                or y_TI.dtype != torch.float32 or not y_TI.is_contiguous()):
+            raise ValueError(f"mxfp4_moe: {E} experts, offsets {list(offsets)[:4]}..., tokens "
+                             f"{tuple(tokens.shape)} {tokens.dtype}, weights {tuple(weights.shape)} {weights.dtype}, "
+                             f"y {tuple(y_TI.shape)} {y_TI.dtype} do not fit x {tuple(x_TI.shape)}")
+        mats = [_expert_mats(w, I) for w in experts]
+        F = mats[0][0].shape[0]
+        if any(m[0].shape[0] != F for m in mats):
+            raise ValueError("mxfp4_moe: experts of one call must share their width")
+        tokens, weights = tokens.contiguous(), weights.contiguous()
+        status = self.lib.moeswap_mxfp4_moe(
+            x_TI.data_ptr(), T, I, F, E, *[_ptrs([m[j] for m in mats]) for j in range(6)],
+            (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
+            float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads())
+        self._status(status, f"mxfp4_moe (x {tuple(x_TI.shape)}, {E} experts, {offsets[-1]} pairs)")
+
+    def bf16_linear(self, x_TI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+        """x fp32 contiguous [T, I] @ w bf16 [O, I]^T -> fp32 [T, O] (weights widened exactly, fp32 sums)."""
+        T, I = x_TI.shape
+        if (w_OI.dtype != torch.bfloat16 or w_OI.ndim != 2 or w_OI.shape[1] != I or w_OI.device.type != "cpu"
+                or x_TI.dtype != torch.float32 or x_TI.device.type != "cpu"):
+            raise ValueError(f"bf16_linear: x {tuple(x_TI.shape)} {x_TI.dtype} and weight {tuple(w_OI.shape)} "
+                             f"{w_OI.dtype} on {w_OI.device} (expected fp32 [T, I] and bf16 [O, I] on the CPU)")
+        w_OI, x_TI = w_OI.contiguous(), x_TI.contiguous()
+        y = torch.empty(T, w_OI.shape[0], dtype=torch.float32)
+        status = self.lib.moeswap_bf16_linear(x_TI.data_ptr(), T, I, w_OI.data_ptr(), w_OI.shape[0], y.data_ptr(),
+                                              self._threads())
+        self._status(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
+        return y
+
+
+def _ptrs(tensors: Sequence[torch.Tensor]):
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def _act(act: str) -> int:
+    if act not in ACTS:
+        raise ValueError(f"unknown activation {act!r} (expected one of {', '.join(ACTS)})")
+    return ACTS[act]
+
+
+def _expert_mats(w, I: int) -> list[torch.Tensor]:
+    """[p1, s1, p3, s3, p2, s2] of an MXFP4 expert of input width I, checked and contiguous."""
+    p1, s1 = _checked(w.w1_packed, w.w1_scale, I)
+    p3, s3 = _checked(w.w3_packed, w.w3_scale, I)
+    F = p1.shape[0]
+    p2, s2 = _checked(w.w2_packed, w.w2_scale, F)
+    if p3.shape[0] != F or p2.shape[0] != I:
+        raise ValueError(f"MXFP4 expert: w1 {tuple(p1.shape)}, w3 {tuple(p3.shape)} and w2 {tuple(p2.shape)} "
+                         f"packed shapes do not form an expert of input width {I}")
+    return [p1, s1, p3, s3, p2, s2]
+
+
+def _checked(packed: torch.Tensor, scale: torch.Tensor, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 contiguous [O, in/2] and [O, in/32] on the CPU, or a ValueError naming the shapes."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    if (packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or packed.ndim != 2
+            or packed.shape[1] * 2 != in_dim or packed.device.type != "cpu"):
+        raise ValueError(f"MXFP4 kernel: packed {tuple(packed.shape)} {packed.dtype} / scale {tuple(scale.shape)} "
+                         f"{scale.dtype} do not fit input width {in_dim} (expected CPU uint8 [O, {in_dim // 2}] "
+                         f"and [O, {in_dim // 32}])")
+    mx.check_blocks("MXFP4", packed, scale, mx.BLOCK // 2, "packed")
+    return packed.contiguous(), scale.contiguous()
+
+
+
+_lock = threading.Lock()
+_loaded: dict[str, CpuKernels | None] = {}
+_build_error = "not built yet"
+
+
+def build_error() -> str:
+    return _build_error
+
+
+def kernel(flags: tuple[str, ...] | None = None) -> CpuKernels | None:
+    """The compiled kernel for `flags` (default: this machine's best), building it on first use."""
+    global _build_error
+    key = " ".join(flags) if flags is not None else "native"
+    if key in _loaded:
+        return _loaded[key]
+    with _lock:
+        if key not in _loaded:
+            try:
+                _loaded[key] = CpuKernels(build(flags))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                _build_error = str(err)
+                warnings.warn(f"moeswap: CPU kernels unavailable, using the plain torch paths: {err}",
+                              RuntimeWarning, stacklevel=3)
+                _loaded[key] = None
+    return _loaded[key]
+
+
+def build(flags: tuple[str, ...] | None = None) -> Path:
+    """Compile cpu_kernels.c into the cache (once per source, compiler, flags and CPU) and return the path.
+    Default flags: this CPU's instruction set (-march=native, else -mcpu=native, else none), with OpenMP
+    when the compiler has it (without, the kernel runs on one thread)."""
+    if not SOURCE.is_file():
+        raise RuntimeError(f"{SOURCE} is missing from this installation")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    candidates = [tuple(flags)] if flags is not None else [("-march=native",), ("-mcpu=native",), ()]
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except OSError as err:
+        raise RuntimeError(f"cannot run the C compiler {compiler!r}: {err}") from None
+    key = b"\0".join([source, version.encode(), repr(candidates).encode(), _cpu_id().encode()])
+    out = _cache_dir() / f"cpu_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if out.is_file():
+        return out
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
+    errors = []
+    for candidate in candidates:
+        for openmp in (["-fopenmp"], []):
+            command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", *candidate, *openmp, str(SOURCE), "-lm",
+                       "-o", str(tmp)]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if result.returncode == 0:
+                os.replace(tmp, out)  # atomic: concurrent builders all end with a whole file
+                return out
+            errors.append(result.stderr.strip()[-2000:])
+    tmp.unlink(missing_ok=True)
+    raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed: {errors[0]}")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(ENV_CACHE) or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "moeswap")
+    path = Path(root).expanduser() / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, delete=True)
+        probe.close()
+    except OSError:
+        path = Path(tempfile.gettempdir()) / f"moeswap-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _cpu_id() -> str:
+    """-march=native output depends on the CPU: a shared cache must not hand one machine's build to another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next((line for line in info.splitlines() if line.startswith("model name")), "")
+        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+        return model + flags
+    except OSError:
+        return platform.machine() + platform.processor()

@@ -1,0 +1,46 @@
+"""linear: y = x W^T where W may be kept narrower than x ("weight-only": bf16 weights, fp32 math).
+
+On a CPU a decode step is bound by the bytes of weights it streams, and torch's bf16 GEMV with one row
+runs far below memory bandwidth, so moeswap keeps bf16-stored dense weights in bf16 and computes in
+fp32 (cpu_kernels.c's bf16_linear: every weight widened exactly, fp32 sums; the same values as an fp32
+copy of the weights, at half the bytes). Many rows (prefill) go to torch's GEMM on a widened copy.
+`StoredWeightLinear` is nn.Linear with this forward; the loader gives it to Linear layers whose stored
+weights it keeps as they are (models/loader.py, `dense_weights`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeswap.ops import cpu_kernels
+
+KERNEL_MAX_ROWS = 32  # up to this many rows the kernel streams the weights once; above, GEMM wins
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in x's dtype, for a weight in x's dtype or (on the CPU) bf16 under fp32 x."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)):
+        kernel = cpu_kernels.kernel()
+        if kernel is not None:
+            y = kernel.bf16_linear(x.reshape(rows, x.shape[-1]), weight)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight.to(x.dtype))
+
+
+class StoredWeightLinear(nn.Linear):
+    """A bias-free nn.Linear whose weight stays in its stored dtype (see `linear`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+def can_keep_stored(stored: torch.dtype, compute: torch.dtype, device: str) -> bool:
+    """Whether a Linear weight stored as `stored` can stay so under `compute` math on `device` at speed."""
+    return (stored == torch.bfloat16 and compute == torch.float32 and torch.device(device).type == "cpu"
+            and cpu_kernels.kernel() is not None)

@@ -1,0 +1,59 @@
+"""ops.linear: bf16 weights under fp32 math equal the fp32 copy's result (kernel and GEMM paths, any
+leading shape, gradients), and the loader keeps bf16-stored Linear weights only where that holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moeswap.engine.generate import GenerationConfig, generate
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.ops import cpu_kernels
+from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 100])
+def test_bf16_weight_matches_the_fp32_copy(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 80, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 80, generator=gen)
+    want = x @ w.float().T
+    got = linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, 48)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=4e-6 * want.abs().max().item())
+    torch.testing.assert_close(linear(x.reshape(1, rows, 80), w), want.reshape(1, rows, 48), rtol=2e-6,
+                               atol=4e-6 * want.abs().max().item())
+
+
+def test_same_dtype_and_gradients_use_torch():
+    w = torch.randn(8, 16).to(torch.bfloat16)
+    x = torch.randn(2, 16, requires_grad=True)
+    linear(x, w).sum().backward()  # the C kernel has no backward: this must take the torch path
+    torch.testing.assert_close(x.grad, w.float().sum(0).expand(2, 16))
+    w32 = torch.randn(8, 16)
+    assert torch.equal(linear(x.detach(), w32), torch.nn.functional.linear(x.detach(), w32))
+
+
+def test_loader_keeps_bf16_linear_weights_and_tokens_do_not_change(tiny_k3_dir):
+    stored, _ = load_model(tiny_k3_dir)
+    converted, _ = load_model(tiny_k3_dir, LoadOptions(dense_weights="compute"))
+    linears = [m for m in stored.modules() if isinstance(m, nn.Linear)]
+    kept = [m for m in linears if type(m) is StoredWeightLinear]
+    if cpu_kernels.kernel() is None:
+        assert not kept
+    else:
+        assert kept and all(m.weight.dtype == torch.bfloat16 for m in kept)
+    assert all(m.weight.dtype == torch.float32 for m in converted.modules() if isinstance(m, nn.Linear))
+    assert stored.state_dict().keys() == converted.state_dict().keys()
+    tokens = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    with torch.no_grad():
+        a, b = stored(tokens), converted(tokens)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    cfg = GenerationConfig(max_tokens=8, stop_ids=())
+    assert generate(stored, [5, 9, 2], cfg).tokens == generate(converted, [5, 9, 2], cfg).tokens
+
+
+def test_unknown_dense_weights_option(tiny_k3_dir):
+    with pytest.raises(ValueError, match="dense weights 'half'"):
+        load_model(tiny_k3_dir, LoadOptions(dense_weights="half"))
