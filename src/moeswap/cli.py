@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--arch", default="kimi_k3", choices=("kimi_k3", "kimi_linear"))
     p.add_argument("--size", default="tiny", choices=("tiny", "small", "bench"),
-                   help="tiny: tests; small: demo (~30 MB); bench: ~1.2 GB of MXFP4 experts")
+                   help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("generate", help="generate text from a model directory")

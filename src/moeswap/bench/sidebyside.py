@@ -116,7 +116,7 @@ def decode_bytes(model_dir: str) -> dict:
     active = cfg.moe.top_k * moe_layers * per_expert
     ckpt.close()
     return {"dense_bytes": dense, "dense_params": dense_params, "active_expert_bytes": active,
-            "per_token_bytes": dense + active, "per_token_bytes_fp32_dense": 4 * dense_params + active,
+            "per_token_bytes": dense + active,
             "moe_layers": moe_layers, "top_k": cfg.moe.top_k, "arch": cfg.arch}
 
 
@@ -211,8 +211,7 @@ def header_markdown(report: dict) -> str:
              f"memory bandwidth (measured): read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s; "
              f"bytes per decode token (batch 1, as stored): {by['per_token_bytes'] / 1e6:.1f} MB "
              f"({by['dense_bytes'] / 1e6:.1f} dense + {by['active_expert_bytes'] / 1e6:.1f} routed experts) -> "
-             f"decode roofline {report['roofline_tokens_per_s']:.1f} tokens/s "
-             f"({report['roofline_fp32_dense_tokens_per_s']:.1f} with dense weights in fp32, as moeswap runs them on CPU)"]
+             f"decode roofline {report['roofline_tokens_per_s']:.1f} tokens/s"]
     for peer, name in report["peers"].items():
         lines.append(f"- {peer}: {name}")
     for peer, why in report["skipped"].items():
@@ -225,7 +224,6 @@ def common_report(setup: Setup, peers: Peers) -> dict:
     by = decode_bytes(setup.model)
     return {"model": setup.model, "machine": machine_info(setup.threads), "bandwidth": bw, "bytes": by,
             "roofline_tokens_per_s": bw["read_GBps"] * 1e9 / by["per_token_bytes"],
-            "roofline_fp32_dense_tokens_per_s": bw["read_GBps"] * 1e9 / by["per_token_bytes_fp32_dense"],
             "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
             "settings": {"dtype": setup.dtype, "expert_memory": setup.expert_memory,
                          "decoded_experts": setup.decoded_experts, "compile": setup.compile,

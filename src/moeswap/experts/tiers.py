@@ -18,7 +18,7 @@ from moeswap.experts.keys import Key
 from moeswap.experts.source import ExpertIndex, load_expert
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
-from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
+from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
 
 Weights = ExpertWeights | MXFP4ExpertWeights
 
@@ -35,7 +35,7 @@ class Tier:
 
 
 def tensors_of(w: Weights) -> list[torch.Tensor]:
-    return list(vars(w).values())
+    return list(tensors(w).values())
 
 
 def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
@@ -46,7 +46,7 @@ def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device,
         w = ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])
     elif isinstance(w, ExpertWeights):
         w = ExpertWeights(*(t.to(dtype) for t in (w.w1_FI, w.w3_FI, w.w2_IF)))
-    moved = {k: _place(t, device, pin) for k, t in vars(w).items()}
+    moved = {k: _place(t, device, pin) for k, t in tensors(w).items()}
     return type(w)(**moved)
 
 

@@ -461,3 +461,35 @@ int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, co
     free(xg); free(g); free(out); free(items); free(hp);
     return 0;
 }
+
+/* One decode token of Kimi Delta Attention for N = batch x heads independent heads, in place on the state
+ * (ops/kda.py kda_recurrent is the reference). Per head, with q, k l2-normalised (eps inside the root) and
+ * q scaled by `scale`:  S <- diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
+ * q, k, g: [N, K]; v, o: [N, V]; beta: [N]; S: [N, K, V]; all fp32. Two passes over S per head. */
+int moeswap_kda_decode(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                       float *S, float *o, int64_t N, int64_t K, int64_t V, float scale, float eps, int nthreads) {
+    if (N < 1 || K < 1 || V < 1 || K > 1024 || V > 1024) return 1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *qn = q + n * K, *kn = k + n * K, *vn = v + n * V, *gn = g + n * K;
+        float *Sn = S + n * K * V, *on = o + n * V;
+        float qq = 0.f, kk = 0.f;
+        for (int64_t i = 0; i < K; i++) { qq += qn[i] * qn[i]; kk += kn[i] * kn[i]; }
+        const float qs = scale / sqrtf(qq + eps), ks = 1.f / sqrtf(kk + eps);
+        float u[1024];
+        for (int64_t j = 0; j < V; j++) u[j] = 0.f;
+        for (int64_t i = 0; i < K; i++) { /* decay, and S^T k of the decayed state */
+            const float d = expf(gn[i]), ki = kn[i] * ks;
+            float *row = Sn + i * V;
+            for (int64_t j = 0; j < V; j++) { row[j] *= d; u[j] += row[j] * ki; }
+        }
+        const float b = beta[n];
+        for (int64_t j = 0; j < V; j++) { u[j] = b * (vn[j] - u[j]); on[j] = 0.f; }
+        for (int64_t i = 0; i < K; i++) { /* rank-one update, and S^T q of the new state */
+            const float ki = kn[i] * ks, qi = qn[i] * qs;
+            float *row = Sn + i * V;
+            for (int64_t j = 0; j < V; j++) { row[j] += ki * u[j]; on[j] += row[j] * qi; }
+        }
+    }
+    return 0;
+}

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "moeswap_mxfp4_moe": [_p, _i64, _i64, _i64, ctypes.c_int, *[_p] * 6, _p, _p, _p, ctypes.c_int, ctypes.c_float,
                           ctypes.c_float, _p, ctypes.c_int],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
+    "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
 
@@ -121,6 +122,27 @@ class CpuKernels:
         self._status(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
         return y
 
+    def kda_decode(self, q_NK: torch.Tensor, k_NK: torch.Tensor, v_NV: torch.Tensor, g_NK: torch.Tensor,
+                   beta_N: torch.Tensor, state_NKV: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
+        """One KDA token for N heads (raw q, k: normalised here), updating state in place; returns o [N, V].
+        Every tensor fp32 on the CPU; the state contiguous (it is written through its pointer)."""
+        N, K = q_NK.shape
+        V = v_NV.shape[1]
+        args = [q_NK, k_NK, v_NV, g_NK, beta_N]
+        shapes_ok = (k_NK.shape == g_NK.shape == (N, K) and tuple(v_NV.shape) == (N, V) and beta_N.numel() == N
+                     and tuple(state_NKV.shape) == (N, K, V))
+        if (not shapes_ok or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in [*args, state_NKV])
+                or not state_NKV.is_contiguous()):
+            raise ValueError(f"kda_decode: q {tuple(q_NK.shape)}, k {tuple(k_NK.shape)}, v {tuple(v_NV.shape)}, "
+                             f"g {tuple(g_NK.shape)}, beta {tuple(beta_N.shape)}, state {tuple(state_NKV.shape)} "
+                             f"(expected fp32 CPU tensors, a contiguous state)")
+        args = [t.contiguous() for t in args]
+        o = torch.empty(N, V, dtype=torch.float32)
+        status = self.lib.moeswap_kda_decode(*[t.data_ptr() for t in args], state_NKV.data_ptr(), o.data_ptr(),
+                                             N, K, V, float(scale), float(eps), self._threads())
+        self._status(status, f"kda_decode ({N} heads, K {K}, V {V})")
+        return o
+
 
 def _ptrs(tensors: Sequence[torch.Tensor]):
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
@@ -133,15 +155,13 @@ def _act(act: str) -> int:
 
 
 def _expert_mats(w, I: int) -> list[torch.Tensor]:
-    """[p1, s1, p3, s3, p2, s2] of an MXFP4 expert of input width I, checked and contiguous."""
-    p1, s1 = _checked(w.w1_packed, w.w1_scale, I)
-    p3, s3 = _checked(w.w3_packed, w.w3_scale, I)
-    F = p1.shape[0]
-    p2, s2 = _checked(w.w2_packed, w.w2_scale, F)
-    if p3.shape[0] != F or p2.shape[0] != I:
-        raise ValueError(f"MXFP4 expert: w1 {tuple(p1.shape)}, w3 {tuple(p3.shape)} and w2 {tuple(p2.shape)} "
-                         f"packed shapes do not form an expert of input width {I}")
-    return [p1, s1, p3, s3, p2, s2]
+    """[p1, s1, p3, s3, p2, s2] of an MXFP4 expert (shapes were checked when it was made) of input width I."""
+    mats = [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, w.w2_packed, w.w2_scale]
+    if mats[0].shape[1] * 2 != I:
+        raise ValueError(f"MXFP4 expert of input width {mats[0].shape[1] * 2} given inputs of width {I}")
+    if not all(t.device.type == "cpu" for t in mats):
+        raise ValueError("MXFP4 expert: the CPU kernel needs CPU tensors")
+    return [t if t.is_contiguous() else t.contiguous() for t in mats]
 
 
 def _checked(packed: torch.Tensor, scale: torch.Tensor, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,11 +7,17 @@ Shapes: T tokens, I expert input width (latent or model width), F expert width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from moeswap.formats import mx
 from moeswap.ops.activation import glu
+
+
+def tensors(w) -> dict[str, torch.Tensor]:
+    """The weight tensors of an expert by field name (what a tier moves, pins or frees)."""
+    return {f.name: getattr(w, f.name) for f in fields(w) if f.init}
 
 
 @dataclass
@@ -19,10 +25,10 @@ class ExpertWeights:
     w1_FI: torch.Tensor  # gate
     w3_FI: torch.Tensor  # up
     w2_IF: torch.Tensor  # down
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w1_FI, self.w3_FI, self.w2_IF))
+    def __post_init__(self):
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.w1_FI, self.w3_FI, self.w2_IF))
 
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
         h_TF = glu(act, x_TI @ self.w1_FI.T, x_TI @ self.w3_FI.T, situ_betas)
@@ -42,10 +48,23 @@ class MXFP4ExpertWeights:
     w3_scale: torch.Tensor
     w2_packed: torch.Tensor  # uint8 [I, F/2]
     w2_scale: torch.Tensor  # uint8 [I, F/32]
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
+    def __post_init__(self):
+        """Checked once here (shapes, E8M0 scales as bytes), so the per-step kernel calls need not."""
+        for p in ("w1", "w3", "w2"):
+            scale = mx.as_scale_bytes(getattr(self, f"{p}_scale"), f"expert {p}")
+            setattr(self, f"{p}_scale", scale)
+            packed = getattr(self, f"{p}_packed")
+            if packed.dtype != torch.uint8 or packed.ndim != 2:
+                raise ValueError(f"expert {p}: packed MXFP4 must be uint8 [out, in/2], got {packed.dtype} "
+                                 f"{tuple(packed.shape)}")
+            mx.check_blocks("MXFP4", packed, scale, mx.BLOCK // 2, f"expert {p} packed")
+        F, I = self.w1_packed.shape[0], self.w1_packed.shape[1] * 2
+        if self.w3_packed.shape != self.w1_packed.shape or tuple(self.w2_packed.shape) != (I, F // 2):
+            raise ValueError(f"MXFP4 expert: w1 {tuple(self.w1_packed.shape)}, w3 {tuple(self.w3_packed.shape)} and "
+                             f"w2 {tuple(self.w2_packed.shape)} packed shapes do not form an expert")
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors(self).values())
 
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
         from moeswap.ops import expert_mxfp4

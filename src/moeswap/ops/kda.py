@@ -1,14 +1,42 @@
 """Kimi Delta Attention core: the token recurrence (reference, decode) and the chunked form (prefill).
 
 Knows nothing of projections or checkpoints: inputs are already normalised q/k, v, the log-decay g
-and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the reference, decode),
-`kda_chunked` (prefill), `kda_chunked_pairwise` (the chunked form written plainly, its reference).
+and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the reference),
+`kda_decode_step` (one token from raw q/k, in place; a fused CPU kernel where it runs), `kda_chunked`
+(prefill), `kda_chunked_pairwise` (the chunked form written plainly, its reference).
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length, N sub-chunk length.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moeswap.ops import cpu_kernels
+
+L2_EPS = 1e-6  # inside the square root, as the reference implementations
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_decode_step(q_B1HK: torch.Tensor, k_B1HK: torch.Tensor, v_B1HV: torch.Tensor, g_B1HK: torch.Tensor,
+                    beta_B1H: torch.Tensor, state_BHKV: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token with raw (unnormalised) q and k: q <- l2norm(q) * scale, k <- l2norm(k), then the
+    recurrence of `kda_recurrent`; the state is updated in place. Returns o [B, 1, H, V] fp32."""
+    B, _, H, K = q_B1HK.shape
+    V = v_B1HV.shape[-1]
+    kernel = cpu_kernels.kernel() if state_BHKV.device.type == "cpu" else None
+    if (kernel is not None and state_BHKV.dtype == torch.float32 and state_BHKV.is_contiguous()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q_B1HK, k_B1HK, v_B1HV, g_B1HK)))):
+        flat = lambda t, w: t.float().reshape(B * H, w)  # noqa: E731
+        o = kernel.kda_decode(flat(q_B1HK, K), flat(k_B1HK, K), flat(v_B1HV, V), flat(g_B1HK, K),
+                              beta_B1H.float().reshape(B * H), state_BHKV.view(B * H, K, V), scale, L2_EPS)
+        return o.view(B, 1, H, V)
+    o, S = kda_recurrent(l2_normalize(q_B1HK.float()) * scale, l2_normalize(k_B1HK.float()), v_B1HV, g_B1HK,
+                         beta_B1H, state_BHKV)
+    state_BHKV.copy_(S)
+    return o
 
 
 def kda_recurrent(

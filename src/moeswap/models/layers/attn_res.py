@@ -21,7 +21,7 @@ def mix(partial: torch.Tensor, bank: list[torch.Tensor], score_D: torch.Tensor, 
     """Softmax over sources [bank..., partial] of <rmsnorm(source), w>; returns the mix of raw sources."""
     if not bank:
         return partial
-    sources_S = torch.stack([*bank, partial], dim=0)
-    logits_S = (rms_norm(sources_S.float(), None, eps) * score_D).sum(-1)
+    sources_S = torch.stack([*bank, partial], dim=0).float()
+    logits_S = rms_norm(sources_S, None, eps) @ score_D
     probs_S = logits_S.softmax(dim=0)
-    return (probs_S.unsqueeze(-1) * sources_S.float()).sum(0).to(partial.dtype)
+    return (probs_S.unsqueeze(-1) * sources_S).sum(0).to(partial.dtype)

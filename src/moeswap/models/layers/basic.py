@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeswap.ops.activation import glu
@@ -10,11 +11,10 @@ from moeswap.ops.activation import glu
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (as the references do), returned in x's dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+    xf = x if x.dtype == torch.float32 else x.float()
+    if weight is not None and weight.dtype != torch.float32:
+        weight = weight.float()
+    return F.rms_norm(xf, (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 class WeightOnly(nn.Module):

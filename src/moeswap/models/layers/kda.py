@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import WeightOnly, rms_norm
-from moeswap.ops.kda import kda_chunked, kda_recurrent
+from moeswap.ops.kda import kda_chunked, kda_decode_step, l2_normalize
 from moeswap.ops.linear import StoredWeightLinear, linear
 
 
@@ -86,10 +86,6 @@ def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[to
     return [getattr(module, n)(x) for n in names]
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 class KDA(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
@@ -148,13 +144,14 @@ class KDA(nn.Module):
         # State is updated in place: it may be a view into an engine's preallocated batch buffers.
         state.conv_BWC.copy_(torch.cat([state.conv_BWC, qkv_BTC], dim=1)[:, -(self.W - 1):])
         q, k, v = (t.unflatten(-1, (self.H, self.K)).float() for t in conv_BTC.chunk(3, dim=-1))
-        q = l2_normalize(q) * self.K**-0.5
-        k = l2_normalize(k)
         beta_BTH = torch.sigmoid(b_in.float())
         g_BTHK = self.decay(x_BTD, f_a)
-        core = kda_recurrent if T == 1 else kda_chunked
-        o_BTHK, S_BHKK = core(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK)
-        state.recurrent_BHKK.copy_(S_BHKK)
+        if T == 1:  # q and k are normalised inside (one fused CPU kernel where it runs)
+            o_BTHK = kda_decode_step(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK, self.K**-0.5)
+        else:
+            q, k = l2_normalize(q) * self.K**-0.5, l2_normalize(k)
+            o_BTHK, S_BHKK = kda_chunked(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK)
+            state.recurrent_BHKK.copy_(S_BHKK)
         gate = self.output_gate(x_BTD, g_in).unflatten(-1, (self.H, self.K)).float()
         y = rms_norm(o_BTHK, self.o_norm.weight, self.eps) * torch.sigmoid(gate)
         return self.o_proj(y.flatten(-2).to(x_BTD.dtype))
