@@ -37,3 +37,15 @@ def test_fused_attention_equals_unfused(tiny_k3_dir):
         assert not torch.allclose(changed, want_kda)  # the wrapper is honoured, not bypassed
         kda.v_proj = kda.v_proj.inner
         torch.testing.assert_close(kda(x, None), want_kda, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_gated_mlps_equal_unfused(tiny_k3_dir):
+    model, _ = load_model(tiny_k3_dir)
+    dense, shared = model.model.layers[0].mlp, model.model.layers[1].block_sparse_moe.shared_experts
+    x = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = dense(x), shared(x)
+        fuse_projections(model)
+        assert "_fused_input" in dense.__dict__ and "_fused_input" in shared.__dict__
+        for got, w in zip((dense(x), shared(x)), want):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)

@@ -97,11 +97,11 @@ class _Seq:
 
 
 def fuse_projections(model) -> None:
-    """Fuse each attention layer's input projections (models.layers.kda.fuse_linears); idempotent."""
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        if hasattr(attn, "fuse_projections") and "_fused_input" not in attn.__dict__:
-            attn.fuse_projections()
+    """Fuse the projections that share an input (models.layers.basic.fuse_linears) in every attention
+    layer, dense MLP and shared-expert MLP; idempotent."""
+    for module in model.modules():
+        if hasattr(module, "fuse_projections") and "_fused_input" not in module.__dict__:
+            module.fuse_projections()
 
 
 class Scheduler:

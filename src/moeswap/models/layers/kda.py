@@ -15,9 +15,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from moeswap.config import ModelConfig
-from moeswap.models.layers.basic import WeightOnly, rms_norm
+from moeswap.models.layers.basic import WeightOnly, fuse_linears, project, rms_norm
 from moeswap.ops.kda import kda_chunked, kda_decode_step, l2_normalize
-from moeswap.ops.linear import StoredWeightLinear, linear
 
 
 @dataclass
@@ -52,38 +51,6 @@ def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W:
     for j in range(1, W):
         y.addcmul_(full[:, j:j + T], w_WC[j])
     return F.silu(y)
-
-
-FUSABLE = (nn.Linear, StoredWeightLinear)
-
-
-def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
-    """Speed only: the weights of the named bias-free nn.Linear children become views into one
-    [sum of outputs, in] tensor, so `project` reads the input once in one matmul instead of 3-6
-    (fewer kernel launches; on a 2-core CPU it measured neutral end to end). Values, names and
-    state_dict are unchanged; memory is not duplicated. No-op unless all are plain (or stored-weight) Linears of one dtype."""
-    mods = [getattr(module, n) for n in names]
-    if not all(type(m) in FUSABLE and m.bias is None for m in mods) or len({m.weight.dtype for m in mods}) > 1:
-        return
-    fused = torch.cat([m.weight.detach() for m in mods])
-    start = 0
-    for m in mods:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[start:start + rows], requires_grad=m.weight.requires_grad)
-        start += rows
-    module.__dict__["_fused_input"] = (fused, tuple(names), [m.weight.data_ptr() for m in mods],
-                                       [m.weight.shape[0] for m in mods])
-
-
-def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[torch.Tensor]:
-    """[getattr(module, n)(x) for n in names], in one matmul while the fusion still holds (no child
-    replaced by a wrapper, no weight re-materialised by .to() or a loader)."""
-    fused = module.__dict__.get("_fused_input")
-    if fused is not None and fused[1] == tuple(names):
-        mods = [getattr(module, n) for n in names]
-        if all(type(m) in FUSABLE for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]:
-            return list(linear(x, fused[0]).split(fused[3], dim=-1))
-    return [getattr(module, n)(x) for n in names]
 
 
 class KDA(nn.Module):

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from moeswap.config import ModelConfig
-from moeswap.models.layers.basic import RMSNorm
-from moeswap.models.layers.kda import fuse_linears, project
+from moeswap.models.layers.basic import RMSNorm, fuse_linears, project
 
 
 @dataclass
