@@ -2,6 +2,7 @@
 
 import json
 
+from moeswap.ops import cpu_kernels
 from moeswap.planner import PlanRequest, Serve, plan
 from moeswap.planner.models import parse_model_dict, preset_path
 from moeswap.planner.hardware import builtin_catalog, resolve_hardware
@@ -17,6 +18,12 @@ def test_measure_writes_a_loadable_catalog(tmp_path):
     hw = resolve_hardware("local", cat, local_path=path)
     assert hw.accel.mem_bw_gbs > 0 and hw.engine.kernel_us > 0 and hw.system.node_devices == 1
     assert all("[measured]" in s for s in hw.accel.sources.values())
+    # on a CPU the engine profile is moeswap's own: its kernels' rates, per-op time and op counts
+    measured = ("mem_efficiency", "kernel_us", "kernels_kda", "kernels_mla", "kernels_moe", "kernels_step", "expert_us")
+    if cpu_kernels.kernel() is not None:  # the grouped MXFP4 call is timed only where it builds
+        measured += ("expert_row_ns", "expert_mem_efficiency")
+    assert all(hw.engine.get(k) is not None and "[measured]" in hw.engine.sources[k] for k in measured)
+    assert hw.engine.kernels_moe > 0 and hw.engine.kernels_kda > 0 and hw.engine.kernels_step > 0
     raw = json.loads(preset_path("kimi-linear-48b").read_text())
     raw["num_experts"] = 16  # a Kimi Linear small enough for a CI machine's RAM
     r = plan(PlanRequest(model=parse_model_dict(raw), hardware="local", devices=1, local_path=str(path),

@@ -42,6 +42,13 @@ _SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
         "kernels_kda": (float, True), "kernels_mla": (float, True), "kernels_dense": (float, True),
         "kernels_moe": (float, True), "kernels_attn_res": (float, True), "reserve_fraction": (float, True),
         "reserve_gb": (float, True), "prefill_chunk": (int, True), "activation_values": (float, True),
+        # optional (absent: mem_efficiency, or 0): a fused MoE call's own streaming rate for low-bit
+        # experts, its time per output row and the engine's time per routed expert; ops per forward
+        # pass outside the layers (embedding, lm_head, sampling)
+        "expert_mem_efficiency": (float, False), "expert_row_ns": (float, False), "expert_us": (float, False),
+        "kernels_step": (float, False),
+        # optional: a faster kernel_us for passes whose weights fit in a cache of cache_mb (a CPU's L3)
+        "kernel_us_cached": (float, False), "cache_mb": (float, False),
     },
 }
 NONE = "none"  # a system without a host tier or scale-up fabric (one CPU machine) says "none"

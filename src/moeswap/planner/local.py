@@ -1,8 +1,9 @@
 """`--hardware local`: measure this machine in a few seconds and save it as a catalog file.
 
-Measures memory copy bandwidth, weight-streaming (GEMV) bandwidth, matmul FLOP/s per dtype,
-per-op launch overhead, disk read speed and memory size, on the CPU or on a CUDA device, and
-writes [accelerator|storage|host|link|engine|system].local entries whose sources say how each
+Measures memory copy bandwidth, matmul FLOP/s per dtype, disk read speed and memory size, on the CPU
+or on a CUDA device, and the engine: on a GPU the weight-streaming (GEMV) bandwidth and per-kernel
+time under graph replay; on a CPU moeswap's own kernels, per-op cost and op counts (local_cpu.py).
+Writes [accelerator|storage|host|link|engine|system].local entries whose sources say how each
 number was measured. Entry points: `measure`, `load_or_measure`, `write_toml`.
 """
 
@@ -53,11 +54,12 @@ def _copy_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / _best(run) / 1e9  # read + write
 
 
-def _gemv_fit(device: str, max_bytes: int) -> tuple[float, float]:
-    """Decode-style matmuls ([4 x 4096] @ bf16 weight) at several sizes, fitted as t = t0 + bytes / bw.
+def _gemv_fit(max_bytes: int) -> tuple[float, float]:
+    """Decode-style matmuls ([4 x 4096] @ bf16 weight) at several sizes on the GPU, each inside a
+    replayed CUDA graph, fitted as t = t0 + bytes / bw.
 
     Returns (t0 in microseconds, bw in GB/s): the fixed time of a bandwidth-bound kernel and the
-    rate at which it streams weights. On a GPU each size runs inside a replayed CUDA graph.
+    rate at which it streams weights.
     """
     import torch
 
@@ -65,33 +67,32 @@ def _gemv_fit(device: str, max_bytes: int) -> tuple[float, float]:
     points = []
     for frac in (1 / 256, 1 / 16, 1 / 4, 1):
         n = max(64, int(max_bytes * frac) // (2 * k))
-        w = torch.randn(k, n, dtype=torch.bfloat16, device=device)
-        x = torch.randn(4, k, dtype=torch.bfloat16, device=device)
+        w = torch.randn(k, n, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(4, k, dtype=torch.bfloat16, device="cuda")
         reps = 20 if frac < 1 / 8 else 4
-        if device == "cuda":
-            torch.matmul(x, w)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(reps):
-                    torch.matmul(x, w)
+        torch.matmul(x, w)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                torch.matmul(x, w)
 
-            def run():
-                g.replay()
-                torch.cuda.synchronize()
-        else:
-            def run():
-                for _ in range(reps):
-                    torch.matmul(x, w)
+        def run():
+            g.replay()
+            torch.cuda.synchronize()
         points.append((k * n * 2, _best(run) / reps))
         del w
-    # least squares for t = t0 + b * bytes
+    t0, slope = fit_line(points)
+    return t0 * 1e6, 1 / slope / 1e9
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares t = t0 + slope * bytes over (bytes, seconds) points; t0 is floored at 0."""
     nb = len(points)
     mx = sum(b for b, _ in points) / nb
     my = sum(t for _, t in points) / nb
     slope = sum((b - mx) * (t - my) for b, t in points) / sum((b - mx) ** 2 for b, _ in points)
-    t0 = max(0.0, my - slope * mx)
-    return t0 * 1e6, 1 / slope / 1e9
+    return max(0.0, my - slope * mx), slope
 
 
 def _matmul_tflops(device: str, dtype_name: str, n: int) -> float | None:
@@ -122,34 +123,28 @@ def _matmul_tflops(device: str, dtype_name: str, n: int) -> float | None:
         return None  # dtype not supported here
 
 
-def _op_overhead_us(device: str) -> float:
-    """Time of one tiny op: eager dispatch on the CPU, one kernel inside a replayed CUDA graph on a GPU."""
+def _op_overhead_us() -> float:
+    """Time of one tiny kernel inside a replayed CUDA graph."""
     import torch
 
-    x = torch.randn(1, 7168, device=device, dtype=torch.bfloat16)
+    x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
     ops = 200
-    if device == "cuda":
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                y = x
-                for _ in range(ops):
-                    y = y * 1.0001
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
             y = x
             for _ in range(ops):
                 y = y * 1.0001
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
 
-        def run():
-            g.replay()
-            torch.cuda.synchronize()
-    else:
-        def run():
-            y = x
-            for _ in range(ops):
-                y = y * 1.0001
+    def run():
+        g.replay()
+        torch.cuda.synchronize()
     return _best(run, 5) / ops * 1e6
 
 
@@ -233,10 +228,8 @@ def measure(device: str = "cpu", disk_dir: Path | None = None, quick: bool = Fal
     tag = f"[measured] moeswap planner local on {platform.node()} ({who}), {when}, torch {torch.__version__}, " \
           f"{torch.get_num_threads()} threads"
     copy = _copy_gbs(device, size)
-    gemv_t0, stream = _gemv_fit(device, size // 2)
     n_mm = 8192 if gpu else (512 if quick else 1024)
     flops = {d: _matmul_tflops(device, d, n_mm) for d in ("bf16", "fp32", "fp8")}
-    op_us = _op_overhead_us(device)
     disk, disk_how = _disk_read_gbs(disk_dir or Path(tempfile.gettempdir()), (64 if quick else 256) * mb)
     free_tb = _disk_free(disk_dir or Path(tempfile.gettempdir())) / 1e12
 
@@ -256,17 +249,7 @@ def measure(device: str = "cpu", disk_dir: Path | None = None, quick: bool = Fal
         src["bf16_tflops"] = f"{tag}: bf16 matmul unavailable; fp32 rate used"
     accel["source"] = src
 
-    base = "default" if gpu else "moeswap-cpu"
-    engine = _base_engine(base)
-    engine["name"] = f"{engine['name']} (kernel time and streaming efficiency measured here)"
-    # The fixed time per kernel is the larger of a tiny op and a weight-streaming matmul's intercept.
-    engine["kernel_us"] = round(max(op_us, gemv_t0), 3)
-    what = "kernels in a replayed CUDA graph" if gpu else "eager ops"
-    engine["source"]["kernel_us"] = (f"{tag}: max(tiny op {op_us:.2f} us, intercept {gemv_t0:.2f} us of "
-                                     f"[4 x 4096] @ W matmul time vs bytes), {what}")
-    engine["mem_efficiency"] = round(min(1.0, stream / copy), 3)
-    engine["source"]["mem_efficiency"] = (f"{tag}: slope of [4 x 4096] @ bf16 W time vs bytes = {stream:.0f} GB/s, "
-                                          f"over the {copy:.0f} GB/s copy rate")
+    engine = _gpu_engine(size, copy, tag) if gpu else _cpu_engine(copy, accel["bf16_tflops"], tag)
 
     out: dict[str, Any] = {
         "accelerator": {"local": accel},
@@ -295,6 +278,36 @@ def measure(device: str = "cpu", disk_dir: Path | None = None, quick: bool = Fal
         system.update(host="local", host_link="local-host")
     out["system"] = {"local": system}
     return out
+
+
+def _gpu_engine(size: int, copy: float, tag: str) -> dict[str, Any]:
+    """The default profile with the fixed time per kernel and the GEMV streaming efficiency measured."""
+    gemv_t0, stream = _gemv_fit(size // 2)
+    op_us = _op_overhead_us()
+    engine = _base_engine("default")
+    engine["name"] = f"{engine['name']} (kernel time and streaming efficiency measured here)"
+    # The fixed time per kernel is the larger of a tiny op and a weight-streaming matmul's intercept.
+    engine["kernel_us"] = round(max(op_us, gemv_t0), 3)
+    engine["source"]["kernel_us"] = (f"{tag}: max(tiny op {op_us:.2f} us, intercept {gemv_t0:.2f} us of "
+                                     f"[4 x 4096] @ W matmul time vs bytes), kernels in a replayed CUDA graph")
+    engine["mem_efficiency"] = round(min(1.0, stream / copy), 3)
+    engine["source"]["mem_efficiency"] = (f"{tag}: slope of [4 x 4096] @ bf16 W time vs bytes = {stream:.0f} GB/s, "
+                                          f"over the {copy:.0f} GB/s copy rate")
+    return engine
+
+
+def _cpu_engine(copy: float, bf16_tflops: float, tag: str) -> dict[str, Any]:
+    """The moeswap-cpu profile with its rates, per-op time and op counts measured on moeswap's own
+    CPU kernels and engine (local_cpu.py): generic torch matmuls and tiny ops miss both the C kernels
+    and the Python around each eager op."""
+    from .local_cpu import engine_fields
+
+    fields, sources = engine_fields(copy, bf16_tflops, tag)
+    engine = _base_engine("moeswap-cpu")
+    engine["name"] = f"{engine['name']} (its kernels, per-op time and op counts measured here)"
+    engine.update(fields)
+    engine["source"].update(sources)
+    return engine
 
 
 def _disk_free(folder: Path) -> float:

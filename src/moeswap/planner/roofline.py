@@ -85,9 +85,13 @@ def all_reduce(hw: Hardware, group: int, size: float) -> float:
     return 0.0 if group <= 1 else collective(hw, group, 2 * (group - 1) / group * size)
 
 
+def _saturation(x: float, half: float) -> float:
+    return 1.0 if half <= 0 else x / (x + half)  # half 0: a measured rate with no tile fall-off
+
+
 def gemm_efficiency(hw: Hardware, m: float, n: float) -> float:
     eng = hw.engine
-    return eng.gemm_efficiency * m / (m + eng.gemm_half_m) * n / (n + eng.gemm_half_n)
+    return eng.gemm_efficiency * _saturation(m, eng.gemm_half_m) * _saturation(n, eng.gemm_half_n)
 
 
 def _roof(cost: Cost, cat: str, flops: float, flop_rate: float, nbytes: float, byte_rate: float) -> float:
@@ -104,6 +108,8 @@ class _Ctx:
         self.mp, self.cfg, self.lay, self.hw, self.prec, self.pl = mp, mp.cfg, lay, hw, prec, pl
         eng = hw.engine
         self.bw = hw.mem_bw() * eng.mem_efficiency
+        self.expert_bw = hw.mem_bw() * eng.get("expert_mem_efficiency", eng.mem_efficiency)
+        self.op_us = eng.kernel_us  # fixed time per kernel; stage_cost may choose the cached one
         self.f16 = hw.flops("bf16")
         self.dense_b = bytes_per_param(prec.dense)
         self.f_dense = hw.flops("fp8") if prec.dense in ("fp8", "mxfp8") else self.f16
@@ -169,7 +175,13 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
         eff *= eng.lowbit_gemm_efficiency  # dequantised inside the GEMM main loop
     hit = pl.hit_rate
     on_device = 1.0 if pl.compute == "swap" else hit
-    t_dev = _roof(cost, "experts", flops * on_device, f_rate * eff, (weight_bytes + act) * on_device, cx.bw)
+    t_dev = _roof(cost, "experts", flops * on_device, f_rate * eff, (weight_bytes + act) * on_device, cx.expert_bw)
+    # Fixed time per expert (an eager engine's lookup and grouping) and per output row (a kernel that
+    # finishes each row on its own: reduction, scale, activation).
+    per_expert = eng.get("expert_us", 0.0) * 1e-6 + (2 * n + width) * eng.get("expert_row_ns", 0.0) * 1e-9
+    t_fixed = touched * on_device * per_expert
+    cost.add("experts", t_fixed)
+    t_dev += t_fixed
     misses = touched * (1 - hit) * cx.exp_b / lay.expert_tp
     if misses <= 0:
         return
@@ -231,14 +243,38 @@ def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
     kernels = (eng.kernels_kda if lp.attn_kind == "kda" else eng.kernels_mla)
     kernels += eng.kernels_moe if lp.num_experts else eng.kernels_dense
     kernels += eng.kernels_attn_res if cfg.attn_res_block_size else 0
-    cost.add("overhead", kernels * eng.kernel_us * 1e-6)
+    cost.add("overhead", kernels * cx.op_us * 1e-6)
     return cost
+
+
+def _step_weight_bytes(cx: _Ctx, layers: range, p: Pass) -> float:
+    """Weight bytes one device reads in a pass through `layers`: its dense share and touched experts."""
+    total = 0.0
+    for i in layers:
+        lp = cx.mp.layers[i]
+        total += sum(l.params for l in (*lp.attn, *lp.mlp)) * cx.dense_b / cx.lay.tp
+        if lp.num_experts:
+            moe = cx.cfg.moe
+            touched = moe.num_experts / cx.lay.ep * touched_fraction(p.tokens, moe.top_k, moe.num_experts)
+            total += touched * cx.exp_b / cx.lay.expert_tp
+    return total
+
+
+def _op_us(cx: _Ctx, layers: range, p: Pass) -> float:
+    """Per-kernel time: the cached one where a pass's weights fit in the cache (they stay there between
+    passes, and so does the engine's own state), else the one measured on caches weights evict."""
+    eng = cx.hw.engine
+    cached, cache_mb = eng.get("kernel_us_cached"), eng.get("cache_mb")
+    if cached is None or not cache_mb or _step_weight_bytes(cx, layers, p) > cache_mb * 1e6:
+        return eng.kernel_us
+    return cached
 
 
 def stage_cost(mp: ModelParams, layers: range, stage: int, lay: Layout, hw: Hardware, prec: Precision,
                pl: Placement, p: Pass) -> Cost:
     """Seconds for one device of `stage` to run pass `p` through its layers (plus lm_head and the send)."""
     cx = _Ctx(mp, lay, hw, prec, pl)
+    cx.op_us = _op_us(cx, layers, p)
     cfg = mp.cfg
     total = Cost()
     memo: dict[tuple, Cost] = {}
@@ -252,6 +288,8 @@ def stage_cost(mp: ModelParams, layers: range, stage: int, lay: Layout, hw: Hard
     if stage == lay.pp - 1 and p.logits and mp.lm_head:
         head = Linear("lm_head", cfg.vocab_size, cfg.hidden_size, "col")
         _linear(cx, total, head, p.logits)
+    if stage == lay.pp - 1 and hw.engine.get("kernels_step"):
+        total.add("overhead", hw.engine.kernels_step * cx.op_us * 1e-6)
     if stage < lay.pp - 1:
         banked = (layers.stop // cfg.attn_res_block_size + 1) if cfg.attn_res_block_size else 0
         send = p.per_rank(lay.dp) * cfg.hidden_size * 2 * (1 + banked)
