@@ -38,7 +38,7 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("name", ["torch_rows", "cpu_c"])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 13, 16, 17])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 13, 16, 17, em.GEMM_MIN_TOKENS + 3])
 def test_implementations_match_the_reference(name, tokens):
     if not em.available()[name]:
         pytest.skip(f"{name} is not available here")
@@ -94,6 +94,8 @@ def test_every_kernel_build_matches_the_decoded_matmul(flags):
         x = torch.randn(tokens, 96, generator=gen)
         assert_matches(kernel.expert(x, w, act, BETAS), em.reference(w, x, act, BETAS), torch.float32)
     check_grouped_moe(kernel, gen)
+    decoded = kernel.mxfp4_decode(packed, scale)  # bit-exact, NaN rows and extreme scales included
+    assert torch.equal(decoded.isnan(), weight.isnan()) and torch.equal(decoded.nan_to_num(), weight.nan_to_num())
     check_bf16_linear(kernel, gen)
     tiny = torch.zeros(1, 96)
     tiny[0, 0] = 1.0

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "moeswap_mxfp4_moe": [_p, _i64, _i64, _i64, ctypes.c_int, *[_p] * 6, _p, _p, _p, ctypes.c_int, ctypes.c_float,
                           ctypes.c_float, _p, ctypes.c_int],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
+    "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
@@ -107,6 +108,21 @@ class CpuKernels:
             (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
             float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads())
         self._status(status, f"mxfp4_moe (x {tuple(x_TI.shape)}, {E} experts, {offsets[-1]} pairs)")
+
+    def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """MXFP4 packed [O, I/2] + E8M0 scale [O, I/32] -> fp32 [O, I], equal to formats.mxfp4.decode;
+        written into `out` (fp32, contiguous, O * I elements) when given."""
+        I = packed.shape[1] * 2 if packed.ndim == 2 else 0
+        packed, scale = _checked(packed, scale, I)
+        if out is None:
+            out = torch.empty(packed.shape[0], I, dtype=torch.float32)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != packed.shape[0] * I:
+            raise ValueError(f"mxfp4_decode: out {tuple(out.shape)} {out.dtype} cannot hold [{packed.shape[0]}, {I}] fp32")
+        out = out.view(packed.shape[0], I)
+        status = self.lib.moeswap_mxfp4_decode(packed.data_ptr(), scale.data_ptr(), packed.shape[0], I,
+                                               out.data_ptr(), self._threads())
+        self._status(status, f"mxfp4_decode (packed {tuple(packed.shape)})")
+        return out
 
     def bf16_linear(self, x_TI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
         """x fp32 contiguous [T, I] @ w bf16 [O, I]^T -> fp32 [T, O] (weights widened exactly, fp32 sums)."""

@@ -129,7 +129,8 @@ class _Group:
 
     def add(self, expert, start: int, n: int) -> bool:
         """Takes the expert's n pairs from `start` into the group; False when it must run on its own."""
-        if self.run is None or not isinstance(expert, MXFP4ExpertWeights) or expert.w1_packed.device.type != "cpu":
+        if (self.run is None or not isinstance(expert, MXFP4ExpertWeights) or expert.w1_packed.device.type != "cpu"
+                or n >= expert_mxfp4.GEMM_MIN_TOKENS):  # many tokens (prefill): the expert's own GEMM path
             self.flush()
             return False
         if not self.experts:
