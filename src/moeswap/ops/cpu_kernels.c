@@ -288,6 +288,17 @@ int moeswap_mxfp4_linear(const float *x, int64_t T, int64_t I, int n_mats, const
 
 static inline float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
+/* g[t, r] <- act(g[t, r], u[t, r]) for columns [o, o + n) of T rows of width F. act 0: silu(g) * u;
+ * act 1: SiTU, b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2). */
+static void activate(float *g, const float *u, int64_t T, int64_t F, int64_t o, int64_t n, int act, float b1,
+                     float b2) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = o; r < o + n; r++) {
+            const float gv = g[t * F + r], uv = u[t * F + r];
+            g[t * F + r] = act == 0 ? gv * sigmoid(gv) * uv : (b1 * tanhf(gv / b1) * sigmoid(gv)) * (b2 * tanhf(uv / b2));
+        }
+}
+
 /* A whole expert: y[T, I] = W2 @ act(W1 x, W3 x) with W1, W3 [F, I] and W2 [I, F]. act 0: silu(g) * u;
  * act 1: SiTU, b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2). Each work item computes the same rows of the
  * gate and the up projection and applies the activation to them, so h needs no extra pass. */
@@ -305,12 +316,7 @@ int moeswap_mxfp4_expert(const float *x, int64_t T, int64_t I, int64_t F, const 
         const int64_t o = c * CHUNK_ROWS, n = F - o < CHUNK_ROWS ? F - o : CHUNK_ROWS;
         linear_rows(xp, T, I, p1, s1, F, o, n, g);
         linear_rows(xp, T, I, p3, s3, F, o, n, u);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t r = o; r < o + n; r++) {
-                const float gv = g[t * F + r], uv = u[t * F + r];
-                g[t * F + r] = act == 0 ? gv * sigmoid(gv) * uv
-                                        : (b1 * tanhf(gv / b1) * sigmoid(gv)) * (b2 * tanhf(uv / b2));
-            }
+        activate(g, u, T, F, o, n, act, b1, b2);
     }
     free(xp);
     float *hp = permuted(g, T, F);
@@ -398,6 +404,15 @@ int moeswap_bf16_linear(const float *x, int64_t T, int64_t I, const uint16_t *W,
 
 typedef struct { int32_t expert; int32_t chunk; } work_item;
 
+/* (expert, chunk) for every chunk of every expert that has tokens; returns how many. */
+static int64_t list_items(work_item *items, const int64_t *off, int E, int64_t chunks) {
+    int64_t n = 0;
+    for (int e = 0; e < E; e++)
+        if (off[e + 1] > off[e])
+            for (int64_t c = 0; c < chunks; c++) items[n++] = (work_item){e, (int32_t)c};
+    return n;
+}
+
 /* All experts of one layer step: for expert e (0 <= e < E) and its token list tokens[off[e] .. off[e+1]),
  *   y[t] += weight[k] * W2_e @ act(W1_e x[t], W3_e x[t])   for each pair k = (t, e), pairs in order,
  * with W1_e, W3_e [F, I] and W2_e [I, F] MXFP4 (pointer arrays indexed by e). Work items are (expert, row
@@ -421,10 +436,7 @@ int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, co
     float *u = g + P * F;
     for (int64_t k = 0; k < P; k++) memcpy(xg + k * I, xp + tokens[k] * I, (size_t)I * sizeof(float));
     free(xp);
-    int64_t n_items = 0;
-    for (int e = 0; e < E; e++)
-        if (off[e + 1] > off[e])
-            for (int64_t c = 0; c < up_chunks; c++) items[n_items++] = (work_item){e, (int32_t)c};
+    int64_t n_items = list_items(items, off, E, up_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; w++) {
         const int e = items[w].expert;
@@ -433,19 +445,11 @@ int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, co
         float *ge = g + k0 * F, *ue = u + k0 * F;
         linear_rows(xg + k0 * I, nt, I, p1[e], s1[e], F, o, n, ge);
         linear_rows(xg + k0 * I, nt, I, p3[e], s3[e], F, o, n, ue);
-        for (int64_t t = 0; t < nt; t++)
-            for (int64_t r = o; r < o + n; r++) {
-                const float gv = ge[t * F + r], uv = ue[t * F + r];
-                ge[t * F + r] = act == 0 ? gv * sigmoid(gv) * uv
-                                         : (b1 * tanhf(gv / b1) * sigmoid(gv)) * (b2 * tanhf(uv / b2));
-            }
+        activate(ge, ue, nt, F, o, n, act, b1, b2);
     }
     float *hp = permuted(g, P, F);
     if (!hp) { free(xg); free(g); free(out); free(items); return 2; }
-    n_items = 0;
-    for (int e = 0; e < E; e++)
-        if (off[e + 1] > off[e])
-            for (int64_t c = 0; c < down_chunks; c++) items[n_items++] = (work_item){e, (int32_t)c};
+    n_items = list_items(items, off, E, down_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; w++) {
         const int e = items[w].expert;
