@@ -12,7 +12,7 @@ import torch
 from moeswap.formats import mxfp4
 from moeswap.ops import cpu_kernels
 from moeswap.ops import expert_mxfp4 as em
-from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
 BETAS = (4.0, 25.0)
 
@@ -174,6 +174,11 @@ def check_grouped_moe(kernel, gen: torch.Generator) -> None:
             for k, t in enumerate(p):
                 want[t] += weights[offsets[e] + k] * em.reference(experts[e], x[t : t + 1], "situ", BETAS)[0]
         torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+        bf16 = [ExpertWeights(*(mxfp4.decode(getattr(w, f"{p}_packed"), getattr(w, f"{p}_scale"), torch.float32)
+                                .to(torch.bfloat16) for p in ("w1", "w3", "w2"))) for w in experts]
+        y = torch.full((tokens, 64), 0.5)
+        kernel.moe(x, bf16, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS, y)
+        torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())  # MXFP4 is exact in bf16
     with pytest.raises(ValueError, match="do not fit x"):
         kernel.moe(x, experts, torch.zeros(2, dtype=torch.int64), [0, 1, 2], torch.ones(2), "situ", BETAS, y)
     with pytest.raises(RuntimeError, match="bad sizes"):  # a token index outside x

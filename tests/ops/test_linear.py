@@ -57,3 +57,16 @@ def test_loader_keeps_bf16_linear_weights_and_tokens_do_not_change(tiny_k3_dir):
 def test_unknown_dense_weights_option(tiny_k3_dir):
     with pytest.raises(ValueError, match="dense weights 'half'"):
         load_model(tiny_k3_dir, LoadOptions(dense_weights="half"))
+
+
+def test_bf16_experts_stay_bf16_and_tokens_do_not_change(tiny_linear_dir):
+    stored, store = load_model(tiny_linear_dir)
+    converted, store_c = load_model(tiny_linear_dir, LoadOptions(dense_weights="compute"))
+    kept = store.fetch(1, [0])[0]
+    assert kept.w1_FI.dtype == (torch.float32 if cpu_kernels.kernel() is None else torch.bfloat16)
+    assert store_c.fetch(1, [0])[0].w1_FI.dtype == torch.float32
+    cfg = GenerationConfig(max_tokens=8, stop_ids=())
+    assert generate(stored, [5, 9, 2], cfg).tokens == generate(converted, [5, 9, 2], cfg).tokens
+    tokens = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(stored(tokens), converted(tokens), rtol=1e-4, atol=1e-4)

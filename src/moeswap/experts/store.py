@@ -27,6 +27,7 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.experts.stats import StoreStats, TierStats
 from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, Weights, convert, tensors_of
 from moeswap.formats.checkpoint import Checkpoint
+from moeswap.ops.linear import can_keep_stored
 from moeswap.units import human_bytes
 
 PREFETCH_MODES = ("none", "next-layer")
@@ -41,6 +42,7 @@ class StoreOptions:
     decoded: bool = False  # keep decoded copies in the fast tier instead of the stored MXFP4 bytes
     profile: str | None = None  # routing trace (moeswap trace): static's profile, belady's future
     drop_page_cache: bool = False  # benchmarks: every disk read comes from the device, not the page cache
+    keep_bf16: bool = True  # bf16-stored float experts stay bf16 under fp32 math where a CPU kernel runs them
 
 
 def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
@@ -346,6 +348,12 @@ def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int)
     return stored, decoded, packed
 
 
+def _stored_bf16(ckpt: Checkpoint, index: ExpertIndex, key: Key) -> bool:
+    """Whether the expert's weights are plain bf16 tensors (not MX-quantised) in the checkpoint."""
+    kinds = [k for names in index.names(*key).values() for k in names.items()]
+    return all(kind == "weight" and ckpt.info(name).dtype == torch.bfloat16 for kind, name in kinds)
+
+
 def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
                 device: str | torch.device = "cpu", options: StoreOptions = StoreOptions()) -> ExpertStore:
     """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
@@ -358,10 +366,14 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     if not caching and options.prefetch != "none":
         raise ValueError("--prefetch needs a cache: --expert-policy none keeps no experts to prefetch into")
     sizes: dict[Key, tuple[int, int, bool]] = {}
+    first = min(index.entries)  # every expert has the same shapes (ExpertIndex.validate)
+    # bf16-stored float experts stay bf16 where a CPU kernel runs them under fp32 math (as dense weights do)
+    expert_dtype = torch.bfloat16 if options.keep_bf16 and _stored_bf16(ckpt, index, first) and can_keep_stored(
+        torch.bfloat16, dtype, device) else dtype
 
     def size(key: Key) -> tuple[int, int, bool]:
         if key not in sizes:
-            sizes[key] = _expert_sizes(ckpt, index, key, dtype.itemsize)
+            sizes[key] = _expert_sizes(ckpt, index, key, expert_dtype.itemsize)
         return sizes[key]
 
     def fast_cost(key: Key) -> int:
@@ -372,17 +384,16 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
         stored, decoded, packed = size(key)
         return stored if packed else decoded
 
-    disk = CheckpointTier(ckpt, index, dtype, options.drop_page_cache)
+    disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache)
     fast = MemoryTier("fast", options.expert_memory if caching else 0, fast_cost,
-                      partial(convert, decoded=options.decoded, dtype=dtype, device=device), device)
+                      partial(convert, decoded=options.decoded, dtype=expert_dtype, device=device), device)
     tiers: list[Tier] = [fast]
     if caching and options.host_memory:
         tiers.append(MemoryTier("host", options.host_memory, host_cost,
-                                partial(convert, decoded=False, dtype=dtype, device=torch.device("cpu"),
+                                partial(convert, decoded=False, dtype=expert_dtype, device=torch.device("cpu"),
                                         pin=accelerator)))
     tiers.append(disk)
 
-    first = min(index.entries)  # every expert has the same shapes (ExpertIndex.validate)
     top_k = config.moe.top_k
     slots = 0
     if caching:

@@ -35,13 +35,13 @@ class LoadOptions:
     prefetch: str = "none"  # none | next-layer
     decoded_experts: bool = False  # keep decoded copies in the fast tier instead of MXFP4 bytes
     expert_profile: str | None = None  # routing trace for --expert-policy static
-    # Linear weights: "auto" keeps bf16-stored ones in bf16 under fp32 math where a CPU kernel runs them
-    # (ops/linear.py; half the bytes per decode step); "compute" converts every one to `dtype`.
+    # Linear weights and float experts: "auto" keeps bf16-stored ones in bf16 under fp32 math where a CPU
+    # kernel runs them (ops/linear.py; half the bytes per decode step); "compute" converts them to `dtype`.
     dense_weights: str = "auto"
 
     def store_options(self) -> StoreOptions:
         return StoreOptions(self.expert_memory, self.host_memory, self.expert_policy, self.prefetch,
-                            self.decoded_experts, self.expert_profile)
+                            self.decoded_experts, self.expert_profile, keep_bf16=self.dense_weights != "compute")
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -413,16 +413,25 @@ static int64_t list_items(work_item *items, const int64_t *off, int E, int64_t c
     return n;
 }
 
+/* Rows [o, o + n) of one expert matrix for T tokens, in either weight format: MXFP4 (p packed, s scale;
+ * x in `permuted` column order) or bf16 (p the weight, s unused; x in natural order). */
+static void expert_rows(int bf16, const float *x, int64_t T, int64_t I, const void *p, const uint8_t *s, int64_t O,
+                        int64_t o, int64_t n, float *y) {
+    if (bf16) bf16_rows(x, T, I, (const uint16_t *)p, O, o, n, y);
+    else linear_rows(x, T, I, (const uint8_t *)p, s, O, o, n, y);
+}
+
 /* All experts of one layer step: for expert e (0 <= e < E) and its token list tokens[off[e] .. off[e+1]),
  *   y[t] += weight[k] * W2_e @ act(W1_e x[t], W3_e x[t])   for each pair k = (t, e), pairs in order,
- * with W1_e, W3_e [F, I] and W2_e [I, F] MXFP4 (pointer arrays indexed by e). Work items are (expert, row
- * chunk) pairs, so a decode step's 8-16 small experts keep every thread busy in one fork/join per phase.
- * The per-token sums run serially in pair order: deterministic. Returns 0, 1 for bad sizes, 2 out of memory. */
-int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint8_t *const *p1,
-                      const uint8_t *const *s1, const uint8_t *const *p3, const uint8_t *const *s3,
-                      const uint8_t *const *p2, const uint8_t *const *s2, const int64_t *off, const int64_t *tokens,
-                      const float *weight, int act, float b1, float b2, float *y, int nthreads) {
-    if (I % 32 || F % 32 || act < 0 || act > 1 || E < 1 || off[0] != 0) return 1;
+ * with W1_e, W3_e [F, I] and W2_e [I, F] (pointer arrays indexed by e; MXFP4 packed + scale, or bf16 with
+ * the scale arrays unused). Work items are (expert, row chunk) pairs, so a decode step's 8-16 small
+ * experts keep every thread busy in one fork/join per phase. The per-token sums run serially in pair
+ * order: deterministic. Returns 0, 1 for bad sizes, 2 out of memory. */
+static int moe(int bf16, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
+               const uint8_t *const *s1, const void *const *p3, const uint8_t *const *s3, const void *const *p2,
+               const uint8_t *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
+               float b1, float b2, float *y, int nthreads) {
+    if ((!bf16 && (I % 32 || F % 32)) || act < 0 || act > 1 || E < 1 || off[0] != 0) return 1;
     const int64_t P = off[E];
     for (int64_t k = 0; k < P; k++)
         if (tokens[k] < 0 || tokens[k] >= T) return 1;
@@ -431,11 +440,15 @@ int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, co
     float *g = (float *)malloc((size_t)(2 * P * F) * sizeof(float) + 64);
     float *out = (float *)malloc((size_t)(P * I) * sizeof(float) + 64);
     work_item *items = (work_item *)malloc((size_t)E * (up_chunks > down_chunks ? up_chunks : down_chunks) * sizeof(work_item) + 64);
-    float *xp = permuted(x, T, I);
-    if (!xg || !g || !out || !items || !xp) { free(xg); free(g); free(out); free(items); free(xp); return 2; }
+    float *xp = bf16 ? (float *)x : permuted(x, T, I);
+    if (!xg || !g || !out || !items || !xp) {
+        free(xg); free(g); free(out); free(items);
+        if (!bf16) free(xp);
+        return 2;
+    }
     float *u = g + P * F;
     for (int64_t k = 0; k < P; k++) memcpy(xg + k * I, xp + tokens[k] * I, (size_t)I * sizeof(float));
-    free(xp);
+    if (!bf16) free(xp);
     int64_t n_items = list_items(items, off, E, up_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; w++) {
@@ -443,11 +456,11 @@ int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, co
         const int64_t o = (int64_t)items[w].chunk * CHUNK_ROWS, n = F - o < CHUNK_ROWS ? F - o : CHUNK_ROWS;
         const int64_t k0 = off[e], nt = off[e + 1] - off[e];
         float *ge = g + k0 * F, *ue = u + k0 * F;
-        linear_rows(xg + k0 * I, nt, I, p1[e], s1[e], F, o, n, ge);
-        linear_rows(xg + k0 * I, nt, I, p3[e], s3[e], F, o, n, ue);
+        expert_rows(bf16, xg + k0 * I, nt, I, p1[e], bf16 ? NULL : s1[e], F, o, n, ge);
+        expert_rows(bf16, xg + k0 * I, nt, I, p3[e], bf16 ? NULL : s3[e], F, o, n, ue);
         activate(ge, ue, nt, F, o, n, act, b1, b2);
     }
-    float *hp = permuted(g, P, F);
+    float *hp = bf16 ? g : permuted(g, P, F);
     if (!hp) { free(xg); free(g); free(out); free(items); return 2; }
     n_items = list_items(items, off, E, down_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
@@ -455,15 +468,32 @@ int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, co
         const int e = items[w].expert;
         const int64_t o = (int64_t)items[w].chunk * CHUNK_ROWS, n = I - o < CHUNK_ROWS ? I - o : CHUNK_ROWS;
         const int64_t k0 = off[e], nt = off[e + 1] - off[e];
-        linear_rows(hp + k0 * F, nt, F, p2[e], s2[e], I, o, n, out + k0 * I);
+        expert_rows(bf16, hp + k0 * F, nt, F, p2[e], bf16 ? NULL : s2[e], I, o, n, out + k0 * I);
     }
     for (int64_t k = 0; k < P; k++) {
         float *yt = y + tokens[k] * I;
         const float *ok = out + k * I, wk = weight[k];
         for (int64_t i = 0; i < I; i++) yt[i] += wk * ok[i];
     }
-    free(xg); free(g); free(out); free(items); free(hp);
+    if (!bf16) free(hp);
+    free(xg); free(g); free(out); free(items);
     return 0;
+}
+
+int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint8_t *const *p1,
+                      const uint8_t *const *s1, const uint8_t *const *p3, const uint8_t *const *s3,
+                      const uint8_t *const *p2, const uint8_t *const *s2, const int64_t *off, const int64_t *tokens,
+                      const float *weight, int act, float b1, float b2, float *y, int nthreads) {
+    return moe(0, x, T, I, F, E, (const void *const *)p1, s1, (const void *const *)p3, s3, (const void *const *)p2,
+               s2, off, tokens, weight, act, b1, b2, y, nthreads);
+}
+
+/* The same for bf16 experts (w1, w3 [F, I], w2 [I, F] bf16; fp32 math). */
+int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint16_t *const *w1,
+                     const uint16_t *const *w3, const uint16_t *const *w2, const int64_t *off, const int64_t *tokens,
+                     const float *weight, int act, float b1, float b2, float *y, int nthreads) {
+    return moe(1, x, T, I, F, E, (const void *const *)w1, NULL, (const void *const *)w3, NULL,
+               (const void *const *)w2, NULL, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 
 /* One decode token of Kimi Delta Attention for N = batch x heads independent heads, in place on the state

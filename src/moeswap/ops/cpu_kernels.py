@@ -36,6 +36,8 @@ _SIGNATURES = {
                              ctypes.c_int],
     "moeswap_mxfp4_moe": [_p, _i64, _i64, _i64, ctypes.c_int, *[_p] * 6, _p, _p, _p, ctypes.c_int, ctypes.c_float,
                           ctypes.c_float, _p, ctypes.c_int],
+    "moeswap_bf16_moe": [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, _p, _p, ctypes.c_int, ctypes.c_float,
+                         ctypes.c_float, _p, ctypes.c_int],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
@@ -87,27 +89,29 @@ class CpuKernels:
 
     def moe(self, x_TI: torch.Tensor, experts: Sequence, tokens: torch.Tensor, offsets: Sequence[int],
             weights: torch.Tensor, act: str, situ_betas: tuple[float, float], y_TI: torch.Tensor) -> None:
-        """MXFP4 experts of one layer step, summed into y: for pair k of expert e (k in offsets[e]..offsets[e+1]),
-        y[tokens[k]] += weights[k] * expert_e(x[tokens[k]]). x, y fp32 contiguous [T, I]; tokens int64 [P];
-        weights fp32 [P]."""
+        """The experts of one layer step, summed into y: for pair k of expert e (k in offsets[e]..offsets[e+1]),
+        y[tokens[k]] += weights[k] * expert_e(x[tokens[k]]). Experts all MXFP4 (MXFP4ExpertWeights) or all
+        bf16 (ExpertWeights with bf16 tensors). x, y fp32 contiguous [T, I]; tokens int64 [P]; weights fp32 [P]."""
         T, I = x_TI.shape
         E = len(experts)
         if (len(offsets) != E + 1 or tokens.dtype != torch.int64 or weights.dtype != torch.float32
                 or tokens.numel() != offsets[-1] or weights.numel() != offsets[-1] or y_TI.shape != x_TI.shape
                 or y_TI.dtype != torch.float32 or not y_TI.is_contiguous()):
-            raise ValueError(f"mxfp4_moe: {E} experts, offsets {list(offsets)[:4]}..., tokens "
+            raise ValueError(f"moe: {E} experts, offsets {list(offsets)[:4]}..., tokens "
                              f"{tuple(tokens.shape)} {tokens.dtype}, weights {tuple(weights.shape)} {weights.dtype}, "
                              f"y {tuple(y_TI.shape)} {y_TI.dtype} do not fit x {tuple(x_TI.shape)}")
-        mats = [_expert_mats(w, I) for w in experts]
+        bf16 = all(is_bf16_expert(w) for w in experts)
+        mats = [_bf16_expert_mats(w, I) if bf16 else _expert_mats(w, I) for w in experts]
         F = mats[0][0].shape[0]
         if any(m[0].shape[0] != F for m in mats):
-            raise ValueError("mxfp4_moe: experts of one call must share their width")
+            raise ValueError("moe: experts of one call must share their width")
         tokens, weights = tokens.contiguous(), weights.contiguous()
-        status = self.lib.moeswap_mxfp4_moe(
-            x_TI.data_ptr(), T, I, F, E, *[_ptrs([m[j] for m in mats]) for j in range(6)],
-            (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
-            float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads())
-        self._status(status, f"mxfp4_moe (x {tuple(x_TI.shape)}, {E} experts, {offsets[-1]} pairs)")
+        fn = self.lib.moeswap_bf16_moe if bf16 else self.lib.moeswap_mxfp4_moe
+        status = fn(x_TI.data_ptr(), T, I, F, E, *[_ptrs([m[j] for m in mats]) for j in range(len(mats[0]))],
+                    (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
+                    float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads())
+        self._status(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
+                             f"{offsets[-1]} pairs)")
 
     def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """MXFP4 packed [O, I/2] + E8M0 scale [O, I/32] -> fp32 [O, I], equal to formats.mxfp4.decode;
@@ -168,6 +172,22 @@ def _act(act: str) -> int:
     if act not in ACTS:
         raise ValueError(f"unknown activation {act!r} (expected one of {', '.join(ACTS)})")
     return ACTS[act]
+
+
+def is_bf16_expert(w) -> bool:
+    """A decoded expert (ExpertWeights) kept in bf16 on the CPU: what moeswap_bf16_moe runs."""
+    return all(hasattr(w, n) and getattr(w, n).dtype == torch.bfloat16 and getattr(w, n).device.type == "cpu"
+               for n in ("w1_FI", "w3_FI", "w2_IF"))
+
+
+def _bf16_expert_mats(w, I: int) -> list[torch.Tensor]:
+    """[w1, w3, w2] of a bf16 expert of input width I, contiguous."""
+    mats = [w.w1_FI, w.w3_FI, w.w2_IF]
+    F = mats[0].shape[0]
+    if mats[0].shape[1] != I or tuple(mats[1].shape) != (F, I) or tuple(mats[2].shape) != (I, F):
+        raise ValueError(f"bf16 expert: w1 {tuple(mats[0].shape)}, w3 {tuple(mats[1].shape)}, w2 "
+                         f"{tuple(mats[2].shape)} do not form an expert of input width {I}")
+    return [t if t.is_contiguous() else t.contiguous() for t in mats]
 
 
 def _expert_mats(w, I: int) -> list[torch.Tensor]:

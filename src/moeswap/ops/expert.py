@@ -13,6 +13,7 @@ import torch
 
 from moeswap.formats import mx
 from moeswap.ops.activation import glu
+from moeswap.ops.linear import linear
 
 
 def tensors(w) -> dict[str, torch.Tensor]:
@@ -31,8 +32,9 @@ class ExpertWeights:
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.w1_FI, self.w3_FI, self.w2_IF))
 
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
-        h_TF = glu(act, x_TI @ self.w1_FI.T, x_TI @ self.w3_FI.T, situ_betas)
-        return h_TF @ self.w2_IF.T
+        # ops.linear: weights may be bf16 under fp32 math (kept as stored on the CPU)
+        h_TF = glu(act, linear(x_TI, self.w1_FI), linear(x_TI, self.w3_FI), situ_betas)
+        return linear(h_TF, self.w2_IF)
 
 
 @dataclass

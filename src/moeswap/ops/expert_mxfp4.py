@@ -118,7 +118,8 @@ def best_name() -> str:
 
 
 def grouped() -> Callable[..., None] | None:
-    """The one-call-per-layer-step form of cpu_c when it is what select() runs on CPU tensors, else None:
+    """The one-call-per-layer-step form of cpu_c (MXFP4, or bf16 experts) when it is what select() runs on CPU
+    tensors, else None:
     fn(h_TI, experts, tokens_P, offsets, weights_P, act, situ_betas, out_TI) adds each expert's weighted
     output to out (fp32 [T, I]) for its tokens."""
     name = os.environ.get(ENV_KERNEL)

@@ -16,6 +16,7 @@ from torch import nn
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import GatedMLP, RMSNorm
 from moeswap.ops import expert_mxfp4
+from moeswap.ops.cpu_kernels import is_bf16_expert
 from moeswap.ops.expert import MXFP4ExpertWeights
 
 
@@ -112,9 +113,10 @@ class MoE(nn.Module):
 
 
 class _Group:
-    """Consecutive MXFP4 experts of a layer step computed by one kernel call (ops.expert_mxfp4.grouped):
-    one call per decode step instead of one per expert. Flushed before it holds GROUP_BYTES of experts
-    (the store's budget still bounds memory) or GROUP_SCRATCH bytes of activations."""
+    """Consecutive CPU experts of one kind (MXFP4, or bf16 kept as stored) of a layer step computed by one
+    kernel call (ops.expert_mxfp4.grouped): one call per decode step instead of one per expert. Flushed
+    before it holds GROUP_BYTES of experts (the store's budget still bounds memory) or GROUP_SCRATCH
+    bytes of activations, and when the kind changes."""
 
     GROUP_BYTES = 64 << 20
     GROUP_SCRATCH = 64 << 20
@@ -123,22 +125,26 @@ class _Group:
         self.run = expert_mxfp4.grouped() if h_TI.device.type == "cpu" else None
         self.h_TI, self.token_of, self.weights, self.out_TI = h_TI, token_of, weights, out_TI
         self.act, self.situ_betas = act, situ_betas
-        self.experts: list[MXFP4ExpertWeights] = []
+        self.experts: list = []
         self.offsets = [0]
         self.start = self.nbytes = 0
+        self.kind: str | None = None
 
     def add(self, expert, start: int, n: int) -> bool:
         """Takes the expert's n pairs from `start` into the group; False when it must run on its own."""
-        if (self.run is None or not isinstance(expert, MXFP4ExpertWeights) or expert.w1_packed.device.type != "cpu"
-                or n >= expert_mxfp4.GEMM_MIN_TOKENS):  # many tokens (prefill): the expert's own GEMM path
+        kind = _kind(expert)
+        if self.run is None or kind is None or n >= expert_mxfp4.GEMM_MIN_TOKENS:  # prefill: the expert's GEMM
             self.flush()
             return False
+        if self.experts and kind != self.kind:
+            self.flush()
         if not self.experts:
-            self.start = start
+            self.start, self.kind = start, kind
         self.experts.append(expert)
         self.offsets.append(self.offsets[-1] + n)
         self.nbytes += expert.nbytes
-        pairs_bytes = self.offsets[-1] * 4 * 2 * (self.h_TI.shape[-1] + expert.w1_packed.shape[0])
+        width = expert.w1_packed.shape[0] if kind == "mxfp4" else expert.w1_FI.shape[0]
+        pairs_bytes = self.offsets[-1] * 4 * 2 * (self.h_TI.shape[-1] + width)
         if self.nbytes >= self.GROUP_BYTES or pairs_bytes >= self.GROUP_SCRATCH:
             self.flush()
         return True
@@ -150,3 +156,10 @@ class _Group:
         self.run(self.h_TI, self.experts, self.token_of[self.start : end], self.offsets,
                  self.weights[self.start : end], self.act, self.situ_betas, self.out_TI)
         self.experts, self.offsets, self.nbytes = [], [0], 0
+
+
+def _kind(expert) -> str | None:
+    """"mxfp4" or "bf16" for experts the grouped CPU kernel runs, else None."""
+    if isinstance(expert, MXFP4ExpertWeights):
+        return "mxfp4" if expert.w1_packed.device.type == "cpu" else None
+    return "bf16" if is_bf16_expert(expert) else None
