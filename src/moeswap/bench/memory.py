@@ -14,6 +14,16 @@ import subprocess
 import sys
 
 
+def _dtypes(model) -> str:
+    """The parameter dtypes by share of bytes, e.g. "bfloat16 96%, float32 4%" (CPU keeps bf16 Linears)."""
+    by: dict[str, int] = {}
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        by[name] = by.get(name, 0) + p.numel() * p.element_size()
+    total = sum(by.values()) or 1
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -53,7 +63,7 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: 
     touched = store.stats.disk_reads  # experts read from the checkpoint
     per_expert = store.fast.cost(min(store.index.entries))
     return {
-        "model": model_dir, "dtype": str(next(model.parameters()).dtype), "prompt_tokens": prompt_tokens,
+        "model": model_dir, "dtype": _dtypes(model), "prompt_tokens": prompt_tokens,
         "generated": len(result.tokens), "expert_memory": expert_memory,
         "expert_bytes_in_checkpoint": sum(store.index.stored_bytes(store.ckpt, *k) for k in store.index.entries),
         "rss_before_load": base, "rss_after_load": after_load, "peak_rss": peak,
