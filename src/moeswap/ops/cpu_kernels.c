@@ -147,10 +147,6 @@ INLINE void tile(const float *xp, const int TT, const int R, int64_t I, const ui
 #define PERMUTED_WIDTH 0
 #endif
 
-#ifndef PF_TILES
-#define PF_TILES 1
-#endif
-
 /* bf16 -> fp32 is exact: the 16 bits are the top half of the fp32 pattern. */
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -171,7 +167,7 @@ INLINE void bf16_tile(const float *x, const int TT, const int R, int64_t I, cons
         __m512 w[8];
         UNROLL for (int r = 0; r < R; r++) {
             const uint16_t *p = W + (o + r) * I + i;
-            if ((i & 31) == 0) _mm_prefetch((const char *)(p + PF_TILES * R * I), _MM_HINT_T0);
+            if ((i & 31) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0); /* the next tile's rows */
             w[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
         }
         UNROLL for (int t = 0; t < TT; t++) {
@@ -205,14 +201,11 @@ INLINE void bf16_tile(const float *x, const int TT, const int R, int64_t I, cons
     for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) y[t * O + o + r] = tail[r][t];
 }
 
-#ifndef MX_R1
-#define MX_R1 0
-#endif
 /* n rows from o, for a tile of TT tokens (1, 2, 4 or 8): 4 rows at a time (2 for 8 tokens), then the tail. */
 static void rows(const float *xp, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
                  int64_t n, float *y, int64_t O) {
     const int64_t end = o + n;
-    for (; o + 4 <= end && !(TT == 1 && MX_R1); o += 4) {
+    for (; o + 4 <= end; o += 4) {
         switch (TT) {
         case 1: tile(xp, 1, 4, I, packed, scale, o, y, O); break;
         case 2: tile(xp, 2, 4, I, packed, scale, o, y, O); break;
