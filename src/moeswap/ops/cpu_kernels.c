@@ -201,27 +201,28 @@ INLINE void bf16_tile(const float *x, const int TT, const int R, int64_t I, cons
     for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) y[t * O + o + r] = tail[r][t];
 }
 
-/* n rows from o, for a tile of TT tokens (1, 2, 4 or 8): 4 rows at a time (2 for 8 tokens), then the tail. */
+/* n rows from o, for a tile of TT tokens (1 to 8; each block is decoded once per tile, so a tile covers all
+ * of an expert's tokens up to 8): 4 rows at a time up to 4 tokens, 2 rows above (registers), then the tail. */
+#define TILE(TT_, R_) tile(xp, TT_, R_, I, packed, scale, o, y, O)
+#define TILE_BY_TOKENS(R4, R2)                                                                               \
+    switch (TT) {                                                                                          \
+    case 1: TILE(1, R4); break;                                                                            \
+    case 2: TILE(2, R4); break;                                                                            \
+    case 3: TILE(3, R4); break;                                                                            \
+    case 4: TILE(4, R4); break;                                                                            \
+    case 5: TILE(5, R2); break;                                                                            \
+    case 6: TILE(6, R2); break;                                                                            \
+    case 7: TILE(7, R2); break;                                                                            \
+    default: TILE(8, R2); break;                                                                           \
+    }
 static void rows(const float *xp, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
                  int64_t n, float *y, int64_t O) {
-    const int64_t end = o + n;
-    for (; o + 4 <= end; o += 4) {
-        switch (TT) {
-        case 1: tile(xp, 1, 4, I, packed, scale, o, y, O); break;
-        case 2: tile(xp, 2, 4, I, packed, scale, o, y, O); break;
-        case 4: tile(xp, 4, 4, I, packed, scale, o, y, O); break;
-        default: tile(xp, 8, 2, I, packed, scale, o, y, O); tile(xp, 8, 2, I, packed, scale, o + 2, y, O); break;
-        }
-    }
-    for (; o < end; o++) {
-        switch (TT) {
-        case 1: tile(xp, 1, 1, I, packed, scale, o, y, O); break;
-        case 2: tile(xp, 2, 1, I, packed, scale, o, y, O); break;
-        case 4: tile(xp, 4, 1, I, packed, scale, o, y, O); break;
-        default: tile(xp, 8, 1, I, packed, scale, o, y, O); break;
-        }
-    }
+    const int64_t end = o + n, step = TT <= 4 ? 4 : 2;
+    for (; o + step <= end; o += step) TILE_BY_TOKENS(4, 2)
+    for (; o < end; o++) TILE_BY_TOKENS(1, 1)
 }
+#undef TILE_BY_TOKENS
+#undef TILE
 
 int moeswap_mxfp4_isa(void) { return ISA; }
 
@@ -250,14 +251,10 @@ static float *permuted(const float *x, int64_t T, int64_t I) {
     return xp;
 }
 
-/* Rows [o, o + n) of y[T, O] = x @ W^T for all T tokens, in tiles of 8, 4, 2, 1 tokens. */
+/* Rows [o, o + n) of y[T, O] = x @ W^T for all T tokens, in tiles of up to 8 tokens. */
 static void linear_rows(const float *xp, int64_t T, int64_t I, const uint8_t *packed, const uint8_t *scale,
                         int64_t O, int64_t o, int64_t n, float *y) {
-    int64_t t = 0;
-    for (; t + 8 <= T; t += 8) rows(xp + t * I, 8, I, packed, scale, o, n, y + t * O, O);
-    for (; t + 4 <= T; t += 4) rows(xp + t * I, 4, I, packed, scale, o, n, y + t * O, O);
-    for (; t + 2 <= T; t += 2) rows(xp + t * I, 2, I, packed, scale, o, n, y + t * O, O);
-    for (; t < T; t++) rows(xp + t * I, 1, I, packed, scale, o, n, y + t * O, O);
+    for (int64_t t = 0; t < T; t += 8) rows(xp + t * I, T - t < 8 ? (int)(T - t) : 8, I, packed, scale, o, n, y + t * O, O);
 }
 
 /* n_mats matrices sharing x: y_m[T, O_m] = x[T, I] @ W_m^T. Returns 0, 1 for bad sizes, 2 out of memory. */
