@@ -270,3 +270,13 @@ def test_process_debug_shows_the_traceback(tmp_path):
     assert res.returncode != 0
     assert "Traceback (most recent call last)" in res.stderr
     assert "ConfigError" in res.stderr and "no config.json found" in res.stderr
+
+
+def test_dense_weights_flag(capsys, tiny_k3_dir):
+    converted = generate_json(capsys, tiny_k3_dir, "--max-tokens", "4", "--dense-weights", "compute")
+    kept = generate_json(capsys, tiny_k3_dir, "--max-tokens", "4")
+    assert converted["tokens"] == kept["tokens"]  # same values, bf16 weights kept or widened
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_k3_dir), "--prompt", PROMPT, "--dense-weights", "half"])
+    _, err = capsys.readouterr()
+    assert_one_line_error(exit_info.value.code, err, "argument --dense-weights", "invalid choice: 'half'")

@@ -196,3 +196,15 @@ def check_bf16_linear(kernel, gen: torch.Generator) -> None:
                                        atol=4e-6 * want.abs().max().item())
     with pytest.raises(ValueError, match="expected fp32 .T, I. and bf16"):
         kernel.bf16_linear(torch.zeros(1, 16), torch.zeros(4, 16))
+
+
+def test_kernel_rejects_scales_that_are_not_e8m0_bytes():
+    kernel = cpu_kernels.kernel()
+    if kernel is None:
+        pytest.skip("no kernel")
+    packed, scale = random_matrix(4, 64, torch.Generator().manual_seed(0))
+    assert torch.equal(kernel.mxfp4_decode(packed, scale.view(torch.float8_e8m0fnu)), kernel.mxfp4_decode(packed, scale))
+    with pytest.raises(ValueError, match="MXFP4 kernel scale must be uint8 E8M0 bytes, got dtype torch.float32"):
+        kernel.mxfp4_decode(packed, scale.float())
+    with pytest.raises(ValueError, match="cannot hold .4, 64. fp32"):
+        kernel.mxfp4_decode(packed, scale, out=torch.empty(4 * 63))

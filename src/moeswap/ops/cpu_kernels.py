@@ -202,9 +202,8 @@ def _expert_mats(w, I: int) -> list[torch.Tensor]:
 
 def _checked(packed: torch.Tensor, scale: torch.Tensor, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 contiguous [O, in/2] and [O, in/32] on the CPU, or a ValueError naming the shapes."""
-    if scale.dtype == torch.float8_e8m0fnu:
-        scale = scale.view(torch.uint8)
-    if (packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or packed.ndim != 2
+    scale = mx.as_scale_bytes(scale, "MXFP4 kernel")
+    if (packed.dtype != torch.uint8 or packed.ndim != 2
             or packed.shape[1] * 2 != in_dim or packed.device.type != "cpu"):
         raise ValueError(f"MXFP4 kernel: packed {tuple(packed.shape)} {packed.dtype} / scale {tuple(scale.shape)} "
                          f"{scale.dtype} do not fit input width {in_dim} (expected CPU uint8 [O, {in_dim // 2}] "
