@@ -36,6 +36,9 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-weights", default="auto", choices=("auto", "compute"),
                    help="auto: keep bf16-stored Linear weights in bf16 under fp32 math where a CPU kernel runs "
                         "them (half the bytes per decode step, same values); compute: convert to --dtype")
+    p.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
+                   help="MXFP4 experts on the CPU: fp32 activations (default), or int8 per 32-value block with "
+                        "integer dot products, as llama.cpp computes them (faster; AVX-512 VNNI only)")
     # the expert store (experts/store.py StoreOptions, through LoadOptions)
     p.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"),
                    help="bytes of routed experts kept in the fast tier: accelerator memory, or host memory "
@@ -57,7 +60,8 @@ def load_options(args):
     from moeswap.models.loader import LoadOptions
 
     return LoadOptions(args.dtype, args.device, args.expert_memory, args.host_memory, args.expert_policy,
-                       args.prefetch, args.decoded_experts, args.expert_profile, args.dense_weights)
+                       args.prefetch, args.decoded_experts, args.expert_profile, args.dense_weights,
+                       args.expert_activations)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -79,3 +79,33 @@ def test_stats_and_limits(model):
     assert st.prefill_s > 0 and st.decode_s > 0 and res[0].tpot_s > 0 and res[0].decoded == 4
     with pytest.raises(ValueError, match="max_len"):
         sched.submit(Request(_tokens(38, 3), 5))
+
+
+def test_int8_expert_activations_batch_like_single_sequences(tmp_path, monkeypatch):
+    from moeswap.ops import cpu_kernels
+
+    path = write_tiny_model(tmp_path / "k3", "kimi_k3", "tiny", seed=4)
+    with pytest.raises(ValueError, match="expert activations 'int4': expected one of fp32, int8"):
+        load_model(path, LoadOptions(expert_activations="int4"))
+    kernel = cpu_kernels.kernel()
+    if kernel is None or not kernel.has_int8_activations:
+        with pytest.raises(ValueError, match="needs the CPU kernel with AVX-512 VNNI"):
+            load_model(path, LoadOptions(expert_activations="int8"))
+        return
+    model = load_model(path, LoadOptions(dtype="float32", expert_activations="int8"))[0]
+    assert all(block.int8_activations for block in model.moe_blocks())
+    calls, real_moe = [], type(kernel).moe
+
+    def moe(self, *args, int8_activations=False):
+        calls.append(int8_activations if len(args) == 8 else args[8])
+        return real_moe(self, *args[:8], int8_activations=calls[-1])
+
+    monkeypatch.setattr(type(kernel), "moe", moe)
+    prompts = [_tokens(n, 30 + n) for n in (4, 23, 9)]
+    free = [_alone(model, Request(p, 8)) for p in prompts]
+    got = Scheduler(model, EngineConfig(max_batch=3, max_len=64)).run([Request(p, 8) for p in prompts])
+    assert [g.tokens for g in got] == free  # each token quantized on its own: the batch changes nothing
+    assert calls and all(calls)
+    monkeypatch.setattr(kernel, "has_int8_activations", False)
+    with pytest.raises(ValueError, match="without VNNI"):
+        load_model(path, LoadOptions(expert_activations="int8"))

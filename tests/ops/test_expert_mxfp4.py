@@ -208,3 +208,63 @@ def test_kernel_rejects_scales_that_are_not_e8m0_bytes():
         kernel.mxfp4_decode(packed, scale.float())
     with pytest.raises(ValueError, match="cannot hold .4, 64. fp32"):
         kernel.mxfp4_decode(packed, scale, out=torch.empty(4 * 63))
+
+
+def test_int8_block_quantization_matches_llama_cpp_q8_0():
+    x = torch.tensor([[127.0, 63.5, -0.5, 1.5] + [0.0] * 28 + [1e-3] * 31 + [float("nan")]])
+    q = em.quantize_int8_blocks(x)
+    # scale 1.0: values on the grid stay, halves round to even; the NaN poisons only its own block
+    assert q[0, :4].tolist() == [127.0, 64.0, -0.0, 2.0] and q[0, 4:32].eq(0).all()
+    assert q[0, 32:].isnan().all()
+    y = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)) * 7
+    step = y.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / 127
+    err = (em.quantize_int8_blocks(y) - y).unflatten(-1, (-1, 32)).abs()
+    assert (err <= step * (0.5 + 127 * 2**-11)).all()  # half a step, plus 127 times the step's rounding
+    fp16_step = (step.half().float() / step - 1).abs()
+    assert fp16_step.max() < 2**-11 and fp16_step.max() > 0  # d rounded to fp16 precision, as Q8_0 stores it
+
+
+def int8_kernel():
+    kernel = cpu_kernels.kernel()
+    if kernel is None or not kernel.has_int8_activations:
+        pytest.skip("no CPU kernel with AVX-512 VNNI here")
+    return kernel
+
+
+@pytest.mark.parametrize("in_dim,expert_dim", [(64, 96), (160, 96), (512, 256)])  # 160: a partial 128-column chunk
+def test_int8_activation_moe_matches_its_reference(in_dim, expert_dim):
+    kernel = int8_kernel()
+    gen = torch.Generator().manual_seed(in_dim)
+    experts = [random_expert(in_dim, expert_dim, seed=30 + e) for e in range(3)]
+    for tokens, pairs in ((1, [[0], [0], [0]]), (6, [[0, 2, 4], [1], list(range(6))]), (11, [[3], list(range(11)), []])):
+        x = torch.randn(tokens, in_dim, generator=gen) * 3
+        flat = [t for p in pairs for t in p]
+        offsets = [0]
+        for p in pairs:
+            offsets.append(offsets[-1] + len(p))
+        weights = torch.rand(len(flat), generator=gen)
+        want, exact = torch.zeros(tokens, in_dim), torch.zeros(tokens, in_dim)
+        for e, p in enumerate(pairs):
+            for k, t in enumerate(p):
+                want[t] += weights[offsets[e] + k] * em.reference_int8(experts[e], x[t : t + 1], "silu", BETAS)[0]
+                exact[t] += weights[offsets[e] + k] * em.reference(experts[e], x[t : t + 1], "silu", BETAS)[0]
+        y = torch.zeros(tokens, in_dim)
+        kernel.moe(x, experts, torch.tensor(flat, dtype=torch.int64), offsets, weights, "silu", BETAS, y,
+                   int8_activations=True)
+        # integer sums are exact; the hidden activations differ from torch's in the last bit, which can move
+        # one of them across a rounding boundary of the second quantization: one step of one value
+        torch.testing.assert_close(y, want, rtol=0, atol=5e-4 * want.abs().max().item())
+        assert 1e-4 < (y - exact).abs().max() / exact.abs().max() < 0.1  # it is not the fp32 path
+
+
+def test_int8_activations_keep_nan_and_refuse_bf16_experts():
+    kernel = int8_kernel()
+    w = random_expert(64, 96, seed=1)
+    x = torch.randn(2, 64)
+    x[1, 40] = float("nan")
+    y = torch.zeros(2, 64)
+    kernel.moe(x, [w], torch.tensor([0, 1]), [0, 2], torch.ones(2), "silu", BETAS, y, int8_activations=True)
+    assert y[0].isfinite().all() and y[1].isnan().all()
+    bf16 = ExpertWeights(*(torch.zeros(*s, dtype=torch.bfloat16) for s in ((96, 64), (96, 64), (64, 96))))
+    with pytest.raises(ValueError, match="int8 activations are for MXFP4 experts"):
+        kernel.moe(x, [bf16], torch.tensor([0]), [0, 1], torch.ones(1), "silu", BETAS, y, int8_activations=True)

@@ -30,6 +30,7 @@ class Setup:
     expert_memory: int = 8 << 30
     decoded_experts: bool = False
     compile: bool = False
+    expert_activations: str = "fp32"
     gguf: str | None = None  # an existing GGUF for llama.cpp; default: convert the checkpoint (cached in .peers/)
     moeswap_env: dict = field(default_factory=dict)  # extra environment for the moeswap worker
 
@@ -133,6 +134,7 @@ class Peers:
         arch = load_config(setup.model).arch
         extra = ["--dtype", setup.dtype, "--expert-memory", str(setup.expert_memory)]
         extra += ["--decoded-experts"] * setup.decoded_experts + ["--compile"] * setup.compile
+        extra += ["--expert-activations", setup.expert_activations]
         self.workers["moeswap"] = Worker("moeswap", setup.model, setup.threads, extra, setup.moeswap_env)
         for peer in setup.peers:
             try:
@@ -214,6 +216,8 @@ def header_markdown(report: dict) -> str:
              f"decode roofline {report['roofline_tokens_per_s']:.1f} tokens/s"]
     for peer, name in report["peers"].items():
         lines.append(f"- {peer}: {name}")
+    if report.get("settings", {}).get("expert_activations") == "int8":
+        lines.append("- moeswap: `--expert-activations int8` (MXFP4 experts on int8 activations, as llama.cpp)")
     for peer, why in report["skipped"].items():
         lines.append(f"- {peer}: SKIPPED, {why}")
     return "\n".join(lines)
@@ -227,6 +231,7 @@ def common_report(setup: Setup, peers: Peers) -> dict:
             "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
             "settings": {"dtype": setup.dtype, "expert_memory": setup.expert_memory,
                          "decoded_experts": setup.decoded_experts, "compile": setup.compile,
+                         "expert_activations": setup.expert_activations,
                          "moeswap_env": setup.moeswap_env}}
 
 
@@ -242,6 +247,8 @@ def add_common_flags(b) -> None:
                    help="moeswap expert store budget (default 8GiB: every expert of a bench model stays resident)")
     b.add_argument("--decoded-experts", action="store_true", help="moeswap keeps decoded experts, not MXFP4 bytes")
     b.add_argument("--compile", action="store_true", help="moeswap: torch.compile the decode step")
+    b.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
+                   help="moeswap's MXFP4 expert activations (int8: llama.cpp's arithmetic, AVX-512 VNNI only)")
     b.add_argument("--omp-passive", action="store_true",
                    help="moeswap worker with OMP_WAIT_POLICY=PASSIVE (see docs/benchmarks.md)")
     b.add_argument("--gguf", help="an existing GGUF for llama.cpp (default: convert MODEL with llama.cpp's converter)")
@@ -259,7 +266,8 @@ def setup_from_args(args) -> Setup:
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"{args.model}: no config.json; give a checkpoint directory")
     return Setup(args.model, args.threads, peers, args.reps, args.dtype, args.expert_memory, args.decoded_experts,
-                 args.compile, args.gguf, {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {})
+                 args.compile, args.expert_activations, args.gguf,
+                 {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {})
 
 
 def int_list(text: str, flag: str) -> list[int]:

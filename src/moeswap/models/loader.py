@@ -23,6 +23,7 @@ from moeswap.models import REGISTRY, build_model
 from moeswap.ops.linear import StoredWeightLinear, can_keep_stored
 
 DENSE_WEIGHTS = ("auto", "compute")
+EXPERT_ACTIVATIONS = ("fp32", "int8")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class LoadOptions:
     # Linear weights and float experts: "auto" keeps bf16-stored ones in bf16 under fp32 math where a CPU
     # kernel runs them (ops/linear.py; half the bytes per decode step); "compute" converts them to `dtype`.
     dense_weights: str = "auto"
+    # MXFP4 experts in the grouped CPU kernel: "fp32" multiplies fp32 activations; "int8" quantizes them per
+    # 32-value block and sums in integers (llama.cpp's arithmetic; AVX-512 VNNI builds only).
+    expert_activations: str = "fp32"
 
     def store_options(self) -> StoreOptions:
         return StoreOptions(self.expert_memory, self.host_memory, self.expert_policy, self.prefetch,
@@ -63,12 +67,27 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     dtype = resolve_dtype(options.dtype, options.device)
     if options.dense_weights not in DENSE_WEIGHTS:
         raise ValueError(f"dense weights {options.dense_weights!r}: expected one of {', '.join(DENSE_WEIGHTS)}")
+    check_expert_activations(options.expert_activations)
     model = build_model(config, device="meta")
     index = fill_from_checkpoint(model, ckpt, config, dtype, options.device, options.dense_weights)
     index.validate(ckpt, config)
     store = build_store(ckpt, index, config, dtype, options.device, options.store_options())
     attach_store(model, store)
+    for block in model.moe_blocks():
+        block.int8_activations = options.expert_activations == "int8"
     return model.eval(), store
+
+
+def check_expert_activations(choice: str) -> None:
+    if choice not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"expert activations {choice!r}: expected one of {', '.join(EXPERT_ACTIVATIONS)}")
+    if choice == "int8":
+        from moeswap.ops import cpu_kernels
+
+        kernel = cpu_kernels.kernel()
+        if kernel is None or not kernel.has_int8_activations:
+            why = cpu_kernels.build_error() if kernel is None else f"this CPU's build is {kernel.isa} without VNNI"
+            raise ValueError(f"--expert-activations int8 needs the CPU kernel with AVX-512 VNNI ({why}); use fp32")
 
 
 def attach_store(model: nn.Module, store) -> None:

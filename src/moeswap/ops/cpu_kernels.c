@@ -226,6 +226,152 @@ static void rows(const float *xp, int TT, int64_t I, const uint8_t *packed, cons
 
 int moeswap_mxfp4_isa(void) { return ISA; }
 
+/* MXFP4 x int8 activations (opt-in; what llama.cpp computes for MXFP4 weights): each 32-column block of an
+ * activation row is quantized to int8 with its own scale d = max|x| / 127 (q = round-to-even(x 127 / max|x|);
+ * d rounded to 11 significant bits, as llama.cpp's Q8_0 stores it in fp16, but with fp32's range), and
+ * the block's dot product runs in integers (AVX-512 VNNI), then is scaled by d and the weights' E8M0 scale:
+ *   y[t, o] ~ sum_b d[t, b] * 2^(scale[o, b] - 127) * sum_{i in b} q[t, i] * 2 E2M1(W[o, i]) / 2
+ * Weights become the unsigned bytes 2 E2M1 + 12 (0..24); the +12 is taken back by starting each sum at
+ * -12 sum(q). E8M0 0 (2^-127) counts as 0 and 255 (NaN) as infinity; a non-finite input block gives NaN.
+ * Quantized rows are laid out per chunk of 128 columns (4 blocks, one 64-byte packed weight load): the 64
+ * even columns, then the 64 odd ones (the low and high nibbles), then per 32-bit lane of the integer sums
+ * (8 columns) the correction -12 sum(q) and the scale d / 2. */
+#define Q8_CHUNK_BYTES (128 + 16 * 4 + 16 * 4)
+
+typedef struct { const uint8_t *base; int64_t chunks; } q8_rows;
+
+INLINE const int8_t *q8_values(q8_rows a, int64_t t, int64_t c) { return (const int8_t *)(a.base + (t * a.chunks + c) * Q8_CHUNK_BYTES); }
+INLINE const int32_t *q8_corr(q8_rows a, int64_t t, int64_t c) { return (const int32_t *)(q8_values(a, t, c) + 128); }
+INLINE const float *q8_scale(q8_rows a, int64_t t, int64_t c) { return (const float *)(q8_values(a, t, c) + 128 + 64); }
+
+/* v rounded to nearest-even at 11 significant bits (fp16's precision); finite v stays finite. */
+static float round_to_11_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u += 0x0FFFu + ((u >> 13) & 1u);
+    u &= ~0x1FFFu;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* One row of I columns into the chunk layout above (dst: chunks * Q8_CHUNK_BYTES bytes, 64-byte aligned). */
+static void q8_quantize_row(const float *x, int64_t I, uint8_t *dst) {
+    const int64_t chunks = (I + 127) / 128;
+    memset(dst, 0, (size_t)(chunks * Q8_CHUNK_BYTES));
+    for (int64_t b = 0; b < I / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.f;
+        int finite = 1;
+        for (int k = 0; k < 32; k++) {
+            finite &= isfinite(xb[k]) != 0;
+            amax = fmaxf(amax, fabsf(xb[k]));
+        }
+        uint8_t *chunk = dst + (b / 4) * Q8_CHUNK_BYTES;
+        int8_t *q = (int8_t *)chunk;
+        int32_t *corr = (int32_t *)(chunk + 128);
+        float *d = (float *)(chunk + 128 + 64);
+        const float inv = amax > 0.f && finite ? 127.f / amax : 0.f;
+        for (int k = 0; k < 32; k++) {
+            const int j = (int)(b % 4) * 32 + k; /* column within the chunk */
+            float v = nearbyintf(xb[k] * inv);
+            v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+            q[(j & 1) * 64 + j / 2] = (int8_t)v;
+            corr[j / 8] -= 12 * (int32_t)v;
+        }
+        const float scale = finite ? round_to_11_bits(amax / 127.f) * 0.5f : NAN;
+        for (int l = 0; l < 4; l++) d[(b % 4) * 4 + l] = scale;
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define Q8 1
+#ifndef Q8_PF
+#define Q8_PF 1
+#endif
+INLINE void q8_tile(q8_rows a, const int TT, const int R, int64_t I, const uint8_t *packed, const uint8_t *scale,
+                    int64_t o, float *y, int64_t O) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m128i rep4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const int64_t nb = I / 32, half = I / 2;
+    __m512 acc[4][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < a.chunks; c++) {
+        const int64_t blocks = nb - 4 * c < 4 ? nb - 4 * c : 4;
+        const __mmask64 bytes_mask = blocks == 4 ? ~0ULL : (1ULL << (16 * blocks)) - 1;
+        const __mmask16 scale_mask = (__mmask16)((1u << blocks) - 1);
+        __m512i wl[4], wh[4];
+        __m512 ws[4];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *p = packed + (o + r) * half + c * 64;
+            _mm_prefetch((const char *)(p + Q8_PF * R * half), _MM_HINT_T0);
+            const __m512i bytes = _mm512_maskz_loadu_epi8(bytes_mask, p);
+            wl[r] = _mm512_shuffle_epi8(lut, _mm512_and_si512(bytes, low4));
+            wh[r] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
+            const __m128i s = _mm_shuffle_epi8(_mm_maskz_loadu_epi8(scale_mask, scale + (o + r) * nb + c * 4), rep4);
+            ws[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(s), 23));
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            const int8_t *q = q8_values(a, t, c);
+            const __m512i lo = _mm512_load_si512(q), hi = _mm512_load_si512(q + 64);
+            const __m512i corr = _mm512_load_si512(q8_corr(a, t, c));
+            const __m512 d = _mm512_load_ps(q8_scale(a, t, c));
+            UNROLL for (int r = 0; r < R; r++) {
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr, wl[r], lo), wh[r], hi);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[r], d), acc[r][t]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
+        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define Q8_TILE(TT_, R_) q8_tile(a, TT_, R_, I, packed, scale, o, y, O)
+static void q8_rows_of(q8_rows a, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
+                       int64_t n, float *y, int64_t O) {
+    const int64_t end = o + n, step = TT <= 2 ? 4 : 2;
+    for (; o + step <= end; o += step) switch (TT) {
+        case 1: Q8_TILE(1, 4); break;
+        case 2: Q8_TILE(2, 4); break;
+        case 3: Q8_TILE(3, 2); break;
+        case 4: Q8_TILE(4, 2); break;
+        case 5: Q8_TILE(5, 2); break;
+        case 6: Q8_TILE(6, 2); break;
+        case 7: Q8_TILE(7, 2); break;
+        default: Q8_TILE(8, 2); break;
+    }
+    for (; o < end; o++) switch (TT) {
+        case 1: Q8_TILE(1, 1); break;
+        case 2: Q8_TILE(2, 1); break;
+        case 3: Q8_TILE(3, 1); break;
+        case 4: Q8_TILE(4, 1); break;
+        case 5: Q8_TILE(5, 1); break;
+        case 6: Q8_TILE(6, 1); break;
+        case 7: Q8_TILE(7, 1); break;
+        default: Q8_TILE(8, 1); break;
+    }
+}
+#undef Q8_TILE
+
+/* Rows [o, o + n) of y[T, O] for all T quantized rows, in tiles of up to 8. */
+static void q8_linear_rows(q8_rows a, int64_t T, int64_t I, const uint8_t *packed, const uint8_t *scale,
+                           int64_t O, int64_t o, int64_t n, float *y) {
+    for (int64_t t = 0; t < T; t += 8) {
+        q8_rows at = {a.base + t * a.chunks * Q8_CHUNK_BYTES, a.chunks};
+        q8_rows_of(at, T - t < 8 ? (int)(T - t) : 8, I, packed, scale, o, n, y + t * O, O);
+    }
+}
+#else
+#define Q8 0
+static void q8_linear_rows(q8_rows a, int64_t T, int64_t I, const uint8_t *packed, const uint8_t *scale,
+                           int64_t O, int64_t o, int64_t n, float *y) {
+    (void)a; (void)T; (void)I; (void)packed; (void)scale; (void)O; (void)o; (void)n; (void)y;
+}
+#endif
+
+/* 1 when this build has the int8-activation MXFP4 path (AVX-512 VNNI), else 0. */
+int moeswap_mxfp4_q8(void) { return Q8; }
+
 #define CHUNK_ROWS 32
 
 static int ready = 0;
@@ -403,25 +549,59 @@ static int64_t list_items(work_item *items, const int64_t *off, int E, int64_t c
     return n;
 }
 
-/* Rows [o, o + n) of one expert matrix for T tokens, in either weight format: MXFP4 (p packed, s scale;
- * x in `permuted` column order) or bf16 (p the weight, s unused; x in natural order). */
-static void expert_rows(int bf16, const float *x, int64_t T, int64_t I, const void *p, const uint8_t *s, int64_t O,
+enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2 };
+
+/* The activations one phase of `moe` multiplies, per pair, in the form its weight format reads: fp32 rows in
+ * `permuted` column order (MXFP4), natural order (bf16), or quantized rows (MXFP4_Q8). */
+typedef struct { const float *f; q8_rows q; int64_t width; } pair_rows;
+
+/* Gathers x[tokens[k]] for the P pairs into `format`'s form (buf: fp32 [P, I] scratch for the first two);
+ * returns the block to free (NULL if none) and sets *ok = 0 when out of memory. */
+static void *pair_inputs(int format, const float *x, int64_t I, const int64_t *tokens, int64_t P, float *buf,
+                         pair_rows *out, int *ok) {
+    *ok = 1;
+    out->width = I;
+    if (format == MXFP4_Q8) {
+        const int64_t chunks = (I + 127) / 128;
+        uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)(P * chunks * Q8_CHUNK_BYTES) + 64);
+        if (!q) { *ok = 0; return NULL; }
+        for (int64_t k = 0; k < P; k++) q8_quantize_row(x + tokens[k] * I, I, q + k * chunks * Q8_CHUNK_BYTES);
+        out->q = (q8_rows){q, chunks};
+        return q;
+    }
+    for (int64_t k = 0; k < P; k++) memcpy(buf + k * I, x + tokens[k] * I, (size_t)I * sizeof(float));
+    if (format == BF16) { out->f = buf; return NULL; }
+    float *xp = permuted(buf, P, I);
+    if (!xp) *ok = 0;
+    out->f = xp;
+    return xp;
+}
+
+/* Rows [o, o + n) of one expert matrix for the nt pairs from k0, in any of the weight formats (p: packed
+ * MXFP4 with scale s, or bf16 with s unused). */
+static void expert_rows(int format, pair_rows a, int64_t k0, int64_t nt, const void *p, const uint8_t *s, int64_t O,
                         int64_t o, int64_t n, float *y) {
-    if (bf16) bf16_rows(x, T, I, (const uint16_t *)p, O, o, n, y);
-    else linear_rows(x, T, I, (const uint8_t *)p, s, O, o, n, y);
+    const int64_t I = a.width;
+    if (format == BF16) bf16_rows(a.f + k0 * I, nt, I, (const uint16_t *)p, O, o, n, y);
+    else if (format == MXFP4) linear_rows(a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
+    else q8_linear_rows((q8_rows){a.q.base + k0 * a.q.chunks * Q8_CHUNK_BYTES, a.q.chunks}, nt, I,
+                        (const uint8_t *)p, s, O, o, n, y);
 }
 
 /* All experts of one layer step: for expert e (0 <= e < E) and its token list tokens[off[e] .. off[e+1]),
  *   y[t] += weight[k] * W2_e @ act(W1_e x[t], W3_e x[t])   for each pair k = (t, e), pairs in order,
  * with W1_e, W3_e [F, I] and W2_e [I, F] (pointer arrays indexed by e; MXFP4 packed + scale, or bf16 with
- * the scale arrays unused). Work items are (expert, row chunk) pairs, so a decode step's 8-16 small
- * experts keep every thread busy in one fork/join per phase. The per-token sums run serially in pair
- * order: deterministic. Returns 0, 1 for bad sizes, 2 out of memory. */
-static int moe(int bf16, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
+ * the scale arrays unused; MXFP4_Q8 quantizes x and the hidden activations to int8 per block). Work items
+ * are (expert, row chunk) pairs, so a decode step's 8-16 small experts keep every thread busy in one
+ * fork/join per phase. The per-token sums run serially in pair order: deterministic. Returns 0, 1 for bad
+ * sizes, 2 out of memory, 3 for MXFP4_Q8 in a build without it. */
+static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
                const uint8_t *const *s1, const void *const *p3, const uint8_t *const *s3, const void *const *p2,
                const uint8_t *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
                float b1, float b2, float *y, int nthreads) {
-    if ((!bf16 && (I % 32 || F % 32)) || act < 0 || act > 1 || E < 1 || off[0] != 0) return 1;
+    if (format == MXFP4_Q8 && !Q8) return 3;
+    if ((format != BF16 && (I % 32 || F % 32)) || act < 0 || act > 1 || E < 1 || off[0] != 0) return 1;
+    if (!ready) { init_tables(); ready = 1; }
     const int64_t P = off[E];
     for (int64_t k = 0; k < P; k++)
         if (tokens[k] < 0 || tokens[k] >= T) return 1;
@@ -430,15 +610,11 @@ static int moe(int bf16, const float *x, int64_t T, int64_t I, int64_t F, int E,
     float *g = (float *)malloc((size_t)(2 * P * F) * sizeof(float) + 64);
     float *out = (float *)malloc((size_t)(P * I) * sizeof(float) + 64);
     work_item *items = (work_item *)malloc((size_t)E * (up_chunks > down_chunks ? up_chunks : down_chunks) * sizeof(work_item) + 64);
-    float *xp = bf16 ? (float *)x : permuted(x, T, I);
-    if (!xg || !g || !out || !items || !xp) {
-        free(xg); free(g); free(out); free(items);
-        if (!bf16) free(xp);
-        return 2;
-    }
+    pair_rows xa, ha;
+    int ok = xg && g && out && items;
+    void *xa_own = ok ? pair_inputs(format, x, I, tokens, P, xg, &xa, &ok) : NULL;
+    if (!ok) { free(xg); free(g); free(out); free(items); free(xa_own); return 2; }
     float *u = g + P * F;
-    for (int64_t k = 0; k < P; k++) memcpy(xg + k * I, xp + tokens[k] * I, (size_t)I * sizeof(float));
-    if (!bf16) free(xp);
     int64_t n_items = list_items(items, off, E, up_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; w++) {
@@ -446,43 +622,52 @@ static int moe(int bf16, const float *x, int64_t T, int64_t I, int64_t F, int E,
         const int64_t o = (int64_t)items[w].chunk * CHUNK_ROWS, n = F - o < CHUNK_ROWS ? F - o : CHUNK_ROWS;
         const int64_t k0 = off[e], nt = off[e + 1] - off[e];
         float *ge = g + k0 * F, *ue = u + k0 * F;
-        expert_rows(bf16, xg + k0 * I, nt, I, p1[e], bf16 ? NULL : s1[e], F, o, n, ge);
-        expert_rows(bf16, xg + k0 * I, nt, I, p3[e], bf16 ? NULL : s3[e], F, o, n, ue);
+        expert_rows(format, xa, k0, nt, p1[e], s1 ? s1[e] : NULL, F, o, n, ge);
+        expert_rows(format, xa, k0, nt, p3[e], s3 ? s3[e] : NULL, F, o, n, ue);
         activate(ge, ue, nt, F, o, n, act, b1, b2);
     }
-    float *hp = bf16 ? g : permuted(g, P, F);
-    if (!hp) { free(xg); free(g); free(out); free(items); return 2; }
+    free(xa_own);
+    /* The hidden rows are already one per pair: gather them in order. */
+    int64_t *identity = (int64_t *)malloc((size_t)P * sizeof(int64_t) + 8);
+    void *ha_own = NULL;
+    if (identity) {
+        for (int64_t k = 0; k < P; k++) identity[k] = k;
+        ha_own = pair_inputs(format, g, F, identity, P, u, &ha, &ok);  /* u is free scratch now */
+        free(identity);
+    }
+    if (!identity || !ok) { free(xg); free(g); free(out); free(items); free(ha_own); return 2; }
     n_items = list_items(items, off, E, down_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; w++) {
         const int e = items[w].expert;
         const int64_t o = (int64_t)items[w].chunk * CHUNK_ROWS, n = I - o < CHUNK_ROWS ? I - o : CHUNK_ROWS;
         const int64_t k0 = off[e], nt = off[e + 1] - off[e];
-        expert_rows(bf16, hp + k0 * F, nt, F, p2[e], bf16 ? NULL : s2[e], I, o, n, out + k0 * I);
+        expert_rows(format, ha, k0, nt, p2[e], s2 ? s2[e] : NULL, I, o, n, out + k0 * I);
     }
     for (int64_t k = 0; k < P; k++) {
         float *yt = y + tokens[k] * I;
-        const float *ok = out + k * I, wk = weight[k];
-        for (int64_t i = 0; i < I; i++) yt[i] += wk * ok[i];
+        const float *ok_row = out + k * I, wk = weight[k];
+        for (int64_t i = 0; i < I; i++) yt[i] += wk * ok_row[i];
     }
-    if (!bf16) free(hp);
+    free(ha_own);
     free(xg); free(g); free(out); free(items);
     return 0;
 }
 
+/* q8: 0 computes in fp32, 1 quantizes the activations to int8 per block (MXFP4_Q8 above). */
 int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint8_t *const *p1,
                       const uint8_t *const *s1, const uint8_t *const *p3, const uint8_t *const *s3,
                       const uint8_t *const *p2, const uint8_t *const *s2, const int64_t *off, const int64_t *tokens,
-                      const float *weight, int act, float b1, float b2, float *y, int nthreads) {
-    return moe(0, x, T, I, F, E, (const void *const *)p1, s1, (const void *const *)p3, s3, (const void *const *)p2,
-               s2, off, tokens, weight, act, b1, b2, y, nthreads);
+                      const float *weight, int act, float b1, float b2, float *y, int nthreads, int q8) {
+    return moe(q8 ? MXFP4_Q8 : MXFP4, x, T, I, F, E, (const void *const *)p1, s1, (const void *const *)p3, s3,
+               (const void *const *)p2, s2, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 
 /* The same for bf16 experts (w1, w3 [F, I], w2 [I, F] bf16; fp32 math). */
 int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint16_t *const *w1,
                      const uint16_t *const *w3, const uint16_t *const *w2, const int64_t *off, const int64_t *tokens,
                      const float *weight, int act, float b1, float b2, float *y, int nthreads) {
-    return moe(1, x, T, I, F, E, (const void *const *)w1, NULL, (const void *const *)w3, NULL,
+    return moe(BF16, x, T, I, F, E, (const void *const *)w1, NULL, (const void *const *)w3, NULL,
                (const void *const *)w2, NULL, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 

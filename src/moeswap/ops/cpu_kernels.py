@@ -35,7 +35,7 @@ _SIGNATURES = {
     "moeswap_mxfp4_expert": [_p, _i64, _i64, _i64, *[_p] * 6, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p,
                              ctypes.c_int],
     "moeswap_mxfp4_moe": [_p, _i64, _i64, _i64, ctypes.c_int, *[_p] * 6, _p, _p, _p, ctypes.c_int, ctypes.c_float,
-                          ctypes.c_float, _p, ctypes.c_int],
+                          ctypes.c_float, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_bf16_moe": [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, _p, _p, ctypes.c_int, ctypes.c_float,
                          ctypes.c_float, _p, ctypes.c_int],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
@@ -51,8 +51,9 @@ class CpuKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
-        self.lib.moeswap_mxfp4_isa.restype = ctypes.c_int
+        self.lib.moeswap_mxfp4_isa.restype = self.lib.moeswap_mxfp4_q8.restype = ctypes.c_int
         self.isa = {512: "avx512", 256: "avx2", 0: "portable"}[self.lib.moeswap_mxfp4_isa()]
+        self.has_int8_activations = bool(self.lib.moeswap_mxfp4_q8())  # AVX-512 VNNI builds
 
     @staticmethod
     def _threads() -> int:
@@ -61,7 +62,8 @@ class CpuKernels:
     @staticmethod
     def _status(status: int, what: str) -> None:
         if status:
-            reason = {1: "bad sizes", 2: "out of memory"}.get(status, f"status {status}")
+            reason = {1: "bad sizes", 2: "out of memory",
+                      3: "int8 activations need a build with AVX-512 VNNI"}.get(status, f"status {status}")
             raise RuntimeError(f"CPU kernel {what} failed: {reason}")
 
     def linear(self, x_TI: torch.Tensor, mats: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -88,10 +90,13 @@ class CpuKernels:
         return y
 
     def moe(self, x_TI: torch.Tensor, experts: Sequence, tokens: torch.Tensor, offsets: Sequence[int],
-            weights: torch.Tensor, act: str, situ_betas: tuple[float, float], y_TI: torch.Tensor) -> None:
+            weights: torch.Tensor, act: str, situ_betas: tuple[float, float], y_TI: torch.Tensor,
+            int8_activations: bool = False) -> None:
         """The experts of one layer step, summed into y: for pair k of expert e (k in offsets[e]..offsets[e+1]),
         y[tokens[k]] += weights[k] * expert_e(x[tokens[k]]). Experts all MXFP4 (MXFP4ExpertWeights) or all
-        bf16 (ExpertWeights with bf16 tensors). x, y fp32 contiguous [T, I]; tokens int64 [P]; weights fp32 [P]."""
+        bf16 (ExpertWeights with bf16 tensors). x, y fp32 contiguous [T, I]; tokens int64 [P]; weights fp32 [P].
+        int8_activations (MXFP4 only, needs `has_int8_activations`): the inputs of each matrix are quantized
+        to int8 per 32-column block and the dot products run in integers (expert_mxfp4.reference_int8)."""
         T, I = x_TI.shape
         E = len(experts)
         if (len(offsets) != E + 1 or tokens.dtype != torch.int64 or weights.dtype != torch.float32
@@ -106,10 +111,12 @@ class CpuKernels:
         if any(m[0].shape[0] != F for m in mats):
             raise ValueError("moe: experts of one call must share their width")
         tokens, weights = tokens.contiguous(), weights.contiguous()
-        fn = self.lib.moeswap_bf16_moe if bf16 else self.lib.moeswap_mxfp4_moe
-        status = fn(x_TI.data_ptr(), T, I, F, E, *[_ptrs([m[j] for m in mats]) for j in range(len(mats[0]))],
-                    (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
-                    float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads())
+        if int8_activations and bf16:
+            raise ValueError("moe: int8 activations are for MXFP4 experts, not bf16 ones")
+        args = [x_TI.data_ptr(), T, I, F, E, *[_ptrs([m[j] for m in mats]) for j in range(len(mats[0]))],
+                (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
+                float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads()]
+        status = self.lib.moeswap_bf16_moe(*args) if bf16 else self.lib.moeswap_mxfp4_moe(*args, int(int8_activations))
         self._status(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
                              f"{offsets[-1]} pairs)")
 

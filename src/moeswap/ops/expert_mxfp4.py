@@ -38,6 +38,30 @@ def reference(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) 
     return h_TF @ full("w2").T
 
 
+def quantize_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x with each 32-column block rounded to int8 steps of its own scale d = max|x| / 127 (round half to
+    even; d kept to fp16's 11 significant bits, as llama.cpp's Q8_0 stores it; a block with a non-finite
+    value becomes NaN): the activations `reference_int8` multiplies."""
+    blocks = x.float().unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    bits = (amax / 127.0).view(torch.int32)
+    d = ((bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+    q = (blocks * inv).round().clamp(-127, 127) * d
+    return q.masked_fill(~blocks.isfinite().all(-1, keepdim=True), float("nan")).flatten(-2)
+
+
+def reference_int8(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+    """What the int8-activation kernel computes (llama.cpp's arithmetic for MXFP4 weights): the input of
+    every matrix rounded by `quantize_int8_blocks`, products and sums in fp32 (exact in the kernel's integers)."""
+    def full(name: str) -> torch.Tensor:
+        return mxfp4.decode(getattr(w, f"{name}_packed"), getattr(w, f"{name}_scale"), torch.float32)
+
+    x = quantize_int8_blocks(x_TI)
+    h_TF = glu(act, x @ full("w1").T, x @ full("w3").T, situ_betas)
+    return (quantize_int8_blocks(h_TF) @ full("w2").T).to(x_TI.dtype)
+
+
 def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
     """reference, decoding ~1 MB of rows at a time into the output's columns."""
 
@@ -120,17 +144,19 @@ def best_name() -> str:
 def grouped() -> Callable[..., None] | None:
     """The one-call-per-layer-step form of cpu_c (MXFP4, or bf16 experts) when it is what select() runs on CPU
     tensors, else None:
-    fn(h_TI, experts, tokens_P, offsets, weights_P, act, situ_betas, out_TI) adds each expert's weighted
-    output to out (fp32 [T, I]) for its tokens."""
+    fn(h_TI, experts, tokens_P, offsets, weights_P, act, situ_betas, out_TI, int8_activations=False) adds
+    each expert's weighted output to out (fp32 [T, I]) for its tokens (int8_activations: see reference_int8)."""
     name = os.environ.get(ENV_KERNEL)
     kernel = cpu_kernels.kernel() if name in (None, "", "cpu_c") else None
     if kernel is None:
         return None
 
     def run(h_TI: torch.Tensor, experts: Sequence, tokens_P: torch.Tensor, offsets: Sequence[int],
-            weights_P: torch.Tensor, act: str, situ_betas: tuple[float, float], out_TI: torch.Tensor) -> None:
+            weights_P: torch.Tensor, act: str, situ_betas: tuple[float, float], out_TI: torch.Tensor,
+            int8_activations: bool = False) -> None:
         x32 = h_TI.to(torch.float32).contiguous()
-        kernel.moe(x32, experts, tokens_P, offsets, weights_P.to(torch.float32), act, situ_betas, out_TI)
+        kernel.moe(x32, experts, tokens_P, offsets, weights_P.to(torch.float32), act, situ_betas, out_TI,
+                   int8_activations)
 
     return run
 

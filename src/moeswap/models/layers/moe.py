@@ -71,6 +71,7 @@ class MoE(nn.Module):
             if m.latent_norm:
                 self.routed_expert_norm = RMSNorm(m.latent_dim, cfg.rms_norm_eps, device)
         self.store: ExpertProvider | None = None  # attached by the loader; never part of state_dict
+        self.int8_activations = False  # LoadOptions.expert_activations: int8 activations in the grouped kernel
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape
@@ -98,7 +99,7 @@ class MoE(nn.Module):
         # it hands each expert over when indexed, one at a time: a prefill step may route to every expert
         # of the layer, and holding them all at once would defeat the store's memory budget.
         experts = self.store.fetch(self.layer_idx, unique_ids.tolist())
-        group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas)
+        group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
         start = 0
         for i, n in enumerate(counts.tolist()):
             expert = experts[i]
@@ -121,8 +122,9 @@ class _Group:
     GROUP_BYTES = 64 << 20
     GROUP_SCRATCH = 64 << 20
 
-    def __init__(self, h_TI, token_of, weights, out_TI, act, situ_betas):
+    def __init__(self, h_TI, token_of, weights, out_TI, act, situ_betas, int8_activations=False):
         self.run = expert_mxfp4.grouped() if h_TI.device.type == "cpu" else None
+        self.int8 = int8_activations
         self.h_TI, self.token_of, self.weights, self.out_TI = h_TI, token_of, weights, out_TI
         self.act, self.situ_betas = act, situ_betas
         self.experts: list = []
@@ -154,7 +156,8 @@ class _Group:
             return
         end = self.start + self.offsets[-1]
         self.run(self.h_TI, self.experts, self.token_of[self.start : end], self.offsets,
-                 self.weights[self.start : end], self.act, self.situ_betas, self.out_TI)
+                 self.weights[self.start : end], self.act, self.situ_betas, self.out_TI,
+                 self.int8 and self.kind == "mxfp4")
         self.experts, self.offsets, self.nbytes = [], [0], 0
 
 
