@@ -49,6 +49,7 @@ def test_tokens_identical_at_10_percent(tiny_k3_dir, reference, policy):
             store.close()
         s = store.stats
         assert store.fast.used <= store.fast.capacity and s.misses > 0 and s.disk_reads >= s.misses - s.prefetch.late
+        assert store.source.buffers.reused > 0  # reads went into evicted experts' buffers, tokens unchanged
         if prefetch == "next-layer":
             assert s.prefetch.loaded > 0 and s.prefetch.predicted > 0 and 0 < s.prefetch.recall <= 1
 

@@ -50,9 +50,8 @@ def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
 
     Experts come and go in blocks of one buffer each (0.8 MB on the bench model, 17.5 MB on K3); glibc's
     default (a threshold that grows up to 32 MiB) keeps them in the heap, which measured ~500 MB above
-    budget on a 1.2 GB-expert model, and 1 MiB still 110-250 MB more than 512 KiB. The price is page
-    faults on every read (~18 ms/token of system time at a 25 % budget on the bench model); a slot
-    allocator for the fast tier would avoid both.
+    budget on a 1.2 GB-expert model, and 1 MiB still 110-250 MB more than 512 KiB. The price, page
+    faults on every fresh buffer, is avoided for disk reads by reusing buffers (experts/buffers.py).
     """
     if sys.platform.startswith("linux"):
         try:
@@ -384,7 +383,9 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
         stored, decoded, packed = size(key)
         return stored if packed else decoded
 
-    disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache)
+    # spare read buffers: two layer steps' worth of misses, so a miss reuses an evicted expert's buffer
+    spare = 2 * config.moe.top_k * size(Key(*first))[0]
+    disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache, spare_buffer_bytes=spare)
     fast = MemoryTier("fast", options.expert_memory if caching else 0, fast_cost,
                       partial(convert, decoded=options.decoded, dtype=expert_dtype, device=device), device)
     tiers: list[Tier] = [fast]

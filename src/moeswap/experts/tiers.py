@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from moeswap.experts.buffers import BufferPool
 from moeswap.experts.keys import Key
 from moeswap.experts.source import ExpertIndex, load_expert
 from moeswap.formats import mxfp4
@@ -103,8 +104,10 @@ class CheckpointTier(Tier):
     name = "disk"
     capacity = math.inf
 
-    def __init__(self, ckpt: Checkpoint, index: ExpertIndex, dtype: torch.dtype, drop_page_cache: bool = False):
+    def __init__(self, ckpt: Checkpoint, index: ExpertIndex, dtype: torch.dtype, drop_page_cache: bool = False,
+                 spare_buffer_bytes: int = 0):
         self.ckpt, self.index, self.dtype, self.drop_page_cache = ckpt, index, dtype, drop_page_cache
+        self.buffers = BufferPool(spare_buffer_bytes)  # read buffers, reused once their expert is gone
         self._fds: dict = {}  # our own descriptors, opened on first read of each file
         self._spans: dict = {}
 
@@ -159,7 +162,7 @@ class CheckpointTier(Tier):
         return span
 
     def _read_span(self, key: Key, file, start: int, end: int, parts) -> MXFP4ExpertWeights:
-        buf = torch.empty(end - start, dtype=torch.uint8)
+        buf = self.buffers.take(end - start)
         view, done = memoryview(buf.numpy()), 0
         try:
             fd = self._fd(file)
@@ -197,3 +200,4 @@ class CheckpointTier(Tier):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self.buffers.clear()

@@ -1,0 +1,58 @@
+"""Reusable host buffers for expert reads from disk.
+
+A fresh buffer of an expert's size is served by mmap (store.return_large_frees_to_os) and page-faults
+on first touch: measured 0.53 ms to read a 0.8 MB expert from the page cache into a fresh buffer
+against 0.14 ms into a reused one, CPU time taken from the model on every miss. The pool hands out
+buffers that nothing references any more (the expert they held was evicted and dropped by every user),
+and keeps at most `spare_bytes` of unreferenced ones, so memory stays bounded by the experts in use
+plus that spare. Entry point: `BufferPool(spare_bytes).take(nbytes)`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """References to t's storage: 2 when only t holds it (t, and the temporary this call makes)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class BufferPool:
+    def __init__(self, spare_bytes: int):
+        self.spare_bytes = spare_bytes
+        self._lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []  # every buffer handed out and not yet released
+        self.enabled = hasattr(torch._C, "_storage_Use_Count")  # private API: without it, no reuse
+        self.reused = self.allocated = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 CPU tensor of nbytes, with arbitrary contents, that nobody else references."""
+        if not self.enabled:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            free = [b for b in self._buffers if _storage_users(b) == 2]
+            mine = next((b for b in free if b.numel() == nbytes), None)
+            spare = sum(b.numel() for b in free if b is not mine)
+            release = set()
+            for b in free:  # release spare buffers beyond the allowance, oldest first
+                if spare <= self.spare_bytes:
+                    break
+                if b is not mine:
+                    release.add(id(b))
+                    spare -= b.numel()
+            if release:
+                self._buffers = [b for b in self._buffers if id(b) not in release]
+            if mine is None:
+                mine = torch.empty(nbytes, dtype=torch.uint8)
+                self._buffers.append(mine)
+                self.allocated += 1
+            else:
+                self.reused += 1
+            return mine.view(-1)  # a new tensor on the storage: holding it counts as a use
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
