@@ -285,9 +285,6 @@ static void q8_quantize_row(const float *x, int64_t I, uint8_t *dst) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q8 1
-#ifndef Q8_PF
-#define Q8_PF 1
-#endif
 INLINE void q8_tile(q8_rows a, const int TT, const int R, int64_t I, const uint8_t *packed, const uint8_t *scale,
                     int64_t o, float *y, int64_t O) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
@@ -304,7 +301,7 @@ INLINE void q8_tile(q8_rows a, const int TT, const int R, int64_t I, const uint8
         __m512 ws[4];
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = packed + (o + r) * half + c * 64;
-            _mm_prefetch((const char *)(p + Q8_PF * R * half), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + R * half), _MM_HINT_T0); /* the next tile's rows */
             const __m512i bytes = _mm512_maskz_loadu_epi8(bytes_mask, p);
             wl[r] = _mm512_shuffle_epi8(lut, _mm512_and_si512(bytes, low4));
             wh[r] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
