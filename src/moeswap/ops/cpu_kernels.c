@@ -323,31 +323,26 @@ INLINE void q8_tile(q8_rows a, const int TT, const int R, int64_t I, const uint8
         y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+/* As `rows`: 4 rows at a time up to 2 tokens, 2 rows above (32 vector registers), then the tail. */
 #define Q8_TILE(TT_, R_) q8_tile(a, TT_, R_, I, packed, scale, o, y, O)
+#define Q8_BY_TOKENS(R_FEW, R_MANY)                                                                        \
+    switch (TT) {                                                                                          \
+    case 1: Q8_TILE(1, R_FEW); break;                                                                      \
+    case 2: Q8_TILE(2, R_FEW); break;                                                                      \
+    case 3: Q8_TILE(3, R_MANY); break;                                                                     \
+    case 4: Q8_TILE(4, R_MANY); break;                                                                     \
+    case 5: Q8_TILE(5, R_MANY); break;                                                                     \
+    case 6: Q8_TILE(6, R_MANY); break;                                                                     \
+    case 7: Q8_TILE(7, R_MANY); break;                                                                     \
+    default: Q8_TILE(8, R_MANY); break;                                                                    \
+    }
 static void q8_rows_of(q8_rows a, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
                        int64_t n, float *y, int64_t O) {
     const int64_t end = o + n, step = TT <= 2 ? 4 : 2;
-    for (; o + step <= end; o += step) switch (TT) {
-        case 1: Q8_TILE(1, 4); break;
-        case 2: Q8_TILE(2, 4); break;
-        case 3: Q8_TILE(3, 2); break;
-        case 4: Q8_TILE(4, 2); break;
-        case 5: Q8_TILE(5, 2); break;
-        case 6: Q8_TILE(6, 2); break;
-        case 7: Q8_TILE(7, 2); break;
-        default: Q8_TILE(8, 2); break;
-    }
-    for (; o < end; o++) switch (TT) {
-        case 1: Q8_TILE(1, 1); break;
-        case 2: Q8_TILE(2, 1); break;
-        case 3: Q8_TILE(3, 1); break;
-        case 4: Q8_TILE(4, 1); break;
-        case 5: Q8_TILE(5, 1); break;
-        case 6: Q8_TILE(6, 1); break;
-        case 7: Q8_TILE(7, 1); break;
-        default: Q8_TILE(8, 1); break;
-    }
+    for (; o + step <= end; o += step) Q8_BY_TOKENS(4, 2)
+    for (; o < end; o++) Q8_BY_TOKENS(1, 1)
 }
+#undef Q8_BY_TOKENS
 #undef Q8_TILE
 
 /* Rows [o, o + n) of y[T, O] for all T quantized rows, in tiles of up to 8. */
