@@ -201,27 +201,29 @@ INLINE void bf16_tile(const float *x, const int TT, const int R, int64_t I, cons
     for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) y[t * O + o + r] = tail[r][t];
 }
 
+/* TILE_(TT, R) for the runtime token count TT (1 to 8) as a compile-time constant: R_FEW rows per tile up to
+ * FEW tokens, R_MANY above (what fits in the vector registers). */
+#define BY_TOKENS(TILE_, FEW, R_FEW, R_MANY)                                                               \
+    switch (TT) {                                                                                          \
+    case 1: TILE_(1, 1 <= FEW ? R_FEW : R_MANY); break;                                                    \
+    case 2: TILE_(2, 2 <= FEW ? R_FEW : R_MANY); break;                                                    \
+    case 3: TILE_(3, 3 <= FEW ? R_FEW : R_MANY); break;                                                    \
+    case 4: TILE_(4, 4 <= FEW ? R_FEW : R_MANY); break;                                                    \
+    case 5: TILE_(5, 5 <= FEW ? R_FEW : R_MANY); break;                                                    \
+    case 6: TILE_(6, 6 <= FEW ? R_FEW : R_MANY); break;                                                    \
+    case 7: TILE_(7, 7 <= FEW ? R_FEW : R_MANY); break;                                                    \
+    default: TILE_(8, R_MANY); break;                                                                      \
+    }
+
 /* n rows from o, for a tile of TT tokens (1 to 8; each block is decoded once per tile, so a tile covers all
  * of an expert's tokens up to 8): 4 rows at a time up to 4 tokens, 2 rows above (registers), then the tail. */
 #define TILE(TT_, R_) tile(xp, TT_, R_, I, packed, scale, o, y, O)
-#define TILE_BY_TOKENS(R4, R2)                                                                               \
-    switch (TT) {                                                                                          \
-    case 1: TILE(1, R4); break;                                                                            \
-    case 2: TILE(2, R4); break;                                                                            \
-    case 3: TILE(3, R4); break;                                                                            \
-    case 4: TILE(4, R4); break;                                                                            \
-    case 5: TILE(5, R2); break;                                                                            \
-    case 6: TILE(6, R2); break;                                                                            \
-    case 7: TILE(7, R2); break;                                                                            \
-    default: TILE(8, R2); break;                                                                           \
-    }
 static void rows(const float *xp, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
                  int64_t n, float *y, int64_t O) {
     const int64_t end = o + n, step = TT <= 4 ? 4 : 2;
-    for (; o + step <= end; o += step) TILE_BY_TOKENS(4, 2)
-    for (; o < end; o++) TILE_BY_TOKENS(1, 1)
+    for (; o + step <= end; o += step) BY_TOKENS(TILE, 4, 4, 2)
+    for (; o < end; o++) BY_TOKENS(TILE, 4, 1, 1)
 }
-#undef TILE_BY_TOKENS
 #undef TILE
 
 int moeswap_mxfp4_isa(void) { return ISA; }
@@ -325,24 +327,12 @@ INLINE void q8_tile(q8_rows a, const int TT, const int R, int64_t I, const uint8
 
 /* As `rows`: 4 rows at a time up to 2 tokens, 2 rows above (32 vector registers), then the tail. */
 #define Q8_TILE(TT_, R_) q8_tile(a, TT_, R_, I, packed, scale, o, y, O)
-#define Q8_BY_TOKENS(R_FEW, R_MANY)                                                                        \
-    switch (TT) {                                                                                          \
-    case 1: Q8_TILE(1, R_FEW); break;                                                                      \
-    case 2: Q8_TILE(2, R_FEW); break;                                                                      \
-    case 3: Q8_TILE(3, R_MANY); break;                                                                     \
-    case 4: Q8_TILE(4, R_MANY); break;                                                                     \
-    case 5: Q8_TILE(5, R_MANY); break;                                                                     \
-    case 6: Q8_TILE(6, R_MANY); break;                                                                     \
-    case 7: Q8_TILE(7, R_MANY); break;                                                                     \
-    default: Q8_TILE(8, R_MANY); break;                                                                    \
-    }
 static void q8_rows_of(q8_rows a, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
                        int64_t n, float *y, int64_t O) {
     const int64_t end = o + n, step = TT <= 2 ? 4 : 2;
-    for (; o + step <= end; o += step) Q8_BY_TOKENS(4, 2)
-    for (; o < end; o++) Q8_BY_TOKENS(1, 1)
+    for (; o + step <= end; o += step) BY_TOKENS(Q8_TILE, 2, 4, 2)
+    for (; o < end; o++) BY_TOKENS(Q8_TILE, 2, 1, 1)
 }
-#undef Q8_BY_TOKENS
 #undef Q8_TILE
 
 /* Rows [o, o + n) of y[T, O] for all T quantized rows, in tiles of up to 8. */
