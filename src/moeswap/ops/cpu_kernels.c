@@ -537,8 +537,9 @@ enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2 };
  * `permuted` column order (MXFP4), natural order (bf16), or quantized rows (MXFP4_Q8). */
 typedef struct { const float *f; q8_rows q; int64_t width; } pair_rows;
 
-/* Gathers x[tokens[k]] for the P pairs into `format`'s form (buf: fp32 [P, I] scratch for the first two);
- * returns the block to free (NULL if none) and sets *ok = 0 when out of memory. */
+/* Row tokens[k] of x for each of the P pairs (tokens NULL: x already has one row per pair), in `format`'s
+ * form; buf: fp32 [P, I] scratch for gathering. Returns the block to free (NULL if none) and sets *ok = 0
+ * when out of memory. */
 static void *pair_inputs(int format, const float *x, int64_t I, const int64_t *tokens, int64_t P, float *buf,
                          pair_rows *out, int *ok) {
     *ok = 1;
@@ -547,13 +548,17 @@ static void *pair_inputs(int format, const float *x, int64_t I, const int64_t *t
         const int64_t chunks = (I + 127) / 128;
         uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)(P * chunks * Q8_CHUNK_BYTES) + 64);
         if (!q) { *ok = 0; return NULL; }
-        for (int64_t k = 0; k < P; k++) q8_quantize_row(x + tokens[k] * I, I, q + k * chunks * Q8_CHUNK_BYTES);
+        for (int64_t k = 0; k < P; k++)
+            q8_quantize_row(x + (tokens ? tokens[k] : k) * I, I, q + k * chunks * Q8_CHUNK_BYTES);
         out->q = (q8_rows){q, chunks};
         return q;
     }
-    for (int64_t k = 0; k < P; k++) memcpy(buf + k * I, x + tokens[k] * I, (size_t)I * sizeof(float));
-    if (format == BF16) { out->f = buf; return NULL; }
-    float *xp = permuted(buf, P, I);
+    if (tokens) {
+        for (int64_t k = 0; k < P; k++) memcpy(buf + k * I, x + tokens[k] * I, (size_t)I * sizeof(float));
+        x = buf;
+    }
+    if (format == BF16) { out->f = x; return NULL; }
+    float *xp = permuted(x, P, I);
     if (!xp) *ok = 0;
     out->f = xp;
     return xp;
@@ -609,15 +614,8 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
         activate(ge, ue, nt, F, o, n, act, b1, b2);
     }
     free(xa_own);
-    /* The hidden rows are already one per pair: gather them in order. */
-    int64_t *identity = (int64_t *)malloc((size_t)P * sizeof(int64_t) + 8);
-    void *ha_own = NULL;
-    if (identity) {
-        for (int64_t k = 0; k < P; k++) identity[k] = k;
-        ha_own = pair_inputs(format, g, F, identity, P, u, &ha, &ok);  /* u is free scratch now */
-        free(identity);
-    }
-    if (!identity || !ok) { free(xg); free(g); free(out); free(items); free(ha_own); return 2; }
+    void *ha_own = pair_inputs(format, g, F, NULL, P, NULL, &ha, &ok); /* the hidden rows: one per pair already */
+    if (!ok) { free(xg); free(g); free(out); free(items); return 2; }
     n_items = list_items(items, off, E, down_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; w++) {
