@@ -9,6 +9,8 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length, N su
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moeswap.ops import cpu_kernels
@@ -70,35 +72,48 @@ def kda_chunked_pairwise(
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same result as `kda_recurrent`, a chunk at a time; every pairwise decay formed explicitly
-    ([B, H, C, C, K] per chunk): the plain reference for `kda_chunked`.
+    ([B, H, C, C, K] per chunk, `_intra_chunk_pairwise`): the plain reference for `kda_chunked`.
 
     Inside a chunk, with G_t the cumulative log decay, the updates u solve the unit lower-triangular
     system (I + A) u = beta (v - (e^G_t * k_t)^T S0), A_ts = beta_t sum_i k_ti k_si e^(G_ti - G_si).
     Pairwise decays are formed as e^(G_t - G_s) with s <= t only, so every exponent is <= 0: the
     bounded K3 gate (down to -5 per token) would overflow the usual e^G * e^-G factorisation.
     """
-    B, T, H, K = k_BTHK.shape
+    return _chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chunk, _intra_chunk_pairwise)
+
+
+def _intra_chunk_pairwise(q: torch.Tensor, k: torch.Tensor, G64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kk[t, s] = sum_i k_ti k_si e^(G_ti - G_si) (s < t) and qk[t, s] likewise with q_t (s <= t), [B, H, C, C],
+    from the whole [B, H, C, C, K] tensor of pairwise decays."""
+    C = k.shape[2]
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    diff_BHCCK = (G64.unsqueeze(3) - G64.unsqueeze(2)).float()  # [t, s] = G_t - G_s
+    decay_BHCCK = torch.where(causal_CC[..., None], diff_BHCCK, float("-inf")).exp()
+    kk_BHCC = torch.einsum("bhtk,bhsk,bhtsk->bhts", k, k, decay_BHCCK)
+    qk_BHCC = torch.einsum("bhtk,bhsk,bhtsk->bhts", q, k, decay_BHCCK)
+    return kk_BHCC.tril(-1), qk_BHCC
+
+
+def _chunked(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTHK: torch.Tensor,
+             beta_BTH: torch.Tensor, state_BHKV: torch.Tensor, chunk: int,
+             intra: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked delta rule with the intra-chunk products from `intra(q, k, G64) -> (kk, qk)`."""
     S = state_BHKV.float()
     # work per head: [B, H, T, .]
     q, k, v, g = (t.float().transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
     beta = beta_BTH.float().transpose(1, 2)
     outs = []
-    for start in range(0, T, chunk):
-        end = min(start + chunk, T)
+    for start in range(0, k.shape[2], chunk):
+        end = start + chunk
         qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
         # G in fp64: differences of large nearly equal fp32 sums would lose |G| * 2^-24
         G64_BHCK = g[:, :, start:end].double().cumsum(dim=2)
         G_BHCK = G64_BHCK.float()
-        C = end - start
-        causal_CC = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-        diff_BHCCK = (G64_BHCK.unsqueeze(3) - G64_BHCK.unsqueeze(2)).float()  # [t, s] = G_t - G_s
-        decay_BHCCK = torch.where(causal_CC[..., None], diff_BHCCK, float("-inf")).exp()
-        kk_BHCC = torch.einsum("bhtk,bhsk,bhtsk->bhts", kc, kc, decay_BHCCK)
-        qk_BHCC = torch.einsum("bhtk,bhsk,bhtsk->bhts", qc, kc, decay_BHCCK)
-        A_BHCC = (bc.unsqueeze(-1) * kk_BHCC).tril(-1)
-        eye = torch.eye(C, dtype=A_BHCC.dtype, device=A_BHCC.device)
-        k_decayed_BHCK = kc * G_BHCK.exp()
-        rhs_BHCV = bc.unsqueeze(-1) * (vc - k_decayed_BHCK @ S)
+        kk_BHCC, qk_BHCC = intra(qc, kc, G64_BHCK)
+        A_BHCC = bc.unsqueeze(-1) * kk_BHCC
+        eye = torch.eye(kc.shape[2], dtype=A_BHCC.dtype, device=A_BHCC.device)
+        rhs_BHCV = bc.unsqueeze(-1) * (vc - (kc * G_BHCK.exp()) @ S)
         u_BHCV = torch.linalg.solve_triangular(eye + A_BHCC, rhs_BHCV, upper=False, unitriangular=True)
         outs.append((qc * G_BHCK.exp()) @ S + qk_BHCC @ u_BHCV)
         # carry the state to the end of the chunk: every exponent G_C - G_s <= 0
@@ -147,23 +162,5 @@ def kda_chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kda_chunked_pairwise` with the intra-chunk decays factored (`_intra_chunk`): the [C, C, K]
     pairwise tensor shrinks to sub-chunk blocks and the rest are matmuls (~3x faster measured on CPU)."""
-    B, T, H, K = k_BTHK.shape
-    S = state_BHKV.float()
-    q, k, v, g = (t.float().transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
-    beta = beta_BTH.float().transpose(1, 2)
-    outs = []
-    for start in range(0, T, chunk):
-        end = min(start + chunk, T)
-        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
-        G64_BHCK = g[:, :, start:end].double().cumsum(dim=2)  # fp64: see kda_chunked_pairwise
-        G_BHCK = G64_BHCK.float()
-        C = end - start
-        kk_BHCC, qk_BHCC = _intra_chunk(qc, kc, G64_BHCK, sub)
-        A_BHCC = bc.unsqueeze(-1) * kk_BHCC
-        eye = torch.eye(C, dtype=A_BHCC.dtype, device=A_BHCC.device)
-        rhs_BHCV = bc.unsqueeze(-1) * (vc - (kc * G_BHCK.exp()) @ S)
-        u_BHCV = torch.linalg.solve_triangular(eye + A_BHCC, rhs_BHCV, upper=False, unitriangular=True)
-        outs.append((qc * G_BHCK.exp()) @ S + qk_BHCC @ u_BHCV)
-        to_end_BHCK = (G64_BHCK[:, :, -1:] - G64_BHCK).float().exp()
-        S = S * G_BHCK[:, :, -1].exp().unsqueeze(-1) + (kc * to_end_BHCK).transpose(-1, -2) @ u_BHCV
-    return torch.cat(outs, dim=2).transpose(1, 2), S
+    return _chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chunk,
+                    lambda q, k, G64: _intra_chunk(q, k, G64, sub))
