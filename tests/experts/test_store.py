@@ -124,10 +124,12 @@ def test_trace_records_steps():
 
 
 def wait_idle(store, timeout=5.0):
+    """Waits for the background reads, then lets the store take them in, as its next fetch would."""
     t0 = time.time()
-    p = store.prefetcher
-    while (p._urgent or p._hinted or store._inflight) and time.time() - t0 < timeout:
+    while any(not l.pending.ready() for l in list(store._inflight.values()) if l.pending) and time.time() - t0 < timeout:
         time.sleep(0.005)
+    with store._lock:
+        store._harvest()
 
 
 def test_prefetch_loads_hinted_experts_and_scores_the_guess():

@@ -66,6 +66,25 @@ def test_decoded_copies_and_a_host_tier_give_the_same_tokens(tiny_k3_dir, refere
     assert store.stats.tiers["host"].hits > 0 and store.tiers[1].used <= store.tiers[1].capacity
 
 
+def test_prefetch_reads_natively_or_on_python_threads_with_the_same_tokens(tiny_k3_dir, reference):
+    from moeswap.experts.prefetch import Prefetcher
+    from moeswap.experts.reads import native_library
+    from moeswap.models.loader import attach_store
+
+    tokens, total, _ = reference
+    for native in (True, False):
+        model, store = load_model(tiny_k3_dir, LoadOptions(expert_memory=total // 10, prefetch="next-layer"))
+        store.prefetcher.close()
+        store.prefetcher = Prefetcher(store, native=native)
+        attach_store(model, store)
+        assert store.prefetcher.reads.native == (native and native_library() is not None)
+        try:
+            assert generate(model, PROMPT, CFG).tokens == tokens, native
+        finally:
+            store.close()
+        assert store.stats.prefetch.loaded > 0 and not store._inflight and store._reserved == [0]
+
+
 def test_float_experts_swap_too(tiny_linear_dir):
     model, store = load_model(tiny_linear_dir, LoadOptions(expert_memory=1 << 30))
     want = generate(model, PROMPT, CFG).tokens
@@ -97,9 +116,10 @@ def _expert_tensor(store, layer, expert, tensor="w1.weight_scale"):
     return store.ckpt.info(names[proj][kind])
 
 
-def test_corrupt_expert_bytes_name_layer_expert_and_file(tiny_k3_dir, copy_model):
+@pytest.mark.parametrize("prefetch", ["none", "next-layer"])  # next-layer: reads on the reader threads too
+def test_corrupt_expert_bytes_name_layer_expert_and_file(tiny_k3_dir, copy_model, prefetch):
     path = copy_model(tiny_k3_dir)
-    model, store = load_model(path, LoadOptions())
+    model, store = load_model(path, LoadOptions(prefetch=prefetch))
     for e in range(model.config.moe.num_experts):  # every expert of layer 1: whichever is routed to fails
         info = _expert_tensor(store, 1, e)
         with open(info.file, "r+b") as f:
@@ -111,9 +131,10 @@ def test_corrupt_expert_bytes_name_layer_expert_and_file(tiny_k3_dir, copy_model
     assert "layer 1 expert" in msg and "NaN scale bytes" in msg and info.file.name in msg
 
 
-def test_expert_file_truncated_mid_run(tiny_k3_dir, copy_model):
+@pytest.mark.parametrize("prefetch", ["none", "next-layer"])  # next-layer: reads on the reader threads too
+def test_expert_file_truncated_mid_run(tiny_k3_dir, copy_model, prefetch):
     path = copy_model(tiny_k3_dir)
-    model, store = load_model(path, LoadOptions())
+    model, store = load_model(path, LoadOptions(prefetch=prefetch))
     info = _expert_tensor(store, 1, 0)
     os.truncate(info.file, info.offset)  # every expert stored after this point is gone
     with pytest.raises(CheckpointError) as err:
@@ -123,9 +144,10 @@ def test_expert_file_truncated_mid_run(tiny_k3_dir, copy_model):
     assert "layer " in msg and "expert " in msg and info.file.name in msg and "shrank" in msg
 
 
-def test_expert_file_removed_mid_run(tiny_k3_dir, copy_model):
+@pytest.mark.parametrize("prefetch", ["none", "next-layer"])  # next-layer: reads on the reader threads too
+def test_expert_file_removed_mid_run(tiny_k3_dir, copy_model, prefetch):
     path = copy_model(tiny_k3_dir)
-    model, store = load_model(path, LoadOptions())
+    model, store = load_model(path, LoadOptions(prefetch=prefetch))
     files = {_expert_tensor(store, 1, e).file for e in range(model.config.moe.num_experts)}
     for f in files:
         f.rename(f.with_suffix(".moved"))

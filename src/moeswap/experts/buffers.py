@@ -4,8 +4,8 @@ A fresh buffer of an expert's size is served by mmap (store.return_large_frees_t
 on first touch: measured 0.53 ms to read a 0.8 MB expert from the page cache into a fresh buffer
 against 0.14 ms into a reused one, CPU time taken from the model on every miss. The pool hands out
 buffers that nothing references any more (the expert they held was evicted and dropped by every user),
-and keeps at most `spare_bytes` of unreferenced ones, so memory stays bounded by the experts in use
-plus that spare. Entry point: `BufferPool(spare_bytes).take(nbytes)`.
+and, before it allocates a new one, lets go of unreferenced ones beyond `spare_bytes`, so memory stays
+bounded by the most experts ever in use plus that spare. Entry point: `BufferPool(spare_bytes).take(nbytes)`.
 """
 
 from __future__ import annotations
@@ -33,25 +33,25 @@ class BufferPool:
         if not self.enabled:
             return torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
+            mine = next((b for b in self._buffers if b.numel() == nbytes and _storage_users(b) == 2), None)
+            if mine is not None:
+                self.reused += 1
+                return mine.view(-1)  # a new tensor on the storage: holding it counts as a use
+            # about to grow: first release spare buffers beyond the allowance, oldest first
             free = [b for b in self._buffers if _storage_users(b) == 2]
-            mine = next((b for b in free if b.numel() == nbytes), None)
-            spare = sum(b.numel() for b in free if b is not mine)
+            spare = sum(b.numel() for b in free)
             release = set()
-            for b in free:  # release spare buffers beyond the allowance, oldest first
+            for b in free:
                 if spare <= self.spare_bytes:
                     break
-                if b is not mine:
-                    release.add(id(b))
-                    spare -= b.numel()
+                release.add(id(b))
+                spare -= b.numel()
             if release:
                 self._buffers = [b for b in self._buffers if id(b) not in release]
-            if mine is None:
-                mine = torch.empty(nbytes, dtype=torch.uint8)
-                self._buffers.append(mine)
-                self.allocated += 1
-            else:
-                self.reused += 1
-            return mine.view(-1)  # a new tensor on the storage: holding it counts as a use
+            mine = torch.empty(nbytes, dtype=torch.uint8)
+            self._buffers.append(mine)
+            self.allocated += 1
+            return mine.view(-1)
 
     def clear(self) -> None:
         with self._lock:

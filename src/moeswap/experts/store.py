@@ -23,6 +23,7 @@ import torch
 from moeswap.config import ModelConfig
 from moeswap.experts.keys import Key
 from moeswap.experts.policy import CachePolicy, make_policy
+from moeswap.experts.reads import Done
 from moeswap.experts.source import ExpertIndex
 from moeswap.experts.stats import StoreStats, TierStats
 from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, Weights, convert, tensors_of
@@ -61,12 +62,16 @@ def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
 
 
 class _Load:
-    """One expert on its way into the fast tier; whoever else wants it waits on `done`."""
+    """One expert on its way into the fast tier. A background load has `pending` (its read, running on
+    the prefetcher's reader threads); the model's thread finishes it when it is needed or ready."""
 
-    __slots__ = ("key", "need", "done", "value", "error", "event")
+    __slots__ = ("key", "need", "pending", "from_source", "background", "done", "finished", "value", "error",
+                 "event")
 
     def __init__(self, key: Key, need: int):
-        self.key, self.need, self.done = key, need, threading.Event()
+        self.key, self.need, self.finished = key, need, threading.Event()
+        self.pending = None
+        self.from_source = self.background = self.done = False
         self.value = self.error = self.event = None
 
 
@@ -153,6 +158,7 @@ class ExpertStore:
             self._fetches += 1
             self._active = set(keys)
             self._pending = set(keys)
+            self._harvest()
             missing = [k for k in keys if k not in self.fast and k not in self._inflight]
         if self.prefetcher is not None and missing:
             self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
@@ -179,6 +185,13 @@ class ExpertStore:
 
     def close(self) -> None:
         if self.prefetcher is not None:
+            with self._lock:  # no read may outlive the reader: drop the queued ones, take the rest
+                for load in [l for l in self._inflight.values() if l.pending is not None]:
+                    if load.pending.cancel():
+                        self._complete(load, None, stored=False)
+                    else:
+                        load.pending.wait()
+                        self._finish(load)
             self.prefetcher.close()
         if hasattr(self.source, "close"):
             self.source.close()
@@ -203,12 +216,17 @@ class ExpertStore:
                 load = self._begin(key, strict=True)
             else:
                 self.stats.prefetch.late += 1
+            pending = load.pending
         t0 = time.perf_counter()
         if mine:
-            self._run(load, background=False)
+            self._load_now(load)
+        elif pending is not None:
+            pending.wait()  # outside the lock: the read runs on a reader thread
         else:
-            load.done.wait()
+            load.finished.wait()  # another thread's demand for the same expert
         with self._lock:
+            if not load.done:
+                self._finish(load)
             self.stats.stall_s += time.perf_counter() - t0
             if load.error is None:
                 self.policies[0].record(key)
@@ -217,19 +235,44 @@ class ExpertStore:
             raise load.error
         return self._ready(key, load.value)
 
-    def _prefetch(self, key: Key) -> None:
-        """Called by the prefetcher's thread: load `key` if it is still wanted and fits without
-        evicting a pinned expert; otherwise drop it."""
+    # -- background loads (the prefetcher's) --------------------------------------------------------
+
+    def start_background(self, key: Key, urgent: bool) -> bool:
+        """Start reading `key` on the reader threads if it is still wanted and fits without evicting a
+        pinned expert; False if not started (dropped). The model's thread finishes it later (_harvest)."""
         with self._lock:
             if key in self.fast or key in self._inflight:
-                return
+                return False
             hint = self._hints.get(key.layer)
             wanted = key in self._pending or (hint is not None and key in hint[2])
             load = self._begin(key, strict=False) if wanted else None
             if load is None:
                 self.stats.prefetch.dropped += 1
-                return
-        self._run(load, background=True)
+                return False
+            load.background = True
+            try:
+                load.pending = self._start_read(load, urgent)
+            except BaseException as err:  # e.g. the file is gone: the demand for it will say so
+                load.error = err
+                self._complete(load, None)
+            return True
+
+    def cancel_background(self, keys) -> None:
+        """Drop the loads of `keys` that have not started reading (an older hint's)."""
+        with self._lock:
+            for key in keys:
+                load = self._inflight.get(key)
+                if load is not None and load.background and load.pending is not None and load.pending.cancel():
+                    load.error = RuntimeError(f"{key}: prefetch cancelled")
+                    self._complete(load, None, stored=False)
+                    self.stats.prefetch.dropped += 1
+
+    def _harvest(self) -> None:
+        """Under the lock: finish background loads whose reads are done (store them, free their books)."""
+        for load in [l for l in self._inflight.values() if l.pending is not None and l.pending.ready()]:
+            self._finish(load)
+
+    # -- loading ----------------------------------------------------------------------------------------
 
     def _begin(self, key: Key, strict: bool) -> _Load | None:
         """Under the lock: make room in the fast tier and register the load; None if a non-strict
@@ -242,43 +285,86 @@ class ExpertStore:
         self._reserved[0] += need
         return load
 
-    def _run(self, load: _Load, background: bool) -> None:
-        key, t0, value = load.key, time.perf_counter(), None
+    def _start_read(self, load: _Load, urgent: bool):
+        """Under the lock: a host tier's copy, or a read of the checkpoint started on the reader threads."""
+        w = self._from_host(load.key)
+        if w is not None:
+            return Done(w)
+        load.from_source = True
+        return self.source.start(load.key, self.prefetcher.reads, urgent)
+
+    def _load_now(self, load: _Load) -> None:
+        """A demand miss: read on this thread, outside the lock."""
+        t0 = time.perf_counter()
         try:
-            value = self.fast.form(self._read_below(key))
-            if background and self.fast.device.type == "cuda":  # the copy ran on the prefetcher's stream
-                load.event = torch.cuda.Event()
-                load.event.record()
-        except BaseException as err:  # re-raised by whoever waits for this expert
+            with self._lock:
+                w = self._from_host(load.key)
+            if w is None:
+                w = self._promote(load.key, self.source.get(load.key))
+            load.value = self.fast.form(w)
+        except BaseException as err:  # re-raised to the caller by _get
             load.error = err
         with self._lock:
             self.stats.load_s += time.perf_counter() - t0
-            self._reserved[0] -= load.need
-            del self._inflight[key]
-            if load.error is None and self.fast.capacity:
-                self.fast.put(key, value)
-                self.policies[0].insert(key)
-                self.stats.fast.bytes_in += load.need
-                if load.event is not None:
-                    self._events[key] = load.event
-                if background:
-                    self._unused.add(key)
-                    self.stats.prefetch.loaded += 1
-            load.value = value
-        load.done.set()
+            self._complete(load, load.value)
 
-    def _read_below(self, key: Key) -> Weights:
-        """The expert from the first tier below the fast one that has it, promoted into those between."""
+    def _finish(self, load: _Load) -> None:
+        """Under the lock: take a background load's result (its read is done or waited for) into the tier."""
+        t0, value = time.perf_counter(), None
+        try:
+            w = load.pending.result()
+            if load.from_source:
+                w = self._promote(load.key, w)
+            value = self._form_background(load, w)
+        except BaseException as err:
+            load.error = err
+        self.stats.load_s += time.perf_counter() - t0
+        self._complete(load, value)
+
+    def _form_background(self, load: _Load, w: Weights) -> Weights:
+        """CUDA: the copy of a prefetched expert runs on the prefetcher's side stream, and its first
+        use waits for it (_ready)."""
+        stream = getattr(self.prefetcher, "stream", None)
+        if stream is None:
+            return self.fast.form(w)
+        with torch.cuda.stream(stream):
+            value = self.fast.form(w)
+            load.event = torch.cuda.Event()
+            load.event.record()
+        return value
+
+    def _complete(self, load: _Load, value, stored: bool = True) -> None:
+        """Under the lock: the load is over; a good one goes into the fast tier."""
+        key = load.key
+        load.done, load.pending = True, None
+        self._reserved[0] -= load.need
+        del self._inflight[key]
+        if stored and load.error is None and self.fast.capacity:
+            self.fast.put(key, value)
+            self.policies[0].insert(key)
+            self.stats.fast.bytes_in += load.need
+            if load.event is not None:
+                self._events[key] = load.event
+            if load.background:
+                self._unused.add(key)
+                self.stats.prefetch.loaded += 1
+        load.value = value
+        load.finished.set()
+
+    def _from_host(self, key: Key) -> Weights | None:
+        """Under the lock: the expert from a host tier between the fast tier and the checkpoint."""
         for i in range(1, len(self.tiers) - 1):
-            with self._lock:
-                w = self.tiers[i].get(key)
-                self.policies[i].record(key)
-                st = self.stats.tiers[self.tiers[i].name]
-                if w is not None:
-                    st.hits += 1
-                    return w
-                st.misses += 1
-        w = self.source.get(key)
+            w = self.tiers[i].get(key)
+            self.policies[i].record(key)
+            st = self.stats.tiers[self.tiers[i].name]
+            if w is not None:
+                st.hits += 1
+                return w
+            st.misses += 1
+        return None
+
+    def _promote(self, key: Key, w: Weights) -> Weights:
+        """An expert just read from the checkpoint, put into every host tier on the way up."""
         nbytes = self.source.stored_bytes(key) if hasattr(self.source, "stored_bytes") else 0
         for i in range(1, len(self.tiers) - 1):
             tier = self.tiers[i]
@@ -385,7 +471,8 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
 
     # spare read buffers: two layer steps' worth of misses, so a miss reuses an evicted expert's buffer
     spare = 2 * config.moe.top_k * size(Key(*first))[0]
-    disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache, spare_buffer_bytes=spare)
+    disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache, spare_buffer_bytes=spare,
+                          pin_background=device.type == "cuda")
     fast = MemoryTier("fast", options.expert_memory if caching else 0, fast_cost,
                       partial(convert, decoded=options.decoded, dtype=expert_dtype, device=device), device)
     tiers: list[Tier] = [fast]

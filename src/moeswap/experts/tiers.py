@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from functools import partial
 from typing import Callable
 
 import torch
 
 from moeswap.experts.buffers import BufferPool
 from moeswap.experts.keys import Key
+from moeswap.experts.reads import Pending, Reads
 from moeswap.experts.source import ExpertIndex, load_expert
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
@@ -34,6 +37,10 @@ class Tier:
     def put(self, key: Key, weights: Weights) -> Weights:
         raise NotImplementedError
 
+    def start(self, key: Key, reads: Reads, urgent: bool = False) -> Pending:
+        """Begin loading `key` off the caller's thread; `result()` gives what get() would have."""
+        return reads.call(partial(self.get, key), urgent)
+
 
 def tensors_of(w: Weights) -> list[torch.Tensor]:
     return list(tensors(w).values())
@@ -47,7 +54,10 @@ def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device,
         w = ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])
     elif isinstance(w, ExpertWeights):
         w = ExpertWeights(*(t.to(dtype) for t in (w.w1_FI, w.w3_FI, w.w2_IF)))
-    moved = {k: _place(t, device, pin) for k, t in tensors(w).items()}
+    parts = tensors(w)
+    if all(t.device == device and (not pin or t.is_pinned()) for t in parts.values()):
+        return w  # already in this form (the CPU fast tier keeps what the disk read gave)
+    moved = {k: _place(t, device, pin) for k, t in parts.items()}
     return type(w)(**moved)
 
 
@@ -105,10 +115,15 @@ class CheckpointTier(Tier):
     capacity = math.inf
 
     def __init__(self, ckpt: Checkpoint, index: ExpertIndex, dtype: torch.dtype, drop_page_cache: bool = False,
-                 spare_buffer_bytes: int = 0):
+                 spare_buffer_bytes: int = 0, pin_background: bool = False):
         self.ckpt, self.index, self.dtype, self.drop_page_cache = ckpt, index, dtype, drop_page_cache
+        # background reads for an accelerator go to pinned memory, so their copy up is asynchronous; the
+        # pinned allocator, not our pool, knows when that copy is done with the buffer
+        self.pin_background = pin_background
         self.buffers = BufferPool(spare_buffer_bytes)  # read buffers, reused once their expert is gone
         self._fds: dict = {}  # our own descriptors, opened on first read of each file
+        self._fd_lock = threading.Lock()
+        self._checked_layouts: set = set()
         self._spans: dict = {}
 
     def get(self, key: Key) -> Weights:
@@ -119,6 +134,29 @@ class CheckpointTier(Tier):
         if self.drop_page_cache:
             self._drop_pages(key)
         return w
+
+    def start(self, key: Key, reads: Reads, urgent: bool = False) -> Pending:
+        """An MXFP4 expert in one span is read by the native reader straight into a pooled buffer; its
+        views and checks are made by whoever takes the result. Anything else loads whole on a thread."""
+        span = self._span(key)
+        if span is None or not reads.native:
+            return super().start(key, reads, urgent)
+        file, start, end, parts = span
+        try:
+            fd = self._fd(file)
+        except OSError as err:
+            raise CheckpointError(f"{key}: cannot open {file}: {err}") from err
+        n = end - start
+        buf = torch.empty(n, dtype=torch.uint8, pin_memory=True) if self.pin_background else self.buffers.take(n)
+
+        def finish(error: OSError | None) -> MXFP4ExpertWeights:
+            if error is not None:
+                raise CheckpointError(f"{key}: cannot read its tensors from {file}: {error}") from error
+            w = self._views(buf, parts)
+            self._check(key, w)
+            return w
+
+        return reads.read([(fd, start, buf)], finish, drop=self.drop_page_cache, urgent=urgent)
 
     def put(self, key: Key, weights: Weights) -> Weights:
         raise TypeError("the checkpoint tier is read-only")
@@ -173,12 +211,25 @@ class CheckpointTier(Tier):
                 done += n
         except OSError as err:
             raise CheckpointError(f"{key}: cannot read its tensors from {file}: {err}") from err
-        return MXFP4ExpertWeights(**{name: buf[o : o + n].view(shape) for name, (o, n, shape) in parts.items()})
+        return self._views(buf, parts)
+
+    def _views(self, buf: torch.Tensor, parts) -> MXFP4ExpertWeights:
+        views = {name: buf[o : o + n].view(shape) for name, (o, n, shape) in parts.items()}
+        layout = tuple((name, o, tuple(shape)) for name, (o, _, shape) in parts.items())
+        if layout in self._checked_layouts:  # every expert has the same: check the first one fully
+            return MXFP4ExpertWeights.unchecked(**views)
+        w = MXFP4ExpertWeights(**views)
+        self._checked_layouts.add(layout)
+        return w
 
     def _fd(self, file) -> int:
-        if file not in self._fds:
-            self._fds[file] = os.open(file, os.O_RDONLY)
-        return self._fds[file]
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._fd_lock:  # reader threads may open files too
+                if file not in self._fds:
+                    self._fds[file] = os.open(file, os.O_RDONLY)
+                fd = self._fds[file]
+        return fd
 
     def _drop_pages(self, key: Key) -> None:
         span = self._spans.get(key)

@@ -247,38 +247,38 @@ def kernel(flags: tuple[str, ...] | None = None) -> CpuKernels | None:
     return _loaded[key]
 
 
-def build(flags: tuple[str, ...] | None = None) -> Path:
-    """Compile cpu_kernels.c into the cache (once per source, compiler, flags and CPU) and return the path.
-    Default flags: this CPU's instruction set (-march=native, else -mcpu=native, else none), with OpenMP
-    when the compiler has it (without, the kernel runs on one thread)."""
-    if not SOURCE.is_file():
-        raise RuntimeError(f"{SOURCE} is missing from this installation")
+def build(flags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Path:
+    """Compile `source` (default cpu_kernels.c) into the cache (once per source, compiler, flags and CPU)
+    and return the path. Default flags: this CPU's instruction set (-march=native, else -mcpu=native,
+    else none), with OpenMP when the compiler has it (without, the kernel runs on one thread)."""
+    if not source.is_file():
+        raise RuntimeError(f"{source} is missing from this installation")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     candidates = [tuple(flags)] if flags is not None else [("-march=native",), ("-mcpu=native",), ()]
-    source = SOURCE.read_bytes()
+    text = source.read_bytes()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except OSError as err:
         raise RuntimeError(f"cannot run the C compiler {compiler!r}: {err}") from None
-    key = b"\0".join([source, version.encode(), repr(candidates).encode(), _cpu_id().encode()])
-    out = _cache_dir() / f"cpu_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    key = b"\0".join([text, version.encode(), repr(candidates).encode(), _cpu_id().encode()])
+    out = _cache_dir() / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if out.is_file():
         return out
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
     errors = []
     for candidate in candidates:
         for openmp in (["-fopenmp"], []):
-            command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", *candidate, *openmp, str(SOURCE), "-lm",
-                       "-o", str(tmp)]
+            command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", "-pthread", *candidate, *openmp, str(source),
+                       "-lm", "-o", str(tmp)]
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if result.returncode == 0:
                 os.replace(tmp, out)  # atomic: concurrent builders all end with a whole file
                 return out
             errors.append(result.stderr.strip()[-2000:])
     tmp.unlink(missing_ok=True)
-    raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed: {errors[0]}")
+    raise RuntimeError(f"compiling {source.name} with {compiler} failed: {errors[0]}")
 
 
 def _cache_dir() -> Path:

@@ -1,0 +1,300 @@
+"""Background loads for the expert store: work that runs off the model's thread, and what is left of it.
+
+`Reads.read(segments, ...)` reads byte ranges of files into buffers on native threads (native_reads.c,
+compiled on first use) that never take the GIL; `Reads.call(fn)` runs any loader on a Python thread (the
+fallback when the C reader cannot be built, and for tiers that are not plain byte ranges). Both return a
+`Pending`: `ready()` never blocks, `result()` waits and then runs the caller's `finish` on the calling
+thread, so everything that touches Python objects (views, checks, the store's books) happens on the
+model's thread, and the reader threads only move bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native_reads.c")
+# reads in flight. On the dev VM's disk, random 0.8 MB reads gave 0.55 / 0.86 / 1.07 GB/s at 1 / 2 / 4;
+# swap-bench decode with 1-6 threads was within its noise, 2 as good as any
+DEFAULT_THREADS = 2
+
+_DONE, _CANCELLED = 2, 3
+
+
+class _Job(ctypes.Structure):  # msw_job in native_reads.c
+    _fields_ = [("fd", ctypes.c_int64), ("offset", ctypes.c_int64), ("nbytes", ctypes.c_int64),
+                ("dst", ctypes.c_void_p), ("drop", ctypes.c_int32), ("state", ctypes.c_int32),
+                ("error", ctypes.c_int32), ("pad", ctypes.c_int32), ("next", ctypes.c_void_p)]
+
+
+_lib_lock = threading.Lock()
+_lib: list = []  # [the loaded library or None], once tried
+
+
+def native_library():
+    """The compiled reader, or None where it cannot be built (a warning says why, once)."""
+    with _lib_lock:
+        if not _lib:
+            from moeswap.ops.cpu_kernels import build
+
+            try:
+                lib = ctypes.CDLL(str(build(flags=(), source=SOURCE)))
+            except (OSError, RuntimeError) as err:
+                warnings.warn(f"moeswap: native expert reader unavailable, reading on Python threads: {err}",
+                              RuntimeWarning, stacklevel=3)
+                lib = None
+            if lib is not None:
+                lib.msw_reads_new.restype = ctypes.c_void_p
+                lib.msw_reads_new.argtypes = [ctypes.c_int]
+                lib.msw_reads_threads.argtypes = [ctypes.c_void_p]
+                for name in ("msw_reads_submit", "msw_reads_cancel", "msw_reads_wait"):
+                    getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(_Job)] + (
+                        [ctypes.c_int] if name == "msw_reads_submit" else [])
+                lib.msw_reads_submit.restype = None
+                lib.msw_reads_wait.restype = None
+                lib.msw_reads_done.argtypes = [ctypes.POINTER(_Job)]
+                lib.msw_reads_free.argtypes = [ctypes.c_void_p]
+                lib.msw_reads_free.restype = None
+            _lib.append(lib)
+        return _lib[0]
+
+
+Segment = tuple[int, int, torch.Tensor]  # (file descriptor, offset, uint8 CPU buffer to fill completely)
+Finish = Callable[[OSError | None], object]  # the read's error (or None) -> the loaded value, or raises
+
+
+class Pending:
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def result(self):
+        raise NotImplementedError
+
+    def cancel(self) -> bool:
+        """True when it had not started and now never will."""
+        raise NotImplementedError
+
+
+class Done(Pending):
+    """Already loaded (e.g. found in a host tier)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def result(self):
+        return self.value
+
+    def cancel(self) -> bool:
+        return False
+
+
+class _NativeRead(Pending):
+    def __init__(self, reads: Reads, segments: Sequence[Segment], drop: bool, urgent: bool, finish: Finish):
+        self._reads, self._finish = reads, finish
+        self._buffers = [buf for _, _, buf in segments]  # kept alive while C writes into them
+        self._jobs = [_Job(fd, offset, buf.numel(), buf.data_ptr(), int(drop)) for fd, offset, buf in segments]
+        for job in self._jobs:
+            reads._lib.msw_reads_submit(reads._handle, job, int(urgent))
+
+    def ready(self) -> bool:
+        return all(self._reads._lib.msw_reads_done(j) for j in self._jobs)
+
+    def wait(self) -> None:
+        if self._reads._handle is None:  # closed: every job is done or cancelled
+            return
+        for job in self._jobs:
+            if not self._reads._lib.msw_reads_done(job):
+                self._reads._lib.msw_reads_wait(self._reads._handle, job)  # ctypes drops the GIL meanwhile
+
+    def result(self):
+        self.wait()
+        error = None
+        for job in self._jobs:
+            if job.state == _CANCELLED:
+                error = OSError("the reader was closed before this read ran")
+            elif job.error == -1:
+                error = OSError(f"file shrank since open: expected {job.nbytes} bytes at offset {job.offset}")
+            elif job.error:
+                error = OSError(job.error, os.strerror(job.error))
+        return self._finish(error)
+
+    def cancel(self) -> bool:
+        if self._reads._handle is None:
+            return False
+        removed = [bool(self._reads._lib.msw_reads_cancel(self._reads._handle, j)) for j in self._jobs]
+        if all(removed):
+            return True
+        for job, gone in zip(self._jobs, removed):  # a few started: re-queue the rest (rare; keeps it simple)
+            if gone:
+                self._reads._lib.msw_reads_submit(self._reads._handle, job, 0)
+        return False
+
+    def __del__(self):  # never free memory a reader thread may still write into
+        if not self.ready() and not self.cancel():
+            self.wait()
+
+
+class _Call(Pending):
+    """`fn` on a pool thread; `finish(value, error)` makes the result on the thread that asks for it."""
+
+    def __init__(self, fn: Callable[[], object], finish: Callable[[object, BaseException | None], object],
+                 pool: _Pool):
+        self.fn, self._finish, self._pool = fn, finish, pool
+        self.done = threading.Event()
+        self.value = self.error = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as err:  # handed to whoever takes the result
+            self.error = err
+        self.done.set()
+
+    def ready(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> None:
+        if self._pool.remove(self):  # still queued: run it here at once rather than behind others
+            self.run()
+        self.done.wait()
+
+    def result(self):
+        self.wait()
+        return self._finish(self.value, self.error)
+
+    def cancel(self) -> bool:
+        return self._pool.remove(self)
+
+
+class _Pool:
+    """Python threads for `Reads.call`, started on first use."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._urgent: deque[_Call] = deque()
+        self._normal: deque[_Call] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._workers: list[threading.Thread] = []
+
+    def submit(self, call: _Call, urgent: bool) -> None:
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the expert reader is closed")
+            if not self._workers:
+                self._workers = [threading.Thread(target=self._work, name=f"moeswap-read-{i}", daemon=True)
+                                 for i in range(self.threads)]
+                for t in self._workers:
+                    t.start()
+            (self._urgent if urgent else self._normal).append(call)
+            self._wake.notify()
+
+    def remove(self, call: _Call) -> bool:
+        with self._wake:
+            for q in (self._urgent, self._normal):
+                if call in q:
+                    q.remove(call)
+                    return True
+        return False
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            dropped = [*self._urgent, *self._normal]
+            self._urgent.clear()
+            self._normal.clear()
+            self._wake.notify_all()
+        for call in dropped:
+            call.error = OSError("the reader was closed before this read ran")
+            call.done.set()
+        for t in self._workers:
+            t.join()
+
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._closed or self._urgent or self._normal):
+                    self._wake.wait()
+                if self._closed:
+                    return
+                call = (self._urgent or self._normal).popleft()
+            call.run()
+
+
+class Reads:
+    """`threads` reads in flight at once. native=False (or a machine without a C compiler) reads on
+    Python threads instead."""
+
+    def __init__(self, threads: int = DEFAULT_THREADS, native: bool = True):
+        if threads < 1:
+            raise ValueError(f"reader threads must be at least 1, got {threads}")
+        self._lib = native_library() if native else None
+        self._handle = self._lib.msw_reads_new(threads) if self._lib is not None else None
+        if self._lib is not None and not self._handle:
+            raise MemoryError("cannot start the native expert reader")
+        self._pool = _Pool(threads)
+
+    @property
+    def native(self) -> bool:
+        return self._handle is not None
+
+    def read(self, segments: Sequence[Segment], finish: Finish, drop: bool = False, urgent: bool = False) -> Pending:
+        """Fill each segment's buffer from its file; `result()` returns finish(error or None).
+        drop: then drop those pages from the OS page cache."""
+        if self.native:
+            return _NativeRead(self, segments, drop, urgent, finish)
+
+        def read_all() -> None:
+            for fd, offset, buf in segments:
+                view, done = memoryview(buf.numpy()), 0
+                while done < len(view):
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                    if n == 0:
+                        raise OSError(f"file shrank since open: expected {len(view)} bytes at offset {offset}")
+                    done += n
+                if drop and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+
+        def finish_call(_, error):
+            if error is not None and not isinstance(error, OSError):
+                raise error
+            return finish(error)
+
+        call = _Call(read_all, finish_call, self._pool)
+        self._pool.submit(call, urgent)
+        return call
+
+    def call(self, fn: Callable[[], object], urgent: bool = False) -> Pending:
+        """fn() on a Python thread; `result()` returns its value or raises its error."""
+
+        def finish(value, error):
+            if error is not None:
+                raise error
+            return value
+
+        call = _Call(fn, finish, self._pool)
+        self._pool.submit(call, urgent)
+        return call
+
+    def close(self) -> None:
+        """Waits for reads in progress; queued ones are dropped (their result() raises)."""
+        self._pool.close()
+        if self._handle is not None:
+            self._lib.msw_reads_free(self._handle)
+            self._handle = None
