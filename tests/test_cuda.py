@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moeswap.engine.generate import GenerationConfig, generate, generate_batch
+from moeswap.experts.tiers import tensors_of
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops.kda import kda_chunked, kda_recurrent
 from moeswap.tiny import write_tiny_model
@@ -76,3 +77,24 @@ def test_generation_on_cuda_matches_cpu_and_batches(k3_dir):
     want = [generate(cpu, p, cfg).tokens for p in prompts]
     assert [generate(gpu, p, cfg).tokens for p in prompts] == want
     assert [r.tokens for r in generate_batch(gpu, prompts, cfg)] == want
+
+
+def test_swapping_experts_on_cuda_gives_the_cpu_tokens(k3_dir):
+    """A fast tier in device memory at 10 % of the experts, a pinned host tier, next-layer prefetch (reads
+    into pinned buffers, copies on the side stream, events waited at first use): the all-resident tokens."""
+    cpu, _ = load_model(k3_dir, LoadOptions(dtype="float32"))
+    prompt = _ids(20, 4)[0].tolist()
+    cfg = GenerationConfig(max_tokens=12, stop_ids=())
+    want = generate(cpu, prompt, cfg).tokens
+    _, store = load_model(k3_dir, LoadOptions(dtype="float32", device="cuda"))
+    total = sum(store.fast.cost(k) for k in store.index.entries)
+    for host in (0, total // 2):
+        gpu, store = load_model(k3_dir, LoadOptions(dtype="float32", device="cuda", expert_memory=total // 10,
+                                                    host_memory=host, prefetch="next-layer"))
+        try:
+            assert generate(gpu, prompt, cfg).tokens == want, host
+        finally:
+            store.close()
+        s = store.stats
+        assert s.misses > 0 and s.prefetch.loaded > 0 and store.fast.used <= store.fast.capacity
+        assert all(t.is_cuda for key in store.fast.keys() for t in tensors_of(store.fast.get(key)))

@@ -32,6 +32,13 @@ def make_reads(native: bool, threads: int = 2) -> Reads:
     return reads
 
 
+def held_reader(native: bool):
+    """A one-thread reader whose Python thread (the fallback's only reader) is busy until `gate` is set."""
+    reads = make_reads(native, threads=1)
+    gate = threading.Event()
+    return reads, gate, reads.call(gate.wait)
+
+
 @pytest.mark.parametrize("native", MODES)
 def test_segments_are_filled_from_their_offsets(data_file, native):
     fd, data = data_file
@@ -70,10 +77,8 @@ def test_a_read_past_the_end_reaches_finish_as_an_error(data_file, native):
 @pytest.mark.parametrize("native", MODES)
 def test_cancelled_reads_never_write_and_the_rest_complete(data_file, native):
     fd, data = data_file
-    reads = make_reads(native, threads=1)
+    reads, gate, blocker = held_reader(native)
     try:
-        gate = threading.Event()
-        blocker = reads.call(gate.wait)  # holds the Python thread (the fallback's only reader)
         bufs = [torch.full((1 << 20,), 7, dtype=torch.uint8) for _ in range(40)]
         pendings = [reads.read([(fd, 4096 * i, b)], finish=lambda e: e) for i, b in enumerate(bufs)]
         cancelled = [p.cancel() for p in reversed(pendings)][::-1]
@@ -92,9 +97,7 @@ def test_cancelled_reads_never_write_and_the_rest_complete(data_file, native):
 @pytest.mark.parametrize("native", MODES)
 def test_close_drops_queued_reads_with_an_error(data_file, native):
     fd, _ = data_file
-    reads = make_reads(native, threads=1)
-    gate = threading.Event()
-    blocker = reads.call(gate.wait)
+    reads, gate, blocker = held_reader(native)
     pendings = [reads.read([(fd, 0, torch.empty(1 << 20, dtype=torch.uint8))], finish=lambda e: e)
                 for _ in range(30)]
     threading.Timer(0.05, gate.set).start()

@@ -47,7 +47,7 @@ class StoreStats:
     disk_reads: int = 0  # experts read from the checkpoint
     disk_bytes: int = 0  # stored bytes read from the checkpoint
     stall_s: float = 0.0  # time fetch waited for experts that were not in the fast tier
-    load_s: float = 0.0  # time spent reading and converting experts, on any thread
+    load_s: float = 0.0  # time the model's thread spent reading (demand misses) and taking in experts
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
 
     @property

@@ -4,8 +4,10 @@ Tiers go fastest first: the fast tier (accelerator memory, or host memory withou
 host tier, then the checkpoint. A miss is read from the first tier below that has the expert and
 promoted into every cache tier above, each evicting by its own CachePolicy within its byte budget.
 Experts of the layer step being computed and those hinted for the next layer are pinned: a prefetch
-never evicts them (a demand may, so nothing waits forever). Knows nothing of models: the loader builds
-it with `build_store(ckpt, index, config, dtype, device, StoreOptions)`.
+never evicts them (a demand may, so nothing waits forever). With a prefetcher, reads run on background
+threads that only move bytes; the rest of a load (checks, the books, the copy up) happens on the model's
+thread, at its next fetch or when it needs that expert. Knows nothing of models: the loader builds it
+with `build_store(ckpt, index, config, dtype, device, StoreOptions)`.
 """
 
 from __future__ import annotations

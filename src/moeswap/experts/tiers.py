@@ -2,8 +2,9 @@
 
 MemoryTier is accelerator memory (CUDA) or host memory (pinned when an accelerator is present); it keeps
 experts in its own form: the stored MXFP4 bytes (default) or decoded copies. CheckpointTier is the disk:
-the checkpoint itself, read per expert by byte range (pread), never a whole file. Tiers do no eviction
-and no locking: ExpertStore decides what goes where, under its lock.
+the checkpoint itself, read per expert by byte range (pread), never a whole file; `start(key, reads)`
+begins such a read on the background reader threads. Tiers do no eviction: ExpertStore decides what
+goes where, under its lock.
 """
 
 from __future__ import annotations
