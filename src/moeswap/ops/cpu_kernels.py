@@ -229,6 +229,11 @@ def build_error() -> str:
     return _build_error
 
 
+def kernel_ready() -> bool:
+    """Whether this machine's kernel is built and loaded (never builds it: safe while tracing)."""
+    return _loaded.get("native") is not None
+
+
 def kernel(flags: tuple[str, ...] | None = None) -> CpuKernels | None:
     """The compiled kernel for `flags` (default: this machine's best), building it on first use."""
     global _build_error
@@ -304,3 +309,28 @@ def _cpu_id() -> str:
         return model + flags
     except OSError:
         return platform.machine() + platform.processor()
+
+
+# -- the kernels as torch ops, for torch.compile: a ctypes call breaks a compiled graph, an op does not.
+# Eager code calls the methods above directly (an op call costs ~10 us more); compiled code calls these.
+
+@torch.library.custom_op("moeswap::bf16_linear", mutates_args=())
+def bf16_linear_op(x_TI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+    k = kernel()
+    return k.bf16_linear(x_TI, w_OI) if k is not None else torch.nn.functional.linear(x_TI, w_OI.float())
+
+
+@bf16_linear_op.register_fake
+def _(x_TI, w_OI):
+    return x_TI.new_empty(x_TI.shape[0], w_OI.shape[0])
+
+
+@torch.library.custom_op("moeswap::kda_decode", mutates_args=("state_NKV",))
+def kda_decode_op(q_NK: torch.Tensor, k_NK: torch.Tensor, v_NV: torch.Tensor, g_NK: torch.Tensor,
+                  beta_N: torch.Tensor, state_NKV: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
+    return kernel().kda_decode(q_NK, k_NK, v_NV, g_NK, beta_N, state_NKV, scale, eps)
+
+
+@kda_decode_op.register_fake
+def _(q_NK, k_NK, v_NV, g_NK, beta_N, state_NKV, scale, eps):
+    return v_NV.new_empty(v_NV.shape)

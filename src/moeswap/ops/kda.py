@@ -28,7 +28,15 @@ def kda_decode_step(q_B1HK: torch.Tensor, k_B1HK: torch.Tensor, v_B1HV: torch.Te
     recurrence of `kda_recurrent`; the state is updated in place. Returns o [B, 1, H, V] fp32."""
     B, _, H, K = q_B1HK.shape
     V = v_B1HV.shape[-1]
-    kernel = cpu_kernels.kernel() if state_BHKV.device.type == "cpu" else None
+    compiling = torch.compiler.is_compiling()
+    kernel = cpu_kernels.kernel() if state_BHKV.device.type == "cpu" and not compiling else None
+    if (compiling and state_BHKV.device.type == "cpu" and cpu_kernels.kernel_ready()
+            and state_BHKV.dtype == torch.float32 and state_BHKV.is_contiguous() and not torch.is_grad_enabled()):
+        flat = lambda t, w: t.float().reshape(B * H, w).contiguous()  # noqa: E731
+        o = torch.ops.moeswap.kda_decode(flat(q_B1HK, K), flat(k_B1HK, K), flat(v_B1HV, V), flat(g_B1HK, K),
+                                         beta_B1H.float().reshape(B * H).contiguous(), state_BHKV.view(B * H, K, V),
+                                         scale, L2_EPS)
+        return o.view(B, 1, H, V)
     if (kernel is not None and state_BHKV.dtype == torch.float32 and state_BHKV.is_contiguous()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q_B1HK, k_B1HK, v_B1HV, g_B1HK)))):
         flat = lambda t, w: t.float().reshape(B * H, w)  # noqa: E731
