@@ -46,8 +46,8 @@ def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[to
     if fused is not None and fused[1] == tuple(names):
         mods = [getattr(module, n) for n in names]
         # data pointers cannot be compared while compiling: the compiled decode is made after fusion
-        same = torch.compiler.is_compiling() or [m.weight.data_ptr() for m in mods] == fused[2]
-        if all(type(m) in FUSABLE for m in mods) and same:
+        if all(type(m) in FUSABLE for m in mods) and (
+                torch.compiler.is_compiling() or [m.weight.data_ptr() for m in mods] == fused[2]):
             return list(linear(x, fused[0]).split(fused[3], dim=-1))
     return [getattr(module, n)(x) for n in names]
 
