@@ -180,3 +180,24 @@ def test_demand_waits_for_an_expert_the_prefetcher_is_loading():
 def test_one_policy_per_cache_tier():
     with pytest.raises(ValueError, match="one policy per cache tier"):
         ExpertStore([MemoryTier("fast", 10, cost=lambda k: 1), Source()], [LRU(), LRU()])
+
+
+def test_a_newer_hint_cancels_the_older_hints_queued_reads():
+    """One slow reader thread: of hint 1's four reads one starts, the other three are still queued when
+    hint 2 arrives; they are dropped (reservations freed), the started one completes."""
+    store, source = make_store(slots=8, delay=0.05)
+    store.prefetcher = Prefetcher(store, threads=1)
+    try:
+        store.prefetcher.hint(1, [0, 1, 2, 3])
+        queued = store.prefetcher.reads._pool._normal
+        t0 = time.time()
+        while len(queued) > 3 and time.time() - t0 < 5:  # until the thread has taken the first read
+            time.sleep(0.001)
+        store.prefetcher.hint(2, [5])
+        assert set(store._inflight) == {Key(1, 0), Key(2, 5)} and store._reserved == [2 * SIZE]
+        assert store.stats.prefetch.dropped == 3
+        wait_idle(store)
+        assert source.reads == [Key(1, 0), Key(2, 5)] and store._reserved == [0]
+        assert {Key(1, 0), Key(2, 5)} <= set(store.fast.keys())
+    finally:
+        store.close()
