@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moeswap.cli import main
+from moeswap.config import load_config
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.experts.trace import TraceRecorder, read_trace, write_trace
 from moeswap.formats.checkpoint import CheckpointError
@@ -217,6 +218,10 @@ def test_bench_swap_runs_and_checks_tokens(tiny_k3_dir, tmp_path):
                   out_dir=tmp_path, log=lambda *_: None)
     assert len(r["runs"]) == 8 and all(c["same_tokens"] for c in r["runs"] + r["baselines"])
     assert r["baselines"][1]["hit_rate"] == 0 and r["baselines"][0]["hit_rate"] == 1
+    cfg = load_config(tiny_k3_dir)  # no cache reads each token's top-k experts of every MoE layer, once
+    per_token = cfg.moe.top_k * cfg.mlp_kinds.count("moe") * r["expert_bytes"] / 1e6
+    assert r["baselines"][1]["disk_mb_per_token"] == pytest.approx(per_token)
+    assert r["baselines"][0]["disk_mb_per_token"] == 0 and r["baselines"][1]["disk_gb_per_s"] > 0
     text = format_report(r)
     assert "| lru + next-layer prefetch |" in text and "All configurations produced the all-resident tokens" in text
     assert (tmp_path / "swap-trace.bin").exists()

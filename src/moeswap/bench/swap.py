@@ -90,7 +90,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
         def on_token(_):  # the first token ends the prompt: decode-only statistics start here
             if not at_first:
                 s = store.stats
-                at_first.update(hits=s.hits, misses=s.misses, stall=s.stall_s)
+                at_first.update(hits=s.hits, misses=s.misses, stall=s.stall_s, disk=s.disk_bytes)
 
         result = generate(model, ids, gen_cfg, on_token=on_token)
         store.close()
@@ -98,7 +98,10 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
         hits, misses = s.hits - at_first["hits"], s.misses - at_first["misses"]
         return {"tokens_per_s": result.decode_tokens_per_s, "tokens": result.tokens, "ttft_s": result.ttft_s,
                 "hit_rate": hits / max(1, hits + misses), "stall_ms_per_token": (s.stall_s - at_first["stall"]) * 1e3
-                / max(1, result.decoded), "disk_reads": s.disk_reads, "prefetch_stats": s.as_dict()["prefetch"]}
+                / max(1, result.decoded), "disk_reads": s.disk_reads, "prefetch_stats": s.as_dict()["prefetch"],
+                # what the disk delivered while decoding: when it is the limit, tokens/s follows this
+                "disk_mb_per_token": (s.disk_bytes - at_first["disk"]) / 1e6 / max(1, result.decoded),
+                "disk_gb_per_s": (s.disk_bytes - at_first["disk"]) / 1e9 / result.decode_s if result.decode_s else 0.0}
 
     def resident_store():
         store = make("lru", total + expert_bytes)
@@ -138,7 +141,8 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
             row = generate_with(c["make"]())
             samples[c["name"]].append(row)
             log(f"  [{round_ + 1}/{repeats}] {c['name']}: {row['tokens_per_s']:.2f} tokens/s, decode hit rate "
-                f"{row['hit_rate']:.0%}, stalled {row['stall_ms_per_token']:.1f} ms/token")
+                f"{row['hit_rate']:.0%}, stalled {row['stall_ms_per_token']:.1f} ms/token, disk "
+                f"{row['disk_mb_per_token']:.1f} MB/token at {row['disk_gb_per_s']:.2f} GB/s")
     rows = []
     for c in configs:
         runs = samples[c["name"]]
@@ -146,7 +150,8 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
         row.update(runs[0])
         row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
         row["tokens_per_s_all"] = [r["tokens_per_s"] for r in runs]
-        row["stall_ms_per_token"] = statistics.median(r["stall_ms_per_token"] for r in runs)
+        for k in ("stall_ms_per_token", "disk_mb_per_token", "disk_gb_per_s"):
+            row[k] = statistics.median(r[k] for r in runs)
         row["same_tokens"] = all(r["tokens"] == ref_tokens for r in runs)
         rows.append(row)
     reference, no_cache = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
@@ -171,12 +176,14 @@ def format_report(r: dict) -> str:
         f"Decode tokens/s on {Path(r['model']).name} ({r['experts']} experts, {r['expert_bytes_total'] / 2**20:.0f} MiB "
         f"as {r['form']}; {'cold' if r['cold_disk'] else 'warm'} disk; {r['max_tokens']} tokens after a "
         f"{r['prompt_tokens']}-token prompt, cache warmed by {r['warmup_tokens']} tokens of another; torch threads {r['environment']['torch_threads']}; median of "
-        f"{r['repeats']} round(s)). Cells: tokens/s · ratio to all-resident · decode hit rate · expert stall ms/token.",
+        f"{r['repeats']} round(s)). Cells: tokens/s · ratio to all-resident · decode hit rate · expert stall ms/token · "
+        f"disk MB read per token.",
         "",
         f"- {BASELINE_RESIDENT}: {resident['tokens_per_s']:.2f} tokens/s (the reference; rounds: "
         f"{', '.join(f'{x:.2f}' for x in resident['tokens_per_s_all'])})",
         f"- {BASELINE_NO_CACHE}: {no_cache['tokens_per_s']:.2f} tokens/s ({no_cache['vs_resident']:.2f}x all-resident, "
-        f"stall {no_cache['stall_ms_per_token']:.1f} ms/token)",
+        f"stall {no_cache['stall_ms_per_token']:.1f} ms/token, disk {no_cache['disk_mb_per_token']:.1f} MB/token at "
+        f"{no_cache['disk_gb_per_s']:.2f} GB/s)",
         "",
         "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
     ]
@@ -194,7 +201,7 @@ def format_report(r: dict) -> str:
                 continue
             flag = "" if c["same_tokens"] else " DIFFERENT TOKENS"
             cells.append(f"{c['tokens_per_s']:.2f} · {c['vs_resident']:.2f}x · {c['hit_rate']:.0%} · "
-                         f"{c['stall_ms_per_token']:.1f}{flag}")
+                         f"{c['stall_ms_per_token']:.1f} · {c['disk_mb_per_token']:.1f}{flag}")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     wrong = [c["name"] for c in r["runs"] + r["baselines"] if not c["same_tokens"]]
     lines.append("")
