@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from moeswap.cli import main
 from moeswap.config import load_config
