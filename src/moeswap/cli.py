@@ -39,6 +39,9 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
                    help="MXFP4 experts on the CPU: fp32 activations (default), or int8 per 32-value block with "
                         "integer dot products, as llama.cpp computes them (faster; AVX-512 VNNI only)")
+    p.add_argument("--gemm-precision", default="fp32", choices=("fp32", "bf16"),
+                   help="CPU matmuls of more than 32 rows (prefill) with bf16 weights: fp32 (default, exact), or "
+                        "bf16 inputs and bf16 GEMM, as llama.cpp rounds them (~2x faster with AVX512-BF16)")
     # the expert store (experts/store.py StoreOptions, through LoadOptions)
     p.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"),
                    help="bytes of routed experts kept in the fast tier: accelerator memory, or host memory "
@@ -61,7 +64,7 @@ def load_options(args):
 
     return LoadOptions(args.dtype, args.device, args.expert_memory, args.host_memory, args.expert_policy,
                        args.prefetch, args.decoded_experts, args.expert_profile, args.dense_weights,
-                       args.expert_activations)
+                       args.expert_activations, args.gemm_precision)
 
 
 def build_parser() -> argparse.ArgumentParser:

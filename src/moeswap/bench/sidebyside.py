@@ -31,6 +31,7 @@ class Setup:
     decoded_experts: bool = False
     compile: bool = False
     expert_activations: str = "fp32"
+    gemm_precision: str = "fp32"
     gguf: str | None = None  # an existing GGUF for llama.cpp; default: convert the checkpoint (cached in .peers/)
     moeswap_env: dict = field(default_factory=dict)  # extra environment for the moeswap worker
 
@@ -134,7 +135,7 @@ class Peers:
         arch = load_config(setup.model).arch
         extra = ["--dtype", setup.dtype, "--expert-memory", str(setup.expert_memory)]
         extra += ["--decoded-experts"] * setup.decoded_experts + ["--compile"] * setup.compile
-        extra += ["--expert-activations", setup.expert_activations]
+        extra += ["--expert-activations", setup.expert_activations, "--gemm-precision", setup.gemm_precision]
         self.workers["moeswap"] = Worker("moeswap", setup.model, setup.threads, extra, setup.moeswap_env)
         for peer in setup.peers:
             try:
@@ -218,6 +219,8 @@ def header_markdown(report: dict) -> str:
         lines.append(f"- {peer}: {name}")
     if report.get("settings", {}).get("expert_activations") == "int8":
         lines.append("- moeswap: `--expert-activations int8` (MXFP4 experts on int8 activations, as llama.cpp)")
+    if report.get("settings", {}).get("gemm_precision") == "bf16":
+        lines.append("- moeswap: `--gemm-precision bf16` (prefill GEMMs on bf16 inputs, as llama.cpp's bf16 matmuls)")
     for peer, why in report["skipped"].items():
         lines.append(f"- {peer}: SKIPPED, {why}")
     return "\n".join(lines)
@@ -231,7 +234,7 @@ def common_report(setup: Setup, peers: Peers) -> dict:
             "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
             "settings": {"dtype": setup.dtype, "expert_memory": setup.expert_memory,
                          "decoded_experts": setup.decoded_experts, "compile": setup.compile,
-                         "expert_activations": setup.expert_activations,
+                         "expert_activations": setup.expert_activations, "gemm_precision": setup.gemm_precision,
                          "moeswap_env": setup.moeswap_env}}
 
 
@@ -249,6 +252,8 @@ def add_common_flags(b) -> None:
     b.add_argument("--compile", action="store_true", help="moeswap: torch.compile the decode step")
     b.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
                    help="moeswap's MXFP4 expert activations (int8: llama.cpp's arithmetic, AVX-512 VNNI only)")
+    b.add_argument("--gemm-precision", default="fp32", choices=("fp32", "bf16"),
+                   help="moeswap's matmuls of more than 32 rows (prefill): bf16 inputs and GEMM, as llama.cpp")
     b.add_argument("--omp-passive", action="store_true",
                    help="moeswap worker with OMP_WAIT_POLICY=PASSIVE (see docs/benchmarks.md)")
     b.add_argument("--gguf", help="an existing GGUF for llama.cpp (default: convert MODEL with llama.cpp's converter)")
@@ -266,7 +271,7 @@ def setup_from_args(args) -> Setup:
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"{args.model}: no config.json; give a checkpoint directory")
     return Setup(args.model, args.threads, peers, args.reps, args.dtype, args.expert_memory, args.decoded_experts,
-                 args.compile, args.expert_activations, args.gguf,
+                 args.compile, args.expert_activations, args.gemm_precision, args.gguf,
                  {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {})
 
 

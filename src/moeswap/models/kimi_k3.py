@@ -23,7 +23,7 @@ from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
-from moeswap.ops.linear import linear
+from moeswap.ops.linear import gemm_precision, linear
 
 # Checkpoint tensor name (prefix stripped) -> what it is. First match wins.
 #   "expert": a routed-expert tensor, indexed for the expert store (groups: layer, expert, proj, kind)
@@ -95,6 +95,7 @@ class KimiModel(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
         self.expert_lookahead = None  # hook(layer, hidden) set by the loader for next-layer prefetch; not a module
+        self.gemm_precision = "fp32"  # LoadOptions.gemm_precision: "bf16" rounds many-row CPU matmuls' inputs
 
     def moe_blocks(self) -> list[MoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
@@ -113,6 +114,10 @@ class KimiModel(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, state: ModelState | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, V] (or [B, 1, V] with last_only). Updates `state` in place when given."""
+        with gemm_precision(self.gemm_precision):
+            return self._forward(tokens_BT, state, last_only)
+
+    def _forward(self, tokens_BT: torch.Tensor, state: ModelState | None, last_only: bool) -> torch.Tensor:
         c, eps = self.config, self.config.rms_norm_eps
         block = c.attn_res_block_size
         partial = self.model.embed_tokens(tokens_BT)

@@ -20,7 +20,7 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.experts.store import StoreOptions, build_store
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
-from moeswap.ops.linear import StoredWeightLinear, can_keep_stored
+from moeswap.ops.linear import GEMM_PRECISIONS, StoredWeightLinear, can_keep_stored
 
 DENSE_WEIGHTS = ("auto", "compute")
 EXPERT_ACTIVATIONS = ("fp32", "int8")
@@ -42,6 +42,9 @@ class LoadOptions:
     # MXFP4 experts in the grouped CPU kernel: "fp32" multiplies fp32 activations; "int8" quantizes them per
     # 32-value block and sums in integers (llama.cpp's arithmetic; AVX-512 VNNI builds only).
     expert_activations: str = "fp32"
+    # CPU matmuls of more than 32 rows with bf16 weights (prefill): "fp32" exact; "bf16" rounds their
+    # inputs to bf16 and runs bf16 GEMMs, ~2x faster where the CPU has AVX512-BF16 (ops/linear.py)
+    gemm_precision: str = "fp32"
 
     def store_options(self) -> StoreOptions:
         return StoreOptions(self.expert_memory, self.host_memory, self.expert_policy, self.prefetch,
@@ -68,6 +71,8 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     if options.dense_weights not in DENSE_WEIGHTS:
         raise ValueError(f"dense weights {options.dense_weights!r}: expected one of {', '.join(DENSE_WEIGHTS)}")
     check_expert_activations(options.expert_activations)
+    if options.gemm_precision not in GEMM_PRECISIONS:
+        raise ValueError(f"--gemm-precision {options.gemm_precision!r}: expected one of {', '.join(GEMM_PRECISIONS)}")
     model = build_model(config, device="meta")
     index = fill_from_checkpoint(model, ckpt, config, dtype, options.device, options.dense_weights)
     index.validate(ckpt, config)
@@ -75,6 +80,7 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     attach_store(model, store)
     for block in model.moe_blocks():
         block.int8_activations = options.expert_activations == "int8"
+    model.gemm_precision = options.gemm_precision
     return model.eval(), store
 
 

@@ -21,7 +21,8 @@ import torch
 
 from moeswap.formats import mxfp4
 from moeswap.ops import cpu_kernels
-from moeswap.ops.activation import glu
+from moeswap.ops.activation import glu, glu_reference
+from moeswap.ops.linear import gemm_in_bf16
 
 ENV_KERNEL = "MOESWAP_EXPERT_KERNEL"
 ROW_CHUNK_BYTES = 1 << 20  # decoded fp32 bytes per chunk in torch_rows: stays in L2
@@ -34,7 +35,7 @@ def reference(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) 
     def full(name: str) -> torch.Tensor:
         return mxfp4.decode(getattr(w, f"{name}_packed"), getattr(w, f"{name}_scale"), torch.float32).to(x_TI.dtype)
 
-    h_TF = glu(act, x_TI @ full("w1").T, x_TI @ full("w3").T, situ_betas)
+    h_TF = glu_reference(act, x_TI @ full("w1").T, x_TI @ full("w3").T, situ_betas)
     return h_TF @ full("w2").T
 
 
@@ -58,19 +59,26 @@ def reference_int8(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, flo
         return mxfp4.decode(getattr(w, f"{name}_packed"), getattr(w, f"{name}_scale"), torch.float32)
 
     x = quantize_int8_blocks(x_TI)
-    h_TF = glu(act, x @ full("w1").T, x @ full("w3").T, situ_betas)
+    h_TF = glu_reference(act, x @ full("w1").T, x @ full("w3").T, situ_betas)
     return (quantize_int8_blocks(h_TF) @ full("w2").T).to(x_TI.dtype)
 
 
 def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
-    """reference, decoding ~1 MB of rows at a time into the output's columns."""
+    """reference, decoding ~1 MB of rows at a time into the output's columns. Under
+    `ops.linear.gemm_precision("bf16")` on the CPU, inputs and decoded rows (exact in bf16: E2M1 times a
+    power of two) multiply in bf16, as the dense layers' GEMMs then do."""
+    bf16 = x_TI.dtype == torch.float32 and x_TI.device.type == "cpu" and gemm_in_bf16()
 
     def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         out = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype, device=x.device)
         rows = max(1, ROW_CHUNK_BYTES // (packed.shape[1] * 8))
+        xb = x.to(torch.bfloat16) if bf16 else x
         for r in range(0, packed.shape[0], rows):
-            chunk = _decode(packed[r : r + rows], scale[r : r + rows], rows).to(x.dtype)
-            torch.matmul(x, chunk.T, out=out[..., r : r + rows])
+            chunk = _decode(packed[r : r + rows], scale[r : r + rows], rows).to(xb.dtype)
+            if bf16:
+                out[..., r : r + rows] = torch.matmul(xb, chunk.T)
+            else:
+                torch.matmul(x, chunk.T, out=out[..., r : r + rows])
         return out
 
     h_TF = glu(act, linear(x_TI, w.w1_packed, w.w1_scale), linear(x_TI, w.w3_packed, w.w3_scale), situ_betas)

@@ -10,6 +10,9 @@ weights it keeps as they are (models/loader.py, `dense_weights`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +20,29 @@ from torch import nn
 from moeswap.ops import cpu_kernels
 
 KERNEL_MAX_ROWS = 32  # up to this many rows the kernel streams the weights once; above, GEMM wins
+GEMM_PRECISIONS = ("fp32", "bf16")
+
+# "bf16": CPU matmuls of more than KERNEL_MAX_ROWS rows (prefill; decode batches above 32) with bf16
+# weights round their inputs to bf16 and run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x
+# fp32), outputs rounded to bf16 and widened back. llama.cpp's arithmetic class (it rounds the inputs of
+# bf16 matmuls to bf16); opt-in, the exact fp32 path is the default. Set per forward by the model.
+_gemm_precision: ContextVar[str] = ContextVar("moeswap_gemm_precision", default="fp32")
+
+
+@contextmanager
+def gemm_precision(precision: str):
+    """Within this block, many-row CPU matmuls with bf16 weights run in `precision` (see above)."""
+    if precision not in GEMM_PRECISIONS:
+        raise ValueError(f"GEMM precision {precision!r}: expected one of {', '.join(GEMM_PRECISIONS)}")
+    token = _gemm_precision.set(precision)
+    try:
+        yield
+    finally:
+        _gemm_precision.reset(token)
+
+
+def gemm_in_bf16() -> bool:
+    return _gemm_precision.get() == "bf16"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -33,6 +59,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if kernel is not None:
             y = kernel.bf16_linear(x.reshape(rows, x.shape[-1]), weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu" and gemm_in_bf16():
+        return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
     return F.linear(x, weight.to(x.dtype))
 
 

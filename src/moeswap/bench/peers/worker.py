@@ -26,14 +26,15 @@ class MoeswapRunner:
     name = "moeswap"
 
     def __init__(self, model_dir: str, threads: int, dtype: str = "auto", expert_memory: int = 8 << 30,
-                 decoded_experts: bool = False, compile: bool = False, expert_activations: str = "fp32"):
+                 decoded_experts: bool = False, compile: bool = False, expert_activations: str = "fp32",
+                 gemm_precision: str = "fp32"):
         import torch
 
         from moeswap.models.loader import LoadOptions, load_model
 
         torch.set_num_threads(threads)
         wanted = {"dtype": dtype, "expert_memory": expert_memory, "decoded_experts": decoded_experts,
-                  "expert_activations": expert_activations}
+                  "expert_activations": expert_activations, "gemm_precision": gemm_precision}
         known = {f.name for f in dataclasses.fields(LoadOptions)}
         self.model, self.store = load_model(model_dir, LoadOptions(**{k: v for k, v in wanted.items() if k in known}))
         self.compile = compile
@@ -53,7 +54,7 @@ class MoeswapRunner:
 def _make_runner(args: argparse.Namespace):
     if args.kind == "moeswap":
         return MoeswapRunner(args.model, args.threads, args.dtype, args.expert_memory, args.decoded_experts,
-                             args.compile, args.expert_activations)
+                             args.compile, args.expert_activations, args.gemm_precision)
     if args.kind == "llama.cpp":
         from moeswap.bench.peers.llamacpp import LlamaCppRunner
 
@@ -78,6 +79,7 @@ def serve(argv: list[str]) -> None:
     p.add_argument("--decoded-experts", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--expert-activations", default="fp32")
+    p.add_argument("--gemm-precision", default="fp32")
     args = p.parse_args(argv)
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a library prints goes to stderr, never into the protocol

@@ -1,0 +1,69 @@
+"""--gemm-precision bf16: many-row CPU matmuls with bf16 weights (dense GEMMs, MXFP4 experts on the
+GEMM path) round their inputs to bf16, inside the model's forward only; few-row ones (decode) and the
+default stay exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeswap.formats import mxfp4
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.ops import expert_mxfp4 as em
+from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_in_bf16, gemm_precision, linear
+
+
+def test_many_rows_round_their_inputs_to_bf16_few_rows_stay_exact():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 80, generator=g).bfloat16()
+    many, few = torch.randn(KERNEL_MAX_ROWS + 8, 80, generator=g), torch.randn(4, 80, generator=g)
+    exact_many, exact_few = linear(many, w), linear(few, w)
+    with gemm_precision("bf16"):
+        assert gemm_in_bf16()
+        got_many, got_few = linear(many, w), linear(few, w)
+    assert not gemm_in_bf16()  # reset on leaving
+    assert got_many.dtype == torch.float32 and torch.equal(got_many, F.linear(many.bfloat16(), w).float())
+    assert not torch.equal(got_many, exact_many)
+    torch.testing.assert_close(got_many, exact_many, rtol=0, atol=2e-2 * exact_many.abs().max().item())
+    assert torch.equal(got_few, exact_few)
+    with pytest.raises(ValueError, match="GEMM precision 'fp16': expected one of fp32, bf16"):
+        with gemm_precision("fp16"):
+            pass
+
+
+def test_mxfp4_experts_on_the_gemm_path_in_bf16():
+    g = torch.Generator().manual_seed(1)
+    I, F_ = 64, 96
+
+    def quantized(o, i):
+        packed, scale = mxfp4.encode(torch.randn(o, i, generator=g))
+        return packed, scale
+
+    (p1, s1), (p3, s3), (p2, s2) = quantized(F_, I), quantized(F_, I), quantized(I, F_)
+    w = MXFP4ExpertWeights(p1, s1, p3, s3, p2, s2)
+    x = torch.randn(em.GEMM_MIN_TOKENS + 5, I, generator=g)
+    want = em.reference(w, x, "situ", (4.0, 25.0))
+    assert torch.equal(em.torch_rows(w, x, "situ", (4.0, 25.0)), em.torch_rows(w, x, "situ", (4.0, 25.0)))
+    with gemm_precision("bf16"):
+        got = em.torch_rows(w, x, "situ", (4.0, 25.0))
+    assert not torch.equal(got, em.torch_rows(w, x, "situ", (4.0, 25.0)))
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-2 * want.abs().max().item())
+
+
+def test_the_model_sets_it_for_its_forward_only(tiny_k3_dir):
+    exact, _ = load_model(tiny_k3_dir, LoadOptions())
+    fast, _ = load_model(tiny_k3_dir, LoadOptions(gemm_precision="bf16"))
+    assert fast.gemm_precision == "bf16" and exact.gemm_precision == "fp32"
+    prompt = torch.arange(3, 3 + KERNEL_MAX_ROWS + 8)[None]
+    with torch.no_grad():
+        want, got = exact(prompt), fast(prompt)
+        assert not gemm_in_bf16()
+        assert not torch.equal(got, want)
+        # the first position is close; later ones may part where this random model's routing is near-tied
+        # (the same happens against llama.cpp, docs/benchmarks.md)
+        torch.testing.assert_close(got[:, 0], want[:, 0], rtol=0, atol=2e-2 * want[:, 0].abs().max().item())
+        assert torch.equal(fast(prompt[:, :5]), exact(prompt[:, :5]))  # few rows: the exact kernels
+    with pytest.raises(ValueError, match="--gemm-precision 'int4'"):
+        load_model(tiny_k3_dir, LoadOptions(gemm_precision="int4"))
