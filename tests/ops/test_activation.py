@@ -4,12 +4,18 @@ reference itself, so gradients flow (LoRA training through the experts)."""
 import pytest
 import torch
 
+from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu, glu_reference
+
+
+def no_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda flags=None: None)
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("shape", [(1, 7), (33, 64), (2, 5, 96)])
-def test_in_place_path_equals_the_reference_bitwise(act, shape):
+def test_torch_in_place_path_equals_the_reference_bitwise(act, shape, monkeypatch):
+    no_kernel(monkeypatch)
     g = torch.Generator().manual_seed(0)
     gate, up = torch.randn(*shape, generator=g) * 6, torch.randn(*shape, generator=g) * 40
     gate[..., 0], up[..., 0] = float("nan"), float("inf")  # non-finite values propagate the same way
@@ -32,3 +38,26 @@ def test_inputs_are_not_modified_and_gradients_flow():
     assert gate.grad is not None and torch.isfinite(gate.grad).all()
     with pytest.raises(ValueError, match="unknown activation 'gelu'"):
         glu("gelu", gate, up)
+
+
+def test_situ_kernel_is_within_a_few_ulp_and_the_same_for_any_split():
+    kernel = cpu_kernels.kernel()
+    if kernel is None:
+        pytest.skip(f"the kernel does not build here: {cpu_kernels.build_error()}")
+    g = torch.Generator().manual_seed(2)
+    gate, up = torch.randn(300, 257, generator=g) * 5, torch.randn(300, 257, generator=g) * 30
+    gate[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-30])
+    up[1, 0] = float("nan")
+    exact = glu_reference("situ", gate.double(), up.double(), (4.0, 25.0)).float()
+    with torch.no_grad():
+        got = glu("situ", gate, up, (4.0, 25.0))
+    assert torch.equal(got.isnan(), exact.isnan()) and got.isnan().sum() == 2
+    finite = ~exact.isnan()
+    err = (got - exact).abs()[finite] / (exact.abs()[finite] * 2**-23).clamp_min(2**-126)
+    assert err.max() <= 4  # ulp; torch's own tanh and sigmoid are ~2.4 from the float64 value here
+    for rows, cols in ((slice(5, 6), slice(3, 20)), (slice(0, 300), slice(0, 100)), (slice(7, 9), slice(0, 257))):
+        part = kernel.glu(gate[rows, cols].contiguous(), up[rows, cols].contiguous(), "situ", (4.0, 25.0))
+        whole = got[rows, cols]  # vector body and scalar tail agree bit for bit (NaN where NaN)
+        assert torch.equal(part.nan_to_num(), whole.nan_to_num()) and torch.equal(part.isnan(), whole.isnan())
+    with pytest.raises(ValueError, match="expected fp32 CPU tensors of one shape"):
+        kernel.glu(gate, up[:, :5], "situ", (4.0, 25.0))

@@ -404,17 +404,58 @@ int moeswap_mxfp4_linear(const float *x, int64_t T, int64_t I, int n_mats, const
     return 0;
 }
 
-static inline float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+/* Gated activations, for the experts' hidden rows here and whole tensors (moeswap_glu): out = act(g, u),
+ * act 0: silu(g) * u; act 1: SiTU, b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2). torch runs SiTU as nine
+ * passes over memory (~5.5 ns per element on 2 cores); this is one. exp is Cody-Waite range reduction
+ * and Cephes' degree-5 polynomial (~2 ulp), tanh Cephes' odd polynomial below |x| = 0.625 and
+ * 1 - 2 / (exp(2|x|) + 1) above, all branch-free so the loop vectorizes; NaN in, NaN out. */
+static inline float act_exp(float x) {
+    const float in = x;
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    /* past fp32's range: overflow to inf, underflow to 0 (denormal results flushed) */
+    return in > 88.72f ? INFINITY : in < -87.33f ? 0.0f : p * two_n.f;
+}
 
-/* g[t, r] <- act(g[t, r], u[t, r]) for columns [o, o + n) of T rows of width F. act 0: silu(g) * u;
- * act 1: SiTU, b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2). */
+static inline float act_tanh(float x) {
+    const float a = fabsf(x), z = x * x;
+    float p = -5.70498872745e-3f;
+    p = fmaf(p, z, 2.06390887954e-2f);
+    p = fmaf(p, z, -5.37397155531e-2f);
+    p = fmaf(p, z, 1.33314422036e-1f);
+    p = fmaf(p, z, -3.33332819422e-1f);
+    const float small = fmaf(p * z, x, x);
+    const float t = 1.0f - 2.0f / (act_exp(2.0f * a) + 1.0f);
+    const float large = x < 0.0f ? -t : t;
+    return a < 0.625f ? small : large;
+}
+
+static inline float act_sigmoid(float x) { return 1.0f / (1.0f + act_exp(-x)); }
+
+static void glu_span(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float gv = g[i], uv = u[i];
+        const float y = act == 0 ? gv * act_sigmoid(gv) * uv
+                                 : (b1 * act_tanh(gv / b1) * act_sigmoid(gv)) * (b2 * act_tanh(uv / b2));
+        out[i] = gv != gv || uv != uv ? gv + uv : y;
+    }
+}
+
+/* g[t, r] <- act(g[t, r], u[t, r]) for columns [o, o + n) of T rows of width F (glu_span's math). */
 static void activate(float *g, const float *u, int64_t T, int64_t F, int64_t o, int64_t n, int act, float b1,
                      float b2) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t r = o; r < o + n; r++) {
-            const float gv = g[t * F + r], uv = u[t * F + r];
-            g[t * F + r] = act == 0 ? gv * sigmoid(gv) * uv : (b1 * tanhf(gv / b1) * sigmoid(gv)) * (b2 * tanhf(uv / b2));
-        }
+    for (int64_t t = 0; t < T; t++) glu_span(g + t * F + o, u + t * F + o, g + t * F + o, n, act, b1, b2);
 }
 
 /* A whole expert: y[T, I] = W2 @ act(W1 x, W3 x) with W1, W3 [F, I] and W2 [I, F]. act 0: silu(g) * u;
@@ -711,6 +752,19 @@ int moeswap_mxfp4_decode(const uint8_t *packed, const uint8_t *scale, int64_t O,
             }
 #endif
         }
+    }
+    return 0;
+}
+
+/* out[i] = act(g[i], u[i]) for n elements (out may be g). Returns 0, or 1 for a bad act or size. */
+int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2, int nthreads) {
+    if (n < 0 || (act != 0 && act != 1)) return 1;
+    const int64_t span = 16384;  /* 64 KB of g per work item */
+    const int64_t spans = (n + span - 1) / span;
+    #pragma omp parallel for num_threads(spans > 1 ? nthreads : 1) schedule(static)
+    for (int64_t s = 0; s < spans; s++) {
+        const int64_t o = s * span;
+        glu_span(g + o, u + o, out + o, n - o < span ? n - o : span, act, b1, b2);
     }
     return 0;
 }

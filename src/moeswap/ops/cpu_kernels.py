@@ -41,6 +41,7 @@ _SIGNATURES = {
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
 
 
@@ -148,6 +149,20 @@ class CpuKernels:
                                               self._threads())
         self._status(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
         return y
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+        """act(gate) * up (ops.activation.glu) for fp32 CPU tensors of one shape, in one pass; a new tensor.
+        Within a few ulp of torch's tanh/sigmoid (its own exp), the same bits for any shape or split."""
+        if (gate.shape != up.shape or gate.dtype != torch.float32 or up.dtype != torch.float32
+                or gate.device.type != "cpu" or up.device.type != "cpu"):
+            raise ValueError(f"glu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
+                             f"(expected fp32 CPU tensors of one shape)")
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        status = self.lib.moeswap_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), _act(act),
+                                      float(situ_betas[0]), float(situ_betas[1]), self._threads())
+        self._status(status, f"glu ({act}, {tuple(gate.shape)})")
+        return out
 
     def kda_decode(self, q_NK: torch.Tensor, k_NK: torch.Tensor, v_NV: torch.Tensor, g_NK: torch.Tensor,
                    beta_N: torch.Tensor, state_NKV: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
