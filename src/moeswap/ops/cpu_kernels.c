@@ -12,6 +12,9 @@
  * bf16 weights with fp32 activations (dense layers, weight-only): moeswap_bf16_linear, y = x @ W^T with
  * each bf16 weight widened exactly to fp32; products and sums in fp32.
  *
+ * Gated activations (SiLU, K3's SiTU) of whole tensors: moeswap_glu, one vectorized pass; the expert
+ * kernels use the same code for their hidden rows.
+ *
  * x, y: fp32 row-major [T, I] / [T, O]. Paths: AVX-512 (16 fp32 lanes), AVX2+FMA (8 lanes), portable C.
  * Rows are split over OpenMP threads (the same libgomp torch loads), several rows and tokens per tile.
  */
