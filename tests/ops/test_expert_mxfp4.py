@@ -96,6 +96,9 @@ def test_every_kernel_build_matches_the_decoded_matmul(flags):
     check_grouped_moe(kernel, gen)
     decoded = kernel.mxfp4_decode(packed, scale)  # bit-exact, NaN rows and extreme scales included
     assert torch.equal(decoded.isnan(), weight.isnan()) and torch.equal(decoded.nan_to_num(), weight.nan_to_num())
+    as_bf16 = kernel.mxfp4_decode(packed, scale, dtype=torch.bfloat16)  # exact in bf16 too (--gemm-precision)
+    assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16.float().isnan(), weight.isnan())
+    assert torch.equal(as_bf16.float().nan_to_num(), weight.nan_to_num())
     check_bf16_linear(kernel, gen)
     tiny = torch.zeros(1, 96)
     tiny[0, 0] = 1.0
@@ -208,6 +211,8 @@ def test_kernel_rejects_scales_that_are_not_e8m0_bytes():
         kernel.mxfp4_decode(packed, scale.float())
     with pytest.raises(ValueError, match="cannot hold .4, 64. fp32"):
         kernel.mxfp4_decode(packed, scale, out=torch.empty(4 * 63))
+    with pytest.raises(ValueError, match="dtype torch.float16"):
+        kernel.mxfp4_decode(packed, scale, dtype=torch.float16)
 
 
 def test_int8_block_quantization_matches_llama_cpp_q8_0():

@@ -729,7 +729,7 @@ int moeswap_kda_decode(const float *q, const float *k, const float *v, const flo
 
 /* Decode MXFP4 rows to fp32 in natural column order: out[o, i] = W[o, i] (the prefill path multiplies
  * the decoded rows with a GEMM library, which beats decoding in registers once ~32 tokens share them). */
-int moeswap_mxfp4_decode(const uint8_t *packed, const uint8_t *scale, int64_t O, int64_t I, float *out,
+int moeswap_mxfp4_decode(const uint8_t *packed, const uint8_t *scale, int64_t O, int64_t I, void *out, int bf16,
                          int nthreads) {
     if (I % 32 || O < 0) return 1;
     if (!ready) { init_tables(); ready = 1; }
@@ -739,19 +739,32 @@ int moeswap_mxfp4_decode(const uint8_t *packed, const uint8_t *scale, int64_t O,
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *p = packed + o * (I / 2) + b * 16;
             const float s = E8M0[scale[o * nb + b]];
-            float *dst = out + o * I + b * 32;
+            const int64_t at = o * I + b * 32;
 #if defined(__AVX512F__)
             const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(s));
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
             const __m512 ve = _mm512_permutexvar_ps(bytes, table), vo = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
             const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
             const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-            _mm512_storeu_ps(dst, _mm512_permutex2var_ps(ve, lo, vo));
-            _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(ve, hi, vo));
+            const __m512 first = _mm512_permutex2var_ps(ve, lo, vo), second = _mm512_permutex2var_ps(ve, hi, vo);
+            if (bf16) {  /* the top half of each fp32: exact, MXFP4 values have at most 3 significant bits */
+                uint16_t *dst = (uint16_t *)out + at;
+                _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(first), 16)));
+                _mm256_storeu_si256((__m256i *)(dst + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(second), 16)));
+            } else {
+                _mm512_storeu_ps((float *)out + at, first);
+                _mm512_storeu_ps((float *)out + at + 16, second);
+            }
 #else
-            for (int k = 0; k < 16; k++) {
-                dst[2 * k] = E2M1[p[k] & 15] * s;
-                dst[2 * k + 1] = E2M1[p[k] >> 4] * s;
+            for (int k = 0; k < 32; k++) {
+                const float v = E2M1[k & 1 ? p[k / 2] >> 4 : p[k / 2] & 15] * s;
+                if (bf16) {
+                    uint32_t bits;
+                    memcpy(&bits, &v, 4);
+                    ((uint16_t *)out)[at + k] = (uint16_t)(bits >> 16);
+                } else {
+                    ((float *)out)[at + k] = v;
+                }
             }
 #endif
         }

@@ -39,7 +39,7 @@ _SIGNATURES = {
     "moeswap_bf16_moe": [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, _p, _p, ctypes.c_int, ctypes.c_float,
                          ctypes.c_float, _p, ctypes.c_int],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
-    "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int],
+    "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
@@ -121,18 +121,23 @@ class CpuKernels:
         self._status(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
                              f"{offsets[-1]} pairs)")
 
-    def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """MXFP4 packed [O, I/2] + E8M0 scale [O, I/32] -> fp32 [O, I], equal to formats.mxfp4.decode;
-        written into `out` (fp32, contiguous, O * I elements) when given."""
+    def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """MXFP4 packed [O, I/2] + E8M0 scale [O, I/32] -> [O, I] in `dtype`, fp32 or bf16 (exact either
+        way), equal to formats.mxfp4.decode; written into `out` (that dtype, contiguous, O * I elements)
+        when given."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"mxfp4_decode: dtype {dtype} (expected float32 or bfloat16)")
         I = packed.shape[1] * 2 if packed.ndim == 2 else 0
         packed, scale = _checked(packed, scale, I)
         if out is None:
-            out = torch.empty(packed.shape[0], I, dtype=torch.float32)
-        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != packed.shape[0] * I:
-            raise ValueError(f"mxfp4_decode: out {tuple(out.shape)} {out.dtype} cannot hold [{packed.shape[0]}, {I}] fp32")
+            out = torch.empty(packed.shape[0], I, dtype=dtype)
+        elif out.dtype != dtype or not out.is_contiguous() or out.numel() != packed.shape[0] * I:
+            raise ValueError(f"mxfp4_decode: out {tuple(out.shape)} {out.dtype} cannot hold [{packed.shape[0]}, {I}] "
+                             f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
         out = out.view(packed.shape[0], I)
         status = self.lib.moeswap_mxfp4_decode(packed.data_ptr(), scale.data_ptr(), packed.shape[0], I,
-                                               out.data_ptr(), self._threads())
+                                               out.data_ptr(), int(dtype == torch.bfloat16), self._threads())
         self._status(status, f"mxfp4_decode (packed {tuple(packed.shape)})")
         return out
 

@@ -71,10 +71,10 @@ def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float])
 
     def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         out = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype, device=x.device)
-        rows = max(1, ROW_CHUNK_BYTES // (packed.shape[1] * 8))
+        rows = max(1, ROW_CHUNK_BYTES // (packed.shape[1] * (4 if bf16 else 8)))
         xb = x.to(torch.bfloat16) if bf16 else x
         for r in range(0, packed.shape[0], rows):
-            chunk = _decode(packed[r : r + rows], scale[r : r + rows], rows).to(xb.dtype)
+            chunk = _decode(packed[r : r + rows], scale[r : r + rows], rows, xb.dtype)
             if bf16:
                 out[..., r : r + rows] = torch.matmul(xb, chunk.T)
             else:
@@ -88,15 +88,18 @@ def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float])
 _scratch = threading.local()  # per thread: a chunk buffer reused across calls (fresh ones page-fault)
 
 
-def _decode(packed: torch.Tensor, scale: torch.Tensor, max_rows: int) -> torch.Tensor:
+def _decode(packed: torch.Tensor, scale: torch.Tensor, max_rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of an MXFP4 matrix in `dtype` (fp32, or bf16: exact too), in a per-thread scratch buffer."""
     kernel = cpu_kernels.kernel() if packed.device.type == "cpu" else None
     if kernel is None:
-        return mxfp4.decode(packed, scale, torch.float32)
+        return mxfp4.decode(packed, scale, torch.float32).to(dtype)
     size = max_rows * packed.shape[1] * 2
-    buf = getattr(_scratch, "buf", None)
+    name = f"buf_{dtype}"
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < size:
-        buf = _scratch.buf = torch.empty(size, dtype=torch.float32)
-    return kernel.mxfp4_decode(packed, scale, out=buf[: packed.shape[0] * packed.shape[1] * 2])
+        buf = torch.empty(size, dtype=dtype)
+        setattr(_scratch, name, buf)
+    return kernel.mxfp4_decode(packed, scale, out=buf[: packed.shape[0] * packed.shape[1] * 2], dtype=dtype)
 
 
 def cpu_c(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
