@@ -59,7 +59,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if kernel is not None:
             y = kernel.bf16_linear(x.reshape(rows, x.shape[-1]), weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu" and gemm_in_bf16():
+    if (rows > KERNEL_MAX_ROWS and weight.dtype == torch.bfloat16 and x.dtype == torch.float32
+            and x.device.type == "cpu" and gemm_in_bf16()):
         return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
     return F.linear(x, weight.to(x.dtype))
 
