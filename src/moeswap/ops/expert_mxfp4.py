@@ -65,9 +65,10 @@ def reference_int8(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, flo
 
 def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
     """reference, decoding ~1 MB of rows at a time into the output's columns. Under
-    `ops.linear.gemm_precision("bf16")` on the CPU, inputs and decoded rows (exact in bf16: E2M1 times a
-    power of two) multiply in bf16, as the dense layers' GEMMs then do."""
-    bf16 = x_TI.dtype == torch.float32 and x_TI.device.type == "cpu" and gemm_in_bf16()
+    `ops.linear.gemm_precision("bf16")` on the CPU, from GEMM_MIN_TOKENS tokens on, inputs and decoded
+    rows (exact in bf16: E2M1 times a power of two) multiply in bf16, as the dense layers' GEMMs then do."""
+    rows = x_TI.numel() // x_TI.shape[-1] if x_TI.shape[-1] else 0
+    bf16 = rows >= GEMM_MIN_TOKENS and x_TI.dtype == torch.float32 and x_TI.device.type == "cpu" and gemm_in_bf16()
 
     def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         out = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype, device=x.device)
