@@ -118,8 +118,6 @@ void *msw_reads_new(int nthreads) {
     return r;
 }
 
-int msw_reads_threads(void *handle) { return ((msw_reads *)handle)->nthreads; }
-
 void msw_reads_submit(void *handle, msw_job *j, int urgent) {
     msw_reads *r = handle;
     pthread_mutex_lock(&r->lock);

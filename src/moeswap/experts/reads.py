@@ -25,7 +25,7 @@ SOURCE = Path(__file__).with_name("native_reads.c")
 # swap-bench decode with 1-6 threads was within its noise, 2 as good as any
 DEFAULT_THREADS = 2
 
-_DONE, _CANCELLED = 2, 3
+_CANCELLED = 3  # msw_job.state
 
 
 class _Job(ctypes.Structure):  # msw_job in native_reads.c
@@ -53,7 +53,6 @@ def native_library():
             if lib is not None:
                 lib.msw_reads_new.restype = ctypes.c_void_p
                 lib.msw_reads_new.argtypes = [ctypes.c_int]
-                lib.msw_reads_threads.argtypes = [ctypes.c_void_p]
                 for name in ("msw_reads_submit", "msw_reads_cancel", "msw_reads_wait"):
                     getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(_Job)] + (
                         [ctypes.c_int] if name == "msw_reads_submit" else [])
@@ -67,6 +66,16 @@ def native_library():
 
 
 Segment = tuple[int, int, torch.Tensor]  # (file descriptor, offset, uint8 CPU buffer to fill completely)
+
+
+def pread_exactly(fd: int, buf: torch.Tensor, offset: int) -> None:
+    """Fill the uint8 CPU tensor `buf` from `offset` of `fd` (pread may return short counts)."""
+    view, done = memoryview(buf.numpy()), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"file shrank since open: expected {len(view)} bytes at offset {offset}, got {done}")
+        done += n
 Finish = Callable[[OSError | None], object]  # the read's error (or None) -> the loaded value, or raises
 
 
@@ -262,14 +271,9 @@ class Reads:
 
         def read_all() -> None:
             for fd, offset, buf in segments:
-                view, done = memoryview(buf.numpy()), 0
-                while done < len(view):
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                    if n == 0:
-                        raise OSError(f"file shrank since open: expected {len(view)} bytes at offset {offset}")
-                    done += n
+                pread_exactly(fd, buf, offset)
                 if drop and hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(fd, offset, buf.numel(), os.POSIX_FADV_DONTNEED)
 
         def finish_call(_, error):
             if error is not None and not isinstance(error, OSError):

@@ -67,13 +67,12 @@ class _Load:
     """One expert on its way into the fast tier. A background load has `pending` (its read, running on
     the prefetcher's reader threads); the model's thread finishes it when it is needed or ready."""
 
-    __slots__ = ("key", "need", "pending", "from_source", "background", "done", "finished", "value", "error",
-                 "event")
+    __slots__ = ("key", "need", "pending", "from_source", "background", "finished", "value", "error", "event")
 
     def __init__(self, key: Key, need: int):
         self.key, self.need, self.finished = key, need, threading.Event()
         self.pending = None
-        self.from_source = self.background = self.done = False
+        self.from_source = self.background = False
         self.value = self.error = self.event = None
 
 
@@ -227,7 +226,7 @@ class ExpertStore:
         else:
             load.finished.wait()  # another thread's demand for the same expert
         with self._lock:
-            if not load.done:
+            if not load.finished.is_set():
                 self._finish(load)
             self.stats.stall_s += time.perf_counter() - t0
             if load.error is None:
@@ -338,7 +337,7 @@ class ExpertStore:
     def _complete(self, load: _Load, value, stored: bool = True) -> None:
         """Under the lock: the load is over; a good one goes into the fast tier."""
         key = load.key
-        load.done, load.pending = True, None
+        load.pending = None
         self._reserved[0] -= load.need
         del self._inflight[key]
         if stored and load.error is None and self.fast.capacity:

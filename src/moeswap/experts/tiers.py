@@ -19,7 +19,7 @@ import torch
 
 from moeswap.experts.buffers import BufferPool
 from moeswap.experts.keys import Key
-from moeswap.experts.reads import Pending, Reads
+from moeswap.experts.reads import Pending, Reads, pread_exactly
 from moeswap.experts.source import ExpertIndex, load_expert
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
@@ -137,10 +137,10 @@ class CheckpointTier(Tier):
         return w
 
     def start(self, key: Key, reads: Reads, urgent: bool = False) -> Pending:
-        """An MXFP4 expert in one span is read by the native reader straight into a pooled buffer; its
+        """An MXFP4 expert in one span is read by the reader threads straight into a pooled buffer; its
         views and checks are made by whoever takes the result. Anything else loads whole on a thread."""
         span = self._span(key)
-        if span is None or not reads.native:
+        if span is None:
             return super().start(key, reads, urgent)
         file, start, end, parts = span
         try:
@@ -202,14 +202,8 @@ class CheckpointTier(Tier):
 
     def _read_span(self, key: Key, file, start: int, end: int, parts) -> MXFP4ExpertWeights:
         buf = self.buffers.take(end - start)
-        view, done = memoryview(buf.numpy()), 0
         try:
-            fd = self._fd(file)
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], start + done)
-                if n == 0:
-                    raise OSError(f"file shrank since open: expected {end - start} bytes at offset {start}, got {done}")
-                done += n
+            pread_exactly(self._fd(file), buf, start)
         except OSError as err:
             raise CheckpointError(f"{key}: cannot read its tensors from {file}: {err}") from err
         return self._views(buf, parts)

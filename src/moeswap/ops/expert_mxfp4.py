@@ -104,9 +104,10 @@ def _decode(packed: torch.Tensor, scale: torch.Tensor, max_rows: int, dtype: tor
 
 
 def cpu_c(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
-    """The C kernel, one call per expert: fp32 products and sums, the activation in fp32 (libm tanh/exp),
-    the result cast to x's dtype. For bf16 inputs this skips the reference's bf16 rounding of the gate,
-    up and hidden activations, so it is a little closer to exact than the reference, not bit-equal."""
+    """The C kernel, one call per expert: fp32 products and sums, the activation in fp32 (the kernel's own
+    vectorized tanh/exp, a few ulp from torch's), the result cast to x's dtype. For bf16 inputs this skips
+    the reference's bf16 rounding of the gate, up and hidden activations, so it is a little closer to
+    exact than the reference, not bit-equal."""
     kernel = cpu_kernels.kernel()
     if kernel is None:
         raise RuntimeError(f"the MXFP4 CPU kernel is not available here: {cpu_kernels.build_error()}")

@@ -28,20 +28,18 @@ def kda_decode_step(q_B1HK: torch.Tensor, k_B1HK: torch.Tensor, v_B1HV: torch.Te
     recurrence of `kda_recurrent`; the state is updated in place. Returns o [B, 1, H, V] fp32."""
     B, _, H, K = q_B1HK.shape
     V = v_B1HV.shape[-1]
-    compiling = torch.compiler.is_compiling()
-    kernel = cpu_kernels.kernel() if state_BHKV.device.type == "cpu" and not compiling else None
-    if (compiling and state_BHKV.device.type == "cpu" and cpu_kernels.kernel_ready()
-            and state_BHKV.dtype == torch.float32 and state_BHKV.is_contiguous() and not torch.is_grad_enabled()):
-        flat = lambda t, w: t.float().reshape(B * H, w).contiguous()  # noqa: E731
-        o = torch.ops.moeswap.kda_decode(flat(q_B1HK, K), flat(k_B1HK, K), flat(v_B1HV, V), flat(g_B1HK, K),
-                                         beta_B1H.float().reshape(B * H).contiguous(), state_BHKV.view(B * H, K, V),
-                                         scale, L2_EPS)
-        return o.view(B, 1, H, V)
-    if (kernel is not None and state_BHKV.dtype == torch.float32 and state_BHKV.is_contiguous()
+    run = None
+    if (state_BHKV.device.type == "cpu" and state_BHKV.dtype == torch.float32 and state_BHKV.is_contiguous()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q_B1HK, k_B1HK, v_B1HV, g_B1HK)))):
+        if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
+            run = torch.ops.moeswap.kda_decode if cpu_kernels.kernel_ready() else None
+        else:
+            kernel = cpu_kernels.kernel()
+            run = kernel.kda_decode if kernel is not None else None
+    if run is not None:
         flat = lambda t, w: t.float().reshape(B * H, w)  # noqa: E731
-        o = kernel.kda_decode(flat(q_B1HK, K), flat(k_B1HK, K), flat(v_B1HV, V), flat(g_B1HK, K),
-                              beta_B1H.float().reshape(B * H), state_BHKV.view(B * H, K, V), scale, L2_EPS)
+        o = run(flat(q_B1HK, K), flat(k_B1HK, K), flat(v_B1HV, V), flat(g_B1HK, K), beta_B1H.float().reshape(B * H),
+                state_BHKV.view(B * H, K, V), scale, L2_EPS)
         return o.view(B, 1, H, V)
     o, S = kda_recurrent(l2_normalize(q_B1HK.float()) * scale, l2_normalize(k_B1HK.float()), v_B1HV, g_B1HK,
                          beta_B1H, state_BHKV)

@@ -52,12 +52,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
             and 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)):
-        if torch.compiler.is_compiling():
-            y = torch.ops.moeswap.bf16_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight)
-            return y.reshape(*x.shape[:-1], weight.shape[0])
-        kernel = cpu_kernels.kernel()
-        if kernel is not None:
-            y = kernel.bf16_linear(x.reshape(rows, x.shape[-1]), weight)
+        if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
+            run = torch.ops.moeswap.bf16_linear
+        else:
+            kernel = cpu_kernels.kernel()
+            run = kernel.bf16_linear if kernel is not None else None
+        if run is not None:
+            y = run(x.reshape(rows, x.shape[-1]), weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
     if (rows > KERNEL_MAX_ROWS and weight.dtype == torch.bfloat16 and x.dtype == torch.float32
             and x.device.type == "cpu" and gemm_in_bf16()):
