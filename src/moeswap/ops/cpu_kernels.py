@@ -42,6 +42,8 @@ _SIGNATURES = {
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    "moeswap_rms_norm": [_p, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
+    "moeswap_res_mix": [_p, ctypes.c_int, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
 }
 
 
@@ -169,6 +171,40 @@ class CpuKernels:
         self._status(status, f"glu ({act}, {tuple(gate.shape)})")
         return out
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of an fp32 CPU tensor (weight fp32 [D] or None); a new tensor."""
+        D = x.shape[-1] if x.ndim else 0
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or D < 1 or (weight is not None and (
+                weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape != (D,)))):
+            raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight "
+                             f"{None if weight is None else (tuple(weight.shape), weight.dtype)} (expected fp32 "
+                             f"CPU tensors, weight [last dim of x])")
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        status = self.lib.moeswap_rms_norm(x.data_ptr(), x.numel() // D, D,
+                                           None if weight is None else weight.contiguous().data_ptr(),
+                                           float(eps), y.data_ptr(), self._threads())
+        self._status(status, f"rms_norm ({tuple(x.shape)})")
+        return y
+
+    def res_mix(self, sources: Sequence[torch.Tensor], score_D: torch.Tensor, eps: float) -> torch.Tensor:
+        """Block attention residuals' softmax mix over `sources` (fp32 CPU tensors of one shape [..., D]),
+        scored by <rmsnorm(source), score> per token (models/layers/attn_res.py); a new tensor."""
+        shape = sources[0].shape if sources else ()
+        D = shape[-1] if shape else 0
+        if (not sources or len(sources) > 64 or D < 1 or score_D.shape != (D,) or score_D.dtype != torch.float32
+                or score_D.device.type != "cpu"
+                or any(t.shape != shape or t.dtype != torch.float32 or t.device.type != "cpu" for t in sources)):
+            raise ValueError(f"res_mix: {len(sources)} sources {[tuple(t.shape) for t in sources][:3]}..., score "
+                             f"{tuple(score_D.shape)} {score_D.dtype} (expected 1-64 fp32 CPU tensors of one "
+                             f"shape [..., D] and an fp32 [D] score)")
+        sources = [t.contiguous() for t in sources]
+        out = torch.empty_like(sources[0])
+        status = self.lib.moeswap_res_mix(_ptrs(sources), len(sources), out.numel() // D, D,
+                                          score_D.contiguous().data_ptr(), float(eps), out.data_ptr(), self._threads())
+        self._status(status, f"res_mix ({len(sources)} x {tuple(shape)})")
+        return out
+
     def kda_decode(self, q_NK: torch.Tensor, k_NK: torch.Tensor, v_NV: torch.Tensor, g_NK: torch.Tensor,
                    beta_N: torch.Tensor, state_NKV: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
         """One KDA token for N heads (raw q, k: normalised here), updating state in place; returns o [N, V].
@@ -270,6 +306,16 @@ def kernel(flags: tuple[str, ...] | None = None) -> CpuKernels | None:
                               RuntimeWarning, stacklevel=3)
                 _loaded[key] = None
     return _loaded[key]
+
+
+def for_inference(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The kernel, for an eager call on CPU tensors that autograd need not see; None where the caller
+    should take its torch path (tracing, gradients wanted, another device, no kernel here)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    return kernel()
 
 
 def build(flags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Path:

@@ -2,22 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu
 from moeswap.ops.linear import StoredWeightLinear, linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 (as the references do), returned in x's dtype."""
+    """RMSNorm computed in fp32 (as the references do), returned in x's dtype. Eager CPU inference runs
+    the C kernel: torch's CPU rms_norm is a chain of ~8 ops, ~27 us for one decode row of 1024."""
     xf = x if x.dtype == torch.float32 else x.float()
     if weight is not None and weight.dtype != torch.float32:
         weight = weight.float()
+    kernel = cpu_kernels.for_inference(xf) if weight is None else cpu_kernels.for_inference(xf, weight)
+    if kernel is not None and xf.numel():
+        return kernel.rms_norm(xf, weight, eps).to(x.dtype)
     return F.rms_norm(xf, (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def derived(owner: nn.Module, name: str, make: Callable[[], object], *sources: torch.Tensor):
+    """make(), tensors computed from the weights `sources` alone (a cast, a product, a concatenation),
+    kept on `owner` under `name` while the sources are unchanged (same storage, same version): decode
+    steps stop recomputing it. Recomputed under autograd or tracing, where a kept copy would cut the graph."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(s.requires_grad for s in sources)):
+        return make()
+    try:
+        key = tuple((s.data_ptr(), s._version) for s in sources)
+    except RuntimeError:  # inference tensors keep no version
+        return make()
+    kept = owner.__dict__.setdefault("_derived", {})
+    hit = kept.get(name)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    value = make()
+    kept[name] = (key, value)
+    return value
 
 
 FUSABLE = (nn.Linear, StoredWeightLinear)

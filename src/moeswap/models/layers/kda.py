@@ -15,7 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from moeswap.config import ModelConfig
-from moeswap.models.layers.basic import WeightOnly, fuse_linears, project, rms_norm
+from moeswap.models.layers.basic import WeightOnly, derived, fuse_linears, project, rms_norm
 from moeswap.ops.kda import kda_chunked, kda_decode_step, l2_normalize
 
 
@@ -43,14 +43,18 @@ def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W:
     """Same as `causal_conv_silu_reference`, as W shifted multiply-adds over [B, T, C]. A depthwise
     conv1d goes through oneDNN on CPU, which measured ~1.9 ms per call for one decode token of a
     1536-channel layer (more than the layer's projections); this takes microseconds."""
-    W = weight_C1W.shape[-1]
+    return conv_taps_silu(x_BTC, history_BWC, weight_C1W[:, 0, :].T)[0]
+
+
+def conv_taps_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, taps_WC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv_silu` with the kernel as taps [W, C]; also returns [history | x] (the next history's source)."""
+    W, T = taps_WC.shape[0], x_BTC.shape[1]
     full = torch.cat([history_BWC, x_BTC], dim=1)  # [B, W-1+T, C]
-    w_WC = weight_C1W[:, 0, :].T.to(full.dtype)
-    T = x_BTC.shape[1]
-    y = full[:, 0:T] * w_WC[0]
+    taps_WC = taps_WC.to(full.dtype)
+    y = full[:, 0:T] * taps_WC[0]
     for j in range(1, W):
-        y.addcmul_(full[:, j:j + T], w_WC[j])
-    return F.silu(y)
+        y.addcmul_(full[:, j:j + T], taps_WC[j])
+    return F.silu(y), full
 
 
 class KDA(nn.Module):
@@ -84,12 +88,17 @@ class KDA(nn.Module):
     def fuse_projections(self) -> None:
         fuse_linears(self, self.input_projections())
 
+    def conv_taps(self) -> torch.Tensor:
+        """The q, k and v conv kernels as one [W, 3 H K] tap matrix (kept between steps)."""
+        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        return derived(self, "conv_taps", lambda: torch.cat(convs)[:, 0, :].T.contiguous(), *convs)
+
     def decay(self, x_BTD: torch.Tensor, f_a_BTK: torch.Tensor | None = None) -> torch.Tensor:
         """Log retention g per head and key channel, [B, T, H, K], in fp32."""
         f_a_BTK = self.f_a_proj(x_BTD) if f_a_BTK is None else f_a_BTK
-        z = self.f_b_proj(f_a_BTK).float() + self.dt_bias.float()
-        z = z.unflatten(-1, (self.H, self.K))
-        a = self.A_log.float().exp()[:, None]
+        dt_bias = derived(self, "dt_bias", self.dt_bias.float, self.dt_bias)
+        z = (self.f_b_proj(f_a_BTK).float() + dt_bias).unflatten(-1, (self.H, self.K))
+        a = derived(self, "decay_rate", lambda: self.A_log.float().exp()[:, None], self.A_log)
         if self.lower_bound is not None:  # K3: bounded to (lower_bound, 0)
             return self.lower_bound * torch.sigmoid(a * z)
         return -a * F.softplus(z)  # Kimi Linear: unbounded
@@ -106,10 +115,9 @@ class KDA(nn.Module):
             state = KDAState.zeros(B, self.H, self.K, self.W, x_BTD.dtype, x_BTD.device)
         q_in, k_in, v_in, f_a, b_in, g_in = project(self, x_BTD, self.input_projections())
         qkv_BTC = torch.cat([q_in, k_in, v_in], dim=-1)
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
-        conv_BTC = causal_conv_silu(qkv_BTC, state.conv_BWC, weight)
+        conv_BTC, full_BTC = conv_taps_silu(qkv_BTC, state.conv_BWC, self.conv_taps())
         # State is updated in place: it may be a view into an engine's preallocated batch buffers.
-        state.conv_BWC.copy_(torch.cat([state.conv_BWC, qkv_BTC], dim=1)[:, -(self.W - 1):])
+        state.conv_BWC.copy_(full_BTC[:, -(self.W - 1):])
         q, k, v = (t.unflatten(-1, (self.H, self.K)).float() for t in conv_BTC.chunk(3, dim=-1))
         beta_BTH = torch.sigmoid(b_in.float())
         g_BTHK = self.decay(x_BTD, f_a)

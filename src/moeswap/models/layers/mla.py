@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moeswap.config import ModelConfig
-from moeswap.models.layers.basic import RMSNorm, fuse_linears, project
+from moeswap.models.layers.basic import RMSNorm, derived, fuse_linears, project
 
 
 @dataclass
@@ -90,6 +90,16 @@ class MLA(nn.Module):
             return self.q_proj(x_BTD) if q_in is None else q_in
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD) if q_in is None else q_in))
 
+    def absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head for the absorbed form, in `dtype`: keys [H, N, L], values [H, L, V]."""
+        w = self.kv_b_proj.weight
+
+        def split():
+            w_HXL = w.to(dtype).unflatten(0, (self.H, self.N + self.V))
+            return w_HXL[:, : self.N].contiguous(), w_HXL[:, self.N:].transpose(1, 2).contiguous()
+
+        return derived(self, f"absorbed_{dtype}", split, w)
+
     def forward(self, x_BTD: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         if cache is None:
@@ -98,22 +108,26 @@ class MLA(nn.Module):
         q_BTHX = self.queries(x_BTD, q_in).unflatten(-1, (self.H, self.N + self.R))
         q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
         c_kv, k_r = kv_in.split([self.L, self.R], dim=-1)
-        past_B = cache.lengths_B.clone()  # append updates lengths_B in place
+        masked = not (T == 1 and B == 1)  # a lone decode token sees the whole cache
+        past_B = cache.lengths_B.clone() if masked else None  # append updates lengths_B in place
         cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
         S = cache.longest()
-        c_BSL, k_r_BSR = cache.latent_BSX[:, :S].split([self.L, self.R], dim=-1)
 
-        w_HXL = self.kv_b_proj.weight.unflatten(0, (self.H, self.N + self.V))
-        w_k_HNL, w_v_HVL = w_HXL.split([self.N, self.V], dim=1)
-        q_lat_BTHL = torch.einsum("bthn,hnl->bthl", q_nope_BTHN, w_k_HNL.to(x_BTD.dtype))
-        scores_BHTS = torch.einsum("bthl,bsl->bhts", q_lat_BTHL, c_BSL.to(x_BTD.dtype))
-        scores_BHTS = scores_BHTS + torch.einsum("bthr,bsr->bhts", q_r_BTHR, k_r_BSR.to(x_BTD.dtype))
-        # query t of sequence b sits at position past_b + t and sees keys 0..past_b + t
-        visible_BTS = torch.arange(S, device=x_BTD.device) <= (past_B[:, None] + torch.arange(T, device=x_BTD.device))[..., None]
-        scores_BHTS = scores_BHTS.float().mul(self.scale).masked_fill(~visible_BTS[:, None], float("-inf"))
-        probs_BHTS = scores_BHTS.softmax(dim=-1).to(x_BTD.dtype)
-        ctx_BTHL = torch.einsum("bhts,bsl->bthl", probs_BHTS, c_BSL.to(x_BTD.dtype))
-        out_BTHV = torch.einsum("bthl,hvl->bthv", ctx_BTHL, w_v_HVL.to(x_BTD.dtype)).flatten(-2)
+        # absorbed form: queries mapped into the latent space score [c | k_r] rows in one product
+        w_k_HNL, w_v_HLV = self.absorbed_weights(x_BTD.dtype)
+        q_lat_HML = q_nope_BTHN.reshape(B * T, self.H, self.N).transpose(0, 1) @ w_k_HNL  # M = B*T
+        q_abs_BTHX = torch.cat([q_lat_HML.transpose(0, 1).reshape(B, T, self.H, self.L), q_r_BTHR], dim=-1)
+        latent_BSX = cache.latent_BSX[:, :S].to(x_BTD.dtype)
+        scores_BQS = q_abs_BTHX.reshape(B, T * self.H, self.L + self.R) @ latent_BSX.transpose(1, 2)  # Q = T*H
+        scores_BQS = scores_BQS.float().mul_(self.scale)
+        if masked:
+            # query t of sequence b sits at position past_b + t and sees keys 0..past_b + t
+            visible_BTS = (torch.arange(S, device=x_BTD.device)
+                           <= (past_B[:, None] + torch.arange(T, device=x_BTD.device))[..., None])
+            scores_BQS = scores_BQS.view(B, T, self.H, S).masked_fill_(~visible_BTS[:, :, None], float("-inf"))
+        probs_BQS = scores_BQS.view(B, T * self.H, S).softmax(dim=-1).to(x_BTD.dtype)
+        ctx_HML = (probs_BQS @ latent_BSX[..., :self.L]).view(B * T, self.H, self.L).transpose(0, 1)
+        out_BTHV = (ctx_HML @ w_v_HLV).transpose(0, 1).reshape(B, T, self.H * self.V)
         if gate_in:
             out_BTHV = out_BTHV * torch.sigmoid(gate_in[0])
         return self.o_proj(out_BTHV)

@@ -1,0 +1,101 @@
+"""The decode glue's C kernels (cpu_kernels.rms_norm, res_mix) against their torch paths, and the
+weight-derived tensors kept between steps (layers.basic.derived)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeswap.models.layers.attn_res import mix, mix_reference
+from moeswap.models.layers.basic import derived, rms_norm
+from moeswap.ops import cpu_kernels
+
+kernel = cpu_kernels.kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason=f"no CPU kernel: {cpu_kernels.build_error()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 1, 96), (70, 1024), (5, 7)])  # 70 x 1024 runs threaded
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_kernel_matches_torch(shape, with_weight):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g) if with_weight else None
+    want = F.rms_norm(x, (shape[-1],), w, 1e-5)
+    got = kernel.rms_norm(x, w, 1e-5)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    # rows are independent: one row alone gives the same bits as inside a batch (batched == single)
+    assert torch.equal(kernel.rms_norm(x.reshape(-1, shape[-1])[-1:], w, 1e-5), got.reshape(-1, shape[-1])[-1:])
+
+
+@needs_kernel
+def test_rms_norm_layer_function_uses_the_kernel_only_without_autograd():
+    x = torch.randn(2, 64)
+    w = torch.randn(64, requires_grad=True)
+    y = rms_norm(x, w, 1e-5)  # gradients wanted: torch's path
+    y.sum().backward()
+    assert w.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm(x, w, 1e-5), y.detach(), rtol=2e-6, atol=2e-6)
+    bf = x.bfloat16()
+    with torch.no_grad():
+        assert rms_norm(bf, w, 1e-5).dtype == torch.bfloat16  # computed in fp32, returned in x's dtype
+
+
+@needs_kernel
+def test_rms_norm_propagates_nan_and_names_bad_input():
+    x = torch.randn(2, 32)
+    x[1, 3] = float("nan")
+    y = kernel.rms_norm(x, None, 1e-5)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+    with pytest.raises(ValueError, match=r"rms_norm: x \(2, 32\) torch.float64"):
+        kernel.rms_norm(x.double(), None, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        kernel.rms_norm(x, torch.ones(31), 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("sources, shape", [(2, (1, 1, 1024)), (4, (3, 2, 64)), (13, (1, 1, 96)), (3, (40, 1, 1024))])
+def test_res_mix_kernel_matches_the_reference(sources, shape):
+    g = torch.Generator().manual_seed(sources)
+    bank = [torch.randn(*shape, generator=g) * (1 + s) for s in range(sources - 1)]
+    partial = torch.randn(*shape, generator=g)
+    score = torch.randn(shape[-1], generator=g) * 0.05  # scores of a few units: a real softmax, not one-hot
+    want = mix_reference(partial, bank, score, 1e-5)
+    got = kernel.res_mix([*bank, partial], score, 1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(mix(partial, bank, score, 1e-5), got)  # the model's mix takes the kernel
+    assert not torch.equal(got, kernel.res_mix([*bank, partial], score * 3, 1e-5))  # the score matters
+
+
+@needs_kernel
+def test_res_mix_names_bad_input_and_keeps_autograd_on_the_reference():
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    with pytest.raises(ValueError, match="res_mix: 2 sources"):
+        kernel.res_mix([a, b[:1]], torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match="res_mix: 0 sources"):
+        kernel.res_mix([], torch.randn(8), 1e-5)
+    b.requires_grad_(True)
+    mix(b, [a], torch.randn(8), 1e-5).sum().backward()
+    assert b.grad is not None
+
+
+def test_derived_tensors_follow_their_sources():
+    layer = nn.Linear(4, 3, bias=False)
+    calls = []
+
+    def make():
+        calls.append(1)
+        return layer.weight.detach() * 2
+
+    with torch.no_grad():
+        first = derived(layer, "double", make, layer.weight)
+        assert derived(layer, "double", make, layer.weight) is first and len(calls) == 1
+        layer.weight.add_(1)  # in place: a new version
+        assert torch.equal(derived(layer, "double", make, layer.weight), layer.weight * 2) and len(calls) == 2
+        layer.weight = nn.Parameter(torch.zeros(3, 4))  # a new tensor
+        assert torch.equal(derived(layer, "double", make, layer.weight), torch.zeros(3, 4)) and len(calls) == 3
+    derived(layer, "double", make, layer.weight)  # gradients wanted: always made afresh
+    assert len(calls) == 4
