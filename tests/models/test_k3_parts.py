@@ -261,10 +261,11 @@ def test_kda_layer_matches_spec_from_scratch(arch):
     assert_close(got, want, rtol=1e-5)
 
 
-def test_kda_layer_prefill_then_decode_equals_full_pass():
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_kda_layer_prefill_then_decode_equals_full_pass(arch):
     """Prefill with a state, then T == 1 steps (token recurrence + conv state) equal one full pass."""
-    cfg = cfg_for("kimi_k3")
-    layer = make_kda("kimi_k3", seed=10)
+    cfg = cfg_for(arch)
+    layer = make_kda(arch, seed=10)
     x = torch.randn(2, 12, cfg.hidden_size, generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         full = layer(x)
@@ -273,7 +274,37 @@ def test_kda_layer_prefill_then_decode_equals_full_pass():
         for t in range(5, 12):
             parts.append(layer(x[:, t:t + 1], state))
     assert_close(torch.cat(parts, dim=1), full)
-    assert_close(full, ref_kda_layer(layer, x, -5.0))
+    assert_close(full, ref_kda_layer(layer, x, cfg.kda.gate_lower_bound))
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_kda_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
+    """The one-call C decode (cpu_kernels.kda_decode_layer) gives the general path's outputs and states."""
+    from moeswap.models.layers import kda as kda_module
+    from moeswap.ops import cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip("no CPU kernel")
+    cfg = cfg_for(arch)
+    layer = make_kda(arch, seed=12)
+    x = torch.randn(3, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(13))
+    calls = []
+    real = cpu_kernels.CpuKernels.kda_decode_layer
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "kda_decode_layer", lambda self, *a: calls.append(1) or real(self, *a))
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            assert len(calls) == 5  # one per decode token
+            monkeypatch.setattr(kda_module.cpu_kernels, "for_inference", lambda *tensors: None)
+        state = KDAState.zeros(3, layer.H, layer.K, layer.W, torch.float32, "cpu")
+        with torch.no_grad():
+            layer(x[:, :4], state)
+            outs = [layer(x[:, t:t + 1], state) for t in range(4, 9)]
+        runs.append((torch.cat(outs, dim=1), state))
+    (got, s1), (want, s2) = runs
+    assert_close(got, want, rtol=1e-5)
+    assert_close(s1.recurrent_BHKK, s2.recurrent_BHKK, rtol=1e-5)
+    assert torch.equal(s1.conv_BWC, s2.conv_BWC)  # the conv history is copied, not computed
 
 
 # ----------------------------------------------------------------------------- 3. MLA

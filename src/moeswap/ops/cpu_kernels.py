@@ -42,6 +42,8 @@ _SIGNATURES = {
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    "moeswap_kda_decode_layer": [_p, _p, _p, _i64, _p, _p, _p, ctypes.c_float, ctypes.c_int, _p, _p, _p, _p,
+                                 ctypes.c_float, ctypes.c_float, ctypes.c_float, _p, _i64, _i64, _i64, ctypes.c_int],
     "moeswap_rms_norm": [_p, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
     "moeswap_res_mix": [_p, ctypes.c_int, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
 }
@@ -170,6 +172,36 @@ class CpuKernels:
                                       float(situ_betas[0]), float(situ_betas[1]), self._threads())
         self._status(status, f"glu ({act}, {tuple(gate.shape)})")
         return out
+
+    def kda_decode_layer(self, qkv: torch.Tensor, conv: torch.Tensor, taps: torch.Tensor, z: torch.Tensor,
+                         dt_bias: torch.Tensor, decay_rate: torch.Tensor, lower_bound: float | None,
+                         b_in: torch.Tensor, state: torch.Tensor, gate: torch.Tensor, o_norm: torch.Tensor,
+                         norm_eps: float, scale: float, l2_eps: float) -> torch.Tensor:
+        """A KDA layer's decode token between its projections (moeswap_kda_decode_layer in the C file):
+        qkv [B, 3C], conv [B, W-1, 3C] and state [B, H, K, K] (both updated in place), taps [W, 3C],
+        z, gate [B, C], dt_bias [C], decay_rate [H] (exp A_log), b_in [B, H], o_norm [K]; C = H K.
+        lower_bound None: Kimi Linear's unbounded gate. Returns y [B, C] fp32, ready for o_proj."""
+        B, H, K, _ = state.shape
+        C = H * K
+        W = taps.shape[0]
+        want = {"qkv": (qkv, (B, 3 * C)), "conv": (conv, (B, W - 1, 3 * C)), "taps": (taps, (W, 3 * C)),
+                "z": (z, (B, C)), "dt_bias": (dt_bias, (C,)), "decay_rate": (decay_rate, (H,)),
+                "b_in": (b_in, (B, H)), "state": (state, (B, H, K, K)), "gate": (gate, (B, C)),
+                "o_norm": (o_norm, (K,))}
+        bad = [f"{name} {tuple(t.shape)} {t.dtype}" for name, (t, shape) in want.items()
+               if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu"
+               or not t.is_contiguous()]
+        if bad or K > 1024:
+            raise ValueError(f"kda_decode_layer: {', '.join(bad) or f'head dim {K}'} (expected contiguous fp32 CPU "
+                             f"tensors for {B} sequences of {H} heads of {K}, conv width {W})")
+        y = torch.empty(B, C, dtype=torch.float32)
+        status = self.lib.moeswap_kda_decode_layer(
+            qkv.data_ptr(), conv.data_ptr(), taps.data_ptr(), W, z.data_ptr(), dt_bias.data_ptr(),
+            decay_rate.data_ptr(), float(lower_bound or 0.0), int(lower_bound is not None), b_in.data_ptr(),
+            state.data_ptr(), gate.data_ptr(), o_norm.data_ptr(), float(norm_eps), float(scale), float(l2_eps),
+            y.data_ptr(), B, H, K, self._threads())
+        self._status(status, f"kda_decode_layer ({B} x {H} heads of {K})")
+        return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU tensor (weight fp32 [D] or None); a new tensor."""
