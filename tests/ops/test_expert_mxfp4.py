@@ -182,6 +182,15 @@ def check_grouped_moe(kernel, gen: torch.Generator) -> None:
         y = torch.full((tokens, 64), 0.5)
         kernel.moe(x, bf16, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS, y)
         torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())  # MXFP4 is exact in bf16
+        # the same bf16 experts with a strided down matrix: copied for the call, never remembered by pointer
+        strided = [ExpertWeights(w.w1_FI, w.w3_FI, w.w2_IF.T.contiguous().T) for w in bf16]
+        y = torch.full((tokens, 64), 0.5)
+        kernel.moe(x, strided, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS, y)
+        torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+        assert all("_kernel_pointers" not in w.__dict__ for w in strided)
+    with pytest.raises(ValueError, match="all MXFP4 or all bf16"):
+        kernel.moe(x, [experts[0], bf16[1]], torch.zeros(2, dtype=torch.int64), [0, 1, 2], torch.ones(2), "situ",
+                   BETAS, y)
     with pytest.raises(ValueError, match="do not fit x"):
         kernel.moe(x, experts, torch.zeros(2, dtype=torch.int64), [0, 1, 2], torch.ones(2), "situ", BETAS, y)
     with pytest.raises(RuntimeError, match="bad sizes"):  # a token index outside x

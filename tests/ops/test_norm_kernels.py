@@ -99,3 +99,29 @@ def test_derived_tensors_follow_their_sources():
         assert torch.equal(derived(layer, "double", make, layer.weight), torch.zeros(3, 4)) and len(calls) == 3
     derived(layer, "double", make, layer.weight)  # gradients wanted: always made afresh
     assert len(calls) == 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("scoring, renormalize, scale", [("sigmoid", True, 2.5), ("softmax", False, 1.0)])
+def test_route_kernel_matches_the_router_reference(scoring, renormalize, scale):
+    from moeswap.config import parse_config
+    from moeswap.models.layers.moe import Router
+    from moeswap.tiny import tiny_config
+
+    cfg = parse_config(tiny_config("kimi_k3", "tiny"))
+    router = Router(cfg)
+    router.scoring, router.renormalize, router.scaling = scoring, renormalize, scale
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(router.weight.shape[0], generator=g) * 0.1)
+    x = torch.randn(37, cfg.hidden_size, generator=g)
+    want_ids, want_w = router.reference(x)
+    with torch.no_grad():
+        ids, w = router(x)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+        one_ids, one_w = router(x[5:6])  # per token: batched == single
+        assert torch.equal(one_ids, ids[5:6]) and torch.equal(one_w, w[5:6])
+    with pytest.raises(ValueError, match="route: .*top-99"):
+        kernel.route(x, router.weight.detach(), router.e_score_correction_bias.detach(), 99, False, True, 1.0)

@@ -892,3 +892,43 @@ int moeswap_res_mix(const float *const *src, int S, int64_t N, int64_t D, const 
     }
     return 0;
 }
+
+/* The MoE router for T tokens (models/layers/moe.py Router is the reference): logits = x W^T with W fp32
+ * [E, D]; scores = sigmoid(logits) (softmax over E when `softmax`); the K experts of highest
+ * scores + bias (bias steers the choice only; ties go to the lower id) in descending order; their
+ * scores, divided by their sum (+1e-20) when `renorm`, times `scale`. ids int64 [T, K], w fp32 [T, K]. */
+int moeswap_route(const float *x, int64_t T, int64_t D, const float *W, int64_t E, const float *bias, int64_t K,
+                  int softmax, int renorm, float scale, int64_t *ids, float *w, int nthreads) {
+    if (T < 0 || D < 1 || E < 1 || E > 4096 || K < 1 || K > E) return 1;
+    #pragma omp parallel for num_threads(T * E * D >= 4 * GLUE_PARALLEL_ELEMENTS ? nthreads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float score[4096], choice[4096];
+        const float *xt = x + t * D;
+        float top = -INFINITY, total = 0.f;
+        for (int64_t e = 0; e < E; e++) {
+            score[e] = dot_f32(xt, W + e * D, D);
+            top = score[e] > top ? score[e] : top;
+        }
+        for (int64_t e = 0; e < E; e++) {
+            score[e] = softmax ? expf(score[e] - top) : sigmoid_f32(score[e]);
+            total += score[e];
+        }
+        for (int64_t e = 0; e < E; e++) {
+            if (softmax) score[e] /= total;
+            choice[e] = score[e] + bias[e];
+        }
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; k++) { /* selection: K is small */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (choice[e] == choice[e] && (best < 0 || choice[e] > choice[best])) best = e;
+            if (best < 0) best = 0; /* all NaN: the output is NaN anyway */
+            ids[t * K + k] = best;
+            w[t * K + k] = score[best];
+            sum += score[best];
+            choice[best] = NAN;
+        }
+        for (int64_t k = 0; k < K; k++) w[t * K + k] = (renorm ? w[t * K + k] / (sum + 1e-20f) : w[t * K + k]) * scale;
+    }
+    return 0;
+}

@@ -44,6 +44,8 @@ _SIGNATURES = {
     "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "moeswap_kda_decode_layer": [_p, _p, _p, _i64, _p, _p, _p, ctypes.c_float, ctypes.c_int, _p, _p, _p, _p,
                                  ctypes.c_float, ctypes.c_float, ctypes.c_float, _p, _i64, _i64, _i64, ctypes.c_int],
+    "moeswap_route": [_p, _i64, _i64, _p, _i64, _p, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_float, _p, _p,
+                      ctypes.c_int],
     "moeswap_rms_norm": [_p, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
     "moeswap_res_mix": [_p, ctypes.c_int, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
 }
@@ -110,15 +112,17 @@ class CpuKernels:
             raise ValueError(f"moe: {E} experts, offsets {list(offsets)[:4]}..., tokens "
                              f"{tuple(tokens.shape)} {tokens.dtype}, weights {tuple(weights.shape)} {weights.dtype}, "
                              f"y {tuple(y_TI.shape)} {y_TI.dtype} do not fit x {tuple(x_TI.shape)}")
-        bf16 = all(is_bf16_expert(w) for w in experts)
-        mats = [_bf16_expert_mats(w, I) if bf16 else _expert_mats(w, I) for w in experts]
-        F = mats[0][0].shape[0]
-        if any(m[0].shape[0] != F for m in mats):
-            raise ValueError("moe: experts of one call must share their width")
-        tokens, weights = tokens.contiguous(), weights.contiguous()
+        bf16 = not hasattr(experts[0], "w1_packed")  # one kind per call (the caller groups them so)
         if int8_activations and bf16:
             raise ValueError("moe: int8 activations are for MXFP4 experts, not bf16 ones")
-        args = [x_TI.data_ptr(), T, I, F, E, *[_ptrs([m[j] for m in mats]) for j in range(len(mats[0]))],
+        held: list[torch.Tensor] = []  # contiguous copies that must outlive the call
+        widths, table = zip(*[_kernel_pointers(w, I, bf16, held) for w in experts])
+        F = widths[0]
+        if any(f != F for f in widths):
+            raise ValueError("moe: experts of one call must share their width")
+        tokens, weights = tokens.contiguous(), weights.contiguous()
+        columns = zip(*table)  # per matrix slot, one pointer per expert
+        args = [x_TI.data_ptr(), T, I, F, E, *[(ctypes.c_void_p * E)(*c) for c in columns],
                 (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
                 float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads()]
         status = self.lib.moeswap_bf16_moe(*args) if bf16 else self.lib.moeswap_mxfp4_moe(*args, int(int8_activations))
@@ -202,6 +206,26 @@ class CpuKernels:
             y.data_ptr(), B, H, K, self._threads())
         self._status(status, f"kda_decode_layer ({B} x {H} heads of {K})")
         return y
+
+    def route(self, x_TD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, softmax: bool,
+              renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MoE router (moe.Router without expert groups) for fp32 CPU x [T, D], router weight [E, D]
+        and correction bias [E]: (expert ids int64 [T, K] best first, fp32 weights [T, K])."""
+        T, D = x_TD.shape
+        E = w_ED.shape[0]
+        if (tuple(w_ED.shape) != (E, D) or tuple(bias_E.shape) != (E,) or not 0 < top_k <= E or E > 4096
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x_TD, w_ED, bias_E))):
+            raise ValueError(f"route: x {tuple(x_TD.shape)} {x_TD.dtype}, weight {tuple(w_ED.shape)} {w_ED.dtype}, "
+                             f"bias {tuple(bias_E.shape)} {bias_E.dtype}, top-{top_k} (expected fp32 CPU tensors, "
+                             f"weight [E <= 4096, D], bias [E], 0 < k <= E)")
+        x_TD, w_ED, bias_E = x_TD.contiguous(), w_ED.contiguous(), bias_E.contiguous()
+        ids = torch.empty(T, top_k, dtype=torch.int64)
+        weights = torch.empty(T, top_k, dtype=torch.float32)
+        status = self.lib.moeswap_route(x_TD.data_ptr(), T, D, w_ED.data_ptr(), E, bias_E.data_ptr(), top_k,
+                                        int(softmax), int(renormalize), float(scale), ids.data_ptr(),
+                                        weights.data_ptr(), self._threads())
+        self._status(status, f"route ({T} tokens, {E} experts, top-{top_k})")
+        return ids, weights
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU tensor (weight fp32 [D] or None); a new tensor."""
@@ -293,6 +317,32 @@ def _expert_mats(w, I: int) -> list[torch.Tensor]:
     if not all(t.device.type == "cpu" for t in mats):
         raise ValueError("MXFP4 expert: the CPU kernel needs CPU tensors")
     return [t if t.is_contiguous() else t.contiguous() for t in mats]
+
+
+def _kernel_pointers(w, I: int, bf16: bool, held: list) -> tuple[int, tuple[int, ...]]:
+    """(F, data pointers of the expert's matrices in moe()'s order) for input width I, kept on the expert:
+    a decode step hands the same experts over every step, and gathering six tensors' pointers per expert
+    was ~5 us each. Experts are values (tiers make new objects, never swap a tensor in place), so the
+    pointers stay valid while the expert lives; a non-contiguous matrix is copied into `held` instead."""
+    kept = w.__dict__.get("_kernel_pointers")
+    if kept is not None and kept[0] == I and kept[1] == bf16:
+        return kept[2], kept[3]
+    try:
+        originals = [w.w1_FI, w.w3_FI, w.w2_IF] if bf16 else [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale,
+                                                               w.w2_packed, w.w2_scale]
+    except AttributeError:
+        raise ValueError(f"moe: experts of one call must be all MXFP4 or all bf16, got a {type(w).__name__} "
+                         f"among {'bf16' if bf16 else 'MXFP4'} ones") from None
+    if bf16 and not is_bf16_expert(w):
+        raise ValueError(f"moe: a bf16 expert call got {type(w).__name__} with "
+                         f"{w.w1_FI.dtype} weights on {w.w1_FI.device}")
+    mats = _bf16_expert_mats(w, I) if bf16 else _expert_mats(w, I)
+    F, ptrs = mats[0].shape[0], tuple(t.data_ptr() for t in mats)
+    if all(m is o for m, o in zip(mats, originals)):
+        w.__dict__["_kernel_pointers"] = (I, bf16, F, ptrs)
+    else:
+        held.extend(mats)
+    return F, ptrs
 
 
 def _checked(packed: torch.Tensor, scale: torch.Tensor, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import GatedMLP, RMSNorm
-from moeswap.ops import expert_mxfp4
+from moeswap.ops import cpu_kernels, expert_mxfp4
 from moeswap.ops.cpu_kernels import is_bf16_expert
 from moeswap.ops.expert import MXFP4ExpertWeights
 
@@ -34,7 +34,17 @@ class Router(nn.Module):
         self.scaling, self.groups, self.topk_group = m.routed_scaling_factor, m.num_groups, m.topk_group
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [T, K], weights [T, K] fp32). Routing runs in fp32."""
+        """Returns (expert ids [T, K], weights [T, K] fp32). Routing runs in fp32; eager CPU inference
+        without expert groups runs it as one C call (cpu_kernels.route), else `reference`."""
+        kernel = cpu_kernels.for_inference(x_TD, self.weight, self.e_score_correction_bias)
+        if (kernel is not None and self.groups <= 1 and x_TD.dtype == self.weight.dtype == torch.float32
+                and self.e_score_correction_bias.dtype == torch.float32):
+            return kernel.route(x_TD, self.weight, self.e_score_correction_bias, self.top_k,
+                                self.scoring != "sigmoid", self.renormalize, self.scaling)
+        return self.reference(x_TD)
+
+    def reference(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router in torch ops (autograd, other devices, expert groups, the kernel's oracle)."""
         logits_TE = x_TD.float() @ self.weight.float().T
         scores_TE = logits_TE.sigmoid() if self.scoring == "sigmoid" else logits_TE.softmax(-1)
         choice_TE = scores_TE + self.e_score_correction_bias.float()  # the bias steers selection only
