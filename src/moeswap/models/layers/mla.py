@@ -45,8 +45,11 @@ class MLACache:
                                 dtype=self.latent_BSX.dtype, device=self.latent_BSX.device)
             grown[:, : self.latent_BSX.shape[1]] = self.latent_BSX
             self.latent_BSX = grown
-        pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
-        self.latent_BSX[torch.arange(B, device=new_BTX.device)[:, None], pos_BT] = new_BTX.to(self.latent_BSX.dtype)
+        if B == 1 and self.max_length is not None:  # one sequence whose length the host knows: a slice
+            self.latent_BSX[0, need - T:need] = new_BTX[0]
+        else:
+            pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
+            self.latent_BSX[torch.arange(B, device=new_BTX.device)[:, None], pos_BT] = new_BTX.to(self.latent_BSX.dtype)
         self.lengths_B += T
         self.max_length = need
 
