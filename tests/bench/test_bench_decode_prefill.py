@@ -16,6 +16,18 @@ def test_decode_bytes_counts_dense_and_active_experts(tiny_k3_dir):
     assert b["moe_layers"] == 5 and b["top_k"] == 4
     assert b["active_expert_bytes"] == pytest.approx(4 * 5 * per_expert)
     assert b["per_token_bytes"] == b["dense_bytes"] + b["active_expert_bytes"]
+    assert b["num_experts"] == 16 and b["expert_bytes"] == pytest.approx(per_expert)
+    assert b["active_params"] == b["dense_params"] + 4 * 5 * 3 * 32 * 64  # top-4 experts of 3 x [32, 64] weights
+
+
+def test_batch_roofline_is_the_slower_of_memory_and_compute():
+    by = {"num_experts": 16, "top_k": 4, "dense_bytes": 1e6, "moe_layers": 2, "expert_bytes": 1e5, "active_params": 1e6}
+    one = sbs.batch_roofline(by, read_GBps=1.0, gflops=1e3, batch=1)
+    assert one["bound"] == "memory" and one["step_bytes"] == pytest.approx(1e6 + 2 * 4 * 1e5)
+    many = sbs.batch_roofline(by, read_GBps=1.0, gflops=1e3, batch=64)
+    assert many["step_bytes"] == pytest.approx(1e6 + 2 * 16 * (1 - 0.75**64) * 1e5)  # nearly every expert
+    slow = sbs.batch_roofline(by, read_GBps=1.0, gflops=0.01, batch=64)  # 2 x 1e6 x 64 FLOPs at 10 MFLOP/s
+    assert slow["bound"] == "compute" and slow["tokens_per_s"] == pytest.approx(64 / 12.8)
 
 
 def test_decode_and_prefill_reports(tiny_k3_dir, tmp_path):
@@ -25,9 +37,10 @@ def test_decode_and_prefill_reports(tiny_k3_dir, tmp_path):
     assert "unknown peer" in rep["skipped"]["nonesuch"] and list(rep["peers"]) == ["moeswap"]
     assert [r["batch"] for r in rep["rows"]] == [1, 2]
     assert all(r["results"]["moeswap"]["tokens_per_s"] > 0 for r in rep["rows"])
-    assert rep["roofline_tokens_per_s"] > 0 and rep["bandwidth"]["read_GBps"] > 0
+    assert rep["roofline_tokens_per_s"] > 0 and rep["bandwidth"]["read_GBps"] > 0 and rep["gemm_gflops"] > 0
+    assert [r["batch"] for r in rep["rooflines"]] == [1, 2]
     md = decode.format_markdown(rep)
-    assert "SKIPPED" in md and "roofline" in md and md.count("\n| ") == 3
+    assert "SKIPPED" in md and "roofline" in md and md.count("\n| ") == 3 and "batch 2 " in md
     json.dumps(rep)
     rep = prefill.measure(setup, [5, 9])
     assert [r["prompt_tokens"] for r in rep["rows"]] == [5, 9]

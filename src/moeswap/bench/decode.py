@@ -42,6 +42,8 @@ def measure(setup: sbs.Setup, batches: list[int], prompt_tokens: int, tokens: in
                         sbs.agreement(a[:16], b[:16]) for a, b in zip(best["moeswap"]["tokens"], best[name]["tokens"])]
             row["moeswap_tokens_first_seq"] = best["moeswap"]["tokens"][0][:16]
             report["rows"].append(row)
+        report["rooflines"] = [sbs.batch_roofline(report["bytes"], report["bandwidth"]["read_GBps"],
+                                                  report["gemm_gflops"], b) for b in batches]
         one = next((r for r in report["rows"] if r["batch"] == 1), None)
         for r in report["rows"]:
             if one:
@@ -71,6 +73,13 @@ def format_markdown(report: dict) -> str:
             cells += [f"{x['tokens_per_s']:.1f}", f"{x['moeswap_ratio']:.2f}",
                       f"{sum(a == 16 for a in agree)}/{len(agree)} seqs (min {min(agree)})"]
         lines.append("| " + " | ".join(cells) + " |")
+    roofs = report.get("rooflines") or []
+    if roofs:
+        one = sbs.batch_roofline(report["bytes"], report["bandwidth"]["read_GBps"], report["gemm_gflops"], 1)
+        lines += ["", f"ceilings at the measured read bandwidth and fp32 GEMM rate ({report['gemm_gflops']:.0f} GFLOP/s; "
+                      "distinct experts as under uniform routing): " + ", ".join(
+                          f"batch {r['batch']} {r['tokens_per_s']:.0f} tok/s ({r['bound']}-bound, "
+                          f"{r['tokens_per_s'] / one['tokens_per_s']:.1f}x batch 1)" for r in roofs)]
     return "\n".join(lines)
 
 

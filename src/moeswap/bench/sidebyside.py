@@ -105,21 +105,59 @@ def decode_bytes(model_dir: str) -> dict:
     cfg = load_config(model_dir)
     ckpt = Checkpoint.open(model_dir)
     expert = re.compile(r".*\.experts\.(\d+)\.")
-    dense = dense_params = expert_bytes = 0
+    dense = dense_params = expert_bytes = expert_params = 0
     for name in ckpt.names():
         info = ckpt.info(name)
         if expert.match(name):
             expert_bytes += info.nbytes
+            if not name.endswith("_scale"):  # packed MXFP4 holds two weights per byte
+                elements = info.nbytes // info.dtype.itemsize
+                expert_params += 2 * elements if name.endswith("weight_packed") else elements
         elif not name.endswith("embed_tokens.weight") and not name.startswith(("vision_tower", "mm_projector")):
             dense += info.nbytes
             dense_params += info.nbytes // info.dtype.itemsize
     moe_layers = sum(1 for k in cfg.mlp_kinds if k == "moe")
-    per_expert = expert_bytes / max(1, moe_layers * cfg.moe.num_experts)
+    experts = max(1, moe_layers * cfg.moe.num_experts)
+    per_expert = expert_bytes / experts
     active = cfg.moe.top_k * moe_layers * per_expert
     ckpt.close()
     return {"dense_bytes": dense, "dense_params": dense_params, "active_expert_bytes": active,
-            "per_token_bytes": dense + active,
-            "moe_layers": moe_layers, "top_k": cfg.moe.top_k, "arch": cfg.arch}
+            "per_token_bytes": dense + active, "expert_bytes": per_expert,
+            "active_params": dense_params + cfg.moe.top_k * moe_layers * expert_params / experts,
+            "moe_layers": moe_layers, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "arch": cfg.arch}
+
+
+def matmul_gflops(threads: int, size: int = 1024, reps: int = 5) -> float:
+    """Best-of fp32 GEMM rate (torch.mm of two size x size matrices), GFLOP/s: the machine's compute
+    ceiling for the math moeswap does by default."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        return 2 * size**3 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def batch_roofline(by: dict, read_GBps: float, gflops: float, batch: int) -> dict:
+    """Ceiling of decode tokens/s at `batch` sequences: a step reads the dense weights once and each
+    expert any sequence routes to (expected distinct experts under uniform routing), and does
+    2 x active parameters FLOPs per token; it takes at least the longer of the two at the measured
+    read bandwidth and fp32 GEMM rate."""
+    E, K = by["num_experts"], by["top_k"]
+    distinct = E * (1 - (1 - K / E) ** batch) if E else 0
+    step_bytes = by["dense_bytes"] + by["moe_layers"] * distinct * by["expert_bytes"]
+    memory_s, compute_s = step_bytes / (read_GBps * 1e9), 2 * by["active_params"] * batch / (gflops * 1e9)
+    return {"batch": batch, "step_bytes": step_bytes, "tokens_per_s": batch / max(memory_s, compute_s),
+            "bound": "memory" if memory_s >= compute_s else "compute"}
 
 
 class Peers:
@@ -231,6 +269,7 @@ def common_report(setup: Setup, peers: Peers) -> dict:
     by = decode_bytes(setup.model)
     return {"model": setup.model, "machine": machine_info(setup.threads), "bandwidth": bw, "bytes": by,
             "roofline_tokens_per_s": bw["read_GBps"] * 1e9 / by["per_token_bytes"],
+            "gemm_gflops": matmul_gflops(setup.threads),
             "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
             "settings": {"dtype": setup.dtype, "expert_memory": setup.expert_memory,
                          "decoded_experts": setup.decoded_experts, "compile": setup.compile,

@@ -395,7 +395,7 @@ def for_inference(*tensors: torch.Tensor) -> CpuKernels | None:
     should take its torch path (tracing, gradients wanted, another device, no kernel here)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return None
-    if any(t.device.type != "cpu" for t in tensors):
+    if not all(t.is_cpu for t in tensors):
         return None
     return kernel()
 
