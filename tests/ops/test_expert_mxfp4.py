@@ -206,8 +206,14 @@ def check_bf16_linear(kernel, gen: torch.Generator) -> None:
             want = x @ w.float().T
             torch.testing.assert_close(kernel.bf16_linear(x, w), want, rtol=2e-6,
                                        atol=4e-6 * want.abs().max().item())
+            if kernel.has_bf16_dot and cols % 32 == 0:  # --gemm-precision bf16: inputs rounded, pair dot products
+                rounded = x.bfloat16().float() @ w.float().T
+                torch.testing.assert_close(kernel.bf16_linear(x, w, bf16_inputs=True), rounded, rtol=2e-6,
+                                           atol=4e-6 * rounded.abs().max().item())
     with pytest.raises(ValueError, match="expected fp32 .T, I. and bf16"):
         kernel.bf16_linear(torch.zeros(1, 16), torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="bf16 inputs need"):
+        kernel.bf16_linear(torch.zeros(1, 1027), torch.zeros(4, 1027).bfloat16(), bf16_inputs=True)
 
 
 def test_kernel_rejects_scales_that_are_not_e8m0_bytes():

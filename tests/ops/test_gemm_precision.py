@@ -1,6 +1,6 @@
-"""--gemm-precision bf16: many-row CPU matmuls with bf16 weights (dense GEMMs, MXFP4 experts on the
-GEMM path) round their inputs to bf16, inside the model's forward only; few-row ones (decode) and the
-default stay exact."""
+"""--gemm-precision bf16: CPU matmuls with bf16 weights (dense GEMMs and decode-size products, MXFP4
+experts on the GEMM path) round their inputs to bf16, inside the model's forward only; the default stays
+exact."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from moeswap.formats import mxfp4
 from moeswap.models.loader import LoadOptions, load_model
-from moeswap.ops import expert_mxfp4 as em
+from moeswap.ops import cpu_kernels, expert_mxfp4 as em
 from moeswap.ops.expert import MXFP4ExpertWeights
 from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_in_bf16, gemm_precision, linear
 
 
-def test_many_rows_round_their_inputs_to_bf16_few_rows_stay_exact():
+def test_inputs_are_rounded_to_bf16_for_many_rows_and_few():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 80, generator=g).bfloat16()
     many, few = torch.randn(KERNEL_MAX_ROWS + 8, 80, generator=g), torch.randn(4, 80, generator=g)
@@ -27,7 +27,18 @@ def test_many_rows_round_their_inputs_to_bf16_few_rows_stay_exact():
     assert got_many.dtype == torch.float32 and torch.equal(got_many, F.linear(many.bfloat16(), w).float())
     assert not torch.equal(got_many, exact_many)
     torch.testing.assert_close(got_many, exact_many, rtol=0, atol=2e-2 * exact_many.abs().max().item())
-    assert torch.equal(got_few, exact_few)
+    # few rows (decode): the kernel's bf16 dot products, or the fp32 kernel on the rounded inputs
+    assert not torch.equal(got_few, exact_few)
+    rounded = few.bfloat16().double() @ w.double().T
+    torch.testing.assert_close(got_few.double(), rounded, rtol=0, atol=1e-6 * rounded.abs().max().item())
+    kernel = cpu_kernels.kernel()
+    if kernel is not None and kernel.has_bf16_dot:  # widths of a multiple of 32: AVX-512 BF16 dot products
+        w96, x96 = torch.randn(40, 96, generator=g).bfloat16(), torch.randn(7, 96, generator=g)
+        with gemm_precision("bf16"):
+            got = linear(x96, w96)
+            assert torch.equal(linear(x96[2:3], w96), got[2:3])  # a row alone: the bits it gets among others
+        want = x96.bfloat16().double() @ w96.double().T
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * want.abs().max().item())
     with pytest.raises(ValueError, match="GEMM precision 'fp16': expected one of fp32, bf16"):
         with gemm_precision("fp16"):
             pass
@@ -64,6 +75,10 @@ def test_the_model_sets_it_for_its_forward_only(tiny_k3_dir):
         # the first position is close; later ones may part where this random model's routing is near-tied
         # (the same happens against llama.cpp, docs/benchmarks.md)
         torch.testing.assert_close(got[:, 0], want[:, 0], rtol=0, atol=2e-2 * want[:, 0].abs().max().item())
-        assert torch.equal(fast(prompt[:, :5]), exact(prompt[:, :5]))  # few rows: the exact kernels
+        # few rows (a decode step's size) round too
+        short_fast, short_exact = fast(prompt[:, :5]), exact(prompt[:, :5])
+        assert not torch.equal(short_fast, short_exact)
+        torch.testing.assert_close(short_fast[:, 0], short_exact[:, 0], rtol=0,
+                                   atol=2e-2 * short_exact[:, 0].abs().max().item())
     with pytest.raises(ValueError, match="--gemm-precision 'int4'"):
         load_model(tiny_k3_dir, LoadOptions(gemm_precision="int4"))

@@ -605,6 +605,63 @@ static void bf16_rows_paired(const float *xp, int64_t T, int64_t I, const uint16
 #define BF16_PAIRED 0
 #endif
 
+#if defined(__AVX512BF16__)
+/* R rows from o times TT tokens, x already rounded to bf16 (the opt-in --gemm-precision bf16: llama.cpp's
+ * arithmetic for bf16 matmuls): each 32-column step is one vdpbf16ps per (row, token), the pair products
+ * exact and summed into fp32 lanes. Every (row, token) sum runs the same steps whatever TT and R are, so
+ * a token's outputs do not depend on the batch it is in. */
+INLINE void bf16x_tile(const uint16_t *xb, const int TT, const int R, int64_t I, const uint16_t *W, int64_t o,
+                       float *y, int64_t O) {
+    __m512 acc[8][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < I; i += 32) {
+        __m512bh w[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint16_t *p = W + (o + r) * I + i;
+            _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0); /* the next tile's rows */
+            w[r] = (__m512bh)_mm512_loadu_si512((const void *)p);
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + t * I + i));
+            UNROLL for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[r], xv);
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define BF16X_TILE(TT_, R_) bf16x_tile(xb, TT_, R_, I, W, o, y, O)
+static void bf16x_rows(const uint16_t *xb, int TT, int64_t I, const uint16_t *W, int64_t o, int64_t n, float *y,
+                       int64_t O) {
+    /* one token streams one row at a time (what the hardware prefetcher follows best); more share rows */
+    const int64_t end = o + n, step = TT == 1 ? 1 : TT <= 4 ? 4 : 2;
+    for (; o + step <= end; o += step) BY_TOKENS(BF16X_TILE, 4, TT == 1 ? 1 : 4, 2)
+    for (; o < end; o++) BY_TOKENS(BF16X_TILE, 4, 1, 1)
+}
+
+/* y[T, O] = xb[T, I] @ W^T, both bf16 (I % 32 == 0), fp32 sums. Returns 0, 1 for bad sizes. */
+int moeswap_bf16x_linear(const uint16_t *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, float *y,
+                         int nthreads) {
+    if (T < 1 || I < 32 || I % 32 || O < 1) return 1;
+    const int64_t chunks = (O + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 2)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o = c * CHUNK_ROWS, n = O - o < CHUNK_ROWS ? O - o : CHUNK_ROWS;
+        for (int64_t t = 0; t < T; t += 8)
+            bf16x_rows(x + t * I, T - t < 8 ? (int)(T - t) : 8, I, W, o, n, y + t * O, O);
+    }
+    return 0;
+}
+#undef BF16X_TILE
+int moeswap_has_bf16_dot(void) { return 1; }
+#else
+int moeswap_bf16x_linear(const uint16_t *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, float *y,
+                         int nthreads) {
+    (void)x; (void)T; (void)I; (void)W; (void)O; (void)y; (void)nthreads;
+    return 3;
+}
+int moeswap_has_bf16_dot(void) { return 0; }
+#endif
+
 /* Rows [o, o + n) of y[T, O] = x @ W^T for bf16 W, tokens in tiles of 8, 4, 2, 1. */
 static void bf16_rows(const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, int64_t o, int64_t n,
                       float *y) {

@@ -39,6 +39,7 @@ _SIGNATURES = {
     "moeswap_bf16_moe": [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, _p, _p, ctypes.c_int, ctypes.c_float,
                          ctypes.c_float, _p, ctypes.c_int],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
+    "moeswap_bf16x_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
@@ -59,6 +60,8 @@ class CpuKernels:
             fn = getattr(self.lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
         self.lib.moeswap_mxfp4_isa.restype = self.lib.moeswap_mxfp4_q8.restype = ctypes.c_int
+        self.lib.moeswap_has_bf16_dot.restype = ctypes.c_int
+        self.has_bf16_dot = bool(self.lib.moeswap_has_bf16_dot())  # AVX-512 BF16 builds: bf16x_linear
         self.isa = {512: "avx512", 256: "avx2", 0: "portable"}[self.lib.moeswap_mxfp4_isa()]
         self.has_int8_activations = bool(self.lib.moeswap_mxfp4_q8())  # AVX-512 VNNI builds
 
@@ -149,17 +152,23 @@ class CpuKernels:
         self._status(status, f"mxfp4_decode (packed {tuple(packed.shape)})")
         return out
 
-    def bf16_linear(self, x_TI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
-        """x fp32 contiguous [T, I] @ w bf16 [O, I]^T -> fp32 [T, O] (weights widened exactly, fp32 sums)."""
+    def bf16_linear(self, x_TI: torch.Tensor, w_OI: torch.Tensor, bf16_inputs: bool = False) -> torch.Tensor:
+        """x fp32 contiguous [T, I] @ w bf16 [O, I]^T -> fp32 [T, O] (weights widened exactly, fp32 sums).
+        bf16_inputs (needs `has_bf16_dot` and I % 32 == 0): x is rounded to bf16 first and the pairs'
+        products summed by AVX-512 BF16 dot products, llama.cpp's arithmetic (--gemm-precision bf16)."""
         T, I = x_TI.shape
         if (w_OI.dtype != torch.bfloat16 or w_OI.ndim != 2 or w_OI.shape[1] != I or w_OI.device.type != "cpu"
                 or x_TI.dtype != torch.float32 or x_TI.device.type != "cpu"):
             raise ValueError(f"bf16_linear: x {tuple(x_TI.shape)} {x_TI.dtype} and weight {tuple(w_OI.shape)} "
                              f"{w_OI.dtype} on {w_OI.device} (expected fp32 [T, I] and bf16 [O, I] on the CPU)")
-        w_OI, x_TI = w_OI.contiguous(), x_TI.contiguous()
+        if bf16_inputs and not (self.has_bf16_dot and I % 32 == 0):
+            raise ValueError(f"bf16_linear: bf16 inputs need an AVX-512 BF16 build and inputs of a multiple of 32 "
+                             f"(this build: {self.has_bf16_dot}, width {I})")
+        w_OI = w_OI.contiguous()
+        x_TI = x_TI.to(torch.bfloat16).contiguous() if bf16_inputs else x_TI.contiguous()
         y = torch.empty(T, w_OI.shape[0], dtype=torch.float32)
-        status = self.lib.moeswap_bf16_linear(x_TI.data_ptr(), T, I, w_OI.data_ptr(), w_OI.shape[0], y.data_ptr(),
-                                              self._threads())
+        run = self.lib.moeswap_bf16x_linear if bf16_inputs else self.lib.moeswap_bf16_linear
+        status = run(x_TI.data_ptr(), T, I, w_OI.data_ptr(), w_OI.shape[0], y.data_ptr(), self._threads())
         self._status(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
         return y
 

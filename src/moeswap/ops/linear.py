@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,13 @@ from moeswap.ops import cpu_kernels
 KERNEL_MAX_ROWS = 32  # up to this many rows the kernel streams the weights once; above, GEMM wins
 GEMM_PRECISIONS = ("fp32", "bf16")
 
-# "bf16": CPU matmuls of more than KERNEL_MAX_ROWS rows (prefill; decode batches above 32) with bf16
-# weights round their inputs to bf16 and run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x
-# fp32), outputs rounded to bf16 and widened back. llama.cpp's arithmetic class (it rounds the inputs of
-# bf16 matmuls to bf16); opt-in, the exact fp32 path is the default. Set per forward by the model.
+# "bf16": CPU matmuls with bf16 weights round their inputs to bf16. More than KERNEL_MAX_ROWS rows
+# (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x fp32), outputs rounded to bf16
+# and widened back; fewer (decode batches) run the kernel's AVX-512 BF16 dot products where the build has
+# them (fp32 sums; 1.6-2.4x the fp32 kernel at 16 rows, the same speed at one), else the fp32 kernel on
+# the rounded inputs. llama.cpp's arithmetic
+# class (it rounds the inputs of bf16 matmuls to bf16); opt-in, the exact fp32 path is the default. Set
+# per forward by the model.
 _gemm_precision: ContextVar[str] = ContextVar("moeswap_gemm_precision", default="fp32")
 
 
@@ -53,15 +57,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
             and 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
-            run = torch.ops.moeswap.bf16_linear
+            run = None if gemm_in_bf16() else torch.ops.moeswap.bf16_linear
         else:
             kernel = cpu_kernels.kernel()
             run = kernel.bf16_linear if kernel is not None else None
+            if run is not None and gemm_in_bf16():
+                if kernel.has_bf16_dot and x.shape[-1] % 32 == 0:
+                    run = partial(kernel.bf16_linear, bf16_inputs=True)
+                else:  # the same rounding of the inputs, on the fp32 kernel
+                    x = x.to(torch.bfloat16).float()
         if run is not None:
             y = run(x.reshape(rows, x.shape[-1]), weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
-    if (rows > KERNEL_MAX_ROWS and weight.dtype == torch.bfloat16 and x.dtype == torch.float32
-            and x.device.type == "cpu" and gemm_in_bf16()):
+    if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and gemm_in_bf16()):
         return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
     return F.linear(x, weight.to(x.dtype))
 
