@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
             and 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
-            run = None if gemm_in_bf16() else torch.ops.moeswap.bf16_linear
+            run = torch.ops.moeswap.bf16_linear  # (fp32: reading the precision's ContextVar breaks it too)
         else:
             kernel = cpu_kernels.kernel()
             run = kernel.bf16_linear if kernel is not None else None
