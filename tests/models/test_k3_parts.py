@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -295,7 +296,7 @@ def test_kda_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
     for fused in (True, False):
         if not fused:
             assert len(calls) == 5  # one per decode token
-            monkeypatch.setattr(kda_module.cpu_kernels, "for_inference", lambda *tensors: None)
+            monkeypatch.setattr(kda_module, "cpu_kernels", SimpleNamespace(for_inference=lambda *tensors: None))
         state = KDAState.zeros(3, layer.H, layer.K, layer.W, torch.float32, "cpu")
         with torch.no_grad():
             layer(x[:, :4], state)
@@ -391,6 +392,40 @@ def test_mla_incremental_with_cache_equals_full_pass():
     assert cache.lengths_B.tolist() == [11, 11]
     assert_close(torch.cat(parts, dim=1), full)
     assert_close(full, ref_mla(layer, x))
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_mla_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
+    """The one-call C decode (cpu_kernels.mla_decode) gives the torch path's outputs on ragged caches
+    (sequences of different lengths in one batch) and leaves the same cache behind."""
+    from moeswap.models.layers import mla as mla_module
+    from moeswap.ops import cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip("no CPU kernel")
+    cfg = cfg_for(arch)
+    layer = make_mla(arch, seed=14)
+    x = torch.randn(3, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        base = MLACache.empty(3, layer.cache_width(), torch.float32, "cpu", capacity=16)
+        layer(x[:, :5], base)
+        base.lengths_B[1] -= 2  # sequence 1 holds 3 tokens, the others 5
+        base.max_length = None
+    calls = []
+    real = cpu_kernels.CpuKernels.mla_decode
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "mla_decode", lambda self, *a: calls.append(1) or real(self, *a))
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            assert len(calls) == 4  # one per decode token
+            monkeypatch.setattr(mla_module, "cpu_kernels", SimpleNamespace(for_inference=lambda *tensors: None))
+        cache = MLACache(base.latent_BSX.clone(), base.lengths_B.clone())
+        with torch.no_grad():
+            outs = [layer(x[:, t:t + 1], cache) for t in range(5, 9)]
+        runs.append((torch.cat(outs, dim=1), cache))
+    (got, c1), (want, c2) = runs
+    assert_close(got, want, rtol=1e-5)
+    assert torch.equal(c1.lengths_B, c2.lengths_B) and torch.equal(c1.latent_BSX, c2.latent_BSX)
 
 
 # ----------------------------------------------------------------------------- 4. latent MoE

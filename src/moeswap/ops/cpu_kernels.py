@@ -47,6 +47,8 @@ _SIGNATURES = {
                                  ctypes.c_float, ctypes.c_float, ctypes.c_float, _p, _i64, _i64, _i64, ctypes.c_int],
     "moeswap_route": [_p, _i64, _i64, _p, _i64, _p, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_float, _p, _p,
                       ctypes.c_int],
+    "moeswap_mla_decode": [_p, _p, _i64, _p, _p, _p, ctypes.c_float, _p, _i64, _i64, _i64, _i64, _i64, _i64,
+                           ctypes.c_int],
     "moeswap_rms_norm": [_p, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
     "moeswap_res_mix": [_p, ctypes.c_int, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
 }
@@ -235,6 +237,36 @@ class CpuKernels:
                                         weights.data_ptr(), self._threads())
         self._status(status, f"route ({T} tokens, {E} experts, top-{top_k})")
         return ids, weights
+
+    def mla_decode(self, q_BHX: torch.Tensor, latent_BCX: torch.Tensor, lengths_B: torch.Tensor,
+                   w_k_HNL: torch.Tensor, w_v_HLV: torch.Tensor, scale: float) -> torch.Tensor:
+        """MLA attention of one new token per sequence, absorbed form (moeswap_mla_decode in the C file):
+        q [B, H, N + R], the cache [B, capacity, L + R] with lengths [B] valid rows each (int64, the new
+        token's row included), kv_b_proj split per head as keys [H, N, L] and values [H, L, V].
+        Returns the heads' outputs [B, H V] fp32, before the output gate."""
+        B, H, NR = q_BHX.shape
+        _, N, L = w_k_HNL.shape
+        V = w_v_HLV.shape[-1]
+        R = NR - N
+        cap = latent_BCX.shape[1] if latent_BCX.ndim == 3 else 0
+        fp32 = [q_BHX, latent_BCX, w_k_HNL, w_v_HLV]
+        if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in fp32)
+                or tuple(latent_BCX.shape) != (B, cap, L + R) or tuple(w_v_HLV.shape) != (H, L, V)
+                or w_k_HNL.shape[0] != H or R < 0 or L > 4096 or lengths_B.dtype != torch.int64
+                or tuple(lengths_B.shape) != (B,) or lengths_B.device.type != "cpu"):
+            raise ValueError(f"mla_decode: q {tuple(q_BHX.shape)}, cache {tuple(latent_BCX.shape)}, lengths "
+                             f"{tuple(lengths_B.shape)} {lengths_B.dtype}, keys {tuple(w_k_HNL.shape)}, values "
+                             f"{tuple(w_v_HLV.shape)} (expected contiguous fp32 CPU tensors [B, H, N+R], "
+                             f"[B, capacity, L+R], int64 [B], [H, N, L <= 4096], [H, L, V])")
+        lengths_B = lengths_B.contiguous()
+        out = torch.empty(B, H * V, dtype=torch.float32)
+        status = self.lib.moeswap_mla_decode(q_BHX.data_ptr(), latent_BCX.data_ptr(), cap, lengths_B.data_ptr(),
+                                             w_k_HNL.data_ptr(), w_v_HLV.data_ptr(), float(scale), out.data_ptr(),
+                                             B, H, N, R, L, V, self._threads())
+        if status == 1:
+            raise ValueError(f"mla_decode: cache lengths {lengths_B.tolist()[:8]} outside 1..{cap}")
+        self._status(status, f"mla_decode ({B} x {H} heads, {cap} cache rows)")
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU tensor (weight fp32 [D] or None); a new tensor."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import RMSNorm, derived, fuse_linears, project
+from moeswap.ops import cpu_kernels
 
 
 @dataclass
@@ -111,13 +112,21 @@ class MLA(nn.Module):
         q_BTHX = self.queries(x_BTD, q_in).unflatten(-1, (self.H, self.N + self.R))
         q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
         c_kv, k_r = kv_in.split([self.L, self.R], dim=-1)
-        masked = not (T == 1 and B == 1)  # a lone decode token sees the whole cache
+        kernel = cpu_kernels.for_inference(x_BTD, cache.latent_BSX) if T == 1 else None
+        if not (kernel is not None and x_BTD.dtype == cache.latent_BSX.dtype == torch.float32
+                and cache.latent_BSX.is_contiguous()):
+            kernel = None  # one decode token on the CPU: the whole core in one C call, below
+        masked = kernel is None and not (T == 1 and B == 1)  # a lone decode token sees the whole cache
         past_B = cache.lengths_B.clone() if masked else None  # append updates lengths_B in place
         cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
         S = cache.longest()
 
         # absorbed form: queries mapped into the latent space score [c | k_r] rows in one product
         w_k_HNL, w_v_HLV = self.absorbed_weights(x_BTD.dtype)
+        if kernel is not None:
+            out_BTHV = kernel.mla_decode(q_BTHX.reshape(B, self.H, self.N + self.R).contiguous(), cache.latent_BSX,
+                                         cache.lengths_B, w_k_HNL, w_v_HLV, self.scale).view(B, 1, -1)
+            return self._output(out_BTHV, gate_in)
         q_lat_HML = q_nope_BTHN.reshape(B * T, self.H, self.N).transpose(0, 1) @ w_k_HNL  # M = B*T
         q_abs_BTHX = torch.cat([q_lat_HML.transpose(0, 1).reshape(B, T, self.H, self.L), q_r_BTHR], dim=-1)
         latent_BSX = cache.latent_BSX[:, :S].to(x_BTD.dtype)
@@ -131,6 +140,9 @@ class MLA(nn.Module):
         probs_BQS = scores_BQS.view(B, T * self.H, S).softmax(dim=-1).to(x_BTD.dtype)
         ctx_HML = (probs_BQS @ latent_BSX[..., :self.L]).view(B * T, self.H, self.L).transpose(0, 1)
         out_BTHV = (ctx_HML @ w_v_HLV).transpose(0, 1).reshape(B, T, self.H * self.V)
+        return self._output(out_BTHV, gate_in)
+
+    def _output(self, out_BTHV: torch.Tensor, gate_in: list[torch.Tensor]) -> torch.Tensor:
         if gate_in:
             out_BTHV = out_BTHV * torch.sigmoid(gate_in[0])
         return self.o_proj(out_BTHV)
