@@ -72,11 +72,11 @@ class CpuKernels:
         return max(1, torch.get_num_threads())
 
     @staticmethod
-    def _status(status: int, what: str) -> None:
-        if status:
-            reason = {1: "bad sizes", 2: "out of memory",
-                      3: "int8 activations need a build with AVX-512 VNNI"}.get(status, f"status {status}")
-            raise RuntimeError(f"CPU kernel {what} failed: {reason}")
+    def _fail(status: int, what: str) -> None:
+        """Raises for a kernel's non-zero status (callers test it first: the message costs a few us)."""
+        reason = {1: "bad sizes", 2: "out of memory",
+                  3: "int8 activations need a build with AVX-512 VNNI"}.get(status, f"status {status}")
+        raise RuntimeError(f"CPU kernel {what} failed: {reason}")
 
     def linear(self, x_TI: torch.Tensor, mats: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """MXFP4: x fp32 contiguous [T, I]; each (packed [O, I/2], scale [O, I/32]) -> y fp32 [T, O]."""
@@ -87,7 +87,8 @@ class CpuKernels:
         status = self.lib.moeswap_mxfp4_linear(
             x_TI.data_ptr(), T, I, n, _ptrs([p for p, _ in mats]), _ptrs([s for _, s in mats]),
             (ctypes.c_int64 * n)(*[p.shape[0] for p, _ in mats]), _ptrs(outs), self._threads())
-        self._status(status, f"mxfp4_linear (x {tuple(x_TI.shape)})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"mxfp4_linear (x {tuple(x_TI.shape)})")
         return outs
 
     def expert(self, x_TI: torch.Tensor, w, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
@@ -98,7 +99,8 @@ class CpuKernels:
         status = self.lib.moeswap_mxfp4_expert(
             x_TI.data_ptr(), T, I, mats[0].shape[0], *[m.data_ptr() for m in mats], _act(act),
             float(situ_betas[0]), float(situ_betas[1]), y.data_ptr(), self._threads())
-        self._status(status, f"mxfp4_expert (x {tuple(x_TI.shape)})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"mxfp4_expert (x {tuple(x_TI.shape)})")
         return y
 
     def moe(self, x_TI: torch.Tensor, experts: Sequence, tokens: torch.Tensor, offsets: Sequence[int],
@@ -131,8 +133,9 @@ class CpuKernels:
                 (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
                 float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads()]
         status = self.lib.moeswap_bf16_moe(*args) if bf16 else self.lib.moeswap_mxfp4_moe(*args, int(int8_activations))
-        self._status(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
-                             f"{offsets[-1]} pairs)")
+        if status:  # the message is built only on failure
+            self._fail(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
+                               f"{offsets[-1]} pairs)")
 
     def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -151,7 +154,8 @@ class CpuKernels:
         out = out.view(packed.shape[0], I)
         status = self.lib.moeswap_mxfp4_decode(packed.data_ptr(), scale.data_ptr(), packed.shape[0], I,
                                                out.data_ptr(), int(dtype == torch.bfloat16), self._threads())
-        self._status(status, f"mxfp4_decode (packed {tuple(packed.shape)})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"mxfp4_decode (packed {tuple(packed.shape)})")
         return out
 
     def bf16_linear(self, x_TI: torch.Tensor, w_OI: torch.Tensor, bf16_inputs: bool = False) -> torch.Tensor:
@@ -159,8 +163,8 @@ class CpuKernels:
         bf16_inputs (needs `has_bf16_dot` and I % 32 == 0): x is rounded to bf16 first and the pairs'
         products summed by AVX-512 BF16 dot products, llama.cpp's arithmetic (--gemm-precision bf16)."""
         T, I = x_TI.shape
-        if (w_OI.dtype != torch.bfloat16 or w_OI.ndim != 2 or w_OI.shape[1] != I or w_OI.device.type != "cpu"
-                or x_TI.dtype != torch.float32 or x_TI.device.type != "cpu"):
+        if (w_OI.dtype != torch.bfloat16 or w_OI.ndim != 2 or w_OI.shape[1] != I or not w_OI.is_cpu
+                or x_TI.dtype != torch.float32 or not x_TI.is_cpu):
             raise ValueError(f"bf16_linear: x {tuple(x_TI.shape)} {x_TI.dtype} and weight {tuple(w_OI.shape)} "
                              f"{w_OI.dtype} on {w_OI.device} (expected fp32 [T, I] and bf16 [O, I] on the CPU)")
         if bf16_inputs and not (self.has_bf16_dot and I % 32 == 0):
@@ -171,7 +175,8 @@ class CpuKernels:
         y = torch.empty(T, w_OI.shape[0], dtype=torch.float32)
         run = self.lib.moeswap_bf16x_linear if bf16_inputs else self.lib.moeswap_bf16_linear
         status = run(x_TI.data_ptr(), T, I, w_OI.data_ptr(), w_OI.shape[0], y.data_ptr(), self._threads())
-        self._status(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
         return y
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
@@ -185,7 +190,8 @@ class CpuKernels:
         out = torch.empty_like(gate)
         status = self.lib.moeswap_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), _act(act),
                                       float(situ_betas[0]), float(situ_betas[1]), self._threads())
-        self._status(status, f"glu ({act}, {tuple(gate.shape)})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"glu ({act}, {tuple(gate.shape)})")
         return out
 
     def kda_decode_layer(self, qkv: torch.Tensor, conv: torch.Tensor, taps: torch.Tensor, z: torch.Tensor,
@@ -215,7 +221,8 @@ class CpuKernels:
             decay_rate.data_ptr(), float(lower_bound or 0.0), int(lower_bound is not None), b_in.data_ptr(),
             state.data_ptr(), gate.data_ptr(), o_norm.data_ptr(), float(norm_eps), float(scale), float(l2_eps),
             y.data_ptr(), B, H, K, self._threads())
-        self._status(status, f"kda_decode_layer ({B} x {H} heads of {K})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"kda_decode_layer ({B} x {H} heads of {K})")
         return y
 
     def route(self, x_TD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, softmax: bool,
@@ -235,7 +242,8 @@ class CpuKernels:
         status = self.lib.moeswap_route(x_TD.data_ptr(), T, D, w_ED.data_ptr(), E, bias_E.data_ptr(), top_k,
                                         int(softmax), int(renormalize), float(scale), ids.data_ptr(),
                                         weights.data_ptr(), self._threads())
-        self._status(status, f"route ({T} tokens, {E} experts, top-{top_k})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"route ({T} tokens, {E} experts, top-{top_k})")
         return ids, weights
 
     def mla_decode(self, q_BHX: torch.Tensor, latent_BCX: torch.Tensor, lengths_B: torch.Tensor,
@@ -265,7 +273,8 @@ class CpuKernels:
                                              B, H, N, R, L, V, self._threads())
         if status == 1:
             raise ValueError(f"mla_decode: cache lengths {lengths_B.tolist()[:8]} outside 1..{cap}")
-        self._status(status, f"mla_decode ({B} x {H} heads, {cap} cache rows)")
+        if status:  # the message is built only on failure
+            self._fail(status, f"mla_decode ({B} x {H} heads, {cap} cache rows)")
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -281,7 +290,8 @@ class CpuKernels:
         status = self.lib.moeswap_rms_norm(x.data_ptr(), x.numel() // D, D,
                                            None if weight is None else weight.contiguous().data_ptr(),
                                            float(eps), y.data_ptr(), self._threads())
-        self._status(status, f"rms_norm ({tuple(x.shape)})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"rms_norm ({tuple(x.shape)})")
         return y
 
     def res_mix(self, sources: Sequence[torch.Tensor], score_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -299,7 +309,8 @@ class CpuKernels:
         out = torch.empty_like(sources[0])
         status = self.lib.moeswap_res_mix(_ptrs(sources), len(sources), out.numel() // D, D,
                                           score_D.contiguous().data_ptr(), float(eps), out.data_ptr(), self._threads())
-        self._status(status, f"res_mix ({len(sources)} x {tuple(shape)})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"res_mix ({len(sources)} x {tuple(shape)})")
         return out
 
     def kda_decode(self, q_NK: torch.Tensor, k_NK: torch.Tensor, v_NV: torch.Tensor, g_NK: torch.Tensor,
@@ -320,7 +331,8 @@ class CpuKernels:
         o = torch.empty(N, V, dtype=torch.float32)
         status = self.lib.moeswap_kda_decode(*[t.data_ptr() for t in args], state_NKV.data_ptr(), o.data_ptr(),
                                              N, K, V, float(scale), float(eps), self._threads())
-        self._status(status, f"kda_decode ({N} heads, K {K}, V {V})")
+        if status:  # the message is built only on failure
+            self._fail(status, f"kda_decode ({N} heads, K {K}, V {V})")
         return o
 
 
