@@ -27,9 +27,9 @@ GEMM_PRECISIONS = ("fp32", "bf16")
 # (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x fp32), outputs rounded to bf16
 # and widened back; fewer (decode batches) run the kernel's AVX-512 BF16 dot products where the build has
 # them (fp32 sums; 1.6-2.4x the fp32 kernel at 16 rows, the same speed at one), else the fp32 kernel on
-# the rounded inputs. llama.cpp's arithmetic
-# class (it rounds the inputs of bf16 matmuls to bf16); opt-in, the exact fp32 path is the default. Set
-# per forward by the model.
+# the rounded inputs. llama.cpp's arithmetic class (it rounds the inputs of bf16 matmuls to bf16);
+# opt-in, the exact fp32 path is the default. Set per forward by the model. Compiled decode steps keep
+# the fp32 kernel: reading this ContextVar would break their graphs.
 _gemm_precision: ContextVar[str] = ContextVar("moeswap_gemm_precision", default="fp32")
 
 
@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu
             and 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
-            run = torch.ops.moeswap.bf16_linear  # (fp32: reading the precision's ContextVar breaks it too)
+            run = torch.ops.moeswap.bf16_linear  # fp32 (see gemm_precision above)
         else:
             kernel = cpu_kernels.kernel()
             run = kernel.bf16_linear if kernel is not None else None

@@ -94,12 +94,16 @@ class KDA(nn.Module):
         convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         return derived(self, "conv_taps", lambda: torch.cat(convs)[:, 0, :].T.contiguous(), *convs)
 
+    def decay_rate(self) -> torch.Tensor:
+        """exp(A_log) per head, fp32 (kept between steps)."""
+        return derived(self, "decay_rate", lambda: self.A_log.float().exp(), self.A_log)
+
     def decay(self, x_BTD: torch.Tensor, f_a_BTK: torch.Tensor | None = None) -> torch.Tensor:
         """Log retention g per head and key channel, [B, T, H, K], in fp32."""
         f_a_BTK = self.f_a_proj(x_BTD) if f_a_BTK is None else f_a_BTK
         dt_bias = derived(self, "dt_bias", self.dt_bias.float, self.dt_bias)
         z = (self.f_b_proj(f_a_BTK).float() + dt_bias).unflatten(-1, (self.H, self.K))
-        a = derived(self, "decay_rate", lambda: self.A_log.float().exp()[:, None], self.A_log)
+        a = self.decay_rate()[:, None]
         if self.lower_bound is not None:  # K3: bounded to (lower_bound, 0)
             return self.lower_bound * torch.sigmoid(a * z)
         return -a * F.softplus(z)  # Kimi Linear: unbounded
@@ -120,10 +124,9 @@ class KDA(nn.Module):
         B = x_BTD.shape[0]
         rows = lambda t: t.reshape(B, -1).float().contiguous()  # noqa: E731
         dt_bias = derived(self, "dt_bias", self.dt_bias.float, self.dt_bias)
-        rate = derived(self, "decay_rate_H", lambda: self.A_log.float().exp(), self.A_log)
         o_norm = derived(self, "o_norm", self.o_norm.weight.float, self.o_norm.weight)
         y = kernel.kda_decode_layer(rows(qkv_BTC), state.conv_BWC, self.conv_taps(), rows(self.f_b_proj(f_a)),
-                                    dt_bias, rate, self.lower_bound, rows(b_in), state.recurrent_BHKK,
+                                    dt_bias, self.decay_rate(), self.lower_bound, rows(b_in), state.recurrent_BHKK,
                                     rows(self.output_gate(x_BTD, g_in)), o_norm, self.eps, self.K**-0.5, L2_EPS)
         return self.o_proj(y.view(B, 1, -1).to(x_BTD.dtype))
 

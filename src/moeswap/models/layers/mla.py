@@ -112,10 +112,11 @@ class MLA(nn.Module):
         q_BTHX = self.queries(x_BTD, q_in).unflatten(-1, (self.H, self.N + self.R))
         q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
         c_kv, k_r = kv_in.split([self.L, self.R], dim=-1)
+        # one decode token on the CPU: the attention core in one C call (below)
         kernel = cpu_kernels.for_inference(x_BTD, cache.latent_BSX) if T == 1 else None
-        if not (kernel is not None and x_BTD.dtype == cache.latent_BSX.dtype == torch.float32
-                and cache.latent_BSX.is_contiguous()):
-            kernel = None  # one decode token on the CPU: the whole core in one C call, below
+        if kernel is not None and not (x_BTD.dtype == cache.latent_BSX.dtype == torch.float32
+                                       and cache.latent_BSX.is_contiguous()):
+            kernel = None
         masked = kernel is None and not (T == 1 and B == 1)  # a lone decode token sees the whole cache
         past_B = cache.lengths_B.clone() if masked else None  # append updates lengths_B in place
         cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
