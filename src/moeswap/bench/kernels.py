@@ -89,7 +89,7 @@ def _bf16_resident(w):
 def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens=(1, 4, 16), n_experts: int = 16,
               rounds: int = 5, min_seconds: float = 0.2, act: str = "situ", slow_variants: bool = True,
               with_compile: bool = False) -> dict:
-    from moeswap.ops import expert_mxfp4
+    from moeswap.ops import cpu_kernels, expert_mxfp4
 
     betas = (4.0, 25.0)
     experts = random_experts(n_experts, in_dim, expert_dim)

@@ -87,7 +87,7 @@ class CpuKernels:
         status = self.lib.moeswap_mxfp4_linear(
             x_TI.data_ptr(), T, I, n, _ptrs([p for p, _ in mats]), _ptrs([s for _, s in mats]),
             (ctypes.c_int64 * n)(*[p.shape[0] for p, _ in mats]), _ptrs(outs), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"mxfp4_linear (x {tuple(x_TI.shape)})")
         return outs
 
@@ -99,7 +99,7 @@ class CpuKernels:
         status = self.lib.moeswap_mxfp4_expert(
             x_TI.data_ptr(), T, I, mats[0].shape[0], *[m.data_ptr() for m in mats], _act(act),
             float(situ_betas[0]), float(situ_betas[1]), y.data_ptr(), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"mxfp4_expert (x {tuple(x_TI.shape)})")
         return y
 
@@ -133,7 +133,7 @@ class CpuKernels:
                 (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
                 float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads()]
         status = self.lib.moeswap_bf16_moe(*args) if bf16 else self.lib.moeswap_mxfp4_moe(*args, int(int8_activations))
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
                                f"{offsets[-1]} pairs)")
 
@@ -154,7 +154,7 @@ class CpuKernels:
         out = out.view(packed.shape[0], I)
         status = self.lib.moeswap_mxfp4_decode(packed.data_ptr(), scale.data_ptr(), packed.shape[0], I,
                                                out.data_ptr(), int(dtype == torch.bfloat16), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"mxfp4_decode (packed {tuple(packed.shape)})")
         return out
 
@@ -175,7 +175,7 @@ class CpuKernels:
         y = torch.empty(T, w_OI.shape[0], dtype=torch.float32)
         run = self.lib.moeswap_bf16x_linear if bf16_inputs else self.lib.moeswap_bf16_linear
         status = run(x_TI.data_ptr(), T, I, w_OI.data_ptr(), w_OI.shape[0], y.data_ptr(), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
         return y
 
@@ -190,7 +190,7 @@ class CpuKernels:
         out = torch.empty_like(gate)
         status = self.lib.moeswap_glu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), _act(act),
                                       float(situ_betas[0]), float(situ_betas[1]), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"glu ({act}, {tuple(gate.shape)})")
         return out
 
@@ -221,7 +221,7 @@ class CpuKernels:
             decay_rate.data_ptr(), float(lower_bound or 0.0), int(lower_bound is not None), b_in.data_ptr(),
             state.data_ptr(), gate.data_ptr(), o_norm.data_ptr(), float(norm_eps), float(scale), float(l2_eps),
             y.data_ptr(), B, H, K, self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"kda_decode_layer ({B} x {H} heads of {K})")
         return y
 
@@ -242,7 +242,7 @@ class CpuKernels:
         status = self.lib.moeswap_route(x_TD.data_ptr(), T, D, w_ED.data_ptr(), E, bias_E.data_ptr(), top_k,
                                         int(softmax), int(renormalize), float(scale), ids.data_ptr(),
                                         weights.data_ptr(), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"route ({T} tokens, {E} experts, top-{top_k})")
         return ids, weights
 
@@ -273,7 +273,7 @@ class CpuKernels:
                                              B, H, N, R, L, V, self._threads())
         if status == 1:
             raise ValueError(f"mla_decode: cache lengths {lengths_B.tolist()[:8]} outside 1..{cap}")
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"mla_decode ({B} x {H} heads, {cap} cache rows)")
         return out
 
@@ -290,7 +290,7 @@ class CpuKernels:
         status = self.lib.moeswap_rms_norm(x.data_ptr(), x.numel() // D, D,
                                            None if weight is None else weight.contiguous().data_ptr(),
                                            float(eps), y.data_ptr(), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"rms_norm ({tuple(x.shape)})")
         return y
 
@@ -309,7 +309,7 @@ class CpuKernels:
         out = torch.empty_like(sources[0])
         status = self.lib.moeswap_res_mix(_ptrs(sources), len(sources), out.numel() // D, D,
                                           score_D.contiguous().data_ptr(), float(eps), out.data_ptr(), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"res_mix ({len(sources)} x {tuple(shape)})")
         return out
 
@@ -331,7 +331,7 @@ class CpuKernels:
         o = torch.empty(N, V, dtype=torch.float32)
         status = self.lib.moeswap_kda_decode(*[t.data_ptr() for t in args], state_NKV.data_ptr(), o.data_ptr(),
                                              N, K, V, float(scale), float(eps), self._threads())
-        if status:  # the message is built only on failure
+        if status:
             self._fail(status, f"kda_decode ({N} heads, K {K}, V {V})")
         return o
 

@@ -8,8 +8,6 @@ Shapes: B batch, T tokens, D model width, H heads, K head dim, W conv width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
 import torch
 from torch import nn
 import torch.nn.functional as F
