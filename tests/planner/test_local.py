@@ -30,4 +30,32 @@ def test_measure_writes_a_loadable_catalog(tmp_path):
                          serve=Serve(256, 32, (1,))), cat)
     assert r.best.points[0].tpot > 0
     # the saved file is reused, not measured again
+    before = path.read_text()
     assert load_or_measure(builtin_catalog(), path)[0].origin == str(path)
+    assert path.read_text() == before
+
+
+def test_a_measurement_of_another_build_is_measured_again(tmp_path, monkeypatch, capsys):
+    from moeswap.planner import local
+
+    path = tmp_path / "hw.toml"
+    calls = []
+    monkeypatch.setattr(local, "measure", lambda *a, **k: calls.append(1) or {})
+    local.write_toml({}, path)
+    assert local.saved_fingerprint(path) == local.engine_fingerprint()
+    local.load_or_measure(builtin_catalog(), path)
+    assert calls == []  # same build: reused
+    path.write_text(path.read_text().replace(local.engine_fingerprint(), "0.0.1+000000000000"))
+    local.load_or_measure(builtin_catalog(), path)
+    assert calls == [1] and "another moeswap build" in capsys.readouterr().err
+    assert local.saved_fingerprint(path) == local.engine_fingerprint()
+    old = local.WRITTEN_LINE + "\n\n[system.x]\n"  # written before fingerprints: measured again too
+    path.write_text(old)
+    assert local.saved_fingerprint(path) == ""
+    local.load_or_measure(builtin_catalog(), path)
+    assert calls == [1, 1]
+    hand = tmp_path / "mine.toml"  # a file moeswap did not write is never measured over
+    hand.write_text("# my machine\n")
+    assert local.saved_fingerprint(hand) is None
+    local.load_or_measure(builtin_catalog(), hand)
+    assert calls == [1, 1] and hand.read_text() == "# my machine\n"

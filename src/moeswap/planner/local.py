@@ -13,6 +13,7 @@ import datetime as _dt
 import mmap
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -330,8 +331,41 @@ def _toml_value(v: Any) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+FINGERPRINT_LINE = "# moeswap engine measured: "
+
+
+def engine_fingerprint() -> str:
+    """What the measured engine rates depend on besides the machine: moeswap's version and the source of
+    its engine (ops, models, engine). A saved measurement with another fingerprint is measured again: a
+    step's kernel and glue times change with the code (a stale file once predicted 2.9 s for a 25 ms step)."""
+    import hashlib
+
+    import moeswap
+
+    root = Path(moeswap.__file__).parent
+    digest = hashlib.sha256(moeswap.__version__.encode())
+    for sub in ("ops", "models", "engine"):
+        for f in sorted((root / sub).rglob("*")):
+            if f.suffix in (".py", ".c"):
+                digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"{moeswap.__version__}+{digest.hexdigest()[:12]}"
+
+
+WRITTEN_LINE = "# Written by `moeswap plan --hardware local`; every number says how it was measured."
+
+
+def saved_fingerprint(path: Path) -> str | None:
+    """The fingerprint in a file `write_toml` wrote ("" from a moeswap that wrote none), or None for a
+    file it did not write (hand-made: never measured over)."""
+    with open(path, encoding="utf-8") as f:
+        head = [line.rstrip("\n") for _, line in zip(range(2), f)]
+    if not head or head[0] != WRITTEN_LINE:
+        return None
+    return head[1][len(FINGERPRINT_LINE):].strip() if len(head) > 1 and head[1].startswith(FINGERPRINT_LINE) else ""
+
+
 def write_toml(data: dict[str, Any], path: Path) -> None:
-    lines = ["# Written by `moeswap plan --hardware local`; every number says how it was measured.", ""]
+    lines = [WRITTEN_LINE, FINGERPRINT_LINE + engine_fingerprint(), ""]
     for kind, entries in data.items():
         for eid, fields in entries.items():
             lines.append(f"[{kind}.{eid}]")
@@ -346,6 +380,10 @@ def write_toml(data: dict[str, Any], path: Path) -> None:
 def load_or_measure(catalog, path: str | Path | None = None, remeasure: bool = False, device: str = "cpu"):
     """Add the saved local file to `catalog`, measuring (and saving) first if it is missing or asked for."""
     p = Path(path or DEFAULT_PATH).expanduser()
-    if remeasure or not p.exists():
+    stale = p.exists() and not remeasure and saved_fingerprint(p) not in (None, engine_fingerprint())
+    if stale:
+        print(f"moeswap plan: {p} was measured with another moeswap build; measuring again (~15 s)",
+              file=sys.stderr)
+    if remeasure or stale or not p.exists():
         write_toml(measure(device, disk_dir=p.parent), p)
     return catalog.add_file(p)
