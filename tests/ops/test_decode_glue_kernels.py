@@ -1,5 +1,7 @@
-"""The decode glue's C kernels (cpu_kernels.rms_norm, res_mix) against their torch paths, and the
-weight-derived tensors kept between steps (layers.basic.derived)."""
+"""The decode glue's C kernels against their torch paths: rms_norm, res_mix (AttnRes), route (the MoE
+router), and the clear errors of the one-call KDA and MLA layer decodes (their parity with the torch
+decode is in tests/models/test_k3_parts.py); and the weight-derived tensors kept between steps
+(layers.basic.derived)."""
 
 import pytest
 import torch
@@ -125,3 +127,25 @@ def test_route_kernel_matches_the_router_reference(scoring, renormalize, scale):
         assert torch.equal(one_ids, ids[5:6]) and torch.equal(one_w, w[5:6])
     with pytest.raises(ValueError, match="route: .*top-99"):
         kernel.route(x, router.weight.detach(), router.e_score_correction_bias.detach(), 99, False, True, 1.0)
+
+
+@needs_kernel
+def test_layer_decode_kernels_name_bad_input():
+    H, N, R, L, V, B, cap = 2, 8, 4, 16, 8, 2, 5
+    q, latent = torch.randn(B, H, N + R), torch.randn(B, cap, L + R)
+    w_k, w_v = torch.randn(H, N, L), torch.randn(H, L, V)
+    out = kernel.mla_decode(q, latent, torch.tensor([5, 2]), w_k, w_v, 0.3)
+    assert out.shape == (B, H * V) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"cache lengths \[6, 2\] outside 1..5"):
+        kernel.mla_decode(q, latent, torch.tensor([6, 2]), w_k, w_v, 0.3)
+    with pytest.raises(ValueError, match="mla_decode: q"):
+        kernel.mla_decode(q, latent[:, :, :-1], torch.tensor([5, 2]), w_k, w_v, 0.3)
+    K, W = 8, 4
+    C = H * K
+    args = dict(qkv=torch.randn(B, 3 * C), conv=torch.zeros(B, W - 1, 3 * C), taps=torch.randn(W, 3 * C),
+                z=torch.randn(B, C), dt_bias=torch.zeros(C), decay_rate=torch.ones(H), lower_bound=-5.0,
+                b_in=torch.randn(B, H), state=torch.zeros(B, H, K, K), gate=torch.randn(B, C),
+                o_norm=torch.ones(K), norm_eps=1e-5, scale=K**-0.5, l2_eps=1e-6)
+    assert kernel.kda_decode_layer(**args).shape == (B, C)
+    with pytest.raises(ValueError, match=r"kda_decode_layer: conv \(2, 3, 47\)"):
+        kernel.kda_decode_layer(**{**args, "conv": torch.zeros(B, W - 1, 3 * C - 1)})
