@@ -149,3 +149,17 @@ def test_layer_decode_kernels_name_bad_input():
     assert kernel.kda_decode_layer(**args).shape == (B, C)
     with pytest.raises(ValueError, match=r"kda_decode_layer: conv \(2, 3, 47\)"):
         kernel.kda_decode_layer(**{**args, "conv": torch.zeros(B, W - 1, 3 * C - 1)})
+
+
+def test_derived_tensors_made_under_inference_mode_do_not_leak_into_training():
+    """A scheduler step (inference_mode) then a training step on the same frozen weights: the kept copy
+    from the first must not be saved for the second's backward (inference tensors cannot be)."""
+    layer = nn.Linear(4, 3, bias=False).requires_grad_(False)
+    make = lambda: layer.weight.float() * 2  # noqa: E731
+    with torch.inference_mode():
+        assert derived(layer, "double", make, layer.weight).is_inference()
+    x = torch.randn(2, 3, requires_grad=True)
+    w = derived(layer, "double", make, layer.weight)
+    assert not w.is_inference()
+    (x @ w).sum().backward()  # would raise if w were the inference-mode copy
+    assert x.grad is not None

@@ -35,6 +35,9 @@ def derived(owner: nn.Module, name: str, make: Callable[[], object], *sources: t
         key = tuple((s.data_ptr(), s._version) for s in sources)
     except RuntimeError:  # inference tensors keep no version
         return make()
+    # one copy per mode: a tensor made under inference_mode (a scheduler step) cannot be saved for a
+    # backward pass later (LoRA training on the same model, whose base weights need no grad)
+    name = name + "@inference" if torch.is_inference_mode_enabled() else name
     kept = owner.__dict__.setdefault("_derived", {})
     hit = kept.get(name)
     if hit is not None and hit[0] == key:
