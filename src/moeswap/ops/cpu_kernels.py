@@ -348,8 +348,8 @@ def _act(act: str) -> int:
 
 def is_bf16_expert(w) -> bool:
     """A decoded expert (ExpertWeights) kept in bf16 on the CPU: what moeswap_bf16_moe runs."""
-    return all(hasattr(w, n) and getattr(w, n).dtype == torch.bfloat16 and getattr(w, n).device.type == "cpu"
-               for n in ("w1_FI", "w3_FI", "w2_IF"))
+    mats = [getattr(w, n, None) for n in ("w1_FI", "w3_FI", "w2_IF")]
+    return all(m is not None and m.dtype == torch.bfloat16 and m.is_cpu for m in mats)
 
 
 def _bf16_expert_mats(w, I: int) -> list[torch.Tensor]:
