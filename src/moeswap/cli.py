@@ -40,8 +40,8 @@ def _add_load_flags(p: argparse.ArgumentParser) -> None:
                    help="MXFP4 experts on the CPU: fp32 activations (default), or int8 per 32-value block with "
                         "integer dot products, as llama.cpp computes them (faster; AVX-512 VNNI only)")
     p.add_argument("--gemm-precision", default="fp32", choices=("fp32", "bf16"),
-                   help="CPU matmuls of more than 32 rows (prefill) with bf16 weights: fp32 (default, exact), or "
-                        "bf16 inputs and bf16 GEMM, as llama.cpp rounds them (~2x faster with AVX512-BF16)")
+                   help="CPU matmuls with bf16 weights: fp32 (default, exact), or inputs rounded to bf16 as llama.cpp "
+                        "does (bf16 GEMM for prefill, bf16 dot products for decode batches; ~2x with AVX512-BF16)")
     # the expert store (experts/store.py StoreOptions, through LoadOptions)
     p.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"),
                    help="bytes of routed experts kept in the fast tier: accelerator memory, or host memory "

@@ -258,7 +258,7 @@ def header_markdown(report: dict) -> str:
     if report.get("settings", {}).get("expert_activations") == "int8":
         lines.append("- moeswap: `--expert-activations int8` (MXFP4 experts on int8 activations, as llama.cpp)")
     if report.get("settings", {}).get("gemm_precision") == "bf16":
-        lines.append("- moeswap: `--gemm-precision bf16` (prefill GEMMs on bf16 inputs, as llama.cpp's bf16 matmuls)")
+        lines.append("- moeswap: `--gemm-precision bf16` (bf16-weight matmuls on bf16 inputs, as llama.cpp's)")
     for peer, why in report["skipped"].items():
         lines.append(f"- {peer}: SKIPPED, {why}")
     return "\n".join(lines)
@@ -292,7 +292,7 @@ def add_common_flags(b) -> None:
     b.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
                    help="moeswap's MXFP4 expert activations (int8: llama.cpp's arithmetic, AVX-512 VNNI only)")
     b.add_argument("--gemm-precision", default="fp32", choices=("fp32", "bf16"),
-                   help="moeswap's matmuls of more than 32 rows (prefill): bf16 inputs and GEMM, as llama.cpp")
+                   help="moeswap's bf16-weight matmuls on bf16 inputs, as llama.cpp (prefill GEMMs and decode batches)")
     b.add_argument("--omp-passive", action="store_true",
                    help="moeswap worker with OMP_WAIT_POLICY=PASSIVE (see docs/benchmarks.md)")
     b.add_argument("--gguf", help="an existing GGUF for llama.cpp (default: convert MODEL with llama.cpp's converter)")

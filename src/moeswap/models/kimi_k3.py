@@ -95,7 +95,7 @@ class KimiModel(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
         self.expert_lookahead = None  # hook(layer, hidden) set by the loader for next-layer prefetch; not a module
-        self.gemm_precision = "fp32"  # LoadOptions.gemm_precision: "bf16" rounds many-row CPU matmuls' inputs
+        self.gemm_precision = "fp32"  # LoadOptions.gemm_precision: "bf16" rounds bf16-weight CPU matmuls' inputs
 
     def moe_blocks(self) -> list[MoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]

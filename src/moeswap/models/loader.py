@@ -42,8 +42,8 @@ class LoadOptions:
     # MXFP4 experts in the grouped CPU kernel: "fp32" multiplies fp32 activations; "int8" quantizes them per
     # 32-value block and sums in integers (llama.cpp's arithmetic; AVX-512 VNNI builds only).
     expert_activations: str = "fp32"
-    # CPU matmuls of more than 32 rows with bf16 weights (prefill): "fp32" exact; "bf16" rounds their
-    # inputs to bf16 and runs bf16 GEMMs, ~2x faster where the CPU has AVX512-BF16 (ops/linear.py)
+    # CPU matmuls with bf16 weights: "fp32" exact; "bf16" rounds their inputs to bf16 (bf16 GEMM for
+    # prefill, bf16 dot products for decode batches), ~2x faster where the CPU has AVX512-BF16 (ops/linear.py)
     gemm_precision: str = "fp32"
 
     def store_options(self) -> StoreOptions:
