@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from moeswap.formats.checkpoint import pread_into
+
 SOURCE = Path(__file__).with_name("native_reads.c")
 # reads in flight. On the dev VM's disk, random 0.8 MB reads gave 0.55 / 0.86 / 1.07 GB/s at 1 / 2 / 4;
 # swap-bench decode with 1-6 threads was within its noise, 2 as good as any
@@ -69,13 +71,12 @@ Segment = tuple[int, int, torch.Tensor]  # (file descriptor, offset, uint8 CPU b
 
 
 def pread_exactly(fd: int, buf: torch.Tensor, offset: int) -> None:
-    """Fill the uint8 CPU tensor `buf` from `offset` of `fd` (pread may return short counts)."""
-    view, done = memoryview(buf.numpy()), 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"file shrank since open: expected {len(view)} bytes at offset {offset}, got {done}")
-        done += n
+    """Fill the uint8 CPU tensor `buf` from `offset` of `fd`; OSError if the file ends first."""
+    done = pread_into(fd, memoryview(buf.numpy()), offset)
+    if done < buf.numel():
+        raise OSError(f"file shrank since open: expected {buf.numel()} bytes at offset {offset}, got {done}")
+
+
 Finish = Callable[[OSError | None], object]  # the read's error (or None) -> the loaded value, or raises
 
 

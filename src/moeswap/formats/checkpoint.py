@@ -312,17 +312,25 @@ def _is_int_list(value: object, length: int) -> bool:
 # -- reading --------------------------------------------------------------------------------------
 
 
-def _pread_exactly(fd: int, buffer: memoryview, offset: int, info: TensorInfo) -> None:
-    """Fill `buffer` from `offset`; pread may return short counts (Linux caps one call near 2 GiB)."""
+def pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """Fill `buffer` from `offset` of `fd` (pread may return short counts: Linux caps one call near
+    2 GiB); returns the bytes read, fewer than len(buffer) only where the file ended first."""
     done = 0
     while done < len(buffer):
         n = os.preadv(fd, [buffer[done:]], offset + done)
         if n == 0:
-            raise CheckpointError(
-                f"{info.file}: tensor {info.name!r}: file shrank since open: expected {info.nbytes} bytes "
-                f"at offset {info.offset}, got {done}"
-            )
+            break
         done += n
+    return done
+
+
+def _pread_exactly(fd: int, buffer: memoryview, offset: int, info: TensorInfo) -> None:
+    done = pread_into(fd, buffer, offset)
+    if done < len(buffer):
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r}: file shrank since open: expected {info.nbytes} bytes "
+            f"at offset {info.offset}, got {done}"
+        )
 
 
 def _nearest_name(name: str, sorted_names: list[str], window: int = 200) -> str | None:
