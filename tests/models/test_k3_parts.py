@@ -278,31 +278,39 @@ def test_kda_layer_prefill_then_decode_equals_full_pass(arch):
     assert_close(full, ref_kda_layer(layer, x, cfg.kda.gate_lower_bound))
 
 
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
-def test_kda_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
-    """The one-call C decode (cpu_kernels.kda_decode_layer) gives the general path's outputs and states."""
-    from moeswap.models.layers import kda as kda_module
+def fused_and_torch_decode(monkeypatch, layer_module, kernel_name: str, steps: int, run):
+    """run() once on the layer's one-call C decode (checking it ran once per decode step), then again
+    with `layer_module`'s kernel lookup turned off (the torch decode); returns both results."""
     from moeswap.ops import cpu_kernels
 
     if cpu_kernels.kernel() is None:
         pytest.skip("no CPU kernel")
+    calls = []
+    real = getattr(cpu_kernels.CpuKernels, kernel_name)
+    monkeypatch.setattr(cpu_kernels.CpuKernels, kernel_name, lambda self, *a: calls.append(1) or real(self, *a))
+    fused = run()
+    assert len(calls) == steps
+    monkeypatch.setattr(layer_module, "cpu_kernels", SimpleNamespace(for_inference=lambda *tensors: None))
+    return fused, run()
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_kda_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
+    """The one-call C decode (cpu_kernels.kda_decode_layer) gives the general path's outputs and states."""
+    from moeswap.models.layers import kda as kda_module
+
     cfg = cfg_for(arch)
     layer = make_kda(arch, seed=12)
     x = torch.randn(3, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(13))
-    calls = []
-    real = cpu_kernels.CpuKernels.kda_decode_layer
-    monkeypatch.setattr(cpu_kernels.CpuKernels, "kda_decode_layer", lambda self, *a: calls.append(1) or real(self, *a))
-    runs = []
-    for fused in (True, False):
-        if not fused:
-            assert len(calls) == 5  # one per decode token
-            monkeypatch.setattr(kda_module, "cpu_kernels", SimpleNamespace(for_inference=lambda *tensors: None))
+
+    def run():
         state = KDAState.zeros(3, layer.H, layer.K, layer.W, torch.float32, "cpu")
         with torch.no_grad():
             layer(x[:, :4], state)
             outs = [layer(x[:, t:t + 1], state) for t in range(4, 9)]
-        runs.append((torch.cat(outs, dim=1), state))
-    (got, s1), (want, s2) = runs
+        return torch.cat(outs, dim=1), state
+
+    (got, s1), (want, s2) = fused_and_torch_decode(monkeypatch, kda_module, "kda_decode_layer", 5, run)
     assert_close(got, want, rtol=1e-5)
     assert_close(s1.recurrent_BHKK, s2.recurrent_BHKK, rtol=1e-5)
     assert torch.equal(s1.conv_BWC, s2.conv_BWC)  # the conv history is copied, not computed
@@ -399,10 +407,7 @@ def test_mla_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
     """The one-call C decode (cpu_kernels.mla_decode) gives the torch path's outputs on ragged caches
     (sequences of different lengths in one batch) and leaves the same cache behind."""
     from moeswap.models.layers import mla as mla_module
-    from moeswap.ops import cpu_kernels
 
-    if cpu_kernels.kernel() is None:
-        pytest.skip("no CPU kernel")
     cfg = cfg_for(arch)
     layer = make_mla(arch, seed=14)
     x = torch.randn(3, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(15))
@@ -411,19 +416,14 @@ def test_mla_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
         layer(x[:, :5], base)
         base.lengths_B[1] -= 2  # sequence 1 holds 3 tokens, the others 5
         base.max_length = None
-    calls = []
-    real = cpu_kernels.CpuKernels.mla_decode
-    monkeypatch.setattr(cpu_kernels.CpuKernels, "mla_decode", lambda self, *a: calls.append(1) or real(self, *a))
-    runs = []
-    for fused in (True, False):
-        if not fused:
-            assert len(calls) == 4  # one per decode token
-            monkeypatch.setattr(mla_module, "cpu_kernels", SimpleNamespace(for_inference=lambda *tensors: None))
+
+    def run():
         cache = MLACache(base.latent_BSX.clone(), base.lengths_B.clone())
         with torch.no_grad():
             outs = [layer(x[:, t:t + 1], cache) for t in range(5, 9)]
-        runs.append((torch.cat(outs, dim=1), cache))
-    (got, c1), (want, c2) = runs
+        return torch.cat(outs, dim=1), cache
+
+    (got, c1), (want, c2) = fused_and_torch_decode(monkeypatch, mla_module, "mla_decode", 4, run)
     assert_close(got, want, rtol=1e-5)
     assert torch.equal(c1.lengths_B, c2.lengths_B) and torch.equal(c1.latent_BSX, c2.latent_BSX)
 
