@@ -142,13 +142,16 @@ def test_layer_decode_kernels_name_bad_input():
         kernel.mla_decode(q, latent[:, :, :-1], torch.tensor([5, 2]), w_k, w_v, 0.3)
     K, W = 8, 4
     C = H * K
-    args = dict(qkv=torch.randn(B, 3 * C), conv=torch.zeros(B, W - 1, 3 * C), taps=torch.randn(W, 3 * C),
-                z=torch.randn(B, C), dt_bias=torch.zeros(C), decay_rate=torch.ones(H), lower_bound=-5.0,
-                b_in=torch.randn(B, H), state=torch.zeros(B, H, K, K), gate=torch.randn(B, C),
+    T = 3
+    args = dict(qkv=torch.randn(B, T, 3 * C), conv=torch.zeros(B, W - 1, 3 * C), taps=torch.randn(W, 3 * C),
+                z=torch.randn(B, T, C), dt_bias=torch.zeros(C), decay_rate=torch.ones(H), lower_bound=-5.0,
+                b_in=torch.randn(B, T, H), state=torch.zeros(B, H, K, K), gate=torch.randn(B, T, C),
                 o_norm=torch.ones(K), norm_eps=1e-5, scale=K**-0.5, l2_eps=1e-6)
-    assert kernel.kda_decode_layer(**args).shape == (B, C)
-    with pytest.raises(ValueError, match=r"kda_decode_layer: conv \(2, 3, 47\)"):
-        kernel.kda_decode_layer(**{**args, "conv": torch.zeros(B, W - 1, 3 * C - 1)})
+    assert kernel.kda_layer(**args).shape == (B, T, C)
+    with pytest.raises(ValueError, match=r"kda_layer: conv \(2, 3, 47\)"):
+        kernel.kda_layer(**{**args, "conv": torch.zeros(B, W - 1, 3 * C - 1)})
+    with pytest.raises(ValueError, match=r"kda_layer: z \(2, 2, 16\)"):
+        kernel.kda_layer(**{**args, "z": torch.randn(B, T - 1, C)})
 
 
 def test_derived_tensors_made_under_inference_mode_do_not_leak_into_training():

@@ -3,8 +3,11 @@ leading shape, gradients), and the loader keeps bf16-stored Linear weights only 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeswap.engine.generate import GenerationConfig, generate
@@ -70,3 +73,19 @@ def test_bf16_experts_stay_bf16_and_tokens_do_not_change(tiny_linear_dir):
     tokens = torch.tensor([[5, 9, 2, 7, 1, 3]])
     with torch.no_grad():
         torch.testing.assert_close(stored(tokens), converted(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_many_rows_widen_into_a_reused_buffer_in_and_out_of_inference_mode(monkeypatch):
+    """The fp32 copy of a bf16 weight for a GEMM lives in a per-thread buffer: the first use may be
+    in inference mode (a scheduler step) and the next outside it; results stay exact each time."""
+    from moeswap.ops import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_scratch", threading.local())  # as in a fresh thread
+    g = torch.Generator().manual_seed(3)
+    small, large = torch.randn(16, 40, generator=g).bfloat16(), torch.randn(48, 40, generator=g).bfloat16()
+    x = torch.randn(KERNEL_MAX_ROWS + 4, 40, generator=g)
+    with torch.inference_mode():
+        a = linear(x, large)
+    b, c = linear(x, small), linear(x, large)
+    for got, w in ((a, large), (b, small), (c, large)):
+        assert torch.equal(got, F.linear(x, w.float()))

@@ -831,46 +831,53 @@ int moeswap_kda_decode(const float *q, const float *k, const float *v, const flo
 
 static inline float sigmoid_f32(float x) { return 1.f / (1.f + expf(-x)); }
 
-/* A whole KDA layer's decode token between its projections (models/layers/kda.py KDA.forward is the
- * reference), for B sequences of H heads of width K (values too), C = H K channels:
- *   qkv [B, 3C]: the q, k and v projections; conv [B, W-1, 3C]: their last W-1 inputs, shifted in place;
- *   taps [W, 3C]: the depthwise conv kernels; q, k, v = silu(causal conv);
- *   z [B, C]: f_b_proj's output; g = lower * sigmoid(A_h (z + dt_bias)) when bounded (K3),
+/* A KDA layer between its projections (models/layers/kda.py KDA.forward is the reference), for B
+ * sequences of T tokens, H heads of width K (values too), C = H K channels; one decode token is T = 1:
+ *   qkv [B, T, 3C]: the q, k and v projections; conv [B, W-1, 3C]: their last W-1 inputs, shifted in
+ *     place token by token; taps [W, 3C]: the depthwise conv kernels; q, k, v = silu(causal conv);
+ *   z [B, T, C]: f_b_proj's output; g = lower * sigmoid(A_h (z + dt_bias)) when bounded (K3),
  *     else -A_h softplus(z + dt_bias) (Kimi Linear); A [H] = exp(A_log);
- *   b_in [B, H]: beta = sigmoid(b_in);  S [B, H, K, K]: the recurrent state, in place (kda_head);
- *   gate [B, C]: y = rmsnorm(o; o_w, norm_eps) * sigmoid(gate), written to y [B, C].
+ *   b_in [B, T, H]: beta = sigmoid(b_in);  S [B, H, K, K]: the recurrent state, in place (kda_head);
+ *   gate [B, T, C]: y = rmsnorm(o; o_w, norm_eps) * sigmoid(gate), written to y [B, T, C].
+ * Prefill runs the token recurrence too: a head's state [K, K] stays in L1, and the chunked form
+ * (ops/kda.py), made to spread a chunk over a GPU's threads, does no less arithmetic on one core.
  * Every array fp32 and contiguous. One work item per (sequence, head): its channels, its state. */
-int moeswap_kda_decode_layer(const float *qkv, float *conv, const float *taps, int64_t W, const float *z,
-                             const float *dt_bias, const float *A, float lower, int bounded, const float *b_in,
-                             float *S, const float *gate, const float *o_w, float norm_eps, float scale,
-                             float l2_eps, float *y, int64_t B, int64_t H, int64_t K, int nthreads) {
-    if (B < 1 || H < 1 || K < 1 || K > 1024 || W < 1) return 1;
+int moeswap_kda_layer(const float *qkv, float *conv, const float *taps, int64_t W, const float *z,
+                      const float *dt_bias, const float *A, float lower, int bounded, const float *b_in,
+                      float *S, const float *gate, const float *o_w, float norm_eps, float scale,
+                      float l2_eps, float *y, int64_t B, int64_t T, int64_t H, int64_t K, int nthreads) {
+    if (B < 1 || T < 1 || H < 1 || K < 1 || K > 1024 || W < 1) return 1;
     const int64_t C = H * K, C3 = 3 * C;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < B * H; n++) {
         const int64_t b = n / H, h = n % H;
         float qkvh[3][1024], g[1024], o[1024];
-        const float *x = qkv + b * C3;
         float *hist = conv + b * (W - 1) * C3;
-        for (int part = 0; part < 3; part++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t bt = b * T + t;
+            const float *x = qkv + bt * C3;
+            for (int part = 0; part < 3; part++)
+                for (int64_t i = 0; i < K; i++) {
+                    const int64_t c = part * C + h * K + i;
+                    float acc = (W > 1 ? hist[c] : x[c]) * taps[c];
+                    for (int64_t j = 1; j < W - 1; j++) acc += hist[j * C3 + c] * taps[j * C3 + c];
+                    if (W > 1) acc += x[c] * taps[(W - 1) * C3 + c];
+                    for (int64_t j = 0; j + 1 < W - 1; j++) hist[j * C3 + c] = hist[(j + 1) * C3 + c];
+                    if (W > 1) hist[(W - 2) * C3 + c] = x[c];
+                    qkvh[part][i] = acc * sigmoid_f32(acc);
+                }
             for (int64_t i = 0; i < K; i++) {
-                const int64_t c = part * C + h * K + i;
-                float acc = (W > 1 ? hist[c] : x[c]) * taps[c];
-                for (int64_t j = 1; j < W - 1; j++) acc += hist[j * C3 + c] * taps[j * C3 + c];
-                if (W > 1) acc += x[c] * taps[(W - 1) * C3 + c];
-                for (int64_t j = 0; j + 1 < W - 1; j++) hist[j * C3 + c] = hist[(j + 1) * C3 + c];
-                if (W > 1) hist[(W - 2) * C3 + c] = x[c];
-                qkvh[part][i] = acc * sigmoid_f32(acc);
+                const float u = z[bt * C + h * K + i] + dt_bias[h * K + i];
+                g[i] = bounded ? lower * sigmoid_f32(A[h] * u) : -A[h] * (u > 20.f ? u : log1pf(expf(u)));
             }
-        for (int64_t i = 0; i < K; i++) {
-            const float t = z[b * C + h * K + i] + dt_bias[h * K + i];
-            g[i] = bounded ? lower * sigmoid_f32(A[h] * t) : -A[h] * (t > 20.f ? t : log1pf(expf(t)));
+            kda_head(qkvh[0], qkvh[1], qkvh[2], g, sigmoid_f32(b_in[bt * H + h]), S + n * K * K, o, K, K, scale,
+                     l2_eps);
+            float ss = 0.f;
+            for (int64_t j = 0; j < K; j++) ss += o[j] * o[j];
+            const float r = 1.f / sqrtf(ss / (float)K + norm_eps);
+            for (int64_t j = 0; j < K; j++)
+                y[bt * C + h * K + j] = o[j] * r * o_w[j] * sigmoid_f32(gate[bt * C + h * K + j]);
         }
-        kda_head(qkvh[0], qkvh[1], qkvh[2], g, sigmoid_f32(b_in[b * H + h]), S + n * K * K, o, K, K, scale, l2_eps);
-        float ss = 0.f;
-        for (int64_t j = 0; j < K; j++) ss += o[j] * o[j];
-        const float r = 1.f / sqrtf(ss / (float)K + norm_eps);
-        for (int64_t j = 0; j < K; j++) y[b * C + h * K + j] = o[j] * r * o_w[j] * sigmoid_f32(gate[b * C + h * K + j]);
     }
     return 0;
 }

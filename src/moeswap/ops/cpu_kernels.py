@@ -43,8 +43,8 @@ _SIGNATURES = {
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
-    "moeswap_kda_decode_layer": [_p, _p, _p, _i64, _p, _p, _p, ctypes.c_float, ctypes.c_int, _p, _p, _p, _p,
-                                 ctypes.c_float, ctypes.c_float, ctypes.c_float, _p, _i64, _i64, _i64, ctypes.c_int],
+    "moeswap_kda_layer": [_p, _p, _p, _i64, _p, _p, _p, ctypes.c_float, ctypes.c_int, _p, _p, _p, _p,
+                          ctypes.c_float, ctypes.c_float, ctypes.c_float, _p, _i64, _i64, _i64, _i64, ctypes.c_int],
     "moeswap_route": [_p, _i64, _i64, _p, _i64, _p, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_float, _p, _p,
                       ctypes.c_int],
     "moeswap_mla_decode": [_p, _p, _i64, _p, _p, _p, ctypes.c_float, _p, _i64, _i64, _i64, _i64, _i64, _i64,
@@ -194,35 +194,36 @@ class CpuKernels:
             self._fail(status, f"glu ({act}, {tuple(gate.shape)})")
         return out
 
-    def kda_decode_layer(self, qkv: torch.Tensor, conv: torch.Tensor, taps: torch.Tensor, z: torch.Tensor,
-                         dt_bias: torch.Tensor, decay_rate: torch.Tensor, lower_bound: float | None,
-                         b_in: torch.Tensor, state: torch.Tensor, gate: torch.Tensor, o_norm: torch.Tensor,
-                         norm_eps: float, scale: float, l2_eps: float) -> torch.Tensor:
-        """A KDA layer's decode token between its projections (moeswap_kda_decode_layer in the C file):
-        qkv [B, 3C], conv [B, W-1, 3C] and state [B, H, K, K] (both updated in place), taps [W, 3C],
-        z, gate [B, C], dt_bias [C], decay_rate [H] (exp A_log), b_in [B, H], o_norm [K]; C = H K.
-        lower_bound None: Kimi Linear's unbounded gate. Returns y [B, C] fp32, ready for o_proj."""
+    def kda_layer(self, qkv: torch.Tensor, conv: torch.Tensor, taps: torch.Tensor, z: torch.Tensor,
+                  dt_bias: torch.Tensor, decay_rate: torch.Tensor, lower_bound: float | None,
+                  b_in: torch.Tensor, state: torch.Tensor, gate: torch.Tensor, o_norm: torch.Tensor,
+                  norm_eps: float, scale: float, l2_eps: float) -> torch.Tensor:
+        """A KDA layer between its projections for T tokens of B sequences (moeswap_kda_layer in the C
+        file): qkv [B, T, 3C], conv [B, W-1, 3C] and state [B, H, K, K] (both updated in place), taps
+        [W, 3C], z, gate [B, T, C], dt_bias [C], decay_rate [H] (exp A_log), b_in [B, T, H], o_norm [K];
+        C = H K. lower_bound None: Kimi Linear's unbounded gate. Returns y [B, T, C] fp32, for o_proj."""
         B, H, K, _ = state.shape
+        T = qkv.shape[1] if qkv.dim() == 3 else 0
         C = H * K
         W = taps.shape[0]
-        want = {"qkv": (qkv, (B, 3 * C)), "conv": (conv, (B, W - 1, 3 * C)), "taps": (taps, (W, 3 * C)),
-                "z": (z, (B, C)), "dt_bias": (dt_bias, (C,)), "decay_rate": (decay_rate, (H,)),
-                "b_in": (b_in, (B, H)), "state": (state, (B, H, K, K)), "gate": (gate, (B, C)),
+        want = {"qkv": (qkv, (B, T, 3 * C)), "conv": (conv, (B, W - 1, 3 * C)), "taps": (taps, (W, 3 * C)),
+                "z": (z, (B, T, C)), "dt_bias": (dt_bias, (C,)), "decay_rate": (decay_rate, (H,)),
+                "b_in": (b_in, (B, T, H)), "state": (state, (B, H, K, K)), "gate": (gate, (B, T, C)),
                 "o_norm": (o_norm, (K,))}
         bad = [f"{name} {tuple(t.shape)} {t.dtype}" for name, (t, shape) in want.items()
                if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu"
                or not t.is_contiguous()]
-        if bad or K > 1024:
-            raise ValueError(f"kda_decode_layer: {', '.join(bad) or f'head dim {K}'} (expected contiguous fp32 CPU "
-                             f"tensors for {B} sequences of {H} heads of {K}, conv width {W})")
-        y = torch.empty(B, C, dtype=torch.float32)
-        status = self.lib.moeswap_kda_decode_layer(
+        if bad or K > 1024 or T < 1:
+            raise ValueError(f"kda_layer: {', '.join(bad) or f'head dim {K}, {T} tokens'} (expected contiguous "
+                             f"fp32 CPU tensors for {B} sequences of {T} tokens, {H} heads of {K}, conv width {W})")
+        y = torch.empty(B, T, C, dtype=torch.float32)
+        status = self.lib.moeswap_kda_layer(
             qkv.data_ptr(), conv.data_ptr(), taps.data_ptr(), W, z.data_ptr(), dt_bias.data_ptr(),
             decay_rate.data_ptr(), float(lower_bound or 0.0), int(lower_bound is not None), b_in.data_ptr(),
             state.data_ptr(), gate.data_ptr(), o_norm.data_ptr(), float(norm_eps), float(scale), float(l2_eps),
-            y.data_ptr(), B, H, K, self._threads())
+            y.data_ptr(), B, T, H, K, self._threads())
         if status:
-            self._fail(status, f"kda_decode_layer ({B} x {H} heads of {K})")
+            self._fail(status, f"kda_layer ({B} x {T} tokens, {H} heads of {K})")
         return y
 
     def route(self, x_TD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, softmax: bool,

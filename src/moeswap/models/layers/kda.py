@@ -1,6 +1,7 @@
 """Kimi Delta Attention layer: projections, short convolutions, decay/beta gates, gated output norm.
 
-The core recurrence lives in ops.kda (chunked for prefill, token recurrence for decode).
+The core recurrence lives in ops.kda (chunked for prefill, token recurrence for decode); CPU inference
+runs the layer between its projections in one C call (cpu_kernels.kda_layer), prefill and decode alike.
 Per-sequence state: KDAState (fp32 recurrent state + the last K-1 conv inputs); constant in length.
 Shapes: B batch, T tokens, D model width, H heads, K head dim, W conv width.
 """
@@ -112,21 +113,22 @@ class KDA(nn.Module):
             return self.g_proj(x_BTD) if g_in is None else g_in
         return self.g_b_proj(self.g_a_proj(x_BTD) if g_in is None else g_in)
 
-    def _fits_decode_kernel(self, x_BTD: torch.Tensor, state: KDAState) -> bool:
+    def _fits_fused_kernel(self, x_BTD: torch.Tensor, state: KDAState) -> bool:
         return (x_BTD.dtype == state.conv_BWC.dtype == state.recurrent_BHKK.dtype == torch.float32
                 and state.conv_BWC.is_contiguous() and state.recurrent_BHKK.is_contiguous())
 
-    def _decode_fused(self, kernel, x_BTD, state: KDAState, qkv_BTC, f_a, b_in, g_in) -> torch.Tensor:
-        """One decode token between the projections in one C call (cpu_kernels.kda_decode_layer): the
-        same math as the general path below, without its ~40 small torch ops per layer."""
-        B = x_BTD.shape[0]
-        rows = lambda t: t.reshape(B, -1).float().contiguous()  # noqa: E731
+    def _fused(self, kernel, x_BTD, state: KDAState, qkv_BTC, f_a, b_in, g_in) -> torch.Tensor:
+        """The layer between its projections in one C call (cpu_kernels.kda_layer), for a decode token
+        or a prefill chunk: the same math as the general path below without its ~40 torch ops, and the
+        token recurrence instead of the chunked form (the same result to fp32 rounding)."""
+        B, T, _ = x_BTD.shape
+        rows = lambda t: t.reshape(B, T, -1).float().contiguous()  # noqa: E731
         dt_bias = derived(self, "dt_bias", self.dt_bias.float, self.dt_bias)
         o_norm = derived(self, "o_norm", self.o_norm.weight.float, self.o_norm.weight)
-        y = kernel.kda_decode_layer(rows(qkv_BTC), state.conv_BWC, self.conv_taps(), rows(self.f_b_proj(f_a)),
-                                    dt_bias, self.decay_rate(), self.lower_bound, rows(b_in), state.recurrent_BHKK,
-                                    rows(self.output_gate(x_BTD, g_in)), o_norm, self.eps, self.K**-0.5, L2_EPS)
-        return self.o_proj(y.view(B, 1, -1).to(x_BTD.dtype))
+        y = kernel.kda_layer(rows(qkv_BTC), state.conv_BWC, self.conv_taps(), rows(self.f_b_proj(f_a)),
+                             dt_bias, self.decay_rate(), self.lower_bound, rows(b_in), state.recurrent_BHKK,
+                             rows(self.output_gate(x_BTD, g_in)), o_norm, self.eps, self.K**-0.5, L2_EPS)
+        return self.o_proj(y.to(x_BTD.dtype))
 
     def forward(self, x_BTD: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -134,10 +136,9 @@ class KDA(nn.Module):
             state = KDAState.zeros(B, self.H, self.K, self.W, x_BTD.dtype, x_BTD.device)
         q_in, k_in, v_in, f_a, b_in, g_in = project(self, x_BTD, self.input_projections())
         qkv_BTC = torch.cat([q_in, k_in, v_in], dim=-1)
-        if T == 1:
-            kernel = cpu_kernels.for_inference(x_BTD, state.recurrent_BHKK, state.conv_BWC)
-            if kernel is not None and self._fits_decode_kernel(x_BTD, state):
-                return self._decode_fused(kernel, x_BTD, state, qkv_BTC, f_a, b_in, g_in)
+        kernel = cpu_kernels.for_inference(x_BTD, state.recurrent_BHKK, state.conv_BWC)
+        if kernel is not None and self._fits_fused_kernel(x_BTD, state):
+            return self._fused(kernel, x_BTD, state, qkv_BTC, f_a, b_in, g_in)
         conv_BTC, full_BTC = conv_taps_silu(qkv_BTC, state.conv_BWC, self.conv_taps())
         # State is updated in place: it may be a view into an engine's preallocated batch buffers.
         state.conv_BWC.copy_(full_BTC[:, -(self.W - 1):])
