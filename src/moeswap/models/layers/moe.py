@@ -99,19 +99,15 @@ class MoE(nn.Module):
     def run_experts(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         if self.store is None:
             raise RuntimeError(f"layer {self.layer_idx}: MoE block has no expert store attached")
-        flat_ids = ids_TK.flatten()
-        order = flat_ids.argsort(stable=True)
-        unique_ids, counts = flat_ids[order].unique_consecutive(return_counts=True)
-        token_of = order // ids_TK.shape[1]  # token index of each sorted (token, slot) pair
-        weights = w_TK.flatten()[order]
+        unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         # One fetch per layer step, so the store sees the whole active set (pins, traces, read-ahead);
         # it hands each expert over when indexed, one at a time: a prefill step may route to every expert
         # of the layer, and holding them all at once would defeat the store's memory budget.
-        experts = self.store.fetch(self.layer_idx, unique_ids.tolist())
+        experts = self.store.fetch(self.layer_idx, unique_ids)
         group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
         start = 0
-        for i, n in enumerate(counts.tolist()):
+        for i, n in enumerate(counts):
             expert = experts[i]
             if not group.add(expert, start, n):
                 rows = token_of[start : start + n]
@@ -121,6 +117,34 @@ class MoE(nn.Module):
             start += n
         group.flush()
         return out_TI.to(h_TI.dtype)
+
+
+PAIRS_IN_PYTHON = 256  # up to this many (token, slot) pairs, on the CPU: Python lists beat ~7 torch ops
+
+
+def pairs_by_expert(ids_TK: torch.Tensor, w_TK: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of a step grouped by expert, in expert order, each group in token order:
+    (expert ids, pairs per expert, token of each pair [P] int64, weight of each pair [P]; in autograd's
+    graph when w_TK is)."""
+    K = ids_TK.shape[1]
+    if ids_TK.numel() <= PAIRS_IN_PYTHON and ids_TK.is_cpu and not (torch.is_grad_enabled() and w_TK.requires_grad):
+        flat = [e for row in ids_TK.tolist() for e in row]
+        order = sorted(range(len(flat)), key=flat.__getitem__)  # stable: token order within an expert
+        unique_ids: list[int] = []
+        counts: list[int] = []
+        for i in order:
+            if unique_ids and unique_ids[-1] == flat[i]:
+                counts[-1] += 1
+            else:
+                unique_ids.append(flat[i])
+                counts.append(1)
+        w = w_TK.flatten().tolist()
+        return (unique_ids, counts, torch.tensor([i // K for i in order], dtype=torch.int64),
+                torch.tensor([w[i] for i in order], dtype=w_TK.dtype))
+    flat_ids = ids_TK.flatten()
+    order = flat_ids.argsort(stable=True)
+    unique_ids_t, counts_t = flat_ids[order].unique_consecutive(return_counts=True)
+    return unique_ids_t.tolist(), counts_t.tolist(), order // K, w_TK.flatten()[order]
 
 
 class _Group:
