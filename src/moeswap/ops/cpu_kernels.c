@@ -680,17 +680,15 @@ enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2 };
 
 /* The activations one phase of `moe` multiplies, per pair, in the form its weight format reads: fp32 rows in
  * `permuted` column order (MXFP4), natural order (bf16), or quantized rows (MXFP4_Q8). */
-typedef struct { const float *f; q8_rows q; int64_t width; const float *fp; } pair_rows;
+typedef struct { const float *f; q8_rows q; int64_t width; } pair_rows;
 
 /* Row tokens[k] of x for each of the P pairs (tokens NULL: x already has one row per pair), in `format`'s
- * form; buf: fp32 [P, I] scratch for gathering. bf16 also gets the rows permuted (fp) where
- * bf16_dot_paired can read them: an expert with one pair streams its rows at bf16_linear's rate.
- * Returns the block to free (NULL if none) and sets *ok = 0 when out of memory. */
+ * form; buf: fp32 [P, I] scratch for gathering. Returns the block to free (NULL if none) and sets *ok = 0
+ * when out of memory. */
 static void *pair_inputs(int format, const float *x, int64_t I, const int64_t *tokens, int64_t P, float *buf,
                          pair_rows *out, int *ok) {
     *ok = 1;
     out->width = I;
-    out->fp = NULL;
     if (format == MXFP4_Q8) {
         const int64_t chunks = (I + 127) / 128;
         uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)(P * chunks * Q8_CHUNK_BYTES) + 64);
@@ -704,14 +702,7 @@ static void *pair_inputs(int format, const float *x, int64_t I, const int64_t *t
         for (int64_t k = 0; k < P; k++) memcpy(buf + k * I, x + tokens[k] * I, (size_t)I * sizeof(float));
         x = buf;
     }
-    if (format == BF16) {
-        out->f = x;
-        if (!BF16_PAIRED || I % 32) return NULL;
-        float *xp = permuted(x, P, I);
-        if (!xp) *ok = 0;
-        out->fp = xp;
-        return xp;
-    }
+    if (format == BF16) { out->f = x; return NULL; }
     float *xp = permuted(x, P, I);
     if (!xp) *ok = 0;
     out->f = xp;
@@ -723,12 +714,6 @@ static void *pair_inputs(int format, const float *x, int64_t I, const int64_t *t
 static void expert_rows(int format, pair_rows a, int64_t k0, int64_t nt, const void *p, const uint8_t *s, int64_t O,
                         int64_t o, int64_t n, float *y) {
     const int64_t I = a.width;
-#if BF16_PAIRED
-    if (format == BF16 && nt == 1 && a.fp) {
-        for (int64_t r = o; r < o + n; r++) y[r] = bf16_dot_paired(a.fp + k0 * I, (const uint16_t *)p + r * I, I);
-        return;
-    }
-#endif
     if (format == BF16) bf16_rows(a.f + k0 * I, nt, I, (const uint16_t *)p, O, o, n, y);
     else if (format == MXFP4) linear_rows(a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
     else q8_linear_rows((q8_rows){a.q.base + k0 * a.q.chunks * Q8_CHUNK_BYTES, a.q.chunks}, nt, I,
@@ -743,8 +728,8 @@ static void expert_rows(int format, pair_rows a, int64_t k0, int64_t nt, const v
  * busy in one fork/join per phase; a static schedule gives each thread a contiguous run of them, whole
  * experts at decode, which streams from memory far better than threads taking turns on 32-row chunks
  * (bench-k3's MXFP4 layer step 0.71 -> 0.41 ms, 16 tokens 6.3 -> 4.3 ms; a decode step's 8 bf16 experts
- * of 256 x 256, 229 -> 135 us). The per-token sums run serially in pair order: deterministic. Returns 0, 1 for bad
- * sizes, 2 out of memory, 3 for MXFP4_Q8 in a build without it. */
+ * of 256 x 256, 229 -> 135 us). The per-token sums run serially in pair order: deterministic. Returns 0,
+ * 1 for bad sizes, 2 out of memory, 3 for MXFP4_Q8 in a build without it. */
 static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
                const uint8_t *const *s1, const void *const *p3, const uint8_t *const *s3, const void *const *p2,
                const uint8_t *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
@@ -755,7 +740,8 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
     const int64_t P = off[E];
     for (int64_t k = 0; k < P; k++)
         if (tokens[k] < 0 || tokens[k] >= T) return 1;
-    const int64_t up_chunks = (F + MOE_CHUNK_ROWS - 1) / MOE_CHUNK_ROWS, down_chunks = (I + MOE_CHUNK_ROWS - 1) / MOE_CHUNK_ROWS;
+    const int64_t up_chunks = (F + MOE_CHUNK_ROWS - 1) / MOE_CHUNK_ROWS;
+    const int64_t down_chunks = (I + MOE_CHUNK_ROWS - 1) / MOE_CHUNK_ROWS;
     float *xg = (float *)malloc((size_t)(P * I) * sizeof(float) + 64);
     float *g = (float *)malloc((size_t)(2 * P * F) * sizeof(float) + 64);
     float *out = (float *)malloc((size_t)(P * I) * sizeof(float) + 64);
@@ -769,7 +755,8 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t w = 0; w < n_items; w++) {
         const int e = items[w].expert;
-        const int64_t o = (int64_t)items[w].chunk * MOE_CHUNK_ROWS, n = F - o < MOE_CHUNK_ROWS ? F - o : MOE_CHUNK_ROWS;
+        const int64_t o = (int64_t)items[w].chunk * MOE_CHUNK_ROWS;
+        const int64_t n = F - o < MOE_CHUNK_ROWS ? F - o : MOE_CHUNK_ROWS;
         const int64_t k0 = off[e], nt = off[e + 1] - off[e];
         float *ge = g + k0 * F, *ue = u + k0 * F;
         expert_rows(format, xa, k0, nt, p1[e], s1 ? s1[e] : NULL, F, o, n, ge);
@@ -783,7 +770,8 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t w = 0; w < n_items; w++) {
         const int e = items[w].expert;
-        const int64_t o = (int64_t)items[w].chunk * MOE_CHUNK_ROWS, n = I - o < MOE_CHUNK_ROWS ? I - o : MOE_CHUNK_ROWS;
+        const int64_t o = (int64_t)items[w].chunk * MOE_CHUNK_ROWS;
+        const int64_t n = I - o < MOE_CHUNK_ROWS ? I - o : MOE_CHUNK_ROWS;
         const int64_t k0 = off[e], nt = off[e + 1] - off[e];
         expert_rows(format, ha, k0, nt, p2[e], s2 ? s2[e] : NULL, I, o, n, out + k0 * I);
     }
