@@ -224,3 +224,12 @@ def test_bench_swap_runs_and_checks_tokens(tiny_k3_dir, tmp_path):
     text = format_report(r)
     assert "| lru + next-layer prefetch |" in text and "All configurations produced the all-resident tokens" in text
     assert (tmp_path / "swap-trace.bin").exists()
+
+
+def test_bench_swap_command_writes_timestamped_reports(tiny_k3_dir, tmp_path, capsys):
+    out = tmp_path / "results"  # made if missing, as the other benches' --out-dir
+    assert main(["bench", "swap", str(tiny_k3_dir), "--budgets", "50", "--policies", "lru", "--max-tokens", "2",
+                 "--prompt-tokens", "3", "--repeats", "1", "--warmup-tokens", "2", "--out-dir", str(out)]) == 0
+    (md,), (js,) = out.glob("swap-*.md"), out.glob("swap-*.json")
+    assert "| lru |" in md.read_text() and json.loads(js.read_text())["runs"]
+    assert f"wrote {md}" in capsys.readouterr().out

@@ -232,7 +232,8 @@ def add_parser(benches) -> None:
     b.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: leaves a core to the prefetch thread, and shared "
                         "machines spin badly with more)")
-    b.add_argument("--out-dir", default=".", help="where swap-bench.{md,json} and the traces go (default: here)")
+    b.add_argument("--out-dir", default="bench-results",
+                   help="where swap-<time>.{md,json} and the traces go (default: %(default)s, as the other benches)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -258,9 +261,10 @@ def run(args: argparse.Namespace) -> int:
                        not args.warm_disk, args.dtype, args.out_dir, args.repeats, args.warmup_tokens)
     result["elapsed_s"] = time.perf_counter() - t0
     report = format_report(result)
-    out = Path(args.out_dir)
-    (out / "swap-bench.md").write_text(report + "\n")
-    (out / "swap-bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    md, js = out / f"swap-{stamp}.md", out / f"swap-{stamp}.json"
+    md.write_text(report + "\n")
+    js.write_text(json.dumps(result, indent=2) + "\n")
     print(report)
-    print(f"wrote {out / 'swap-bench.md'} and {out / 'swap-bench.json'} in {result['elapsed_s']:.0f}s")
+    print(f"wrote {md} and {js} in {result['elapsed_s']:.0f}s")
     return 0

@@ -145,7 +145,8 @@ class ExpertStore:
         return self.source.index
 
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> Sequence[Weights]:
-        """The experts `expert_ids` of `layer` (one layer step), ready for compute when indexed."""
+        """The experts `expert_ids` of `layer` (one layer step), ready for compute when indexed: a list
+        when all are in the fast tier, else a `Fetched` that loads each when asked for it."""
         ids = [int(e) for e in expert_ids]
         keys = [Key(layer, e) for e in ids]
         with self._lock:

@@ -3,7 +3,8 @@
 Knows nothing of projections or checkpoints: inputs are already normalised q/k, v, the log-decay g
 and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the reference),
 `kda_decode_step` (one token from raw q/k, in place; a fused CPU kernel where it runs), `kda_chunked`
-(prefill), `kda_chunked_pairwise` (the chunked form written plainly, its reference).
+(prefill under autograd and off the CPU; CPU inference runs the recurrence in C, cpu_kernels.kda_layer),
+`kda_chunked_pairwise` (the chunked form written plainly, its reference).
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length, N sub-chunk length.
 """
 

@@ -102,8 +102,8 @@ class MoE(nn.Module):
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         # One fetch per layer step, so the store sees the whole active set (pins, traces, read-ahead);
-        # it hands each expert over when indexed, one at a time: a prefill step may route to every expert
-        # of the layer, and holding them all at once would defeat the store's memory budget.
+        # it hands each expert over when indexed, one at a time (unless all are resident): a prefill step
+        # may route to every expert of the layer, and holding them all would defeat the memory budget.
         experts = self.store.fetch(self.layer_idx, unique_ids)
         group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
         start = 0
