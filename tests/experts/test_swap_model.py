@@ -233,3 +233,41 @@ def test_bench_swap_command_writes_timestamped_reports(tiny_k3_dir, tmp_path, ca
     (md,), (js,) = out.glob("swap-*.md"), out.glob("swap-*.json")
     assert "| lru |" in md.read_text() and json.loads(js.read_text())["runs"]
     assert f"wrote {md}" in capsys.readouterr().out
+
+
+def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeypatch):
+    """With every expert resident for good (the fast tier holds them all), decode steps go from the router
+    to the grouped kernel through each layer's pointer table (cpu_kernels.moe_resident): the same logits
+    bit for bit as the store's fetch, and the same hit count; never with a budget that can evict."""
+    import torch
+
+    from moeswap.models.layers import moe as moe_module
+    from moeswap.ops import cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip("no CPU kernel")
+    calls = []
+    real = cpu_kernels.CpuKernels.moe_resident
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "moe_resident", lambda self, *a: calls.append(1) or real(self, *a))
+
+    def decode_logits(options: LoadOptions):
+        model, store = load_model(tiny_k3_dir, options)
+        state = model.make_state(batch=3, dtype=torch.float32)
+        prompt = torch.tensor([PROMPT[:6], PROMPT[6:12], PROMPT[12:18]])
+        with torch.inference_mode():
+            outs = [model(prompt, state)]  # prefill: the store's path (and the tables fill)
+            for step in range(4):
+                outs.append(model(outs[-1][:, -1:].argmax(-1), state))
+        return torch.cat([o[:, -1] for o in outs]), store
+
+    table_logits, store = decode_logits(LoadOptions(expert_memory=1 << 30))
+    assert store.can_evict is False and len(calls) > 0
+    hits = store.stats.fast.hits
+    monkeypatch.setattr(moe_module.MoE, "_resident_table", lambda self, h, ids: None)
+    fetch_logits, fetch_store = decode_logits(LoadOptions(expert_memory=1 << 30))
+    assert torch.equal(table_logits, fetch_logits) and fetch_store.stats.fast.hits == hits
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "moe_resident", lambda self, *a: calls.append(1) or real(self, *a))
+    calls.clear()
+    _, small = decode_logits(LoadOptions(expert_memory=expert_bytes(store) // 2))
+    assert small.can_evict and not calls

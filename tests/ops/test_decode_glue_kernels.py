@@ -166,3 +166,48 @@ def test_derived_tensors_made_under_inference_mode_do_not_leak_into_training():
     assert not w.is_inference()
     (x @ w).sum().backward()  # would raise if w were the inference-mode copy
     assert x.grad is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["mxfp4", "bf16"])
+def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
+    """moe_resident (router output + a pointer table) adds exactly what `moe` adds for the same pairs
+    grouped by expert, token order within; a chosen expert without a row computes nothing (None)."""
+    from moeswap.formats import mxfp4
+    from moeswap.models.layers.moe import pairs_by_expert
+    from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
+
+    g = torch.Generator().manual_seed(5)
+    I, F_, E, T, K = 64, 96, 10, 5, 3
+
+    def make():
+        if kind == "bf16":
+            return ExpertWeights(*(torch.randn(*s, generator=g).bfloat16() for s in ((F_, I), (F_, I), (I, F_))))
+        return MXFP4ExpertWeights(*mxfp4.encode(torch.randn(F_, I, generator=g)),
+                                  *mxfp4.encode(torch.randn(F_, I, generator=g)), *mxfp4.encode(torch.randn(I, F_, generator=g)))
+
+    experts = [make() for _ in range(E)]
+    table = torch.zeros(E, 6, dtype=torch.int64)
+    for e in range(E - 1):  # the last expert has no row
+        F_got, row = cpu_kernels.resident_row(experts[e], I, kind == "bf16")
+        table[e] = torch.tensor(row)
+    assert F_got == F_
+    x = torch.randn(T, I, generator=g)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    got = torch.zeros(T, I)
+    assert kernel.moe_resident(x, table, ids, w, F_, kind, "silu", (1.0, 1.0), got) == len(set(ids.flatten().tolist()))
+    unique, counts, tokens, weights = pairs_by_expert(ids, w)
+    want = torch.zeros(T, I)
+    kernel.moe(x, [experts[e] for e in unique], tokens, [0, *torch.tensor(counts).cumsum(0).tolist()], weights,
+               "silu", (1.0, 1.0), want)
+    assert torch.equal(got, want) and got.abs().sum() > 0
+    ids[2, 1] = E - 1
+    untouched = torch.zeros(T, I)
+    assert kernel.moe_resident(x, table, ids, w, F_, kind, "silu", (1.0, 1.0), untouched) is None
+    assert not untouched.any()
+    ids[2, 1] = E
+    with pytest.raises(RuntimeError, match="moe_resident .*bad sizes"):
+        kernel.moe_resident(x, table, ids, w, F_, kind, "silu", (1.0, 1.0), untouched)
+    with pytest.raises(ValueError, match=r"moe_resident: .*ids \(5, 3\) torch.int32"):
+        kernel.moe_resident(x, table, ids.int(), w, F_, kind, "silu", (1.0, 1.0), untouched)

@@ -176,6 +176,12 @@ class ExpertStore:
             self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
         return Fetched(self, keys)
 
+    def count_resident_hits(self, n: int) -> None:
+        """n fast-tier hits served without a fetch: a decode step through a layer's table of resident
+        experts (models/layers/moe.py), which runs only while nothing can be evicted (can_evict False)."""
+        with self._lock:
+            self.stats.fast.hits += n
+
     def note_hint(self, layer: int, expert_ids: Sequence[int]) -> list[Key]:
         """Records a lookahead guess for `layer` (best first) and pins it; returns the keys worth loading."""
         ids = [int(e) for e in expert_ids]

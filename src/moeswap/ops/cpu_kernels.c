@@ -802,6 +802,53 @@ int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, con
                (const void *const *)w2, NULL, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 
+/* A decode step's routed experts straight from the router's choice, for experts that stay resident:
+ * table [E_total, 6] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
+ * bf16: w1 0 w3 0 w2 0), a row of zeros where the caller has none; ids, weight [T, K] are the router's
+ * output. The pairs are grouped by expert, experts in id order and each one's tokens in order (as
+ * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format:
+ * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations. *used: the distinct experts. Returns moe()'s status,
+ * 1 for an id out of range, 4 when a chosen expert has no pointers (the caller takes the store's path). */
+int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64_t F, int64_t E_total,
+                         const int64_t *table, const int64_t *ids, const float *weight, int64_t K, int act,
+                         float b1, float b2, float *y, int nthreads, int64_t *used) {
+    const int64_t P = T * K;
+    if (T < 1 || K < 1 || E_total < 1 || format < MXFP4 || format > MXFP4_Q8) return 1;
+    for (int64_t k = 0; k < P; k++) {
+        if (ids[k] < 0 || ids[k] >= E_total) return 1;
+        if (!table[ids[k] * 6]) return 4;
+    }
+    int64_t *at = (int64_t *)calloc((size_t)E_total, sizeof(int64_t)); /* pairs per expert, then next slot */
+    int64_t *off = (int64_t *)malloc((size_t)(P + 1) * sizeof(int64_t));
+    int64_t *tokens = (int64_t *)malloc((size_t)P * sizeof(int64_t));
+    float *w = (float *)malloc((size_t)P * sizeof(float));
+    const void **ptr = (const void **)malloc((size_t)(6 * P) * sizeof(void *)); /* 6 arrays of <= P experts */
+    if (!at || !off || !tokens || !w || !ptr) { free(at); free(off); free(tokens); free(w); free(ptr); return 2; }
+    for (int64_t k = 0; k < P; k++) at[ids[k]]++;
+    int E = 0;
+    off[0] = 0;
+    for (int64_t e = 0; e < E_total; e++) {
+        if (!at[e]) continue;
+        for (int m = 0; m < 6; m++) ptr[m * P + E] = (const void *)(intptr_t)table[e * 6 + m];
+        off[E + 1] = off[E] + at[e];
+        at[e] = off[E]; /* from here: where this expert's next pair goes */
+        E++;
+    }
+    for (int64_t k = 0; k < P; k++) { /* k = t K + slot: each expert's pairs come in token order */
+        const int64_t slot = at[ids[k]]++;
+        tokens[slot] = k / K;
+        w[slot] = weight[k];
+    }
+    const int bf16 = format == BF16;
+    const int status = moe(format, x, T, I, F, E, ptr, bf16 ? NULL : (const uint8_t *const *)(ptr + P),
+                           ptr + 2 * P, bf16 ? NULL : (const uint8_t *const *)(ptr + 3 * P), ptr + 4 * P,
+                           bf16 ? NULL : (const uint8_t *const *)(ptr + 5 * P), off, tokens, w, act, b1, b2, y,
+                           nthreads);
+    *used = E;
+    free(at); free(off); free(tokens); free(w); free(ptr);
+    return status;
+}
+
 /* One KDA head for one token, in place on its state Sn [K, V] (ops/kda.py kda_recurrent is the reference):
  * q, k are l2-normalised here (eps inside the root) and q scaled by `scale`; then
  *   S <- diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.   Two passes over S. */

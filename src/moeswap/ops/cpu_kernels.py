@@ -38,6 +38,8 @@ _SIGNATURES = {
                           ctypes.c_float, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_bf16_moe": [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, _p, _p, ctypes.c_int, ctypes.c_float,
                          ctypes.c_float, _p, ctypes.c_int],
+    "moeswap_moe_resident": [ctypes.c_int, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, ctypes.c_int,
+                             ctypes.c_float, ctypes.c_float, _p, ctypes.c_int, _p],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
     "moeswap_bf16x_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
@@ -136,6 +138,36 @@ class CpuKernels:
         if status:
             self._fail(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
                                f"{offsets[-1]} pairs)")
+
+    def moe_resident(self, x_TI: torch.Tensor, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
+                     F: int, kind: str, act: str, situ_betas: tuple[float, float], y_TI: torch.Tensor,
+                     int8_activations: bool = False) -> int | None:
+        """`moe` for a decode step straight from the router's output: ids [T, K] int64 and weights [T, K] fp32
+        choose rows of `table_E6` (int64 [E, 6], an expert's `resident_row` each; zeros where unknown), and
+        the kernel groups the pairs as `moe`'s caller would, so y gets the same sums. kind "mxfp4" or "bf16".
+        Returns the number of distinct experts, or None when a chosen expert has no row (nothing computed)."""
+        T, I = x_TI.shape
+        if (kind not in ("mxfp4", "bf16") or ids_TK.dtype != torch.int64 or ids_TK.ndim != 2 or ids_TK.shape[0] != T
+                or w_TK.shape != ids_TK.shape or w_TK.dtype != torch.float32 or table_E6.dtype != torch.int64
+                or table_E6.ndim != 2 or table_E6.shape[1] != 6 or x_TI.dtype != torch.float32
+                or y_TI.shape != x_TI.shape or y_TI.dtype != torch.float32
+                or not all(t.is_contiguous() and t.is_cpu for t in (x_TI, table_E6, ids_TK, w_TK, y_TI))):
+            raise ValueError(f"moe_resident: x {tuple(x_TI.shape)} {x_TI.dtype}, table {tuple(table_E6.shape)} "
+                             f"{table_E6.dtype}, ids {tuple(ids_TK.shape)} {ids_TK.dtype}, weights "
+                             f"{tuple(w_TK.shape)} {w_TK.dtype}, y {tuple(y_TI.shape)}, kind {kind!r} (expected "
+                             f"contiguous CPU tensors: fp32 x and y [T, I], int64 ids and fp32 weights [T, K], "
+                             f"int64 table [E, 6])")
+        fmt = 1 if kind == "bf16" else 2 if int8_activations else 0
+        used = ctypes.c_int64()
+        status = self.lib.moeswap_moe_resident(
+            fmt, x_TI.data_ptr(), T, I, F, table_E6.shape[0], table_E6.data_ptr(), ids_TK.data_ptr(),
+            w_TK.data_ptr(), ids_TK.shape[1], _act(act), float(situ_betas[0]), float(situ_betas[1]),
+            y_TI.data_ptr(), self._threads(), ctypes.byref(used))
+        if status == 4:
+            return None
+        if status:
+            self._fail(status, f"moe_resident (x {tuple(x_TI.shape)}, ids {tuple(ids_TK.shape)}, {kind} experts)")
+        return used.value
 
     def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -397,6 +429,16 @@ def _kernel_pointers(w, I: int, bf16: bool, held: list) -> tuple[int, tuple[int,
     else:
         held.extend(mats)
     return F, ptrs
+
+
+def resident_row(w, I: int, bf16: bool) -> tuple[int, tuple[int, ...]] | None:
+    """(F, the expert's six `moe_resident` table entries) for input width I, or None where its matrices
+    are not laid out for the kernel as they are (a copy would have to outlive the table)."""
+    held: list[torch.Tensor] = []
+    F, ptrs = _kernel_pointers(w, I, bf16, held)
+    if held:
+        return None
+    return F, ((ptrs[0], 0, ptrs[1], 0, ptrs[2], 0) if bf16 else ptrs)
 
 
 def _checked(packed: torch.Tensor, scale: torch.Tensor, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

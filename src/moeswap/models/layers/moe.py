@@ -80,6 +80,7 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(m.latent_dim, d, bias=False, device=device)
             if m.latent_norm:
                 self.routed_expert_norm = RMSNorm(m.latent_dim, cfg.rms_norm_eps, device)
+        self.num_experts = m.num_experts
         self.store: ExpertProvider | None = None  # attached by the loader; never part of state_dict
         self.int8_activations = False  # LoadOptions.expert_activations: int8 activations in the grouped kernel
 
@@ -99,12 +100,17 @@ class MoE(nn.Module):
     def run_experts(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         if self.store is None:
             raise RuntimeError(f"layer {self.layer_idx}: MoE block has no expert store attached")
-        unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
+        table = self._resident_table(h_TI, ids_TK)
+        if table is not None and table.run(h_TI, ids_TK, w_TK, out_TI, self):
+            return out_TI.to(h_TI.dtype)
+        unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         # One fetch per layer step, so the store sees the whole active set (pins, traces, read-ahead);
         # it hands each expert over when indexed, one at a time (unless all are resident): a prefill step
         # may route to every expert of the layer, and holding them all would defeat the memory budget.
         experts = self.store.fetch(self.layer_idx, unique_ids)
+        if table is not None and isinstance(experts, list):  # all resident: the next steps can skip the fetch
+            table.note(unique_ids, experts, h_TI.shape[-1])
         group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
         start = 0
         for i, n in enumerate(counts):
@@ -117,6 +123,58 @@ class MoE(nn.Module):
             start += n
         group.flush()
         return out_TI.to(h_TI.dtype)
+
+    def _resident_table(self, h_TI: torch.Tensor, ids_TK: torch.Tensor) -> _ResidentTable | None:
+        """The layer's table of resident experts where a decode step may use it: a store that never evicts
+        (ExpertStore.can_evict), records no trace and prefetches nothing; eager CPU inference on the
+        grouped kernel; too few tokens for any expert to take the GEMM path."""
+        s = self.store
+        if (getattr(s, "can_evict", True) or getattr(s, "trace", None) is not None
+                or getattr(s, "prefetcher", None) is not None or ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS
+                or cpu_kernels.for_inference(h_TI) is None or expert_mxfp4.grouped() is None):
+            return None
+        table = self.__dict__.get("_resident")
+        if table is None or table.store is not s:
+            table = self.__dict__["_resident"] = _ResidentTable(s, self.num_experts)
+        return table
+
+
+class _ResidentTable:
+    """Kernel pointers of a layer's experts held by a store that never evicts them: a decode step goes from
+    the router's choice to the grouped kernel in one call (cpu_kernels.moe_resident: it groups the pairs
+    itself, the same way) instead of the store's fetch and the per-expert grouping here, and the store
+    only counts the hits. Filled from the experts the store hands over, which it keeps alive too."""
+
+    def __init__(self, store, num_experts: int):
+        self.store = store
+        with torch.inference_mode(False):  # made in a scheduler step, written to outside one too
+            self.rows = torch.zeros(num_experts, 6, dtype=torch.int64)  # zeros: not known yet
+        self.experts: dict[int, object] = {}
+        self.kind: str | None = None
+        self.F = 0
+
+    def note(self, ids: Sequence[int], experts: Sequence, I: int) -> None:
+        for e, w in zip(ids, experts):
+            kind = _kind(w)
+            if e in self.experts or kind is None or self.kind not in (None, kind):
+                continue
+            row = cpu_kernels.resident_row(w, I, kind == "bf16")
+            if row is not None:
+                self.kind, self.F = kind, row[0]
+                self.rows[e] = torch.tensor(row[1], dtype=torch.int64)
+                self.experts[e] = w
+
+    def run(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, out_TI: torch.Tensor, moe: MoE) -> bool:
+        """Adds the step's experts into out_TI; False (nothing done) when one of them is not in the table."""
+        if self.kind is None:
+            return False
+        used = cpu_kernels.kernel().moe_resident(
+            h_TI.float().contiguous(), self.rows, ids_TK.contiguous(), w_TK.float().contiguous(), self.F, self.kind,
+            moe.act, moe.situ_betas, out_TI, moe.int8_activations and self.kind == "mxfp4")
+        if used is None:
+            return False
+        self.store.count_resident_hits(used)
+        return True
 
 
 PAIRS_IN_PYTHON = 256  # up to this many (token, slot) pairs, on the CPU: Python lists beat ~7 torch ops
