@@ -89,3 +89,8 @@ def test_many_rows_widen_into_a_reused_buffer_in_and_out_of_inference_mode(monke
     b, c = linear(x, small), linear(x, large)
     for got, w in ((a, large), (b, small), (c, large)):
         assert torch.equal(got, F.linear(x, w.float()))
+    assert linear_module._scratch.buf.numel() == large.numel()
+    monkeypatch.setattr(linear_module, "WIDEN_SCRATCH_MAX", large.numel())  # bigger weights: a transient copy
+    huge = torch.randn(64, 40, generator=g).bfloat16()
+    assert torch.equal(linear(x, huge), F.linear(x, huge.float()))
+    assert linear_module._scratch.buf.numel() == large.numel()

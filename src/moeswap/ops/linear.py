@@ -74,20 +74,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             and gemm_in_bf16()):
         return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.compiler.is_compiling()
+            and weight.numel() <= WIDEN_SCRATCH_MAX and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, _widened(weight))
     return F.linear(x, weight.to(x.dtype))
 
 
 _scratch = threading.local()
+WIDEN_SCRATCH_MAX = 16 << 20  # elements (64 MiB fp32): the buffer stays, so a 163840-row lm_head must not
 
 
 def _widened(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 copy of a bf16 CPU weight in a per-thread buffer reused by the next call: a fresh
     allocation of that size costs page faults, ~15x the copy (6.4 against 0.4 ms for 4096 x 1024).
-    The buffer is as large as the largest weight widened so far; valid until the thread's next call,
-    so only for products nothing keeps for backward."""
+    The buffer is as large as the largest weight widened so far (at most WIDEN_SCRATCH_MAX elements);
+    valid until the thread's next call, so only for products nothing keeps for backward."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < weight.numel():
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
