@@ -127,7 +127,8 @@ class MoE(nn.Module):
     def _resident_table(self, h_TI: torch.Tensor, ids_TK: torch.Tensor) -> _ResidentTable | None:
         """The layer's table of resident experts where a decode step may use it: a store that never evicts
         (ExpertStore.can_evict), records no trace and prefetches nothing; eager CPU inference on the
-        grouped kernel; too few tokens for any expert to take the GEMM path."""
+        grouped kernel; too few tokens for any expert to take the GEMM path. (Anything that would change
+        what an expert computes, such as per-request adapters, must take the fetch path instead.)"""
         s = self.store
         if (getattr(s, "can_evict", True) or getattr(s, "trace", None) is not None
                 or getattr(s, "prefetcher", None) is not None or ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS
