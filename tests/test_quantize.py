@@ -14,7 +14,7 @@ from torch import nn
 from moeswap.cli import main
 from moeswap.config import load_config
 from moeswap.formats import compressed_tensors as ct
-from moeswap.formats import fp8_block, mxfp4, mxfp8
+from moeswap.formats import fp8_block, mxfp4
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.quantize import REPORT_NAME, QuantizeOptions, compare_models, quantize

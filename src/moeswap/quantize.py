@@ -29,7 +29,7 @@ import torch
 from moeswap.atomic_dir import atomic_directory
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mx
-from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
+from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint
 from moeswap.formats.weights import Declared, StoredWeight, group_modules, storage_of
 from moeswap.formats.writer import layout, write_index, write_shard
 

@@ -1,7 +1,5 @@
 """BufferPool: a buffer is handed out again only once nothing references it; spare buffers are bounded."""
 
-import torch
-
 from moeswap.experts.buffers import BufferPool
 
 

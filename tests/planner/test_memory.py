@@ -4,7 +4,7 @@ import pytest
 
 from moeswap.planner.hardware import builtin_catalog, resolve_hardware
 from moeswap.planner.layouts import Layout, stage_layers
-from moeswap.planner.memory import GB, device_memory
+from moeswap.planner.memory import device_memory
 from moeswap.planner.workload import Lora, Offload, Precision
 
 H200 = resolve_hardware("h200")
