@@ -238,14 +238,15 @@ class CpuKernels:
         T = qkv.shape[1] if qkv.dim() == 3 else 0
         C = H * K
         W = taps.shape[0]
-        want = {"qkv": (qkv, (B, T, 3 * C)), "conv": (conv, (B, W - 1, 3 * C)), "taps": (taps, (W, 3 * C)),
-                "z": (z, (B, T, C)), "dt_bias": (dt_bias, (C,)), "decay_rate": (decay_rate, (H,)),
-                "b_in": (b_in, (B, T, H)), "state": (state, (B, H, K, K)), "gate": (gate, (B, T, C)),
-                "o_norm": (o_norm, (K,))}
-        bad = [f"{name} {tuple(t.shape)} {t.dtype}" for name, (t, shape) in want.items()
-               if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu"
-               or not t.is_contiguous()]
-        if bad or K > 1024 or T < 1:
+        tensors = (qkv, conv, taps, z, dt_bias, decay_rate, b_in, state, gate, o_norm)
+        shapes = ((B, T, 3 * C), (B, W - 1, 3 * C), (W, 3 * C), (B, T, C), (C,), (H,), (B, T, H), (B, H, K, K),
+                  (B, T, C), (K,))
+        # one comparison on the fast path (a decode step calls this per KDA layer); names only on failure
+        if (tuple(t.shape for t in tensors) != shapes or K > 1024 or T < 1
+                or not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)):
+            names = ("qkv", "conv", "taps", "z", "dt_bias", "decay_rate", "b_in", "state", "gate", "o_norm")
+            bad = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t, shape in zip(names, tensors, shapes)
+                   if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous()]
             raise ValueError(f"kda_layer: {', '.join(bad) or f'head dim {K}, {T} tokens'} (expected contiguous "
                              f"fp32 CPU tensors for {B} sequences of {T} tokens, {H} heads of {K}, conv width {W})")
         y = torch.empty(B, T, C, dtype=torch.float32)
