@@ -211,3 +211,39 @@ def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
         kernel.moe_resident(x, table, ids, w, F_, kind, "silu", (1.0, 1.0), untouched)
     with pytest.raises(ValueError, match=r"moe_resident: .*ids \(5, 3\) torch.int32"):
         kernel.moe_resident(x, table, ids.int(), w, F_, kind, "silu", (1.0, 1.0), untouched)
+
+
+@needs_kernel
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_gated_mlp_in_one_call_gives_the_three_calls_outputs(act, monkeypatch):
+    """A decode step's GatedMLP on bf16 weights runs as one C call (cpu_kernels.bf16_mlp): the same bits as
+    bf16_linear, glu, bf16_linear for SiTU (its C glu either way); SiLU's three-call path uses torch's silu."""
+    from moeswap.models.layers import basic
+    from moeswap.models.layers.basic import GatedMLP
+    from moeswap.ops.linear import StoredWeightLinear
+
+    g = torch.Generator().manual_seed(9)
+    mlp = GatedMLP(64, 96, act, (4.0, 25.0))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        old = getattr(mlp, name)
+        new = StoredWeightLinear(old.in_features, old.out_features, bias=False)
+        new.weight = nn.Parameter(torch.randn(old.weight.shape, generator=g).bfloat16(), requires_grad=False)
+        setattr(mlp, name, new)
+    mlp.fuse_projections()
+    x = torch.randn(3, 2, 64, generator=g)
+    calls = []
+    real = cpu_kernels.CpuKernels.bf16_mlp
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "bf16_mlp", lambda self, *a: calls.append(1) or real(self, *a))
+    with torch.no_grad():
+        one = mlp(x)
+        assert len(calls) == 1 and one.shape == (3, 2, 64)
+        monkeypatch.setattr(basic, "KERNEL_MAX_ROWS", 0)  # the three-call path
+        three = mlp(x)
+    assert len(calls) == 1
+    if act == "situ":
+        assert torch.equal(one, three)
+    else:
+        torch.testing.assert_close(one, three, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"bf16_mlp: .*down \(64, 95\)"):
+        kernel.bf16_mlp(x[0], mlp.__dict__["_fused_input"][0], mlp.down_proj.weight[:, :95].contiguous(), act,
+                        (4.0, 25.0))

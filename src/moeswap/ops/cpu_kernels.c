@@ -994,6 +994,24 @@ int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, 
     return 0;
 }
 
+/* A gated MLP on bf16 weights for a few rows (models/layers/basic.py GatedMLP: a decode step's shared
+ * experts and dense MLP) in one call: gu = x @ w_gu^T (w_gu [2H, D]: gate rows, then up rows), h = act(gate,
+ * up) per row, y = h @ w_down^T (w_down [D, H]). The same functions as the three calls it replaces
+ * (moeswap_bf16_linear, moeswap_glu), so the same bits. Returns 0, 1 for bad sizes, 2 out of memory. */
+int moeswap_bf16_mlp(const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H, const uint16_t *w_down,
+                     int act, float b1, float b2, float *y, int nthreads) {
+    if (T < 1 || D < 1 || H < 1 || (act != 0 && act != 1)) return 1;
+    float *gu = (float *)malloc((size_t)(T * 2 * H) * sizeof(float) + 64);
+    float *h = (float *)malloc((size_t)(T * H) * sizeof(float) + 64);
+    if (!gu || !h) { free(gu); free(h); return 2; }
+    int status = moeswap_bf16_linear(x, T, D, w_gu, 2 * H, gu, nthreads);
+    for (int64_t t = 0; !status && t < T; t++)
+        status = moeswap_glu(gu + t * 2 * H, gu + t * 2 * H + H, h + t * H, H, act, b1, b2, nthreads);
+    if (!status) status = moeswap_bf16_linear(h, T, H, w_down, D, y, nthreads);
+    free(gu); free(h);
+    return status;
+}
+
 /* Sum of a[i] * b[i] over n fp32 values, in 16 (AVX-512) or 8 (AVX2) lanes, then the tail. */
 static float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;

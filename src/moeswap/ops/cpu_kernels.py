@@ -41,6 +41,8 @@ _SIGNATURES = {
     "moeswap_moe_resident": [ctypes.c_int, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, ctypes.c_int,
                              ctypes.c_float, ctypes.c_float, _p, ctypes.c_int, _p],
     "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
+    "moeswap_bf16_mlp": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p,
+                         ctypes.c_int],
     "moeswap_bf16x_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
     "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
     "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
@@ -225,6 +227,25 @@ class CpuKernels:
         if status:
             self._fail(status, f"glu ({act}, {tuple(gate.shape)})")
         return out
+
+    def bf16_mlp(self, x_TD: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor, act: str,
+                 situ_betas: tuple[float, float]) -> torch.Tensor:
+        """down(act(gate x) * up x) for fp32 x [T, D] and bf16 weights w_gu [2H, D] (gate rows, then up rows)
+        and w_down [D, H], in one call: `bf16_linear`, `glu`, `bf16_linear`, the same bits. fp32 [T, D]."""
+        T, D = x_TD.shape
+        H = w_down.shape[1] if w_down.ndim == 2 else 0
+        if (x_TD.dtype != torch.float32 or w_gu.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16
+                or tuple(w_gu.shape) != (2 * H, D) or tuple(w_down.shape) != (D, H) or H < 1
+                or not all(t.is_cpu and t.is_contiguous() for t in (x_TD, w_gu, w_down))):
+            raise ValueError(f"bf16_mlp: x {tuple(x_TD.shape)} {x_TD.dtype}, gate/up {tuple(w_gu.shape)} {w_gu.dtype}, "
+                             f"down {tuple(w_down.shape)} {w_down.dtype} (expected contiguous CPU tensors: fp32 "
+                             f"x [T, D], bf16 [2H, D] and [D, H])")
+        y = torch.empty(T, D, dtype=torch.float32)
+        status = self.lib.moeswap_bf16_mlp(x_TD.data_ptr(), T, D, w_gu.data_ptr(), H, w_down.data_ptr(), _act(act),
+                                           float(situ_betas[0]), float(situ_betas[1]), y.data_ptr(), self._threads())
+        if status:
+            self._fail(status, f"bf16_mlp (x {tuple(x_TD.shape)}, hidden {H})")
+        return y
 
     def kda_layer(self, qkv: torch.Tensor, conv: torch.Tensor, taps: torch.Tensor, z: torch.Tensor,
                   dt_bias: torch.Tensor, decay_rate: torch.Tensor, lower_bound: float | None,

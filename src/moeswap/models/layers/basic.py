@@ -10,7 +10,7 @@ from torch import nn
 
 from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu
-from moeswap.ops.linear import StoredWeightLinear, linear
+from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, gemm_in_bf16, linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -68,16 +68,25 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
                                        [m.weight.shape[0] for m in mods])
 
 
-def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[torch.Tensor]:
-    """[getattr(module, n)(x) for n in names], in one matmul while the fusion still holds (no child
-    replaced by a wrapper, no weight re-materialised by .to() or a loader)."""
+def fused_weight(module: nn.Module, names: Sequence[str]) -> torch.Tensor | None:
+    """The one [sum of outputs, in] weight of the named Linears while their fusion (`fuse_linears`) still
+    holds: no child replaced by a wrapper, no weight re-materialised by .to() or a loader. Else None."""
     fused = module.__dict__.get("_fused_input")
-    if fused is not None and fused[1] == tuple(names):
-        mods = [getattr(module, n) for n in names]
-        # data pointers cannot be compared while compiling: the compiled decode is made after fusion
-        if all(type(m) in FUSABLE for m in mods) and (
-                torch.compiler.is_compiling() or [m.weight.data_ptr() for m in mods] == fused[2]):
-            return list(linear(x, fused[0]).split(fused[3], dim=-1))
+    if fused is None or fused[1] != tuple(names):
+        return None
+    mods = [getattr(module, n) for n in names]
+    # data pointers cannot be compared while compiling: the compiled decode is made after fusion
+    if all(type(m) in FUSABLE for m in mods) and (
+            torch.compiler.is_compiling() or [m.weight.data_ptr() for m in mods] == fused[2]):
+        return fused[0]
+    return None
+
+
+def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[torch.Tensor]:
+    """[getattr(module, n)(x) for n in names], in one matmul while their fusion holds (`fused_weight`)."""
+    weight = fused_weight(module, names)
+    if weight is not None:
+        return list(linear(x, weight).split(module.__dict__["_fused_input"][3], dim=-1))
     return [getattr(module, n)(x) for n in names]
 
 
@@ -113,5 +122,16 @@ class GatedMLP(nn.Module):
         fuse_linears(self, ("gate_proj", "up_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and type(self.down_proj) is StoredWeightLinear
+                and self.down_proj.weight.dtype == torch.bfloat16 and not gemm_in_bf16()):
+            # a decode step: the three products in one C call (cpu_kernels.bf16_mlp), the same bits
+            w_gu = fused_weight(self, ("gate_proj", "up_proj"))
+            kernel = (cpu_kernels.for_inference(x, w_gu, self.down_proj.weight)
+                      if w_gu is not None and w_gu.dtype == torch.bfloat16 else None)
+            if kernel is not None:
+                y = kernel.bf16_mlp(x.reshape(rows, x.shape[-1]).contiguous(), w_gu, self.down_proj.weight,
+                                    self.act, self.situ_betas)
+                return y.view(*x.shape[:-1], y.shape[-1])
         gate, up = project(self, x, ("gate_proj", "up_proj"))
         return self.down_proj(glu(self.act, gate, up, self.situ_betas))
