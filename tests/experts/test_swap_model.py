@@ -237,8 +237,9 @@ def test_bench_swap_command_writes_timestamped_reports(tiny_k3_dir, tmp_path, ca
 
 def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeypatch):
     """With every expert resident for good (the fast tier holds them all), decode steps go from the router
-    to the grouped kernel through each layer's pointer table (cpu_kernels.moe_resident): the same logits
-    bit for bit as the store's fetch, and the same hit count; never with a budget that can evict."""
+    to the grouped kernel through each layer's pointer table (cpu_kernels.moe_resident; K3's latent MoE
+    in one call, latent_moe_resident): the same logits bit for bit as the store's fetch, and the same hit
+    count; never with a budget that can evict."""
     import torch
 
     from moeswap.models.layers import moe as moe_module
@@ -249,6 +250,15 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
     calls = []
     real = cpu_kernels.CpuKernels.moe_resident
     monkeypatch.setattr(cpu_kernels.CpuKernels, "moe_resident", lambda self, *a: calls.append(1) or real(self, *a))
+    latent_calls = []  # whether each K3 latent call (down projection, experts, norm, up projection) ran
+    real_latent = cpu_kernels.CpuKernels.latent_moe_resident
+
+    def latent(self, *a):
+        got = real_latent(self, *a)
+        latent_calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "latent_moe_resident", latent)
 
     def decode_logits(options: LoadOptions):
         model, store = load_model(tiny_k3_dir, options)
@@ -261,13 +271,15 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
         return torch.cat([o[:, -1] for o in outs]), store
 
     table_logits, store = decode_logits(LoadOptions(expert_memory=1 << 30))
-    assert store.can_evict is False and len(calls) > 0
+    assert store.can_evict is False and len(calls) > 0 and any(latent_calls)
     hits = store.stats.fast.hits
-    monkeypatch.setattr(moe_module.MoE, "_resident_table", lambda self, h, ids: None)
+    monkeypatch.setattr(moe_module.MoE, "_resident_table", lambda self, h, ids: None)  # both table paths off
     fetch_logits, fetch_store = decode_logits(LoadOptions(expert_memory=1 << 30))
     assert torch.equal(table_logits, fetch_logits) and fetch_store.stats.fast.hits == hits
     monkeypatch.undo()
     monkeypatch.setattr(cpu_kernels.CpuKernels, "moe_resident", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "latent_moe_resident", latent)
     calls.clear()
+    latent_calls.clear()
     _, small = decode_logits(LoadOptions(expert_memory=expert_bytes(store) // 2))
-    assert small.can_evict and not calls
+    assert small.can_evict and not calls and not latent_calls

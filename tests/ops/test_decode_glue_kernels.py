@@ -172,7 +172,8 @@ def test_derived_tensors_made_under_inference_mode_do_not_leak_into_training():
 @pytest.mark.parametrize("kind", ["mxfp4", "bf16"])
 def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
     """moe_resident (router output + a pointer table) adds exactly what `moe` adds for the same pairs
-    grouped by expert, token order within; a chosen expert without a row computes nothing (None)."""
+    grouped by expert, token order within; a chosen expert without a row computes nothing (None). Its
+    latent form (latent_moe_resident) equals the calls it replaces."""
     from moeswap.formats import mxfp4
     from moeswap.models.layers.moe import pairs_by_expert
     from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
@@ -211,6 +212,20 @@ def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
         kernel.moe_resident(x, table, ids, w, F_, kind, "silu", (1.0, 1.0), untouched)
     with pytest.raises(ValueError, match=r"moe_resident: .*ids \(5, 3\) torch.int32"):
         kernel.moe_resident(x, table, ids.int(), w, F_, kind, "silu", (1.0, 1.0), untouched)
+    # K3's latent form in one call: down projection, these experts, RMSNorm, up projection; the same bits
+    ids[2, 1] = 0
+    D = 48
+    w_down, w_up = torch.randn(I, D, generator=g).bfloat16(), torch.randn(D, I, generator=g).bfloat16()
+    norm_w, xd = torch.rand(I, generator=g) + 0.5, torch.randn(T, D, generator=g)
+    y, used = kernel.latent_moe_resident(xd, w_down, norm_w, 1e-5, w_up, table, ids, w, F_, kind, "silu", (1.0, 1.0))
+    routed = torch.zeros(T, I)
+    assert kernel.moe_resident(kernel.bf16_linear(xd, w_down), table, ids, w, F_, kind, "silu", (1.0, 1.0), routed) == used
+    assert torch.equal(y, kernel.bf16_linear(kernel.rms_norm(routed, norm_w, 1e-5), w_up))
+    ids[0, 0] = E - 1
+    assert kernel.latent_moe_resident(xd, w_down, norm_w, 1e-5, w_up, table, ids, w, F_, kind, "silu", (1.0, 1.0)) is None
+    with pytest.raises(ValueError, match=r"latent_moe_resident: .*up \(48, 63\)"):
+        kernel.latent_moe_resident(xd, w_down, None, 1e-5, w_up[:, :63].contiguous(), table, ids, w, F_, kind, "silu",
+                                   (1.0, 1.0))
 
 
 @needs_kernel

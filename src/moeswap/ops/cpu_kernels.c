@@ -1012,6 +1012,37 @@ int moeswap_bf16_mlp(const float *x, int64_t T, int64_t D, const uint16_t *w_gu,
     return status;
 }
 
+/* K3's latent MoE for a decode step with resident experts (models/layers/moe.py MoE.forward, routed part):
+ * h = x @ w_down^T (w_down [I, D] bf16), r = the experts of moeswap_moe_resident on h, r = rmsnorm(r; norm_w,
+ * eps) when norm_w is given, y = r @ w_up^T (w_up [D, I] bf16), written to y [T, D]. The same functions as
+ * the calls it replaces, so the same bits. Returns their status; 4 (y untouched) when a chosen expert has no
+ * pointers in the table. */
+int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *y, int nthreads);
+
+int moeswap_latent_moe_resident(int format, const float *x, int64_t T, int64_t D, const uint16_t *w_down,
+                                int64_t I, const float *norm_w, float eps, const uint16_t *w_up, int64_t F,
+                                int64_t E_total, const int64_t *table, const int64_t *ids, const float *weight,
+                                int64_t K, int act, float b1, float b2, float *y, int nthreads, int64_t *used) {
+    if (T < 1 || D < 1 || I < 1 || K < 1 || E_total < 1) return 1;
+    for (int64_t k = 0; k < T * K; k++) /* before any work: a step the table cannot serve costs nothing */
+        if (ids[k] >= 0 && ids[k] < E_total && !table[ids[k] * 6]) return 4;
+    float *h = (float *)malloc((size_t)(T * I) * sizeof(float) + 64);
+    float *r = (float *)calloc((size_t)(2 * T * I), sizeof(float)); /* the experts' sum, then its norm */
+    if (!h || !r) { free(h); free(r); return 2; }
+    int status = moeswap_bf16_linear(x, T, D, w_down, I, h, nthreads);
+    if (!status)
+        status = moeswap_moe_resident(format, h, T, I, F, E_total, table, ids, weight, K, act, b1, b2, r, nthreads,
+                                      used);
+    float *routed = r;
+    if (!status && norm_w) {
+        routed = r + T * I;
+        status = moeswap_rms_norm(r, T, I, norm_w, eps, routed, nthreads);
+    }
+    if (!status) status = moeswap_bf16_linear(routed, T, I, w_up, D, y, nthreads);
+    free(h); free(r);
+    return status;
+}
+
 /* Sum of a[i] * b[i] over n fp32 values, in 16 (AVX-512) or 8 (AVX2) lanes, then the tail. */
 static float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from moeswap.config import ModelConfig
-from moeswap.models.layers.basic import GatedMLP, RMSNorm
+from moeswap.models.layers.basic import GatedMLP, RMSNorm, derived
 from moeswap.ops import cpu_kernels, expert_mxfp4
 from moeswap.ops.cpu_kernels import is_bf16_expert
 from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.ops.linear import StoredWeightLinear, gemm_in_bf16
 
 
 class ExpertProvider(Protocol):
@@ -88,11 +89,13 @@ class MoE(nn.Module):
         shape = x_BTD.shape
         x_TD = x_BTD.reshape(-1, shape[-1])
         ids_TK, w_TK = self.gate(x_TD)
-        h_TI = self.routed_expert_down_proj(x_TD) if hasattr(self, "routed_expert_down_proj") else x_TD
-        routed_TI = self.run_experts(h_TI, ids_TK, w_TK)
-        if hasattr(self, "routed_expert_norm"):
-            routed_TI = self.routed_expert_norm(routed_TI)
-        y_TD = self.routed_expert_up_proj(routed_TI) if hasattr(self, "routed_expert_up_proj") else routed_TI
+        y_TD = self._latent_resident(x_TD, ids_TK, w_TK)
+        if y_TD is None:
+            h_TI = self.routed_expert_down_proj(x_TD) if hasattr(self, "routed_expert_down_proj") else x_TD
+            routed_TI = self.run_experts(h_TI, ids_TK, w_TK)
+            if hasattr(self, "routed_expert_norm"):
+                routed_TI = self.routed_expert_norm(routed_TI)
+            y_TD = self.routed_expert_up_proj(routed_TI) if hasattr(self, "routed_expert_up_proj") else routed_TI
         if hasattr(self, "shared_experts"):
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.reshape(shape)
@@ -123,6 +126,30 @@ class MoE(nn.Module):
             start += n
         group.flush()
         return out_TI.to(h_TI.dtype)
+
+    def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
+        """K3's latent routed part of a decode step in one C call (cpu_kernels.latent_moe_resident: the down
+        projection, the experts through the resident table, the norm, the up projection; the same bits as
+        the calls below), where the table applies and the projections are bf16 stored-weight Linears. None:
+        take the calls below."""
+        down, up = getattr(self, "routed_expert_down_proj", None), getattr(self, "routed_expert_up_proj", None)
+        if (type(down) is not StoredWeightLinear or type(up) is not StoredWeightLinear or gemm_in_bf16()
+                or down.weight.dtype != torch.bfloat16 or up.weight.dtype != torch.bfloat16
+                or x_TD.dtype != torch.float32):
+            return None
+        table = self._resident_table(x_TD, ids_TK)
+        if table is None or table.kind is None:
+            return None
+        norm = getattr(self, "routed_expert_norm", None)
+        norm_w = None if norm is None else derived(norm, "weight_fp32", norm.weight.float, norm.weight)
+        got = cpu_kernels.kernel().latent_moe_resident(
+            x_TD.contiguous(), down.weight, norm_w, 0.0 if norm is None else norm.eps, up.weight, table.rows,
+            ids_TK.contiguous(), w_TK.float().contiguous(), table.F, table.kind, self.act, self.situ_betas,
+            self.int8_activations and table.kind == "mxfp4")
+        if got is None:
+            return None
+        self.store.count_resident_hits(got[1])
+        return got[0]
 
     def _resident_table(self, h_TI: torch.Tensor, ids_TK: torch.Tensor) -> _ResidentTable | None:
         """The layer's table of resident experts where a decode step may use it: a store that never evicts
