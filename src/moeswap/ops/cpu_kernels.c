@@ -809,15 +809,22 @@ int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, con
  * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format:
  * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations. *used: the distinct experts. Returns moe()'s status,
  * 1 for an id out of range, 4 when a chosen expert has no pointers (the caller takes the store's path). */
+/* 0 when every one of the P chosen ids has a row in the table, 1 for an id out of range, 4 for one without. */
+static int resident_ids(const int64_t *table, int64_t E_total, const int64_t *ids, int64_t P) {
+    for (int64_t k = 0; k < P; k++) {
+        if (ids[k] < 0 || ids[k] >= E_total) return 1;
+        if (!table[ids[k] * 6]) return 4;
+    }
+    return 0;
+}
+
 int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64_t F, int64_t E_total,
                          const int64_t *table, const int64_t *ids, const float *weight, int64_t K, int act,
                          float b1, float b2, float *y, int nthreads, int64_t *used) {
     const int64_t P = T * K;
     if (T < 1 || K < 1 || E_total < 1 || format < MXFP4 || format > MXFP4_Q8) return 1;
-    for (int64_t k = 0; k < P; k++) {
-        if (ids[k] < 0 || ids[k] >= E_total) return 1;
-        if (!table[ids[k] * 6]) return 4;
-    }
+    const int checked = resident_ids(table, E_total, ids, P);
+    if (checked) return checked;
     int64_t *at = (int64_t *)calloc((size_t)E_total, sizeof(int64_t)); /* pairs per expert, then next slot */
     int64_t *off = (int64_t *)malloc((size_t)(P + 1) * sizeof(int64_t));
     int64_t *tokens = (int64_t *)malloc((size_t)P * sizeof(int64_t));
@@ -1012,20 +1019,20 @@ int moeswap_bf16_mlp(const float *x, int64_t T, int64_t D, const uint16_t *w_gu,
     return status;
 }
 
+int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *y, int nthreads);
+
 /* K3's latent MoE for a decode step with resident experts (models/layers/moe.py MoE.forward, routed part):
  * h = x @ w_down^T (w_down [I, D] bf16), r = the experts of moeswap_moe_resident on h, r = rmsnorm(r; norm_w,
  * eps) when norm_w is given, y = r @ w_up^T (w_up [D, I] bf16), written to y [T, D]. The same functions as
  * the calls it replaces, so the same bits. Returns their status; 4 (y untouched) when a chosen expert has no
  * pointers in the table. */
-int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *y, int nthreads);
-
 int moeswap_latent_moe_resident(int format, const float *x, int64_t T, int64_t D, const uint16_t *w_down,
                                 int64_t I, const float *norm_w, float eps, const uint16_t *w_up, int64_t F,
                                 int64_t E_total, const int64_t *table, const int64_t *ids, const float *weight,
                                 int64_t K, int act, float b1, float b2, float *y, int nthreads, int64_t *used) {
     if (T < 1 || D < 1 || I < 1 || K < 1 || E_total < 1) return 1;
-    for (int64_t k = 0; k < T * K; k++) /* before any work: a step the table cannot serve costs nothing */
-        if (ids[k] >= 0 && ids[k] < E_total && !table[ids[k] * 6]) return 4;
+    const int checked = resident_ids(table, E_total, ids, T * K); /* before any work */
+    if (checked) return checked;
     float *h = (float *)malloc((size_t)(T * I) * sizeof(float) + 64);
     float *r = (float *)calloc((size_t)(2 * T * I), sizeof(float)); /* the experts' sum, then its norm */
     if (!h || !r) { free(h); free(r); return 2; }

@@ -151,12 +151,11 @@ class CpuKernels:
         the kernel groups the pairs as `moe`'s caller would, so y gets the same sums. kind "mxfp4" or "bf16".
         Returns the number of distinct experts, or None when a chosen expert has no row (nothing computed)."""
         T, I = x_TI.shape
-        _check_routing("moe_resident", table_E6, ids_TK, w_TK, T, kind)
+        fmt = _resident_format("moe_resident", table_E6, ids_TK, w_TK, T, kind, int8_activations)
         if (x_TI.dtype != torch.float32 or y_TI.shape != x_TI.shape or y_TI.dtype != torch.float32
                 or not all(t.is_contiguous() and t.is_cpu for t in (x_TI, y_TI))):
             raise ValueError(f"moe_resident: x {tuple(x_TI.shape)} {x_TI.dtype}, y {tuple(y_TI.shape)} {y_TI.dtype} "
                              f"(expected contiguous fp32 CPU tensors of one shape [T, I])")
-        fmt = 1 if kind == "bf16" else 2 if int8_activations else 0
         used = ctypes.c_int64()
         status = self.lib.moeswap_moe_resident(
             fmt, x_TI.data_ptr(), T, I, F, table_E6.shape[0], table_E6.data_ptr(), ids_TK.data_ptr(),
@@ -180,16 +179,16 @@ class CpuKernels:
         if (x_TD.dtype != torch.float32 or w_down.dtype != torch.bfloat16 or w_up.dtype != torch.bfloat16
                 or tuple(w_down.shape) != (I, D) or tuple(w_up.shape) != (D, I) or I < 1
                 or (norm_w is not None and (norm_w.dtype != torch.float32 or tuple(norm_w.shape) != (I,)))
-                or not all(t.is_cpu and t.is_contiguous() for t in (x_TD, w_down, w_up) + ((norm_w,) if norm_w is not None else ()))):
+                or not all(t.is_cpu and t.is_contiguous() for t in (x_TD, w_down, w_up, norm_w) if t is not None)):
             raise ValueError(f"latent_moe_resident: x {tuple(x_TD.shape)} {x_TD.dtype}, down {tuple(w_down.shape)} "
                              f"{w_down.dtype}, up {tuple(w_up.shape)} {w_up.dtype}, norm "
                              f"{None if norm_w is None else (tuple(norm_w.shape), norm_w.dtype)} (expected contiguous "
                              f"CPU tensors: fp32 x [T, D], bf16 [I, D] and [D, I], fp32 norm [I])")
-        _check_routing("latent_moe_resident", table_E6, ids_TK, w_TK, T, kind)
+        fmt = _resident_format("latent_moe_resident", table_E6, ids_TK, w_TK, T, kind, int8_activations)
         y = torch.empty(T, D, dtype=torch.float32)
         used = ctypes.c_int64()
         status = self.lib.moeswap_latent_moe_resident(
-            1 if kind == "bf16" else 2 if int8_activations else 0, x_TD.data_ptr(), T, D, w_down.data_ptr(), I,
+            fmt, x_TD.data_ptr(), T, D, w_down.data_ptr(), I,
             None if norm_w is None else norm_w.data_ptr(), float(eps), w_up.data_ptr(), F, table_E6.shape[0],
             table_E6.data_ptr(), ids_TK.data_ptr(), w_TK.data_ptr(), ids_TK.shape[1], _act(act),
             float(situ_betas[0]), float(situ_betas[1]), y.data_ptr(), self._threads(), ctypes.byref(used))
@@ -481,9 +480,10 @@ def _kernel_pointers(w, I: int, bf16: bool, held: list) -> tuple[int, tuple[int,
     return F, ptrs
 
 
-def _check_routing(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, T: int,
-                   kind: str) -> None:
-    """The router's output and a resident table as the *_resident kernels read them, or a ValueError."""
+def _resident_format(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, T: int,
+                     kind: str, int8_activations: bool) -> int:
+    """The *_resident kernels' format code (0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations), once the router's
+    output and the resident table are as they read them; else a ValueError."""
     if (kind not in ("mxfp4", "bf16") or ids_TK.dtype != torch.int64 or ids_TK.ndim != 2 or ids_TK.shape[0] != T
             or w_TK.shape != ids_TK.shape or w_TK.dtype != torch.float32 or table_E6.dtype != torch.int64
             or table_E6.ndim != 2 or table_E6.shape[1] != 6
@@ -491,6 +491,7 @@ def _check_routing(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_TK
         raise ValueError(f"{what}: table {tuple(table_E6.shape)} {table_E6.dtype}, ids {tuple(ids_TK.shape)} "
                          f"{ids_TK.dtype}, weights {tuple(w_TK.shape)} {w_TK.dtype}, kind {kind!r} (expected "
                          f"contiguous CPU tensors: int64 ids and fp32 weights [{T}, K], int64 table [E, 6])")
+    return 1 if kind == "bf16" else 2 if int8_activations else 0
 
 
 def resident_row(w, I: int, bf16: bool) -> tuple[int, tuple[int, ...]] | None:

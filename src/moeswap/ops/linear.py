@@ -55,8 +55,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu
-            and 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)):
+    if not (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu):
+        return F.linear(x, weight.to(x.dtype))
+    if 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
             run = torch.ops.moeswap.bf16_linear  # fp32 (see gemm_precision above)
         else:
@@ -70,11 +71,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if run is not None:
             y = run(x.reshape(rows, x.shape[-1]), weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
-    if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and gemm_in_bf16()):
+    if gemm_in_bf16():
         return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
-    if (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.numel() <= WIDEN_SCRATCH_MAX and not torch.compiler.is_compiling()
+    if (weight.numel() <= WIDEN_SCRATCH_MAX and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, _widened(weight))
     return F.linear(x, weight.to(x.dtype))
