@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.sampling import SamplingParams, sample
 from moeswap.engine.state import SlotStates
 
@@ -27,6 +28,7 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens per forward while prefilling (bounds activation memory)
     compile: bool = False  # torch.compile the decode step's attention (eager stays the reference)
     fuse: bool = True  # one matmul for all projections of an attention layer's input (same values)
+    native: bool = True  # decode steps' layers in one C call where it applies (engine/native_step.py)
 
 
 @dataclass
@@ -122,6 +124,8 @@ class Scheduler:
             from moeswap.engine.compile import compile_decode
 
             self._decode = compile_decode(model)
+        elif config.native:
+            self._decode = NativeDecode(model)
 
     # -- public API -------------------------------------------------------------------------------
     def submit(self, req: Request) -> int | str:

@@ -57,6 +57,9 @@ _SIGNATURES = {
                            ctypes.c_int],
     "moeswap_rms_norm": [_p, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
     "moeswap_res_mix": [_p, ctypes.c_int, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
+    "moeswap_sigmoid_gate": [_p, _p, _i64, _i64, _i64],
+    "moeswap_decode_layers": [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _i64, ctypes.c_float,
+                              ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p, _p, ctypes.c_int],
 }
 
 
@@ -68,7 +71,7 @@ class CpuKernels:
             fn = getattr(self.lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
         self.lib.moeswap_mxfp4_isa.restype = self.lib.moeswap_mxfp4_q8.restype = ctypes.c_int
-        self.lib.moeswap_has_bf16_dot.restype = ctypes.c_int
+        self.lib.moeswap_has_bf16_dot.restype = self.lib.moeswap_decode_layer_size.restype = ctypes.c_int
         self.has_bf16_dot = bool(self.lib.moeswap_has_bf16_dot())  # AVX-512 BF16 builds: bf16x_linear
         self.isa = {512: "avx512", 256: "avx2", 0: "portable"}[self.lib.moeswap_mxfp4_isa()]
         self.has_int8_activations = bool(self.lib.moeswap_mxfp4_q8())  # AVX-512 VNNI builds
@@ -359,6 +362,21 @@ class CpuKernels:
             self._fail(status, f"mla_decode ({B} x {H} heads, {cap} cache rows)")
         return out
 
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x * sigmoid(gate) for fp32 CPU tensors of one shape [..., W], x contiguous, gate's rows of W
+        contiguous (a column slice will do); in place on x, which is returned."""
+        W = x.shape[-1] if x.ndim else 0
+        rows = x.numel() // W if W else 0
+        g = gate.reshape(rows, W) if gate.shape == x.shape else None
+        if (g is None or x.dtype != torch.float32 or g.dtype != torch.float32 or not x.is_contiguous()
+                or not (x.is_cpu and g.is_cpu) or (rows > 1 and g.stride(0) < W) or (W > 1 and g.stride(1) != 1)):
+            raise ValueError(f"sigmoid_gate: x {tuple(x.shape)} {x.dtype}, gate {tuple(gate.shape)} {gate.dtype} "
+                             f"(expected fp32 CPU tensors of one shape, x contiguous, gate rows contiguous)")
+        status = self.lib.moeswap_sigmoid_gate(x.data_ptr(), g.data_ptr(), rows, W, g.stride(0) if rows > 1 else W)
+        if status:
+            self._fail(status, f"sigmoid_gate ({tuple(x.shape)})")
+        return x
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU tensor (weight fp32 [D] or None); a new tensor."""
         D = x.shape[-1] if x.ndim else 0
@@ -491,6 +509,11 @@ def _resident_format(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_
         raise ValueError(f"{what}: table {tuple(table_E6.shape)} {table_E6.dtype}, ids {tuple(ids_TK.shape)} "
                          f"{ids_TK.dtype}, weights {tuple(w_TK.shape)} {w_TK.dtype}, kind {kind!r} (expected "
                          f"contiguous CPU tensors: int64 ids and fp32 weights [{T}, K], int64 table [E, 6])")
+    return resident_format_code(kind, int8_activations)
+
+
+def resident_format_code(kind: str | None, int8_activations: bool) -> int:
+    """0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations (the *_resident kernels' `format`)."""
     return 1 if kind == "bf16" else 2 if int8_activations else 0
 
 

@@ -317,7 +317,8 @@ class TinyRun:
 def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
     """Runs moeswap's engine on a generated tiny K3 (`moeswap init-tiny --size tiny`: its own weights
     stream in under 1 % of a decode step, so the step is ops and per-expert work) with _Streamer on."""
-    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.engine.generate import GenerationConfig, generate_batch
+    from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
     from moeswap.ops import cpu_kernels
     from moeswap.tiny import write_tiny_model
@@ -326,8 +327,9 @@ def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
     with tempfile.TemporaryDirectory(prefix="moeswap-local-") as d:  # the expert store reads from it
         model, _ = load_model(write_tiny_model(Path(d) / "tiny", "kimi_k3", "tiny"))
 
-        def run(tokens: int):
-            return generate(model, prompt, GenerationConfig(max_tokens=tokens, stop_ids=()))
+        def run(tokens: int):  # the eager step, whose ops and hooks this counts (not engine/native_step.py)
+            engine = EngineConfig(max_batch=1, max_len=len(prompt) + tokens, native=False)
+            return generate_batch(model, [prompt], GenerationConfig(max_tokens=tokens, stop_ids=()), engine=engine)[0]
 
         per_step = count_ops(model, run)
         per_expert = expert_step_s(model)

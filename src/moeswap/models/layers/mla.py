@@ -36,16 +36,21 @@ class MLACache:
     def longest(self) -> int:
         return self.max_length if self.max_length is not None else int(self.lengths_B.max())
 
+    def reserve(self, T: int) -> int:
+        """Grows the capacity (doubling) so that T more tokens fit; returns the longest length after them."""
+        need = self.longest() + T
+        if need > self.latent_BSX.shape[1]:
+            B, cap, X = self.latent_BSX.shape
+            grown = torch.zeros(B, max(need, 2 * cap), X, dtype=self.latent_BSX.dtype, device=self.latent_BSX.device)
+            grown[:, :cap] = self.latent_BSX
+            self.latent_BSX = grown
+        return need
+
     def append(self, new_BTX: torch.Tensor) -> None:
         """Writes in place (latent rows and lengths) unless capacity must grow: the cache may be a
         view into an engine's preallocated buffers, which are sized so that it never grows."""
         B, T, _ = new_BTX.shape
-        need = self.longest() + T
-        if need > self.latent_BSX.shape[1]:
-            grown = torch.zeros(B, max(need, 2 * self.latent_BSX.shape[1]), new_BTX.shape[-1],
-                                dtype=self.latent_BSX.dtype, device=self.latent_BSX.device)
-            grown[:, : self.latent_BSX.shape[1]] = self.latent_BSX
-            self.latent_BSX = grown
+        need = self.reserve(T)
         if B == 1 and self.max_length is not None:  # one sequence whose length the host knows: a slice
             self.latent_BSX[0, need - T:need] = new_BTX[0]
         else:
@@ -145,5 +150,10 @@ class MLA(nn.Module):
 
     def _output(self, out_BTHV: torch.Tensor, gate_in: list[torch.Tensor]) -> torch.Tensor:
         if gate_in:
-            out_BTHV = out_BTHV * torch.sigmoid(gate_in[0])
+            g = gate_in[0]
+            kernel = cpu_kernels.for_inference(out_BTHV, g) if out_BTHV.shape[0] * out_BTHV.shape[1] <= 32 else None
+            if kernel is not None and out_BTHV.dtype == g.dtype == torch.float32 and out_BTHV.is_contiguous():
+                # decode: the C sigmoid, which the native decode step (engine/native_step.py) uses too
+                return self.o_proj(kernel.sigmoid_gate(out_BTHV, g))
+            out_BTHV = out_BTHV * torch.sigmoid(g)
         return self.o_proj(out_BTHV)

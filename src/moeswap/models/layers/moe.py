@@ -152,14 +152,20 @@ class MoE(nn.Module):
         return got[0]
 
     def _resident_table(self, h_TI: torch.Tensor, ids_TK: torch.Tensor) -> _ResidentTable | None:
-        """The layer's table of resident experts where a decode step may use it: a store that never evicts
-        (ExpertStore.can_evict), records no trace and prefetches nothing; eager CPU inference on the
-        grouped kernel; too few tokens for any expert to take the GEMM path. (Anything that would change
-        what an expert computes, such as per-request adapters, must take the fetch path instead.)"""
+        """`resident_table` for this step: eager CPU inference with too few tokens for any expert to take
+        the GEMM path."""
+        if ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None:
+            return None
+        return self.resident_table()
+
+    def resident_table(self) -> _ResidentTable | None:
+        """The layer's table of resident experts where decode steps may use it: a store that never evicts
+        (ExpertStore.can_evict), records no trace and prefetches nothing, experts on the grouped CPU kernel.
+        (Anything that would change what an expert computes, such as per-request adapters, must take the
+        fetch path instead.)"""
         s = self.store
         if (getattr(s, "can_evict", True) or getattr(s, "trace", None) is not None
-                or getattr(s, "prefetcher", None) is not None or ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS
-                or cpu_kernels.for_inference(h_TI) is None or expert_mxfp4.grouped() is None):
+                or getattr(s, "prefetcher", None) is not None or expert_mxfp4.grouped() is None):
             return None
         table = self.__dict__.get("_resident")
         if table is None or table.store is not s:

@@ -1,0 +1,307 @@
+"""A decode step's decoder layers in one C call (cpu_kernels.c moeswap_decode_layers).
+
+Between the kernels of an eager decode step, Python spends ~0.4 ms a layer (module calls, views, checks,
+tensor allocations, cold caches after each kernel): a third of a batch-1 step on the bench model. Here
+the layers' weights are described once, as a table of pointers, and a step is one C call that runs the
+same kernels in the same order on the same values; the model's forward stays the reference and runs
+whenever this does not apply:
+
+- eager CPU inference without gradients, fp32 activations, the fp32 GEMM precision, no expert lookahead;
+- dense weights kept bf16 (the loader's default on the CPU) with each attention's input projections and
+  each gated MLP's gate/up fused (EngineConfig.fuse);
+- routed experts in a store that never evicts (the layers' resident tables, models/layers/moe.py).
+  A layer whose chosen experts are not in its table yet stops the call after its attention; that FFN runs
+  through the store (which fills the table) and the call resumes at the next layer.
+
+The table is rebuilt when any parameter changes (pointer or version). Results: the tokens of the model's
+forward; logits equal to fp32 rounding (the MLA output gate's sigmoid is the C one, not torch's).
+Entry point: `NativeDecode(model)`, called as `model(tokens_B1, state)` is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+
+import torch
+
+from moeswap.models.kimi_k3 import KimiModel, ModelState
+from moeswap.models.layers.attn_res import score_vector
+from moeswap.models.layers.basic import fused_weight
+from moeswap.models.layers.kda import KDAState
+from moeswap.models.layers.mla import MLA, MLACache
+from moeswap.ops import cpu_kernels
+from moeswap.ops.kda import L2_EPS
+from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, linear
+
+_p, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+class _Layer(ctypes.Structure):
+    """cpu_kernels.c `decode_layer`, field for field (its comments say what each one is)."""
+
+    _fields_ = [
+        ("mla", _i64), ("moe", _i64), ("bank_before", _i64), ("score_attn", _p), ("score_ffn", _p),
+        ("ln_in", _p), ("ln_post", _p), ("w_in", _p), ("in_rows", _i64), ("off", _i64 * 6), ("w_o", _p),
+        ("w_fb", _p), ("w_gb", _p), ("taps", _p), ("dt_bias", _p), ("rate", _p), ("o_norm", _p),
+        ("lower", _f64), ("kda_scale", _f64), ("bounded", _i64), ("H", _i64), ("K", _i64), ("W", _i64),
+        ("q_norm", _p), ("w_qb", _p), ("q_rank", _i64), ("kv_norm", _p), ("wk", _p), ("wv", _p),
+        ("N", _i64), ("R", _i64), ("L", _i64), ("V", _i64), ("gated", _i64), ("mla_scale", _f64),
+        ("w_gu", _p), ("w_down", _p), ("hidden", _i64),
+        ("router", _p), ("router_bias", _p), ("E", _i64), ("topk", _i64), ("softmax", _i64), ("renorm", _i64),
+        ("route_scale", _f64), ("table", _p), ("F", _i64), ("format", _i64),
+        ("lat_down", _p), ("lat_up", _p), ("lat_norm", _p), ("lat_dim", _i64),
+    ]
+
+
+class Unsupported(Exception):
+    """Why a model cannot take the native step (the message names it)."""
+
+
+class _Plan:
+    """The layer table of one model as its parameters are now, and the tensors it points into."""
+
+    def __init__(self, model: KimiModel):
+        self.kernel = cpu_kernels.kernel()
+        if self.kernel is None:
+            raise Unsupported(f"no CPU kernel ({cpu_kernels.build_error()})")
+        if self.kernel.lib.moeswap_decode_layer_size() != ctypes.sizeof(_Layer):
+            raise Unsupported("the C decode_layer and its ctypes mirror differ")
+        c = model.config
+        self.eps, self.D = c.rms_norm_eps, c.hidden_size
+        self.act = cpu_kernels.ACTS.get(c.hidden_act)
+        if self.act is None:
+            raise Unsupported(f"activation {c.hidden_act!r}")
+        self.betas = (c.situ_beta, c.situ_linear_beta)
+        self._kept: list[torch.Tensor] = []
+        layers = model.model.layers
+        self.table = (_Layer * len(layers))()
+        self.moe: list[tuple[int, object, object]] = []  # (layer, MoE block, its resident table)
+        block = c.attn_res_block_size
+        self.max_bank = -(-len(layers) // block) if block else 0
+        for i, layer in enumerate(layers):
+            t = self.table[i]
+            t.ln_in, t.ln_post = self._f32(layer.input_layernorm.weight), self._f32(layer.post_attention_layernorm.weight)
+            self._norm_eps(layer.input_layernorm, layer.post_attention_layernorm)
+            if block:
+                t.bank_before = int(i % block == 0)
+                t.score_attn = self._f32(score_vector(layer.self_attention_res_norm, layer.self_attention_res_proj))
+                t.score_ffn = self._f32(score_vector(layer.mlp_res_norm, layer.mlp_res_proj))
+            (self._mla if isinstance(layer.self_attn, MLA) else self._kda)(t, layer.self_attn)
+            if hasattr(layer, "mlp"):
+                self._gated_mlp(t, layer.mlp)
+            else:
+                self._moe(t, i, layer.block_sparse_moe)
+        self.score_out = (self._f32(score_vector(model.model.output_attn_res_norm, model.model.output_attn_res_proj))
+                          if block else None)
+        self.stores = list({id(m.store): m.store for _, m, _ in self.moe}.values())
+
+    # -- pointers, checked --------------------------------------------------------------------------
+    def _ptr(self, t: torch.Tensor) -> int:
+        self._kept.append(t)
+        return t.data_ptr()
+
+    def _f32(self, t: torch.Tensor) -> int:
+        return self._ptr(t.detach().float().contiguous())
+
+    def _bf16(self, linear_module) -> int:
+        w = linear_module.weight
+        if type(linear_module) is not StoredWeightLinear or w.dtype != torch.bfloat16 or not w.is_contiguous():
+            raise Unsupported(f"{type(linear_module).__name__} with {w.dtype} weights (expected bf16 kept as stored)")
+        return self._ptr(w)
+
+    def _fused(self, module, names: tuple[str, ...]) -> tuple[int, list[int]]:
+        w = fused_weight(module, names)
+        if w is None or w.dtype != torch.bfloat16:
+            raise Unsupported(f"{type(module).__name__}'s {', '.join(names)} are not fused bf16 weights")
+        for n in names:
+            self._bf16(getattr(module, n))
+        starts, at = [], 0
+        for rows in module.__dict__["_fused_input"][3]:
+            starts.append(at)
+            at += rows
+        return self._ptr(w), starts
+
+    def _norm_eps(self, *norms) -> None:
+        if any(n.eps != self.eps for n in norms):
+            raise Unsupported("norms with different eps")
+
+    # -- layers -------------------------------------------------------------------------------------
+    def _kda(self, t: _Layer, a) -> None:
+        t.w_in, starts = self._fused(a, a.input_projections())
+        t.in_rows = sum(a.__dict__["_fused_input"][3])
+        C = a.H * a.K
+        if starts[1:3] != [starts[0] + C, starts[0] + 2 * C] or a.f_a_proj.weight.shape[0] != a.K:
+            raise Unsupported("KDA's q, k, v projections are not adjacent")
+        t.off[:] = starts + [0] * (6 - len(starts))
+        t.w_o, t.w_fb = self._bf16(a.o_proj), self._bf16(a.f_b_proj)
+        if hasattr(a, "g_b_proj"):
+            t.w_gb = self._bf16(a.g_b_proj)
+        t.taps, t.dt_bias, t.rate = self._f32(a.conv_taps()), self._f32(a.dt_bias), self._f32(a.decay_rate())
+        t.o_norm = self._f32(a.o_norm.weight)
+        t.bounded, t.lower = int(a.lower_bound is not None), float(a.lower_bound or 0.0)
+        t.kda_scale, t.H, t.K, t.W = a.K**-0.5, a.H, a.K, a.W
+        if a.eps != self.eps:
+            raise Unsupported("KDA's o_norm eps differs from the model's")
+
+    def _mla(self, t: _Layer, a) -> None:
+        t.mla = 1
+        t.w_in, starts = self._fused(a, a.input_projections())
+        t.in_rows = sum(a.__dict__["_fused_input"][3])
+        t.off[:] = starts + [0] * (6 - len(starts))
+        if hasattr(a, "q_a_proj"):
+            self._norm_eps(a.q_a_layernorm)
+            t.q_norm, t.w_qb, t.q_rank = self._f32(a.q_a_layernorm.weight), self._bf16(a.q_b_proj), a.q_a_proj.weight.shape[0]
+        self._norm_eps(a.kv_a_layernorm)
+        t.kv_norm = self._f32(a.kv_a_layernorm.weight)
+        w_k, w_v = a.absorbed_weights(torch.float32)
+        t.wk, t.wv = self._ptr(w_k), self._ptr(w_v)
+        t.H, t.N, t.R, t.L, t.V, t.mla_scale = a.H, a.N, a.R, a.L, a.V, a.scale
+        t.gated, t.w_o = int(hasattr(a, "g_proj")), self._bf16(a.o_proj)
+
+    def _gated_mlp(self, t: _Layer, mlp) -> None:
+        if (mlp.act, tuple(mlp.situ_betas)) != (self._act_name(), self.betas):
+            raise Unsupported("an MLP with its own activation")
+        t.w_gu, _ = self._fused(mlp, ("gate_proj", "up_proj"))
+        t.w_down, t.hidden = self._bf16(mlp.down_proj), mlp.down_proj.weight.shape[1]
+
+    def _moe(self, t: _Layer, i: int, moe) -> None:
+        t.moe = 1
+        r = moe.gate
+        if r.groups > 1 or r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
+            raise Unsupported("a router with expert groups or without fp32 weights")
+        if (moe.act, tuple(moe.situ_betas)) != (self._act_name(), self.betas):
+            raise Unsupported("experts with their own activation")
+        t.router, t.router_bias = self._ptr(r.weight.detach().contiguous()), self._ptr(r.e_score_correction_bias.detach())
+        t.E, t.topk, t.softmax, t.renorm, t.route_scale = moe.num_experts, r.top_k, int(r.scoring != "sigmoid"), int(r.renormalize), r.scaling
+        table = moe.resident_table()
+        if table is None:
+            raise Unsupported(f"layer {i}: routed experts are not all resident (a store that can evict, a trace or a prefetcher)")
+        t.table = self._ptr(table.rows)
+        if hasattr(moe, "routed_expert_down_proj"):
+            t.lat_down, t.lat_up = self._bf16(moe.routed_expert_down_proj), self._bf16(moe.routed_expert_up_proj)
+            t.lat_dim = moe.routed_expert_down_proj.weight.shape[0]
+            if hasattr(moe, "routed_expert_norm"):
+                self._norm_eps(moe.routed_expert_norm)
+                t.lat_norm = self._f32(moe.routed_expert_norm.weight)
+        if hasattr(moe, "shared_experts"):
+            self._gated_mlp(t, moe.shared_experts)
+        self.moe.append((i, moe, table))
+
+    def _act_name(self) -> str:
+        return next(name for name, code in cpu_kernels.ACTS.items() if code == self.act)
+
+    def refresh_tables(self) -> None:
+        """The experts' width and format, which a table learns from the first experts it is given."""
+        for i, moe, table in self.moe:
+            self.table[i].F = table.F
+            self.table[i].format = cpu_kernels.resident_format_code(table.kind, moe.int8_activations and table.kind == "mxfp4")
+
+    def usable(self) -> bool:
+        """The stores still never evict, record nothing and prefetch nothing (they may change between steps)."""
+        return all(not getattr(s, "can_evict", True) and getattr(s, "trace", None) is None
+                   and getattr(s, "prefetcher", None) is None for s in self.stores)
+
+
+def _weights_key(params: Iterable[torch.Tensor]) -> tuple:
+    try:
+        return tuple((p.data_ptr(), p._version) for p in params)
+    except RuntimeError:  # inference tensors keep no version
+        return tuple(p.data_ptr() for p in params)
+
+
+class NativeDecode:
+    """model(tokens_B1, state) for decode steps, through moeswap_decode_layers where it applies."""
+
+    def __init__(self, model: KimiModel):
+        self.model = model
+        self._plan: _Plan | None = None
+        self._key: tuple | None = None
+        self.reason: str | None = None  # why the last step took the model's forward, or None
+
+    def __call__(self, tokens_BT: torch.Tensor, state: ModelState | None, last_only: bool = False) -> torch.Tensor:
+        plan = self._applicable(tokens_BT, state)
+        if plan is None:
+            return self.model(tokens_BT, state, last_only)
+        return self._step(plan, tokens_BT, state)
+
+    def _applicable(self, tokens_BT: torch.Tensor, state: ModelState | None) -> _Plan | None:
+        m = self.model
+        if (state is None or tokens_BT.ndim != 2 or tokens_BT.shape[1] != 1 or not tokens_BT.is_cpu
+                or not 0 < tokens_BT.shape[0] <= KERNEL_MAX_ROWS or m.expert_lookahead is not None
+                or m.gemm_precision != "fp32" or torch.compiler.is_compiling()
+                or m.model.embed_tokens.weight.dtype != torch.float32):
+            self.reason = "not an eager fp32 CPU decode step of at most 32 sequences"
+            return None
+        params = list(m.parameters())
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            self.reason = "gradients are enabled"
+            return None
+        key = _weights_key(params)
+        if key != self._key:
+            self._key = key
+            try:
+                self._plan = _Plan(m)
+            except Unsupported as err:
+                self._plan, self.reason = None, str(err)
+        plan = self._plan
+        if plan is None or not plan.usable():
+            self.reason = self.reason if plan is None else "an expert store can now evict, trace or prefetch"
+            return None
+        self.reason = None
+        return plan
+
+    def _state_table(self, state: ModelState, B: int) -> ctypes.Array:
+        """Per layer (conv, S, 0) or (latent, lengths, capacity) of the batch's rows; MLA caches grown to fit."""
+        values: list[int] = []
+        for st in state.layers:
+            if isinstance(st, KDAState):
+                S, conv = st.recurrent_BHKK, st.conv_BWC
+                ok = (S.dtype == conv.dtype == torch.float32 and S.shape[0] == conv.shape[0] == B
+                      and S.is_contiguous() and conv.is_contiguous())
+                values += [conv.data_ptr(), S.data_ptr(), 0]
+            else:
+                st.reserve(1)
+                lat, lengths = st.latent_BSX, st.lengths_B
+                ok = (lat.dtype == torch.float32 and lengths.dtype == torch.int64 and lat.shape[0] == lengths.shape[0] == B
+                      and lat.is_contiguous() and lengths.is_contiguous())
+                values += [lat.data_ptr(), lengths.data_ptr(), lat.shape[1]]
+            if not ok:
+                raise ValueError(f"native decode step: a layer state does not fit {B} sequences of fp32 contiguous rows")
+        return (_i64 * len(values))(*values)
+
+    def _step(self, plan: _Plan, tokens_B1: torch.Tensor, state: ModelState) -> torch.Tensor:
+        m, B, D = self.model, tokens_B1.shape[0], plan.D
+        states = self._state_table(state, B)
+        longest = [st.longest() for st in state.layers if isinstance(st, MLACache)]
+        plan.refresh_tables()
+        partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
+        bank = torch.empty(max(plan.max_bank, 1), B, D)
+        m_out = torch.empty(B, D)
+        n_layers = len(plan.table)
+        n_bank, stopped, used = _i64(0), _i64(-1), (_i64 * n_layers)()
+        first = 0
+        while True:
+            status = plan.kernel.lib.moeswap_decode_layers(
+                plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
+                ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, B, D, plan.eps, L2_EPS, plan.act, plan.betas[0],
+                plan.betas[1], used, ctypes.byref(stopped), max(1, torch.get_num_threads()))
+            if status != 4:
+                break
+            # a layer whose experts are not all in its table: its FFN through the store, then the rest
+            layer = m.model.layers[stopped.value]
+            partial += layer.feed_forward(layer.post_attention_layernorm(m_out.view(B, 1, D))).view(B, D)
+            plan.refresh_tables()
+            first = stopped.value + 1
+        if status:
+            raise RuntimeError(f"native decode step failed ({ {1: 'bad sizes', 2: 'out of memory'}.get(status, status)}); "
+                               f"the sequences' state is no longer consistent")
+        for st, n in zip((st for st in state.layers if isinstance(st, MLACache)), longest):
+            st.max_length = n + 1
+        for store in plan.stores:
+            hits = sum(used[i] for i, moe, _ in plan.moe if moe.store is store)
+            if hits:
+                store.count_resident_hits(hits)
+        hidden = m.model.norm(partial.view(B, 1, D))
+        head = m.model.embed_tokens.weight if m.config.tie_word_embeddings else m.lm_head.weight
+        return linear(hidden, head)

@@ -1,0 +1,162 @@
+"""The native decode step (engine/native_step.py): the decoder layers of a decode step in one C call give
+the model's forward bit for bit (logits, KDA states, MLA caches, store statistics), fall back to the
+forward, per layer, for experts not yet in a resident table, and refuse, with a reason, what they do
+not cover."""
+
+import pytest
+import torch
+
+from moeswap.engine import native_step
+from moeswap.engine.native_step import NativeDecode
+from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, fuse_projections
+from moeswap.models.layers.kda import KDAState
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernel() is None, reason="no CPU kernel")
+
+
+def _load(path, **options):
+    model, store = load_model(path, LoadOptions(expert_memory=1 << 30, **options))
+    fuse_projections(model)
+    return model, store
+
+
+def _prompts(batch: int, length: int) -> torch.Tensor:
+    return torch.randint(0, 400, (batch, length), generator=torch.Generator().manual_seed(batch * 100 + length))
+
+
+def _decode(step, model, batch: int, prompt_len: int, steps: int, state=None):
+    """Prefill through the model, then `steps` greedy decode steps through `step`: logits [steps + 1, B, V]."""
+    state = state or model.make_state(batch)
+    with torch.inference_mode():
+        outs = [model(_prompts(batch, prompt_len), state)[:, -1]]
+        for _ in range(steps):
+            outs.append(step(outs[-1].argmax(-1, keepdim=True), state)[:, -1])
+    return torch.stack(outs), state
+
+
+def _state_tensors(state):
+    out = []
+    for st in state.layers:
+        if isinstance(st, KDAState):
+            out += [st.recurrent_BHKK, st.conv_BWC]
+        else:
+            n = int(st.lengths_B.max())
+            out += [st.latent_BSX[:, :n], st.lengths_B]
+    return out
+
+
+@pytest.fixture(params=["k3", "linear"])
+def model_dir(request, tiny_k3_dir, tiny_linear_dir):
+    return tiny_k3_dir if request.param == "k3" else tiny_linear_dir
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_native_steps_equal_the_forward_bit_for_bit(model_dir, batch):
+    model, store = _load(model_dir)
+    want, want_state = _decode(model, model, batch, 7, 5)
+    want_hits = store.stats.fast.hits
+    model, store = _load(model_dir)
+    native = NativeDecode(model)
+    got, got_state = _decode(native, model, batch, 7, 5)
+    assert native.reason is None, native.reason
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(_state_tensors(got_state), _state_tensors(want_state)))
+    assert store.stats.fast.hits == want_hits  # hits counted for the experts the C call ran
+
+
+def test_layers_whose_experts_are_not_in_the_table_yet_run_through_the_store(tiny_k3_dir, monkeypatch):
+    """A fresh model's tables are empty: the first native step stops at each MoE layer, runs its FFN through the
+    store and resumes; the table takes the experts the store hands over already loaded, after which the same
+    steps need no stop. Same logits as the forward at every step."""
+    from moeswap.models.kimi_k3 import DecoderLayer
+
+    def steps(step, model, n=6):
+        state, tokens, outs = model.make_state(2), _prompts(2, 1), []
+        with torch.inference_mode():
+            for _ in range(n):
+                outs.append(step(tokens, state))
+                tokens = outs[-1].argmax(-1)
+        return torch.cat(outs)
+
+    model, _ = _load(tiny_k3_dir)
+    want = steps(model, model)
+    model, _ = _load(tiny_k3_dir)
+    native = NativeDecode(model)
+    ran = []
+    real = DecoderLayer.feed_forward
+    monkeypatch.setattr(DecoderLayer, "feed_forward", lambda self, x: ran.append(1) or real(self, x))
+    first = []
+    monkeypatch.setattr(NativeDecode, "_step", lambda self, *a: first.append(len(ran)) or real_step(self, *a))
+    got = steps(native, model)
+    moe_layers = len(model.moe_blocks())
+    assert first[:2] == [0, moe_layers]  # the first step: a stop at every MoE layer
+    assert native.reason is None and torch.equal(got, want)
+    steps(native, model)  # the same steps again: the store hands over experts it holds, the tables take them
+    ran.clear()
+    assert torch.equal(steps(native, model), want) and ran == []  # the third time, no stop
+
+
+real_step = NativeDecode._step
+
+
+def test_mla_caches_grow_past_their_capacity(tiny_k3_dir):
+    model, _ = _load(tiny_k3_dir)
+    want, _ = _decode(model, model, 2, 62, 5)  # make_state's caches hold 64 tokens: steps 3-5 grow them
+    model, _ = _load(tiny_k3_dir)
+    native = NativeDecode(model)
+    got, state = _decode(native, model, 2, 62, 5)
+    assert native.reason is None and torch.equal(got, want)
+    assert all(st.latent_BSX.shape[1] >= 67 for st in state.layers if not isinstance(st, KDAState))
+
+
+@pytest.mark.parametrize("case", ["evicting store", "bf16 precision", "gradients", "unfused"])
+def test_what_it_does_not_cover_takes_the_forward_and_says_why(tiny_k3_dir, case):
+    options = {"expert_memory": 64 << 10} if case == "evicting store" else {}
+    model, _ = load_model(tiny_k3_dir, LoadOptions(**{"expert_memory": 1 << 30, **options}))
+    if case != "unfused":
+        fuse_projections(model)
+    if case == "bf16 precision":
+        model.gemm_precision = "bf16"
+    if case == "gradients":
+        model.model.norm.weight.requires_grad_(True)
+    native = NativeDecode(model)
+    state = model.make_state(1)
+    with torch.no_grad() if case != "gradients" else torch.enable_grad():
+        got = native(_prompts(1, 1), state)
+    assert got.shape == (1, 1, model.config.vocab_size)
+    expected = {"evicting store": "not all resident", "bf16 precision": "fp32", "gradients": "gradients",
+                "unfused": "not fused"}[case]
+    assert native.reason is not None and expected in native.reason, native.reason
+
+
+def test_scheduler_uses_it_with_the_same_tokens(model_dir):
+    model, _ = _load(model_dir)
+    reqs = [Request(_prompts(1, n)[0].tolist(), m) for n, m in [(5, 6), (9, 3), (2, 8)]]
+    native = Scheduler(model, EngineConfig(max_batch=2, max_len=64)).run(reqs)
+    plain = Scheduler(model, EngineConfig(max_batch=2, max_len=64, native=False)).run(reqs)
+    assert [r.tokens for r in native] == [r.tokens for r in plain]
+
+
+def test_a_state_that_does_not_fit_the_batch_is_refused(tiny_k3_dir):
+    model, _ = _load(tiny_k3_dir)
+    native = NativeDecode(model)
+    state = model.make_state(2)
+    with torch.inference_mode(), pytest.raises(ValueError, match="does not fit 1 sequences"):
+        native(_prompts(1, 1), state)
+
+
+def test_sigmoid_gate_kernel_matches_torch_and_reads_column_slices():
+    k = cpu_kernels.kernel()
+    g = torch.randn(3, 40)
+    x = torch.randn(3, 16)
+    want = x * torch.sigmoid(g[:, 8:24])
+    got = k.sigmoid_gate(x.clone(), g[:, 8:24])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="sigmoid_gate"):
+        k.sigmoid_gate(x.clone(), g[:, :8])
+
+
+def test_the_c_table_layout_matches_its_mirror():
+    assert cpu_kernels.kernel().lib.moeswap_decode_layer_size() == native_step.ctypes.sizeof(native_step._Layer)
