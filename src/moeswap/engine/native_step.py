@@ -13,7 +13,8 @@ whenever this does not apply:
   A layer whose chosen experts are not in its table yet stops the call after its attention; that FFN runs
   through the store (which fills the table) and the call resumes at the next layer.
 
-The table is rebuilt when any parameter changes (pointer or version). Results: the tokens of the model's
+The table is rebuilt when a parameter changes in place (its version); the parameters are listed once, so
+a model whose modules or parameters are replaced (fusion, .to()) needs a new NativeDecode. Results: the tokens of the model's
 forward; logits equal to fp32 rounding (the MLA output gate's sigmoid is the C one, not torch's).
 Entry point: `NativeDecode(model)`, called as `model(tokens_B1, state)` is.
 """
@@ -21,8 +22,6 @@ Entry point: `NativeDecode(model)`, called as `model(tokens_B1, state)` is.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
-
 import torch
 
 from moeswap.models.kimi_k3 import KimiModel, ModelState
@@ -203,11 +202,11 @@ class _Plan:
                    and getattr(s, "prefetcher", None) is None for s in self.stores)
 
 
-def _weights_key(params: Iterable[torch.Tensor]) -> tuple:
+def _versions(params: list[torch.Tensor]) -> list[int] | None:
     try:
-        return tuple((p.data_ptr(), p._version) for p in params)
-    except RuntimeError:  # inference tensors keep no version
-        return tuple(p.data_ptr() for p in params)
+        return [p._version for p in params]
+    except RuntimeError:  # inference tensors keep no version (nor can they change outside inference mode)
+        return None
 
 
 class NativeDecode:
@@ -216,7 +215,10 @@ class NativeDecode:
     def __init__(self, model: KimiModel):
         self.model = model
         self._plan: _Plan | None = None
-        self._key: tuple | None = None
+        self._params: list[torch.Tensor] | None = None  # the model's parameters, listed once (~0.2 ms a listing)
+        self._key: list[int] | None = None
+        self._built = False
+        self._unsupported: str | None = None  # why no plan could be made for the current parameters
         self.reason: str | None = None  # why the last step took the model's forward, or None
 
     def __call__(self, tokens_BT: torch.Tensor, state: ModelState | None, last_only: bool = False) -> torch.Tensor:
@@ -233,20 +235,21 @@ class NativeDecode:
                 or m.model.embed_tokens.weight.dtype != torch.float32):
             self.reason = "not an eager fp32 CPU decode step of at most 32 sequences"
             return None
-        params = list(m.parameters())
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        if self._params is None:
+            self._params = list(m.parameters())
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self._params):
             self.reason = "gradients are enabled"
             return None
-        key = _weights_key(params)
-        if key != self._key:
-            self._key = key
+        key = _versions(self._params)
+        if not self._built or key != self._key:
+            self._built, self._key, self._unsupported = True, key, None
             try:
                 self._plan = _Plan(m)
             except Unsupported as err:
-                self._plan, self.reason = None, str(err)
+                self._plan, self._unsupported = None, str(err)
         plan = self._plan
         if plan is None or not plan.usable():
-            self.reason = self.reason if plan is None else "an expert store can now evict, trace or prefetch"
+            self.reason = self._unsupported or "an expert store can now evict, trace or prefetch"
             return None
         self.reason = None
         return plan

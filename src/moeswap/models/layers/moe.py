@@ -112,12 +112,15 @@ class MoE(nn.Module):
         # it hands each expert over when indexed, one at a time (unless all are resident): a prefill step
         # may route to every expert of the layer, and holding them all would defeat the memory budget.
         experts = self.store.fetch(self.layer_idx, unique_ids)
-        if table is not None and isinstance(experts, list):  # all resident: the next steps can skip the fetch
-            table.note(unique_ids, experts, h_TI.shape[-1])
+        # a store that never evicts keeps what it hands over: the table takes it (prefill too), so that
+        # later decode steps skip the fetch for these experts
+        keep = table if table is not None else self.resident_table() if h_TI.is_cpu else None
         group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
         start = 0
         for i, n in enumerate(counts):
             expert = experts[i]
+            if keep is not None:
+                keep.note((unique_ids[i],), (expert,), h_TI.shape[-1])
             if not group.add(expert, start, n):
                 rows = token_of[start : start + n]
                 y = expert(h_TI[rows], self.act, self.situ_betas)
@@ -189,8 +192,10 @@ class _ResidentTable:
 
     def note(self, ids: Sequence[int], experts: Sequence, I: int) -> None:
         for e, w in zip(ids, experts):
+            if e in self.experts:
+                continue
             kind = _kind(w)
-            if e in self.experts or kind is None or self.kind not in (None, kind):
+            if kind is None or self.kind not in (None, kind):
                 continue
             row = cpu_kernels.resident_row(w, I, kind == "bf16")
             if row is not None:
