@@ -113,3 +113,21 @@ def test_cached_op_time_only_where_a_step_fits_in_the_cache(bench, tmp_path):
     fits = decode_step(bench, cpu_catalog(tmp_path, kernel_us_cached=2.0, cache_mb=1e6)).parts["overhead"]
     too_big = decode_step(bench, cpu_catalog(tmp_path, kernel_us_cached=2.0, cache_mb=32)).parts["overhead"]
     assert fits == pytest.approx(cold * 2.0 / ENGINE["kernel_us"]) and too_big == cold  # 317 MB a step > 32 MB
+
+
+def test_native_step_replaces_layer_ops_and_engine_expert_time_at_decode(bench, tmp_path):
+    eager_hw, native_hw = cpu_catalog(tmp_path), cpu_catalog(tmp_path, native_layer_us=15.0)
+    eager, native = decode_step(bench, eager_hw), decode_step(bench, native_hw)
+    e, moe = ENGINE, bench.cfg.moe
+    assert native.parts["overhead"] == pytest.approx((len(bench.layers) * 15.0 + e["kernels_step"] * e["kernel_us"]) * 1e-6)
+    moe_layers = sum(1 for lp in bench.layers if lp.num_experts)
+    assert eager.parts["experts"] - native.parts["experts"] == pytest.approx(moe_layers * moe.top_k * e["expert_us"] * 1e-6)
+    assert native.parts["gemm"] == eager.parts["gemm"]
+
+    def overhead(hw, tokens: int, placement=Placement()):
+        return stage_cost(bench, range(len(bench.layers)), 0, Layout(), hw, Precision(), placement,
+                          Pass(tokens=tokens, ctx=144, decode=True, logits=tokens)).parts["overhead"]
+
+    # more sequences than the native step takes, or experts that swap: the eager engine's terms
+    assert overhead(native_hw, 64) == overhead(eager_hw, 64)
+    assert overhead(native_hw, 1, Placement(hit_rate=0.5)) == overhead(eager_hw, 1, Placement(hit_rate=0.5))

@@ -49,6 +49,9 @@ _SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
         "kernels_step": (float, False),
         # optional: a faster kernel_us for passes whose weights fit in a cache of cache_mb (a CPU's L3)
         "kernel_us_cached": (float, False), "cache_mb": (float, False),
+        # optional: the fixed time per layer of a decode step whose layers run in one native call
+        # (moeswap's engine/native_step.py), replacing the per-layer op counts and expert_us there
+        "native_layer_us": (float, False),
     },
 }
 NONE = "none"  # a system without a host tier or scale-up fabric (one CPU machine) says "none"

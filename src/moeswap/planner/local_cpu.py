@@ -312,6 +312,7 @@ class TinyRun:
     expert_us: float  # per routed expert, less the kernel's time for its rows (modelled apart)
     counts: dict[str, float]  # engine-profile op counts (kernels_*)
     step_ms: float  # the tiny model's decode step, with the streams
+    native_layer_us: float | None = None  # per layer of the native decode step (engine/native_step.py)
 
 
 def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
@@ -327,13 +328,14 @@ def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
     with tempfile.TemporaryDirectory(prefix="moeswap-local-") as d:  # the expert store reads from it
         model, _ = load_model(write_tiny_model(Path(d) / "tiny", "kimi_k3", "tiny"))
 
-        def run(tokens: int):  # the eager step, whose ops and hooks this counts (not engine/native_step.py)
-            engine = EngineConfig(max_batch=1, max_len=len(prompt) + tokens, native=False)
+        def run(tokens: int, native: bool = False):  # the eager step is the one whose ops and hooks this counts
+            engine = EngineConfig(max_batch=1, max_len=len(prompt) + tokens, native=native)
             return generate_batch(model, [prompt], GenerationConfig(max_tokens=tokens, stop_ids=()), engine=engine)[0]
 
         per_step = count_ops(model, run)
         per_expert = expert_step_s(model)
         warm_s = min(r.decode_s / r.decoded for r in (run(33) for _ in range(rounds // 2)))
+        native_s = min(r.decode_s / r.decoded for r in (run(33, native=True) for _ in range(rounds // 2)))
         streamer = _Streamer(cpu_kernels.kernel())
         handles = streamer.attach(model)
         run(1)  # warm-up with the streams on
@@ -349,10 +351,24 @@ def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
     experts = len(model.moe_blocks()) * m.top_k
     rows = 2 * m.expert_dim + (m.latent_dim or model.config.hidden_size)
     ops = sum(per_step.values())
-    return TinyRun(max(0.0, step_s - streams_s - experts * per_expert) / ops * 1e6,
-                   max(0.0, warm_s - experts * per_expert) / ops * 1e6,
+    op_us_cached = max(0.0, warm_s - experts * per_expert) / ops * 1e6
+    # the native step on the same warm caches: less the step's own ops (as eager) and the experts' rows
+    native_us = native_s * 1e6 - per_step.get("step", 0.0) * op_us_cached - experts * rows * row_ns * 1e-3
+    return TinyRun(max(0.0, step_s - streams_s - experts * per_expert) / ops * 1e6, op_us_cached,
                    max(0.0, per_expert * 1e6 - rows * row_ns * 1e-3), per_layer_counts(model, per_step),
-                   step_s * 1e3)
+                   step_s * 1e3, max(0.0, native_us) / len(model.model.layers) if _native_applies(model) else None)
+
+
+def _native_applies(model) -> bool:
+    """Whether the engine's decode steps take the native step on this model (engine/native_step.py)."""
+    import torch
+
+    from moeswap.engine.native_step import NativeDecode
+
+    native = NativeDecode(model)
+    with torch.inference_mode():
+        native(torch.zeros(1, 1, dtype=torch.long), model.make_state(1))
+    return native.reason is None
 
 
 def last_level_cache_mb() -> float | None:
@@ -411,6 +427,11 @@ def engine_fields(copy_gbs: float, bf16_tflops: float, tag: str) -> tuple[dict[s
         src["kernel_us_cached"] = (f"{tag}: as kernel_us, with no streams: ops on caches that keep a small "
                                    f"model's weights, used where a step's weights fit in cache_mb")
         src["cache_mb"] = f"{tag}: last-level cache size from /sys/devices/system/cpu/cpu0/cache"
+    if tiny.native_layer_us is not None:
+        f["native_layer_us"] = round(tiny.native_layer_us, 2)
+        src["native_layer_us"] = (f"{tag}: moeswap's native decode step (engine/native_step.py) on the tiny K3, warm "
+                                  f"caches, less its step ops (kernels_step x kernel_us_cached) and its experts' "
+                                  f"rows, over its layers")
     f["expert_us"] = round(tiny.expert_us, 2)
     src["expert_us"] = (f"{tag}: the tiny K3's MoE.run_experts for one token routed to 1 to all of its experts, "
                         f"time per expert less the kernel's per-row time (expert_row_ns)")

@@ -110,6 +110,7 @@ class _Ctx:
         self.bw = hw.mem_bw() * eng.mem_efficiency
         self.expert_bw = hw.mem_bw() * eng.get("expert_mem_efficiency", eng.mem_efficiency)
         self.op_us = eng.kernel_us  # fixed time per kernel; stage_cost may choose the cached one
+        self.native = False  # whether the pass runs in the engine's native decode step (stage_cost sets it)
         self.f16 = hw.flops("bf16")
         self.dense_b = bytes_per_param(prec.dense)
         self.f_dense = hw.flops("fp8") if prec.dense in ("fp8", "mxfp8") else self.f16
@@ -178,7 +179,8 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     t_dev = _roof(cost, "experts", flops * on_device, f_rate * eff, (weight_bytes + act) * on_device, cx.expert_bw)
     # Fixed time per expert (an eager engine's lookup and grouping) and per output row (a kernel that
     # finishes each row on its own: reduction, scale, activation).
-    per_expert = eng.get("expert_us", 0.0) * 1e-6 + (2 * n + width) * eng.get("expert_row_ns", 0.0) * 1e-9
+    engine_us = 0.0 if cx.native else eng.get("expert_us", 0.0)  # the native step runs them from a table
+    per_expert = engine_us * 1e-6 + (2 * n + width) * eng.get("expert_row_ns", 0.0) * 1e-9
     t_fixed = touched * on_device * per_expert
     cost.add("experts", t_fixed)
     t_dev += t_fixed
@@ -240,11 +242,24 @@ def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
         comm += all_reduce(hw, lay.expert_tp, p.tokens / lay.ep * cfg.moe.latent_dim * 2)
     cost.add("comm", comm)
 
+    if cx.native:  # the layers of a decode step in one C call: its fixed time per layer
+        cost.add("overhead", eng.native_layer_us * 1e-6)
+        return cost
     kernels = (eng.kernels_kda if lp.attn_kind == "kda" else eng.kernels_mla)
     kernels += eng.kernels_moe if lp.num_experts else eng.kernels_dense
     kernels += eng.kernels_attn_res if cfg.attn_res_block_size else 0
     cost.add("overhead", kernels * cx.op_us * 1e-6)
     return cost
+
+
+NATIVE_MAX_TOKENS = 32  # engine/native_step.py: decode steps of at most this many sequences
+
+
+def _native_step(cx: _Ctx, p: Pass) -> bool:
+    """Whether the engine runs this pass's layers in its native decode step: an engine profile that
+    measured one, a decode pass of few enough tokens, and every expert resident (no swapping)."""
+    return (cx.hw.engine.get("native_layer_us") is not None and p.decode and cx.pl.hit_rate >= 1.0
+            and p.per_rank(cx.lay.dp) <= NATIVE_MAX_TOKENS)
 
 
 def _step_weight_bytes(cx: _Ctx, layers: range, p: Pass) -> float:
@@ -275,6 +290,7 @@ def stage_cost(mp: ModelParams, layers: range, stage: int, lay: Layout, hw: Hard
     """Seconds for one device of `stage` to run pass `p` through its layers (plus lm_head and the send)."""
     cx = _Ctx(mp, lay, hw, prec, pl)
     cx.op_us = _op_us(cx, layers, p)
+    cx.native = _native_step(cx, p)
     cfg = mp.cfg
     total = Cost()
     memo: dict[tuple, Cost] = {}
