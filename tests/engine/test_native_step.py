@@ -159,3 +159,25 @@ def test_sigmoid_gate_kernel_matches_torch_and_reads_column_slices():
 
 def test_the_c_table_layout_matches_its_mirror():
     assert cpu_kernels.kernel().lib.moeswap_decode_layer_size() == native_step.ctypes.sizeof(native_step._Layer)
+
+
+def test_weights_changed_in_place_are_used(tiny_k3_dir):
+    """The table reads bf16 weights and fp32 parameters live and rebuilds its copies (absorbed MLA weights,
+    conv taps, AttnRes scores) when their sources change in place: a step after a change equals the forward."""
+    model, _ = _load(tiny_k3_dir)
+    native = NativeDecode(model)
+    state = model.make_state(2)
+    tokens = _prompts(2, 1)
+    with torch.inference_mode():
+        native(tokens, state)
+    with torch.no_grad():
+        mla = next(layer.self_attn for layer in model.model.layers if layer.attn_kind == "mla")
+        kda = next(layer.self_attn for layer in model.model.layers if layer.attn_kind == "kda")
+        for w in (mla.kv_b_proj.weight, kda.q_conv1d.weight, kda.q_proj.weight, model.model.layers[1].input_layernorm.weight,
+                  model.model.layers[2].mlp_res_norm.weight):
+            w.mul_(1.5)
+    want_state = model.make_state(2)
+    with torch.inference_mode():
+        want = model(tokens, want_state)
+        got = native(tokens, model.make_state(2))
+    assert native.reason is None and torch.equal(got, want)

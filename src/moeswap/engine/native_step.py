@@ -13,8 +13,10 @@ whenever this does not apply:
   A layer whose chosen experts are not in its table yet stops the call after its attention; that FFN runs
   through the store (which fills the table) and the call resumes at the next layer.
 
-The table is rebuilt when a parameter changes in place (its version); the parameters are listed once, so
-a model whose modules or parameters are replaced (fusion, .to()) needs a new NativeDecode. Results: the tokens of the model's
+The table points at the bf16 weights and fp32 parameters themselves, so in-place changes to them are seen;
+where it holds a copy (fp32 casts, conv taps, the absorbed MLA weights, AttnRes scores) it is rebuilt when
+a source weight changes in place (its version). A model whose modules or parameters are replaced
+(fusion, .to()) needs a new NativeDecode. Results: the tokens of the model's
 forward; logits equal to fp32 rounding (the MLA output gate's sigmoid is the C one, not torch's).
 Entry point: `NativeDecode(model)`, called as `model(tokens_B1, state)` is.
 """
@@ -73,6 +75,7 @@ class _Plan:
             raise Unsupported(f"activation {c.hidden_act!r}")
         self.betas = (c.situ_beta, c.situ_linear_beta)
         self._kept: list[torch.Tensor] = []
+        self.watched: list[torch.Tensor] = []  # weights the table holds copies of (see _f32)
         layers = model.model.layers
         self.table = (_Layer * len(layers))()
         self.moe: list[tuple[int, object, object]] = []  # (layer, MoE block, its resident table)
@@ -84,15 +87,14 @@ class _Plan:
             self._norm_eps(layer.input_layernorm, layer.post_attention_layernorm)
             if block:
                 t.bank_before = int(i % block == 0)
-                t.score_attn = self._f32(score_vector(layer.self_attention_res_norm, layer.self_attention_res_proj))
-                t.score_ffn = self._f32(score_vector(layer.mlp_res_norm, layer.mlp_res_proj))
+                t.score_attn = self._score(layer.self_attention_res_norm, layer.self_attention_res_proj)
+                t.score_ffn = self._score(layer.mlp_res_norm, layer.mlp_res_proj)
             (self._mla if isinstance(layer.self_attn, MLA) else self._kda)(t, layer.self_attn)
             if hasattr(layer, "mlp"):
                 self._gated_mlp(t, layer.mlp)
             else:
                 self._moe(t, i, layer.block_sparse_moe)
-        self.score_out = (self._f32(score_vector(model.model.output_attn_res_norm, model.model.output_attn_res_proj))
-                          if block else None)
+        self.score_out = self._score(model.model.output_attn_res_norm, model.model.output_attn_res_proj) if block else None
         self.stores = list({id(m.store): m.store for _, m, _ in self.moe}.values())
 
     # -- pointers, checked --------------------------------------------------------------------------
@@ -100,8 +102,23 @@ class _Plan:
         self._kept.append(t)
         return t.data_ptr()
 
-    def _f32(self, t: torch.Tensor) -> int:
-        return self._ptr(t.detach().float().contiguous())
+    def _f32(self, t: torch.Tensor, *sources: torch.Tensor) -> int:
+        """An fp32 contiguous t: t itself (read live), or a copy, whose sources (t, or the weights t was
+        derived from) the step then watches for in-place changes (`versions`)."""
+        c = t.detach().float().contiguous()
+        if c.data_ptr() != t.data_ptr() or sources:
+            self.watched += sources or (t,)
+        return self._ptr(c)
+
+    def versions(self) -> list[int] | None:
+        """The versions of the weights behind the table's copies (None: inference tensors, which keep none)."""
+        try:
+            return [p._version for p in self.watched]
+        except RuntimeError:
+            return None
+
+    def _score(self, norm, proj) -> int:
+        return self._f32(score_vector(norm, proj), norm.weight, proj.weight)
 
     def _bf16(self, linear_module) -> int:
         w = linear_module.weight
@@ -136,7 +153,8 @@ class _Plan:
         t.w_o, t.w_fb = self._bf16(a.o_proj), self._bf16(a.f_b_proj)
         if hasattr(a, "g_b_proj"):
             t.w_gb = self._bf16(a.g_b_proj)
-        t.taps, t.dt_bias, t.rate = self._f32(a.conv_taps()), self._f32(a.dt_bias), self._f32(a.decay_rate())
+        convs = (a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight)
+        t.taps, t.dt_bias, t.rate = self._f32(a.conv_taps(), *convs), self._f32(a.dt_bias), self._f32(a.decay_rate(), a.A_log)
         t.o_norm = self._f32(a.o_norm.weight)
         t.bounded, t.lower = int(a.lower_bound is not None), float(a.lower_bound or 0.0)
         t.kda_scale, t.H, t.K, t.W = a.K**-0.5, a.H, a.K, a.W
@@ -154,7 +172,7 @@ class _Plan:
         self._norm_eps(a.kv_a_layernorm)
         t.kv_norm = self._f32(a.kv_a_layernorm.weight)
         w_k, w_v = a.absorbed_weights(torch.float32)
-        t.wk, t.wv = self._ptr(w_k), self._ptr(w_v)
+        t.wk, t.wv = self._f32(w_k, a.kv_b_proj.weight), self._f32(w_v, a.kv_b_proj.weight)
         t.H, t.N, t.R, t.L, t.V, t.mla_scale = a.H, a.N, a.R, a.L, a.V, a.scale
         t.gated, t.w_o = int(hasattr(a, "g_proj")), self._bf16(a.o_proj)
 
@@ -171,7 +189,7 @@ class _Plan:
             raise Unsupported("a router with expert groups or without fp32 weights")
         if (moe.act, tuple(moe.situ_betas)) != (self._act_name(), self.betas):
             raise Unsupported("experts with their own activation")
-        t.router, t.router_bias = self._ptr(r.weight.detach().contiguous()), self._ptr(r.e_score_correction_bias.detach())
+        t.router, t.router_bias = self._f32(r.weight), self._f32(r.e_score_correction_bias)
         t.E, t.topk, t.softmax, t.renorm, t.route_scale = moe.num_experts, r.top_k, int(r.scoring != "sigmoid"), int(r.renormalize), r.scaling
         table = moe.resident_table()
         if table is None:
@@ -202,13 +220,6 @@ class _Plan:
                    and getattr(s, "prefetcher", None) is None for s in self.stores)
 
 
-def _versions(params: list[torch.Tensor]) -> list[int] | None:
-    try:
-        return [p._version for p in params]
-    except RuntimeError:  # inference tensors keep no version (nor can they change outside inference mode)
-        return None
-
-
 class NativeDecode:
     """model(tokens_B1, state) for decode steps, through moeswap_decode_layers where it applies."""
 
@@ -216,7 +227,7 @@ class NativeDecode:
         self.model = model
         self._plan: _Plan | None = None
         self._params: list[torch.Tensor] | None = None  # the model's parameters, listed once (~0.2 ms a listing)
-        self._key: list[int] | None = None
+        self._key: list[int] | None = None  # the plan's watched versions when it was made
         self._built = False
         self._unsupported: str | None = None  # why no plan could be made for the current parameters
         self.reason: str | None = None  # why the last step took the model's forward, or None
@@ -240,11 +251,11 @@ class NativeDecode:
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._params):
             self.reason = "gradients are enabled"
             return None
-        key = _versions(self._params)
-        if not self._built or key != self._key:
-            self._built, self._key, self._unsupported = True, key, None
+        if not self._built or (self._plan is not None and self._plan.versions() != self._key):
+            self._built, self._unsupported = True, None
             try:
                 self._plan = _Plan(m)
+                self._key = self._plan.versions()
             except Unsupported as err:
                 self._plan, self._unsupported = None, str(err)
         plan = self._plan
