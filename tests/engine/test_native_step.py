@@ -173,8 +173,9 @@ def test_weights_changed_in_place_are_used(tiny_k3_dir):
     with torch.no_grad():
         mla = next(layer.self_attn for layer in model.model.layers if layer.attn_kind == "mla")
         kda = next(layer.self_attn for layer in model.model.layers if layer.attn_kind == "kda")
-        for w in (mla.kv_b_proj.weight, kda.q_conv1d.weight, kda.q_proj.weight, model.model.layers[1].input_layernorm.weight,
-                  model.model.layers[2].mlp_res_norm.weight):
+        layers = model.model.layers
+        for w in (mla.kv_b_proj.weight, kda.q_conv1d.weight, kda.q_proj.weight, layers[1].input_layernorm.weight,
+                  layers[2].mlp_res_norm.weight):
             w.mul_(1.5)
     want_state = model.make_state(2)
     with torch.inference_mode():

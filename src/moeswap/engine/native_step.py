@@ -16,14 +16,15 @@ whenever this does not apply:
 The table points at the bf16 weights and fp32 parameters themselves, so in-place changes to them are seen;
 where it holds a copy (fp32 casts, conv taps, the absorbed MLA weights, AttnRes scores) it is rebuilt when
 a source weight changes in place (its version). A model whose modules or parameters are replaced
-(fusion, .to()) needs a new NativeDecode. Results: the tokens of the model's
-forward; logits equal to fp32 rounding (the MLA output gate's sigmoid is the C one, not torch's).
+(fusion, .to()) needs a new NativeDecode. Results: the model forward's logits and states, bit for bit
+(tests/engine/test_native_step.py).
 Entry point: `NativeDecode(model)`, called as `model(tokens_B1, state)` is.
 """
 
 from __future__ import annotations
 
 import ctypes
+
 import torch
 
 from moeswap.models.kimi_k3 import KimiModel, ModelState
@@ -70,7 +71,7 @@ class _Plan:
             raise Unsupported("the C decode_layer and its ctypes mirror differ")
         c = model.config
         self.eps, self.D = c.rms_norm_eps, c.hidden_size
-        self.act = cpu_kernels.ACTS.get(c.hidden_act)
+        self.act_name, self.act = c.hidden_act, cpu_kernels.ACTS.get(c.hidden_act)
         if self.act is None:
             raise Unsupported(f"activation {c.hidden_act!r}")
         self.betas = (c.situ_beta, c.situ_linear_beta)
@@ -83,7 +84,8 @@ class _Plan:
         self.max_bank = -(-len(layers) // block) if block else 0
         for i, layer in enumerate(layers):
             t = self.table[i]
-            t.ln_in, t.ln_post = self._f32(layer.input_layernorm.weight), self._f32(layer.post_attention_layernorm.weight)
+            t.ln_in = self._f32(layer.input_layernorm.weight)
+            t.ln_post = self._f32(layer.post_attention_layernorm.weight)
             self._norm_eps(layer.input_layernorm, layer.post_attention_layernorm)
             if block:
                 t.bank_before = int(i % block == 0)
@@ -94,7 +96,8 @@ class _Plan:
                 self._gated_mlp(t, layer.mlp)
             else:
                 self._moe(t, i, layer.block_sparse_moe)
-        self.score_out = self._score(model.model.output_attn_res_norm, model.model.output_attn_res_proj) if block else None
+        m = model.model
+        self.score_out = self._score(m.output_attn_res_norm, m.output_attn_res_proj) if block else None
         self.stores = list({id(m.store): m.store for _, m, _ in self.moe}.values())
 
     # -- pointers, checked --------------------------------------------------------------------------
@@ -126,7 +129,8 @@ class _Plan:
             raise Unsupported(f"{type(linear_module).__name__} with {w.dtype} weights (expected bf16 kept as stored)")
         return self._ptr(w)
 
-    def _fused(self, module, names: tuple[str, ...]) -> tuple[int, list[int]]:
+    def _fused(self, module, names: tuple[str, ...]) -> tuple[int, int, list[int]]:
+        """The named Linears' fused bf16 weight: (pointer, rows, each one's first row)."""
         w = fused_weight(module, names)
         if w is None or w.dtype != torch.bfloat16:
             raise Unsupported(f"{type(module).__name__}'s {', '.join(names)} are not fused bf16 weights")
@@ -136,7 +140,7 @@ class _Plan:
         for rows in module.__dict__["_fused_input"][3]:
             starts.append(at)
             at += rows
-        return self._ptr(w), starts
+        return self._ptr(w), at, starts
 
     def _norm_eps(self, *norms) -> None:
         if any(n.eps != self.eps for n in norms):
@@ -144,8 +148,7 @@ class _Plan:
 
     # -- layers -------------------------------------------------------------------------------------
     def _kda(self, t: _Layer, a) -> None:
-        t.w_in, starts = self._fused(a, a.input_projections())
-        t.in_rows = sum(a.__dict__["_fused_input"][3])
+        t.w_in, t.in_rows, starts = self._fused(a, a.input_projections())
         C = a.H * a.K
         if starts[1:3] != [starts[0] + C, starts[0] + 2 * C] or a.f_a_proj.weight.shape[0] != a.K:
             raise Unsupported("KDA's q, k, v projections are not adjacent")
@@ -154,7 +157,8 @@ class _Plan:
         if hasattr(a, "g_b_proj"):
             t.w_gb = self._bf16(a.g_b_proj)
         convs = (a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight)
-        t.taps, t.dt_bias, t.rate = self._f32(a.conv_taps(), *convs), self._f32(a.dt_bias), self._f32(a.decay_rate(), a.A_log)
+        t.taps, t.rate = self._f32(a.conv_taps(), *convs), self._f32(a.decay_rate(), a.A_log)
+        t.dt_bias = self._f32(a.dt_bias)
         t.o_norm = self._f32(a.o_norm.weight)
         t.bounded, t.lower = int(a.lower_bound is not None), float(a.lower_bound or 0.0)
         t.kda_scale, t.H, t.K, t.W = a.K**-0.5, a.H, a.K, a.W
@@ -163,12 +167,12 @@ class _Plan:
 
     def _mla(self, t: _Layer, a) -> None:
         t.mla = 1
-        t.w_in, starts = self._fused(a, a.input_projections())
-        t.in_rows = sum(a.__dict__["_fused_input"][3])
+        t.w_in, t.in_rows, starts = self._fused(a, a.input_projections())
         t.off[:] = starts + [0] * (6 - len(starts))
         if hasattr(a, "q_a_proj"):
             self._norm_eps(a.q_a_layernorm)
-            t.q_norm, t.w_qb, t.q_rank = self._f32(a.q_a_layernorm.weight), self._bf16(a.q_b_proj), a.q_a_proj.weight.shape[0]
+            t.q_norm, t.w_qb = self._f32(a.q_a_layernorm.weight), self._bf16(a.q_b_proj)
+            t.q_rank = a.q_a_proj.weight.shape[0]
         self._norm_eps(a.kv_a_layernorm)
         t.kv_norm = self._f32(a.kv_a_layernorm.weight)
         w_k, w_v = a.absorbed_weights(torch.float32)
@@ -177,9 +181,9 @@ class _Plan:
         t.gated, t.w_o = int(hasattr(a, "g_proj")), self._bf16(a.o_proj)
 
     def _gated_mlp(self, t: _Layer, mlp) -> None:
-        if (mlp.act, tuple(mlp.situ_betas)) != (self._act_name(), self.betas):
+        if (mlp.act, tuple(mlp.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("an MLP with its own activation")
-        t.w_gu, _ = self._fused(mlp, ("gate_proj", "up_proj"))
+        t.w_gu, _, _ = self._fused(mlp, ("gate_proj", "up_proj"))
         t.w_down, t.hidden = self._bf16(mlp.down_proj), mlp.down_proj.weight.shape[1]
 
     def _moe(self, t: _Layer, i: int, moe) -> None:
@@ -187,13 +191,15 @@ class _Plan:
         r = moe.gate
         if r.groups > 1 or r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
             raise Unsupported("a router with expert groups or without fp32 weights")
-        if (moe.act, tuple(moe.situ_betas)) != (self._act_name(), self.betas):
+        if (moe.act, tuple(moe.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("experts with their own activation")
         t.router, t.router_bias = self._f32(r.weight), self._f32(r.e_score_correction_bias)
-        t.E, t.topk, t.softmax, t.renorm, t.route_scale = moe.num_experts, r.top_k, int(r.scoring != "sigmoid"), int(r.renormalize), r.scaling
+        t.E, t.topk, t.route_scale = moe.num_experts, r.top_k, r.scaling
+        t.softmax, t.renorm = int(r.scoring != "sigmoid"), int(r.renormalize)
         table = moe.resident_table()
         if table is None:
-            raise Unsupported(f"layer {i}: routed experts are not all resident (a store that can evict, a trace or a prefetcher)")
+            raise Unsupported(f"layer {i}: routed experts are not all resident "
+                              f"(a store that can evict, a trace or a prefetcher)")
         t.table = self._ptr(table.rows)
         if hasattr(moe, "routed_expert_down_proj"):
             t.lat_down, t.lat_up = self._bf16(moe.routed_expert_down_proj), self._bf16(moe.routed_expert_up_proj)
@@ -205,14 +211,12 @@ class _Plan:
             self._gated_mlp(t, moe.shared_experts)
         self.moe.append((i, moe, table))
 
-    def _act_name(self) -> str:
-        return next(name for name, code in cpu_kernels.ACTS.items() if code == self.act)
-
     def refresh_tables(self) -> None:
         """The experts' width and format, which a table learns from the first experts it is given."""
         for i, moe, table in self.moe:
             self.table[i].F = table.F
-            self.table[i].format = cpu_kernels.resident_format_code(table.kind, moe.int8_activations and table.kind == "mxfp4")
+            int8 = moe.int8_activations and table.kind == "mxfp4"
+            self.table[i].format = cpu_kernels.resident_format_code(table.kind, int8)
 
     def usable(self) -> bool:
         """The stores still never evict, record nothing and prefetch nothing (they may change between steps)."""
@@ -226,7 +230,7 @@ class NativeDecode:
     def __init__(self, model: KimiModel):
         self.model = model
         self._plan: _Plan | None = None
-        self._params: list[torch.Tensor] | None = None  # the model's parameters, listed once (~0.2 ms a listing)
+        self._params: list[torch.Tensor] | None = None  # listed once: ~0.2 ms a listing
         self._key: list[int] | None = None  # the plan's watched versions when it was made
         self._built = False
         self._unsupported: str | None = None  # why no plan could be made for the current parameters
@@ -277,11 +281,12 @@ class NativeDecode:
             else:
                 st.reserve(1)
                 lat, lengths = st.latent_BSX, st.lengths_B
-                ok = (lat.dtype == torch.float32 and lengths.dtype == torch.int64 and lat.shape[0] == lengths.shape[0] == B
-                      and lat.is_contiguous() and lengths.is_contiguous())
+                ok = (lat.dtype == torch.float32 and lengths.dtype == torch.int64
+                      and lat.shape[0] == lengths.shape[0] == B and lat.is_contiguous() and lengths.is_contiguous())
                 values += [lat.data_ptr(), lengths.data_ptr(), lat.shape[1]]
             if not ok:
-                raise ValueError(f"native decode step: a layer state does not fit {B} sequences of fp32 contiguous rows")
+                raise ValueError(f"native decode step: a layer state does not fit {B} sequences "
+                                 f"of fp32 contiguous rows")
         return (_i64 * len(values))(*values)
 
     def _step(self, plan: _Plan, tokens_B1: torch.Tensor, state: ModelState) -> torch.Tensor:
@@ -298,8 +303,8 @@ class NativeDecode:
         while True:
             status = plan.kernel.lib.moeswap_decode_layers(
                 plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
-                ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, B, D, plan.eps, L2_EPS, plan.act, plan.betas[0],
-                plan.betas[1], used, ctypes.byref(stopped), max(1, torch.get_num_threads()))
+                ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, B, D, plan.eps, L2_EPS, plan.act,
+                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), max(1, torch.get_num_threads()))
             if status != 4:
                 break
             # a layer whose experts are not all in its table: its FFN through the store, then the rest
@@ -308,8 +313,8 @@ class NativeDecode:
             plan.refresh_tables()
             first = stopped.value + 1
         if status:
-            raise RuntimeError(f"native decode step failed ({ {1: 'bad sizes', 2: 'out of memory'}.get(status, status)}); "
-                               f"the sequences' state is no longer consistent")
+            why = {1: "bad sizes", 2: "out of memory"}.get(status, f"status {status}")
+            raise RuntimeError(f"native decode step failed ({why}); the sequences' state is no longer consistent")
         for st, n in zip((st for st in state.layers if isinstance(st, MLACache)), longest):
             st.max_length = n + 1
         for store in plan.stores:
