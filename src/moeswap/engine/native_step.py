@@ -6,12 +6,14 @@ the layers' weights are described once, as a table of pointers, and a step is on
 same kernels in the same order on the same values; the model's forward stays the reference and runs
 whenever this does not apply:
 
-- eager CPU inference without gradients, fp32 activations, the fp32 GEMM precision, no expert lookahead;
+- eager CPU inference without gradients, fp32 activations, the fp32 GEMM precision, at most 32 sequences;
 - dense weights kept bf16 (the loader's default on the CPU) with each attention's input projections and
-  each gated MLP's gate/up fused (EngineConfig.fuse);
-- routed experts in a store that never evicts (the layers' resident tables, models/layers/moe.py).
-  A layer whose chosen experts are not in its table yet stops the call after its attention; that FFN runs
-  through the store (which fills the table) and the call resumes at the next layer.
+  each gated MLP's gate/up fused (EngineConfig.fuse).
+
+Routed experts run in the call from the layers' resident tables (models/layers/moe.py) when the store
+never evicts. Otherwise the call stops after a MoE layer's attention and the model runs that FFN (the
+store's fetch, its trace, an expert lookahead, group-limited routing), then the call resumes at the next
+layer; so does a layer whose chosen experts are not in its table yet (the store then fills the table).
 
 The table points at the bf16 weights and fp32 parameters themselves, so in-place changes to them are seen;
 where it holds a copy (fp32 casts, conv taps, the absorbed MLA weights, AttnRes scores) it is rebuilt when
@@ -52,7 +54,7 @@ class _Layer(ctypes.Structure):
         ("w_gu", _p), ("w_down", _p), ("hidden", _i64),
         ("router", _p), ("router_bias", _p), ("E", _i64), ("topk", _i64), ("softmax", _i64), ("renorm", _i64),
         ("route_scale", _f64), ("table", _p), ("F", _i64), ("format", _i64),
-        ("lat_down", _p), ("lat_up", _p), ("lat_norm", _p), ("lat_dim", _i64),
+        ("lat_down", _p), ("lat_up", _p), ("lat_norm", _p), ("lat_dim", _i64), ("stop", _i64),
     ]
 
 
@@ -79,7 +81,8 @@ class _Plan:
         self.watched: list[torch.Tensor] = []  # weights the table holds copies of (see _f32)
         layers = model.model.layers
         self.table = (_Layer * len(layers))()
-        self.moe: list[tuple[int, object, object]] = []  # (layer, MoE block, its resident table)
+        self.moe: list[tuple[int, object]] = []  # (layer, MoE block)
+        self.module_ffn: set[int] = set()  # layers whose FFN the model always runs
         block = c.attn_res_block_size
         self.max_bank = -(-len(layers) // block) if block else 0
         for i, layer in enumerate(layers):
@@ -98,7 +101,7 @@ class _Plan:
                 self._moe(t, i, layer.block_sparse_moe)
         m = model.model
         self.score_out = self._score(m.output_attn_res_norm, m.output_attn_res_proj) if block else None
-        self.stores = list({id(m.store): m.store for _, m, _ in self.moe}.values())
+        self.stores = list({id(m.store): m.store for _, m in self.moe}.values())
 
     # -- pointers, checked --------------------------------------------------------------------------
     def _ptr(self, t: torch.Tensor) -> int:
@@ -190,17 +193,13 @@ class _Plan:
         t.moe = 1
         r = moe.gate
         if r.groups > 1 or r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
-            raise Unsupported("a router with expert groups or without fp32 weights")
+            self.module_ffn.add(i)  # group-limited routing, or no fp32 router: the model runs this FFN
+            return
         if (moe.act, tuple(moe.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("experts with their own activation")
         t.router, t.router_bias = self._f32(r.weight), self._f32(r.e_score_correction_bias)
         t.E, t.topk, t.route_scale = moe.num_experts, r.top_k, r.scaling
         t.softmax, t.renorm = int(r.scoring != "sigmoid"), int(r.renormalize)
-        table = moe.resident_table()
-        if table is None:
-            raise Unsupported(f"layer {i}: routed experts are not all resident "
-                              f"(a store that can evict, a trace or a prefetcher)")
-        t.table = self._ptr(table.rows)
         if hasattr(moe, "routed_expert_down_proj"):
             t.lat_down, t.lat_up = self._bf16(moe.routed_expert_down_proj), self._bf16(moe.routed_expert_up_proj)
             t.lat_dim = moe.routed_expert_down_proj.weight.shape[0]
@@ -209,19 +208,22 @@ class _Plan:
                 t.lat_norm = self._f32(moe.routed_expert_norm.weight)
         if hasattr(moe, "shared_experts"):
             self._gated_mlp(t, moe.shared_experts)
-        self.moe.append((i, moe, table))
+        self.moe.append((i, moe))
 
-    def refresh_tables(self) -> None:
-        """The experts' width and format, which a table learns from the first experts it is given."""
-        for i, moe, table in self.moe:
-            self.table[i].F = table.F
-            int8 = moe.int8_activations and table.kind == "mxfp4"
-            self.table[i].format = cpu_kernels.resident_format_code(table.kind, int8)
-
-    def usable(self) -> bool:
-        """The stores still never evict, record nothing and prefetch nothing (they may change between steps)."""
-        return all(not getattr(s, "can_evict", True) and getattr(s, "trace", None) is None
-                   and getattr(s, "prefetcher", None) is None for s in self.stores)
+    def refresh(self, lookahead: bool) -> None:
+        """Per step, what may change between steps: which layers stop for the model to run their FFN (all
+        of them under an expert lookahead, which runs there; MoE layers without a resident table: a store
+        that can evict, traces or prefetches), and each table's expert width and format, which it learns
+        from the first experts it is given."""
+        for i, t in enumerate(self.table):
+            t.stop = int(lookahead or i in self.module_ffn)
+        for i, moe in self.moe:
+            t, table = self.table[i], moe.resident_table()
+            if table is None or i in self.module_ffn:
+                t.stop, t.table = 1, None
+                continue
+            t.table, t.F = table.rows.data_ptr(), table.F  # MoE.resident_table keeps it alive
+            t.format = cpu_kernels.resident_format_code(table.kind, moe.int8_activations and table.kind == "mxfp4")
 
 
 class NativeDecode:
@@ -245,8 +247,7 @@ class NativeDecode:
     def _applicable(self, tokens_BT: torch.Tensor, state: ModelState | None) -> _Plan | None:
         m = self.model
         if (state is None or tokens_BT.ndim != 2 or tokens_BT.shape[1] != 1 or not tokens_BT.is_cpu
-                or not 0 < tokens_BT.shape[0] <= KERNEL_MAX_ROWS or m.expert_lookahead is not None
-                or m.gemm_precision != "fp32" or torch.compiler.is_compiling()
+                or not 0 < tokens_BT.shape[0] <= KERNEL_MAX_ROWS or m.gemm_precision != "fp32" or torch.compiler.is_compiling()
                 or m.model.embed_tokens.weight.dtype != torch.float32):
             self.reason = "not an eager fp32 CPU decode step of at most 32 sequences"
             return None
@@ -263,8 +264,8 @@ class NativeDecode:
             except Unsupported as err:
                 self._plan, self._unsupported = None, str(err)
         plan = self._plan
-        if plan is None or not plan.usable():
-            self.reason = self._unsupported or "an expert store can now evict, trace or prefetch"
+        if plan is None:
+            self.reason = self._unsupported
             return None
         self.reason = None
         return plan
@@ -293,7 +294,7 @@ class NativeDecode:
         m, B, D = self.model, tokens_B1.shape[0], plan.D
         states = self._state_table(state, B)
         longest = [st.longest() for st in state.layers if isinstance(st, MLACache)]
-        plan.refresh_tables()
+        plan.refresh(m.expert_lookahead is not None)
         partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
         bank = torch.empty(max(plan.max_bank, 1), B, D)
         m_out = torch.empty(B, D)
@@ -307,18 +308,21 @@ class NativeDecode:
                 plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), max(1, torch.get_num_threads()))
             if status != 4:
                 break
-            # a layer whose experts are not all in its table: its FFN through the store, then the rest
-            layer = m.model.layers[stopped.value]
-            partial += layer.feed_forward(layer.post_attention_layernorm(m_out.view(B, 1, D))).view(B, D)
-            plan.refresh_tables()
-            first = stopped.value + 1
+            # a layer whose FFN the model runs (through the store, after its lookahead), then the rest
+            i = stopped.value
+            layer, x = m.model.layers[i], m_out.view(B, 1, D)
+            if m.expert_lookahead is not None:
+                m.expert_lookahead(i, x)
+            partial += layer.feed_forward(layer.post_attention_layernorm(x)).view(B, D)
+            plan.refresh(m.expert_lookahead is not None)
+            first = i + 1
         if status:
             why = {1: "bad sizes", 2: "out of memory"}.get(status, f"status {status}")
             raise RuntimeError(f"native decode step failed ({why}); the sequences' state is no longer consistent")
         for st, n in zip((st for st in state.layers if isinstance(st, MLACache)), longest):
             st.max_length = n + 1
         for store in plan.stores:
-            hits = sum(used[i] for i, moe, _ in plan.moe if moe.store is store)
+            hits = sum(used[i] for i, moe in plan.moe if moe.store is store)
             if hits:
                 store.count_resident_hits(hits)
         hidden = m.model.norm(partial.view(B, 1, D))

@@ -414,7 +414,9 @@ class ExpertStore:
                 victim = policy.victim(())
             if victim is None:
                 return strict
-            tier.drop(victim)
+            dropped = tier.drop(victim)
+            if dropped is not None and hasattr(self.source, "evicted"):
+                self.source.evicted(dropped)  # its read buffer is likely free for the next read
             self.stats.tiers[tier.name].evictions += 1
             if i == 0 and victim in self._unused:
                 self._unused.discard(victim)

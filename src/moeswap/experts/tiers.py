@@ -98,9 +98,12 @@ class MemoryTier(Tier):
         self._items[key] = weights
         return weights
 
-    def drop(self, key: Key) -> None:
-        if self._items.pop(key, None) is not None:
+    def drop(self, key: Key) -> Weights | None:
+        """Forgets the key; returns what it held (None if nothing)."""
+        w = self._items.pop(key, None)
+        if w is not None:
             self.used -= self.cost(key)
+        return w
 
 
 class CheckpointTier(Tier):
@@ -161,6 +164,11 @@ class CheckpointTier(Tier):
 
     def put(self, key: Key, weights: Weights) -> Weights:
         raise TypeError("the checkpoint tier is read-only")
+
+    def evicted(self, w: Weights) -> None:
+        """A cache tier dropped w: if it lives in one of our read buffers, the next read may reuse it."""
+        if isinstance(w, MXFP4ExpertWeights) and w.w1_packed.device.type == "cpu":
+            self.buffers.released(w.w1_packed)
 
     def stored_bytes(self, key: Key) -> int:
         return self.index.stored_bytes(self.ckpt, key.layer, key.expert)

@@ -1223,8 +1223,9 @@ typedef struct {
     /* dense MLP, or the shared experts: gate|up [2 hidden, D], down [D, hidden] (NULL: none) */
     const uint16_t *w_gu, *w_down;
     int64_t hidden;
-    /* MoE: router [E, D] + bias [E]; resident table [E, 6] (format as moeswap_moe_resident); K3's latent
-     * projections down [lat_dim, D], up [D, lat_dim] and norm [lat_dim] (NULL: the experts read x) */
+    /* MoE: router [E, D] + bias [E]; resident table [E, 6] (format as moeswap_moe_resident; NULL only with
+     * `stop`); K3's latent projections down [lat_dim, D], up [D, lat_dim] and norm [lat_dim] (NULL: the
+     * experts read x) */
     const float *router, *router_bias;
     int64_t E, topk, softmax, renorm;
     double route_scale;
@@ -1233,6 +1234,7 @@ typedef struct {
     const uint16_t *lat_down, *lat_up;
     const float *lat_norm;
     int64_t lat_dim;
+    int64_t stop;                           /* stop before this layer's FFN: the caller runs it (status 4) */
 } decode_layer;
 
 /* Rows of width w from column `from` of src [N, stride] into dst [N, w]. */
@@ -1317,11 +1319,12 @@ static int mla_block(const decode_layer *l, float *latent, int64_t *lengths, int
 }
 
 /* The FFN of a layer on its normalised input xn [N, D] into out [N, D]: the dense MLP, or the MoE block (router,
- * routed experts from the resident table, shared experts added). Returns 4, out untouched, when a chosen
- * expert is not in the table: the caller runs this FFN through the expert store instead. */
+ * routed experts from the resident table, shared experts added). Returns 4, out untouched, when the layer is
+ * marked `stop` or a chosen expert is not in the table: the caller runs this FFN through the expert store. */
 static int ffn_block(const decode_layer *l, const float *xn, int64_t N, int64_t D, float eps, int act, float b1,
                      float b2, float *out, int nt, int64_t *used) {
     *used = 0;
+    if (l->stop) return 4;
     if (!l->moe) return moeswap_bf16_mlp(xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, out, nt);
     int64_t *ids = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
     float *w = (float *)malloc((size_t)(N * l->topk) * sizeof(float) + 64);
@@ -1361,8 +1364,9 @@ static int mixed(const float *score, const float *bank, int64_t n_bank, const fl
  * score_out is given) on the running sum partial [N, D] (in place), for N sequences of one token each.
  * state [n_layers, 3]: KDA (conv, S, 0) or MLA (latent, lengths, capacity) base pointers of rows 0..N-1.
  * bank [max_bank, N, D] with *n_bank of its rows in use (in and out). used[i]: the distinct experts layer i
- * ran. Returns 0; 4 when layer *stopped's experts are not all resident: its attention is done, m_out [N, D]
- * holds its FFN input before the norm, and the caller runs that FFN and resumes at *stopped + 1; else 1 bad
+ * ran. Returns 0; 4 when layer *stopped is marked `stop` or its experts are not all resident: its attention is
+ * done, m_out [N, D] holds its FFN input before the norm, and the caller runs that FFN (and whatever the
+ * model does there, such as an expert lookahead) and resumes at *stopped + 1; else 1 bad
  * sizes, 2 out of memory (the step's state is then not to be trusted). */
 int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t first, const int64_t *state,
                           float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
