@@ -179,7 +179,8 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     t_dev = _roof(cost, "experts", flops * on_device, f_rate * eff, (weight_bytes + act) * on_device, cx.expert_bw)
     # Fixed time per expert (an eager engine's lookup and grouping) and per output row (a kernel that
     # finishes each row on its own: reduction, scale, activation).
-    engine_us = 0.0 if cx.native else eng.get("expert_us", 0.0)  # the native step runs them from a table
+    # the native step runs resident experts from a table; swapping ones go through the store as before
+    engine_us = 0.0 if cx.native and pl.hit_rate >= 1.0 else eng.get("expert_us", 0.0)
     per_expert = engine_us * 1e-6 + (2 * n + width) * eng.get("expert_row_ns", 0.0) * 1e-9
     t_fixed = touched * on_device * per_expert
     cost.add("experts", t_fixed)
@@ -242,8 +243,10 @@ def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
         comm += all_reduce(hw, lay.expert_tp, p.tokens / lay.ep * cfg.moe.latent_dim * 2)
     cost.add("comm", comm)
 
-    if cx.native:  # the layers of a decode step in one C call: its fixed time per layer
-        cost.add("overhead", eng.native_layer_us * 1e-6)
+    if cx.native:  # the layers of a decode step in one C call: its fixed time per layer, and the eager
+        # ops of a MoE block whose experts swap (the model runs that FFN between two native calls)
+        swapping = lp.num_experts and cx.pl.hit_rate < 1.0
+        cost.add("overhead", (eng.native_layer_us + (eng.kernels_moe * cx.op_us if swapping else 0.0)) * 1e-6)
         return cost
     kernels = (eng.kernels_kda if lp.attn_kind == "kda" else eng.kernels_mla)
     kernels += eng.kernels_moe if lp.num_experts else eng.kernels_dense
@@ -257,8 +260,8 @@ NATIVE_MAX_TOKENS = 32  # engine/native_step.py: decode steps of at most this ma
 
 def _native_step(cx: _Ctx, p: Pass) -> bool:
     """Whether the engine runs this pass's layers in its native decode step: an engine profile that
-    measured one, a decode pass of few enough tokens, and every expert resident (no swapping)."""
-    return (cx.hw.engine.get("native_layer_us") is not None and p.decode and cx.pl.hit_rate >= 1.0
+    measured one and a decode pass of few enough tokens."""
+    return (cx.hw.engine.get("native_layer_us") is not None and p.decode
             and p.per_rank(cx.lay.dp) <= NATIVE_MAX_TOKENS)
 
 
