@@ -101,6 +101,12 @@ class _Plan:
                 self._moe(t, i, layer.block_sparse_moe)
         m = model.model
         self.score_out = self._score(m.output_attn_res_norm, m.output_attn_res_proj) if block else None
+        # the final norm and lm_head in the call too, where the head is a bf16 stored weight
+        self._norm_eps(m.norm)
+        self.final_norm, self.head, self.V = self._f32(m.norm.weight), None, model.config.vocab_size
+        if not model.config.tie_word_embeddings and type(model.lm_head) is StoredWeightLinear:
+            self.head = self._bf16(model.lm_head)
+        self._scratch: dict[int, tuple] = {}
         self.stores = list({id(m.store): m.store for _, m in self.moe}.values())
 
     # -- pointers, checked --------------------------------------------------------------------------
@@ -210,6 +216,15 @@ class _Plan:
             self._gated_mlp(t, moe.shared_experts)
         self.moe.append((i, moe))
 
+    def scratch(self, B: int) -> tuple[torch.Tensor, torch.Tensor, ctypes.Array]:
+        """The call's bank [max_bank, B, D] and stop output [B, D], and the experts-per-layer array, kept
+        per batch size (the call overwrites them; nothing of them is returned)."""
+        if B not in self._scratch:
+            with torch.inference_mode(False):
+                self._scratch[B] = (torch.empty(max(self.max_bank, 1), B, self.D), torch.empty(B, self.D),
+                                    (_i64 * len(self.table))())
+        return self._scratch[B]
+
     def refresh(self, lookahead: bool) -> None:
         """Per step, what may change between steps: which layers stop for the model to run their FFN (all
         of them under an expert lookahead, which runs there; MoE layers without a resident table: a store
@@ -237,6 +252,7 @@ class NativeDecode:
         self._built = False
         self._unsupported: str | None = None  # why no plan could be made for the current parameters
         self.reason: str | None = None  # why the last step took the model's forward, or None
+        self._states: tuple | None = None  # (state, batch, its pointer table, its MLA caches): _state_table
 
     def __call__(self, tokens_BT: torch.Tensor, state: ModelState | None, last_only: bool = False) -> torch.Tensor:
         plan = self._applicable(tokens_BT, state)
@@ -271,8 +287,15 @@ class NativeDecode:
         return plan
 
     def _state_table(self, state: ModelState, B: int) -> ctypes.Array:
-        """Per layer (conv, S, 0) or (latent, lengths, capacity) of the batch's rows; MLA caches grown to fit."""
+        """Per layer (conv, S, 0) or (latent, lengths, capacity) of the batch's rows; MLA caches grown to fit.
+        Kept for the same state object (the scheduler's views) while its MLA caches keep their buffers."""
+        kept = self._states
+        if kept is not None and kept[0] is state and kept[1] == B:
+            caches = kept[3]
+            if all(st.latent_BSX is lat and st.longest() < lat.shape[1] for st, lat in caches):
+                return kept[2]
         values: list[int] = []
+        caches = []
         for st in state.layers:
             if isinstance(st, KDAState):
                 S, conv = st.recurrent_BHKK, st.conv_BWC
@@ -285,10 +308,13 @@ class NativeDecode:
                 ok = (lat.dtype == torch.float32 and lengths.dtype == torch.int64
                       and lat.shape[0] == lengths.shape[0] == B and lat.is_contiguous() and lengths.is_contiguous())
                 values += [lat.data_ptr(), lengths.data_ptr(), lat.shape[1]]
+                caches.append((st, lat))
             if not ok:
                 raise ValueError(f"native decode step: a layer state does not fit {B} sequences "
                                  f"of fp32 contiguous rows")
-        return (_i64 * len(values))(*values)
+        table = (_i64 * len(values))(*values)
+        self._states = (state, B, table, caches)
+        return table
 
     def _step(self, plan: _Plan, tokens_B1: torch.Tensor, state: ModelState) -> torch.Tensor:
         m, B, D = self.model, tokens_B1.shape[0], plan.D
@@ -296,15 +322,16 @@ class NativeDecode:
         longest = [st.longest() for st in state.layers if isinstance(st, MLACache)]
         plan.refresh(m.expert_lookahead is not None)
         partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
-        bank = torch.empty(max(plan.max_bank, 1), B, D)
-        m_out = torch.empty(B, D)
+        bank, m_out, used = plan.scratch(B)
+        logits = torch.empty(B, plan.V) if plan.head else None
         n_layers = len(plan.table)
-        n_bank, stopped, used = _i64(0), _i64(-1), (_i64 * n_layers)()
+        n_bank, stopped = _i64(0), _i64(-1)
         first = 0
         while True:
             status = plan.kernel.lib.moeswap_decode_layers(
                 plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
-                ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, B, D, plan.eps, L2_EPS, plan.act,
+                ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, plan.final_norm, plan.head, plan.V,
+                None if logits is None else logits.data_ptr(), B, D, plan.eps, L2_EPS, plan.act,
                 plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), max(1, torch.get_num_threads()))
             if status != 4:
                 break
@@ -325,6 +352,8 @@ class NativeDecode:
             hits = sum(used[i] for i, moe in plan.moe if moe.store is store)
             if hits:
                 store.count_resident_hits(hits)
+        if logits is not None:
+            return logits.view(B, 1, plan.V)
         hidden = m.model.norm(partial.view(B, 1, D))
         head = m.model.embed_tokens.weight if m.config.tie_word_embeddings else m.lm_head.weight
         return linear(hidden, head)

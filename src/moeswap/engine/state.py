@@ -27,17 +27,26 @@ class SlotStates:
                 st.latent_BSX = torch.zeros(slots, max_len, st.latent_BSX.shape[-1],
                                             dtype=st.latent_BSX.dtype, device=st.latent_BSX.device)
         self.lengths = [0] * slots  # host copy of every slot's cached tokens
+        self._views: dict[tuple[int, int], ModelState] = {}
 
     def view(self, start: int, stop: int) -> ModelState:
-        """The state of slots start..stop-1 as views; the model's in-place updates land in the buffers."""
+        """The state of slots start..stop-1 as views; the model's in-place updates land in the buffers.
+        Kept per range (a decode step asks for the same one every step); only the host lengths change."""
         longest = max(self.lengths[start:stop])
+        kept = self._views.get((start, stop))
+        if kept is not None:
+            for st in kept.layers:
+                if isinstance(st, MLACache):
+                    st.max_length = longest
+            return kept
         layers = []
         for st in self.full.layers:
             if isinstance(st, KDAState):
                 layers.append(KDAState(st.recurrent_BHKK[start:stop], st.conv_BWC[start:stop]))
             else:
                 layers.append(MLACache(st.latent_BSX[start:stop], st.lengths_B[start:stop], longest))
-        return ModelState(layers)
+        self._views[(start, stop)] = ModelState(layers)
+        return self._views[(start, stop)]
 
     def advance(self, start: int, stop: int, tokens: int) -> None:
         """Record on the host that slots start..stop-1 each took `tokens` more tokens."""

@@ -1364,14 +1364,17 @@ static int mixed(const float *score, const float *bank, int64_t n_bank, const fl
  * score_out is given) on the running sum partial [N, D] (in place), for N sequences of one token each.
  * state [n_layers, 3]: KDA (conv, S, 0) or MLA (latent, lengths, capacity) base pointers of rows 0..N-1.
  * bank [max_bank, N, D] with *n_bank of its rows in use (in and out). used[i]: the distinct experts layer i
- * ran. Returns 0; 4 when layer *stopped is marked `stop` or its experts are not all resident: its attention is
+ * ran. With final_norm and head (bf16 [V, D]) given, once every layer has run the step ends as the model's
+ * does: logits [N, V] = rmsnorm(partial; final_norm, eps) @ head^T.
+ * Returns 0; 4 when layer *stopped is marked `stop` or its experts are not all resident: its attention is
  * done, m_out [N, D] holds its FFN input before the norm, and the caller runs that FFN (and whatever the
  * model does there, such as an expert lookahead) and resumes at *stopped + 1; else 1 bad
  * sizes, 2 out of memory (the step's state is then not to be trusted). */
 int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t first, const int64_t *state,
                           float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
-                          const float *score_out, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1,
-                          float b2, int64_t *used, int64_t *stopped, int nt) {
+                          const float *score_out, const float *final_norm, const uint16_t *head, int64_t V,
+                          float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
+                          int64_t *used, int64_t *stopped, int nt) {
     if (N < 1 || D < 1 || first < 0 || first > n_layers || *n_bank < 0 || *n_bank > max_bank) return 1;
     if (!ready) { init_tables(); ready = 1; }
     float *buf = (float *)malloc((size_t)(4 * N * D) * sizeof(float) + 64);
@@ -1414,6 +1417,10 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
     if (!status && score_out) {
         status = mixed(score_out, bank, *n_bank, partial, N, D, eps, h, nt);
         if (!status) memcpy(partial, h, (size_t)(N * D) * sizeof(float));
+    }
+    if (!status && final_norm && head) {
+        status = moeswap_rms_norm(partial, N, D, final_norm, eps, h, nt);
+        if (!status) status = moeswap_bf16_linear(h, N, D, head, V, logits, nt);
     }
     free(proj);
     free(buf);
