@@ -6,7 +6,8 @@ the layers' weights are described once, as a table of pointers, and a step is on
 same kernels in the same order on the same values; the model's forward stays the reference and runs
 whenever this does not apply:
 
-- eager CPU inference without gradients, fp32 activations, the fp32 GEMM precision, at most 32 sequences;
+- eager CPU inference without gradients, fp32 activations, at most 32 sequences (either GEMM precision:
+  under bf16, every bf16-weight product rounds its input as ops/linear.py does);
 - dense weights kept bf16 (the loader's default on the CPU) with each attention's input projections and
   each gated MLP's gate/up fused (EngineConfig.fuse).
 
@@ -36,7 +37,7 @@ from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
 from moeswap.ops.kda import L2_EPS
-from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, linear
+from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, gemm_precision, linear
 
 _p, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
@@ -258,12 +259,13 @@ class NativeDecode:
         plan = self._applicable(tokens_BT, state)
         if plan is None:
             return self.model(tokens_BT, state, last_only)
-        return self._step(plan, tokens_BT, state)
+        with gemm_precision(self.model.gemm_precision):  # for what the model runs between native calls
+            return self._step(plan, tokens_BT, state)
 
     def _applicable(self, tokens_BT: torch.Tensor, state: ModelState | None) -> _Plan | None:
         m = self.model
         if (state is None or tokens_BT.ndim != 2 or tokens_BT.shape[1] != 1 or not tokens_BT.is_cpu
-                or not 0 < tokens_BT.shape[0] <= KERNEL_MAX_ROWS or m.gemm_precision != "fp32" or torch.compiler.is_compiling()
+                or not 0 < tokens_BT.shape[0] <= KERNEL_MAX_ROWS or torch.compiler.is_compiling()
                 or m.model.embed_tokens.weight.dtype != torch.float32):
             self.reason = "not an eager fp32 CPU decode step of at most 32 sequences"
             return None
@@ -332,7 +334,8 @@ class NativeDecode:
                 plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
                 ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, plan.final_norm, plan.head, plan.V,
                 None if logits is None else logits.data_ptr(), B, D, plan.eps, L2_EPS, plan.act,
-                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), max(1, torch.get_num_threads()))
+                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), int(m.gemm_precision == "bf16"),
+                max(1, torch.get_num_threads()))
             if status != 4:
                 break
             # a layer whose FFN the model runs (through the store, after its lookahead), then the rest

@@ -665,6 +665,37 @@ int moeswap_bf16_linear(const float *x, int64_t T, int64_t I, const uint16_t *W,
     return 0;
 }
 
+/* fp32 -> bf16 rounded to nearest even, NaN to the quiet 0x7FC0: torch's Tensor.to(torch.bfloat16). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* y = x @ W^T for bf16 W as ops/linear.py's linear() computes it for a decode-sized x: exact fp32 (bf16_in 0),
+ * or, under --gemm-precision bf16, x rounded to bf16 and multiplied by AVX-512 BF16 dot products where the
+ * build has them and I % 32 == 0, else by the fp32 kernel on the rounded values. */
+static int dense_linear(int bf16_in, const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, float *y,
+                        int nt) {
+    if (!bf16_in) return moeswap_bf16_linear(x, T, I, W, O, y, nt);
+    const int dot = moeswap_has_bf16_dot() && I % 32 == 0;
+    void *buf = malloc((size_t)(T * I) * (dot ? sizeof(uint16_t) : sizeof(float)) + 64);
+    if (!buf) return 2;
+    int status;
+    if (dot) {
+        uint16_t *xb = (uint16_t *)buf;
+        for (int64_t k = 0; k < T * I; k++) xb[k] = f32_to_bf16(x[k]);
+        status = moeswap_bf16x_linear(xb, T, I, W, O, y, nt);
+    } else {
+        float *xr = (float *)buf;
+        for (int64_t k = 0; k < T * I; k++) xr[k] = bf16_to_f32(f32_to_bf16(x[k]));
+        status = moeswap_bf16_linear(xr, T, I, W, O, y, nt);
+    }
+    free(buf);
+    return status;
+}
+
 typedef struct { int32_t expert; int32_t chunk; } work_item;
 
 /* (expert, chunk) for every chunk of every expert that has tokens; returns how many. */
@@ -1005,18 +1036,23 @@ int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, 
  * experts and dense MLP) in one call: gu = x @ w_gu^T (w_gu [2H, D]: gate rows, then up rows), h = act(gate,
  * up) per row, y = h @ w_down^T (w_down [D, H]). The same functions as the three calls it replaces
  * (moeswap_bf16_linear, moeswap_glu), so the same bits. Returns 0, 1 for bad sizes, 2 out of memory. */
-int moeswap_bf16_mlp(const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H, const uint16_t *w_down,
-                     int act, float b1, float b2, float *y, int nthreads) {
+static int gated_mlp(int bf16_in, const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H,
+                     const uint16_t *w_down, int act, float b1, float b2, float *y, int nthreads) {
     if (T < 1 || D < 1 || H < 1 || (act != 0 && act != 1)) return 1;
     float *gu = (float *)malloc((size_t)(T * 2 * H) * sizeof(float) + 64);
     float *h = (float *)malloc((size_t)(T * H) * sizeof(float) + 64);
     if (!gu || !h) { free(gu); free(h); return 2; }
-    int status = moeswap_bf16_linear(x, T, D, w_gu, 2 * H, gu, nthreads);
+    int status = dense_linear(bf16_in, x, T, D, w_gu, 2 * H, gu, nthreads);
     for (int64_t t = 0; !status && t < T; t++)
         status = moeswap_glu(gu + t * 2 * H, gu + t * 2 * H + H, h + t * H, H, act, b1, b2, nthreads);
-    if (!status) status = moeswap_bf16_linear(h, T, H, w_down, D, y, nthreads);
+    if (!status) status = dense_linear(bf16_in, h, T, H, w_down, D, y, nthreads);
     free(gu); free(h);
     return status;
+}
+
+int moeswap_bf16_mlp(const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H, const uint16_t *w_down,
+                     int act, float b1, float b2, float *y, int nthreads) {
+    return gated_mlp(0, x, T, D, w_gu, H, w_down, act, b1, b2, y, nthreads);
 }
 
 int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *y, int nthreads);
@@ -1026,17 +1062,17 @@ int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float
  * eps) when norm_w is given, y = r @ w_up^T (w_up [D, I] bf16), written to y [T, D]. The same functions as
  * the calls it replaces, so the same bits. Returns their status; 4 (y untouched) when a chosen expert has no
  * pointers in the table. */
-int moeswap_latent_moe_resident(int format, const float *x, int64_t T, int64_t D, const uint16_t *w_down,
-                                int64_t I, const float *norm_w, float eps, const uint16_t *w_up, int64_t F,
-                                int64_t E_total, const int64_t *table, const int64_t *ids, const float *weight,
-                                int64_t K, int act, float b1, float b2, float *y, int nthreads, int64_t *used) {
+static int latent_moe(int bf16_in, int format, const float *x, int64_t T, int64_t D, const uint16_t *w_down,
+                      int64_t I, const float *norm_w, float eps, const uint16_t *w_up, int64_t F, int64_t E_total,
+                      const int64_t *table, const int64_t *ids, const float *weight, int64_t K, int act, float b1,
+                      float b2, float *y, int nthreads, int64_t *used) {
     if (T < 1 || D < 1 || I < 1 || K < 1 || E_total < 1) return 1;
     const int checked = resident_ids(table, E_total, ids, T * K); /* before any work */
     if (checked) return checked;
     float *h = (float *)malloc((size_t)(T * I) * sizeof(float) + 64);
     float *r = (float *)calloc((size_t)(2 * T * I), sizeof(float)); /* the experts' sum, then its norm */
     if (!h || !r) { free(h); free(r); return 2; }
-    int status = moeswap_bf16_linear(x, T, D, w_down, I, h, nthreads);
+    int status = dense_linear(bf16_in, x, T, D, w_down, I, h, nthreads);
     if (!status)
         status = moeswap_moe_resident(format, h, T, I, F, E_total, table, ids, weight, K, act, b1, b2, r, nthreads,
                                       used);
@@ -1045,9 +1081,17 @@ int moeswap_latent_moe_resident(int format, const float *x, int64_t T, int64_t D
         routed = r + T * I;
         status = moeswap_rms_norm(r, T, I, norm_w, eps, routed, nthreads);
     }
-    if (!status) status = moeswap_bf16_linear(routed, T, I, w_up, D, y, nthreads);
+    if (!status) status = dense_linear(bf16_in, routed, T, I, w_up, D, y, nthreads);
     free(h); free(r);
     return status;
+}
+
+int moeswap_latent_moe_resident(int format, const float *x, int64_t T, int64_t D, const uint16_t *w_down,
+                                int64_t I, const float *norm_w, float eps, const uint16_t *w_up, int64_t F,
+                                int64_t E_total, const int64_t *table, const int64_t *ids, const float *weight,
+                                int64_t K, int act, float b1, float b2, float *y, int nthreads, int64_t *used) {
+    return latent_moe(0, format, x, T, D, w_down, I, norm_w, eps, w_up, F, E_total, table, ids, weight, K, act, b1,
+                      b2, y, nthreads, used);
 }
 
 /* Sum of a[i] * b[i] over n fp32 values, in 16 (AVX-512) or 8 (AVX2) lanes, then the tail. */
@@ -1243,8 +1287,8 @@ static void take_columns(const float *src, int64_t N, int64_t stride, int64_t fr
 }
 
 /* A KDA layer for one token per sequence: out [N, D] = o_proj(kda(...)). state: conv [N, W-1, 3C], S. */
-static int kda_block(const decode_layer *l, float *conv, float *S, const float *proj, int64_t N, float eps,
-                     float l2_eps, float *out, int64_t D, int nt) {
+static int kda_block(int bf16_in, const decode_layer *l, float *conv, float *S, const float *proj, int64_t N,
+                     float eps, float l2_eps, float *out, int64_t D, int nt) {
     const int64_t H = l->H, K = l->K, C = H * K, P = l->in_rows;
     float *buf = (float *)malloc((size_t)(N * (3 * C + K + C + H + C + K + C)) * sizeof(float) + 64);
     if (!buf) return 2;
@@ -1253,17 +1297,17 @@ static int kda_block(const decode_layer *l, float *conv, float *S, const float *
     take_columns(proj, N, P, l->off[0], 3 * C, qkv); /* q, k, v are adjacent in w_in */
     take_columns(proj, N, P, l->off[3], K, fa);
     take_columns(proj, N, P, l->off[4], H, b);
-    int status = moeswap_bf16_linear(fa, N, K, l->w_fb, C, z, nt);
+    int status = dense_linear(bf16_in, fa, N, K, l->w_fb, C, z, nt);
     if (!status && l->w_gb) {
         take_columns(proj, N, P, l->off[5], K, ga);
-        status = moeswap_bf16_linear(ga, N, K, l->w_gb, C, gate, nt);
+        status = dense_linear(bf16_in, ga, N, K, l->w_gb, C, gate, nt);
     } else if (!status) {
         take_columns(proj, N, P, l->off[5], C, gate);
     }
     if (!status)
         status = moeswap_kda_layer(qkv, conv, l->taps, l->W, z, l->dt_bias, l->rate, (float)l->lower, (int)l->bounded,
                                    b, S, gate, l->o_norm, eps, (float)l->kda_scale, l2_eps, y, N, 1, H, K, nt);
-    if (!status) status = moeswap_bf16_linear(y, N, C, l->w_o, D, out, nt);
+    if (!status) status = dense_linear(bf16_in, y, N, C, l->w_o, D, out, nt);
     free(buf);
     return status;
 }
@@ -1278,8 +1322,8 @@ int moeswap_sigmoid_gate(float *x, const float *g, int64_t rows, int64_t width, 
 
 /* An MLA layer for one token per sequence: appends [kv_norm(c) | k_r] at lengths[n] (then lengths[n] += 1)
  * in latent [N, cap, L + R], attends, gates, o_proj into out [N, D]. */
-static int mla_block(const decode_layer *l, float *latent, int64_t *lengths, int64_t cap, const float *proj,
-                     int64_t N, float eps, float *out, int64_t D, int nt) {
+static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t *lengths, int64_t cap,
+                     const float *proj, int64_t N, float eps, float *out, int64_t D, int nt) {
     const int64_t H = l->H, X = l->L + l->R, Q = H * (l->N + l->R), P = l->in_rows, HV = H * l->V;
     for (int64_t n = 0; n < N; n++)
         if (lengths[n] < 0 || lengths[n] >= cap) return 1;
@@ -1290,7 +1334,7 @@ static int mla_block(const decode_layer *l, float *latent, int64_t *lengths, int
     if (l->w_qb) {
         take_columns(proj, N, P, l->off[0], l->q_rank, qa);
         status = moeswap_rms_norm(qa, N, l->q_rank, l->q_norm, eps, qa, nt);
-        if (!status) status = moeswap_bf16_linear(qa, N, l->q_rank, l->w_qb, Q, q, nt);
+        if (!status) status = dense_linear(bf16_in, qa, N, l->q_rank, l->w_qb, Q, q, nt);
     } else {
         take_columns(proj, N, P, l->off[0], Q, q);
     }
@@ -1313,7 +1357,7 @@ static int mla_block(const decode_layer *l, float *latent, int64_t *lengths, int
         status = moeswap_mla_decode(q, latent, cap, lengths, l->wk, l->wv, (float)l->mla_scale, att, N, H, l->N,
                                     l->R, l->L, l->V, nt);
     if (!status && l->gated) status = moeswap_sigmoid_gate(att, proj + l->off[2], N, HV, P);
-    if (!status) status = moeswap_bf16_linear(att, N, HV, l->w_o, D, out, nt);
+    if (!status) status = dense_linear(bf16_in, att, N, HV, l->w_o, D, out, nt);
     free(buf);
     return status;
 }
@@ -1321,11 +1365,11 @@ static int mla_block(const decode_layer *l, float *latent, int64_t *lengths, int
 /* The FFN of a layer on its normalised input xn [N, D] into out [N, D]: the dense MLP, or the MoE block (router,
  * routed experts from the resident table, shared experts added). Returns 4, out untouched, when the layer is
  * marked `stop` or a chosen expert is not in the table: the caller runs this FFN through the expert store. */
-static int ffn_block(const decode_layer *l, const float *xn, int64_t N, int64_t D, float eps, int act, float b1,
-                     float b2, float *out, int nt, int64_t *used) {
+static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_t N, int64_t D, float eps, int act,
+                     float b1, float b2, float *out, int nt, int64_t *used) {
     *used = 0;
     if (l->stop) return 4;
-    if (!l->moe) return moeswap_bf16_mlp(xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, out, nt);
+    if (!l->moe) return gated_mlp(bf16_in, xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, out, nt);
     int64_t *ids = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
     float *w = (float *)malloc((size_t)(N * l->topk) * sizeof(float) + 64);
     float *routed = (float *)calloc((size_t)(N * D), sizeof(float));
@@ -1335,13 +1379,14 @@ static int ffn_block(const decode_layer *l, const float *xn, int64_t N, int64_t 
         status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
                                (float)l->route_scale, ids, w, nt);
     if (!status && l->lat_down)
-        status = moeswap_latent_moe_resident((int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps,
+        status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps,
                                              l->lat_up, l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed,
                                              nt, used);
     else if (!status)
         status = moeswap_moe_resident((int)l->format, xn, N, D, l->F, l->E, l->table, ids, w, l->topk, act, b1, b2,
                                       routed, nt, used);
-    if (!status && l->w_gu) status = moeswap_bf16_mlp(xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, shared, nt);
+    if (!status && l->w_gu)
+        status = gated_mlp(bf16_in, xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, shared, nt);
     if (!status)
         for (int64_t j = 0; j < N * D; j++) out[j] = l->w_gu ? routed[j] + shared[j] : routed[j];
     free(ids); free(w); free(routed); free(shared);
@@ -1374,7 +1419,7 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
                           float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
                           const float *score_out, const float *final_norm, const uint16_t *head, int64_t V,
                           float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
-                          int64_t *used, int64_t *stopped, int nt) {
+                          int64_t *used, int64_t *stopped, int bf16_in, int nt) {
     if (N < 1 || D < 1 || first < 0 || first > n_layers || *n_bank < 0 || *n_bank > max_bank) return 1;
     if (!ready) { init_tables(); ready = 1; }
     float *buf = (float *)malloc((size_t)(4 * N * D) * sizeof(float) + 64);
@@ -1397,16 +1442,16 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
         free(proj);
         proj = status ? NULL : (float *)malloc((size_t)(N * l->in_rows) * sizeof(float) + 64);
         if (!status && !proj) status = 2;
-        if (!status) status = moeswap_bf16_linear(xn, N, D, l->w_in, l->in_rows, proj, nt);
+        if (!status) status = dense_linear(bf16_in, xn, N, D, l->w_in, l->in_rows, proj, nt);
         if (!status)
-            status = l->mla ? mla_block(l, (float *)(intptr_t)st[0], (int64_t *)(intptr_t)st[1], st[2], proj, N, eps,
-                                        y, D, nt)
-                            : kda_block(l, (float *)(intptr_t)st[0], (float *)(intptr_t)st[1], proj, N, eps, l2_eps,
-                                        y, D, nt);
+            status = l->mla ? mla_block(bf16_in, l, (float *)(intptr_t)st[0], (int64_t *)(intptr_t)st[1], st[2],
+                                        proj, N, eps, y, D, nt)
+                            : kda_block(bf16_in, l, (float *)(intptr_t)st[0], (float *)(intptr_t)st[1], proj, N,
+                                        eps, l2_eps, y, D, nt);
         for (int64_t j = 0; !status && j < N * D; j++) partial[j] += y[j];
         if (!status) status = mixed(l->score_ffn, bank, *n_bank, partial, N, D, eps, h, nt);
         if (!status) status = moeswap_rms_norm(h, N, D, l->ln_post, eps, xn, nt);
-        if (!status) status = ffn_block(l, xn, N, D, eps, act, b1, b2, y, nt, used + i);
+        if (!status) status = ffn_block(bf16_in, l, xn, N, D, eps, act, b1, b2, y, nt, used + i);
         if (status == 4) {
             memcpy(m_out, h, (size_t)(N * D) * sizeof(float));
             *stopped = i;
@@ -1420,7 +1465,7 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
     }
     if (!status && final_norm && head) {
         status = moeswap_rms_norm(partial, N, D, final_norm, eps, h, nt);
-        if (!status) status = moeswap_bf16_linear(h, N, D, head, V, logits, nt);
+        if (!status) status = dense_linear(bf16_in, h, N, D, head, V, logits, nt);
     }
     free(proj);
     free(buf);

@@ -60,7 +60,7 @@ _SIGNATURES = {
     "moeswap_sigmoid_gate": [_p, _p, _i64, _i64, _i64],
     "moeswap_decode_layers": [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64,
                               ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p, _p,
-                              ctypes.c_int],
+                              ctypes.c_int, ctypes.c_int],
 }
 
 
