@@ -277,6 +277,27 @@ def test_int8_activation_moe_matches_its_reference(in_dim, expert_dim):
         assert 1e-4 < (y - exact).abs().max() / exact.abs().max() < 0.1  # it is not the fp32 path
 
 
+@pytest.mark.parametrize("width", [32, 160, 1024])  # 160: a partial 128-column chunk
+def test_vector_int8_quantization_writes_the_reference_bytes(width):
+    """The AVX-512 block quantizer against the plain one, byte for byte: halves after scaling, zero blocks,
+    tiny and huge magnitudes, and blocks with a NaN or an infinity (which take the plain path)."""
+    kernel = int8_kernel()
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=gen) * torch.logspace(-30, 30, 9)[:, None]
+    x[1, :32] = 0.0
+    x[2, :32] = torch.arange(32) - 15.5  # amax 15.5: values land on halves of the int8 grid
+    x[3, 5] = float("nan")
+    x[4, -1] = float("inf")
+    x[5, :32] = -x[5, :32].abs()
+    row = (width + 127) // 128 * (128 + 64 + 64)
+    vector, plain = (torch.full((9, row), 0xAB, dtype=torch.uint8) for _ in range(2))
+    assert kernel.lib.moeswap_q8_quantize(x.data_ptr(), 9, width, vector.data_ptr(), 0) == 0
+    assert kernel.lib.moeswap_q8_quantize(x.data_ptr(), 9, width, plain.data_ptr(), 1) == 0
+    assert torch.equal(vector, plain)
+    # a zero block's values are zeros (block 0: the chunk's bytes 0-15 and 64-79), a random one's are not
+    assert plain[1, :16].eq(0).all() and plain[1, 64:80].eq(0).all() and not plain[0, :16].eq(0).all()
+
+
 def test_int8_activations_keep_nan_and_refuse_bf16_experts():
     kernel = int8_kernel()
     w = random_expert(64, 96, seed=1)

@@ -259,33 +259,91 @@ static float round_to_11_bits(float v) {
     return v;
 }
 
-/* One row of I columns into the chunk layout above (dst: chunks * Q8_CHUNK_BYTES bytes, 64-byte aligned). */
-static void q8_quantize_row(const float *x, int64_t I, uint8_t *dst) {
+/* Block b of a row (32 columns of x from xb) into its chunk (zeroed before its first block), as described
+ * above: the plain reference of q8_block_avx512, which it also serves for blocks with non-finite values. */
+static void q8_block(const float *xb, int64_t b, uint8_t *chunk) {
+    float amax = 0.f;
+    int finite = 1;
+    for (int k = 0; k < 32; k++) {
+        finite &= isfinite(xb[k]) != 0;
+        amax = fmaxf(amax, fabsf(xb[k]));
+    }
+    int8_t *q = (int8_t *)chunk;
+    int32_t *corr = (int32_t *)(chunk + 128);
+    float *d = (float *)(chunk + 128 + 64);
+    const float inv = amax > 0.f && finite ? 127.f / amax : 0.f;
+    for (int k = 0; k < 32; k++) {
+        const int j = (int)(b % 4) * 32 + k; /* column within the chunk */
+        float v = nearbyintf(xb[k] * inv);
+        v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+        q[(j & 1) * 64 + j / 2] = (int8_t)v;
+        corr[j / 8] -= 12 * (int32_t)v;
+    }
+    const float scale = finite ? round_to_11_bits(amax / 127.f) * 0.5f : NAN;
+    for (int l = 0; l < 4; l++) d[(b % 4) * 4 + l] = scale;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* q8_block in 16-lane vectors, the same bytes (round-to-nearest-even conversion, the same products). */
+static void q8_block_avx512(const float *xb, int64_t b, uint8_t *chunk) {
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    if (_mm512_cmp_ps_mask(a0, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, inf, _CMP_NLT_UQ)) {
+        q8_block(xb, b, chunk); /* a NaN or an infinity: the block's scale is NaN */
+        return;
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    const __m512i v0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), lim), nlim);
+    const __m512i v1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv)), lim), nlim);
+    /* column k of the block: even ones to q[m 16 + k/2], odd ones to q[64 + m 16 + k/2] */
+    const __m128i evens_first = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m128i b0 = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(v0), evens_first);
+    const __m128i b1 = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(v1), evens_first);
+    const int64_t m = b % 4;
+    int8_t *q = (int8_t *)chunk;
+    _mm_storeu_si128((__m128i *)(q + m * 16), _mm_unpacklo_epi64(b0, b1));
+    _mm_storeu_si128((__m128i *)(q + 64 + m * 16), _mm_unpackhi_epi64(b0, b1));
+    int32_t *corr = (int32_t *)(chunk + 128) + m * 4;
+    corr[0] -= 12 * _mm512_mask_reduce_add_epi32(0x00FF, v0);
+    corr[1] -= 12 * _mm512_mask_reduce_add_epi32(0xFF00, v0);
+    corr[2] -= 12 * _mm512_mask_reduce_add_epi32(0x00FF, v1);
+    corr[3] -= 12 * _mm512_mask_reduce_add_epi32(0xFF00, v1);
+    const float scale = round_to_11_bits(amax / 127.f) * 0.5f;
+    float *d = (float *)(chunk + 128 + 64) + m * 4;
+    for (int l = 0; l < 4; l++) d[l] = scale;
+}
+#define Q8_BLOCK q8_block_avx512
+#else
+#define Q8_BLOCK q8_block
+#endif
+
+/* One row of I columns into the chunk layout above (dst: chunks * Q8_CHUNK_BYTES bytes, 64-byte aligned);
+ * plain: the reference blocks only (the parity test's). */
+static void q8_quantize_row(const float *x, int64_t I, uint8_t *dst, int plain) {
     const int64_t chunks = (I + 127) / 128;
     memset(dst, 0, (size_t)(chunks * Q8_CHUNK_BYTES));
     for (int64_t b = 0; b < I / 32; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.f;
-        int finite = 1;
-        for (int k = 0; k < 32; k++) {
-            finite &= isfinite(xb[k]) != 0;
-            amax = fmaxf(amax, fabsf(xb[k]));
-        }
         uint8_t *chunk = dst + (b / 4) * Q8_CHUNK_BYTES;
-        int8_t *q = (int8_t *)chunk;
-        int32_t *corr = (int32_t *)(chunk + 128);
-        float *d = (float *)(chunk + 128 + 64);
-        const float inv = amax > 0.f && finite ? 127.f / amax : 0.f;
-        for (int k = 0; k < 32; k++) {
-            const int j = (int)(b % 4) * 32 + k; /* column within the chunk */
-            float v = nearbyintf(xb[k] * inv);
-            v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
-            q[(j & 1) * 64 + j / 2] = (int8_t)v;
-            corr[j / 8] -= 12 * (int32_t)v;
-        }
-        const float scale = finite ? round_to_11_bits(amax / 127.f) * 0.5f : NAN;
-        for (int l = 0; l < 4; l++) d[(b % 4) * 4 + l] = scale;
+        if (plain) q8_block(x + b * 32, b, chunk);
+        else Q8_BLOCK(x + b * 32, b, chunk);
     }
+}
+
+/* T rows of x [T, I] into dst (T * chunks * Q8_CHUNK_BYTES bytes), rows over threads when there are many. */
+static void q8_quantize_rows(const float *x, int64_t T, int64_t I, uint8_t *dst, int plain, int nthreads) {
+    const int64_t row = (I + 127) / 128 * Q8_CHUNK_BYTES;
+    #pragma omp parallel for num_threads(T * I >= (1 << 16) ? nthreads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) q8_quantize_row(x + t * I, I, dst + t * row, plain);
+}
+
+/* For the parity test: rows quantized by the vector blocks (plain 0) or the reference (plain 1). */
+int moeswap_q8_quantize(const float *x, int64_t T, int64_t I, uint8_t *dst, int plain) {
+    if (T < 0 || I < 32 || I % 32) return 1;
+    q8_quantize_rows(x, T, I, dst, plain, 1);
+    return 0;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -714,18 +772,27 @@ enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2 };
 typedef struct { const float *f; q8_rows q; int64_t width; } pair_rows;
 
 /* Row tokens[k] of x for each of the P pairs (tokens NULL: x already has one row per pair), in `format`'s
- * form; buf: fp32 [P, I] scratch for gathering. Returns the block to free (NULL if none) and sets *ok = 0
- * when out of memory. */
-static void *pair_inputs(int format, const float *x, int64_t I, const int64_t *tokens, int64_t P, float *buf,
-                         pair_rows *out, int *ok) {
+ * form (x: [T, I]); buf: fp32 [P, I] scratch for gathering. Returns the block to free (NULL if none) and
+ * sets *ok = 0 when out of memory. */
+static void *pair_inputs(int format, const float *x, int64_t T, int64_t I, const int64_t *tokens, int64_t P,
+                         float *buf, pair_rows *out, int *ok, int nthreads) {
     *ok = 1;
     out->width = I;
     if (format == MXFP4_Q8) {
-        const int64_t chunks = (I + 127) / 128;
-        uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)(P * chunks * Q8_CHUNK_BYTES) + 64);
-        if (!q) { *ok = 0; return NULL; }
-        for (int64_t k = 0; k < P; k++)
-            q8_quantize_row(x + (tokens ? tokens[k] : k) * I, I, q + k * chunks * Q8_CHUNK_BYTES);
+        const int64_t chunks = (I + 127) / 128, row = chunks * Q8_CHUNK_BYTES;
+        uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)(P * row) + 64);
+        /* a token's row quantized once for all its pairs (a decode step's K experts), when that is less work */
+        uint8_t *qt = tokens && T <= P ? (uint8_t *)aligned_alloc(64, (size_t)(T * row) + 64) : NULL;
+        if (!q || (tokens && T <= P && !qt)) { free(q); free(qt); *ok = 0; return NULL; }
+        if (qt) {
+            q8_quantize_rows(x, T, I, qt, 0, nthreads);
+            for (int64_t k = 0; k < P; k++) memcpy(q + k * row, qt + tokens[k] * row, (size_t)row);
+            free(qt);
+        } else if (tokens) {
+            for (int64_t k = 0; k < P; k++) q8_quantize_row(x + tokens[k] * I, I, q + k * row, 0);
+        } else {
+            q8_quantize_rows(x, P, I, q, 0, nthreads);
+        }
         out->q = (q8_rows){q, chunks};
         return q;
     }
@@ -779,7 +846,7 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
     work_item *items = (work_item *)malloc((size_t)E * (up_chunks > down_chunks ? up_chunks : down_chunks) * sizeof(work_item) + 64);
     pair_rows xa, ha;
     int ok = xg && g && out && items;
-    void *xa_own = ok ? pair_inputs(format, x, I, tokens, P, xg, &xa, &ok) : NULL;
+    void *xa_own = ok ? pair_inputs(format, x, T, I, tokens, P, xg, &xa, &ok, nthreads) : NULL;
     if (!ok) { free(xg); free(g); free(out); free(items); free(xa_own); return 2; }
     float *u = g + P * F;
     int64_t n_items = list_items(items, off, E, up_chunks);
@@ -795,7 +862,7 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
         activate(ge, ue, nt, F, o, n, act, b1, b2);
     }
     free(xa_own);
-    void *ha_own = pair_inputs(format, g, F, NULL, P, NULL, &ha, &ok); /* the hidden rows: one per pair already */
+    void *ha_own = pair_inputs(format, g, P, F, NULL, P, NULL, &ha, &ok, nthreads); /* one hidden row per pair */
     if (!ok) { free(xg); free(g); free(out); free(items); return 2; }
     n_items = list_items(items, off, E, down_chunks);
     #pragma omp parallel for num_threads(nthreads) schedule(static)

@@ -58,6 +58,7 @@ _SIGNATURES = {
     "moeswap_rms_norm": [_p, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
     "moeswap_res_mix": [_p, ctypes.c_int, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
     "moeswap_sigmoid_gate": [_p, _p, _i64, _i64, _i64],
+    "moeswap_q8_quantize": [_p, _i64, _i64, _p, ctypes.c_int],
     "moeswap_decode_layers": [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64,
                               ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p, _p,
                               ctypes.c_int, ctypes.c_int],
