@@ -41,6 +41,8 @@ def test_decode_and_prefill_reports(tiny_k3_dir, tmp_path):
     assert [r["batch"] for r in rep["rooflines"]] == [1, 2]
     md = decode.format_markdown(rep)
     assert "SKIPPED" in md and "roofline" in md and md.count("\n| ") == 3 and "batch 2 " in md
+    steps = sum(r["results"]["moeswap"]["engine"]["decode_steps"] for r in rep["rows"])
+    assert f"native C call (engine/native_step.py): {steps} of {steps} " in md  # every decode step took it
     json.dumps(rep)
     rep = prefill.measure(setup, [5, 9])
     assert [r["prompt_tokens"] for r in rep["rows"]] == [5, 9]

@@ -73,6 +73,13 @@ def format_markdown(report: dict) -> str:
             cells += [f"{x['tokens_per_s']:.1f}", f"{x['moeswap_ratio']:.2f}",
                       f"{sum(a == 16 for a in agree)}/{len(agree)} seqs (min {min(agree)})"]
         lines.append("| " + " | ".join(cells) + " |")
+    engines = [r["results"]["moeswap"].get("engine") or {} for r in report["rows"]]
+    if engines and all("native_steps" in e for e in engines):
+        native = sum(e["native_steps"] for e in engines)
+        off = {e["native_off"] for e in engines if e.get("native_off")}
+        lines += ["", f"moeswap's decode steps in the native C call (engine/native_step.py): {native} of "
+                      f"{sum(e['decode_steps'] for e in engines)} in the rounds kept"
+                  + (f" (otherwise: {'; '.join(sorted(off))})" if off else "")]
     roofs = report.get("rooflines") or []
     if roofs:
         one = sbs.batch_roofline(report["bytes"], report["bandwidth"]["read_GBps"], report["gemm_gflops"], 1)

@@ -77,6 +77,8 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0  # sequences x steps
     decode_s: float = 0.0
+    native_steps: int = 0  # decode steps whose layers ran in one C call (engine/native_step.py)
+    native_off: str | None = None  # why the last decode step did not, if it did not
 
     def as_dict(self) -> dict:
         d = dict(vars(self))
@@ -195,6 +197,9 @@ class Scheduler:
 
     def _decode_step(self, n: int, events: list[TokenEvent]) -> None:
         logits = self._decode(self.pending[:n, None], self.states.view(0, n))[:, -1]
+        if isinstance(self._decode, NativeDecode):
+            self.stats.native_off = self._decode.reason
+            self.stats.native_steps += self._decode.reason is None
         self.states.advance(0, n, 1)
         next_B = self._sample(logits, self.live[:n])
         self.pending[:n] = next_B  # the next step's input stays on the device
