@@ -223,3 +223,26 @@ def test_weights_changed_in_place_are_used(tiny_k3_dir):
         want = model(tokens, want_state)
         got = native(tokens, model.make_state(2))
     assert native.reason is None and torch.equal(got, want)
+
+
+def test_group_limited_routing_and_an_fp32_head_run_in_the_model_around_the_call(tiny_k3_dir):
+    """A router with expert groups (DeepSeek-V3's) has no C kernel: its FFN runs in the model between native
+    calls; an lm_head that is not a bf16 stored weight runs after the call. The forward's logits, bit for bit."""
+    from torch import nn
+
+    def prepare(model):
+        for moe in model.moe_blocks():
+            moe.gate.groups, moe.gate.topk_group = 2, 1
+        head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+        head.weight = nn.Parameter(model.lm_head.weight.detach().float(), requires_grad=False)
+        model.lm_head = head
+        return model
+
+    model = prepare(_load(tiny_k3_dir)[0])
+    want, _ = _decode(model, model, 2, 5, 3)
+    model = prepare(_load(tiny_k3_dir)[0])
+    native = NativeDecode(model)
+    got, _ = _decode(native, model, 2, 5, 3)
+    assert native.reason is None and torch.equal(got, want)
+    assert native._plan.head is None and native._plan.module_ffn == {i for i, layer in enumerate(model.model.layers)
+                                                                     if hasattr(layer, "block_sparse_moe")}
