@@ -146,7 +146,7 @@ def cmd_generate(args) -> int:
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
-        "expert_store": store.stats.as_dict(),
+        "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
     }
     if args.json:
         print(json.dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
@@ -156,7 +156,9 @@ def cmd_generate(args) -> int:
           f"time to first token {stats['ttft_ms']:.1f} ms, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
           file=sys.stderr)
     if args.stats:
-        print(f"[load {load_s:.2f}s; {store.stats.summary()}]", file=sys.stderr)
+        native = f"decode steps in one C call: {result.native_steps} of {result.decoded}" + (
+            f" (otherwise: {result.native_off})" if result.native_off else "")
+        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}]", file=sys.stderr)
     return 0
 
 

@@ -163,9 +163,11 @@ def test_generate_stats_and_flags(tiny_k3_dir, capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "experts: fast " in err and "prefetch precision" in err and "disk " in err
+    assert "decode steps in one C call: 3 of 3" in err  # swapping MoE layers run in the model between calls
     assert main(argv[:-6] + ["--json", "--expert-policy", "none"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["expert_store"]["hits"] == 0 and data["expert_store"]["disk_reads"] > 0
+    assert data["native_decode_steps"] == 3
 
 
 def test_trace_bench_cache_and_planner(tiny_k3_dir, tmp_path, capsys):

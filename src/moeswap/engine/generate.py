@@ -31,6 +31,8 @@ class GenerationResult:
     ttft_s: float
     decode_s: float
     decoded: int = field(default=0)  # tokens produced by decode steps (all but the first)
+    native_steps: int = 0  # the batch's decode steps that ran in the native C call (engine/native_step.py)
+    native_off: str | None = None  # why the last decode step did not, if it did not
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -75,5 +77,6 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
     requests = [Request(list(p), cfg.max_tokens, cfg.sampling, stop, None if cfg.seed is None else cfg.seed + i, i)
                 for i, p in enumerate(prompts)]
     results = sched.run(requests, (lambda ev: on_token(ev.id, ev.token)) if on_token else None)
-    return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded)
-            for r in results]
+    st = sched.stats
+    return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded,
+                             st.native_steps, st.native_off) for r in results]
