@@ -109,6 +109,16 @@ def test_generate_streams_text(capsys, tiny_k3_dir):
     assert "[3 tokens, finish: length" in err and "misses" in err
 
 
+def test_generate_reference_step_gives_the_native_steps_tokens(capsys, tiny_k3_dir):
+    argv = ("generate", str(tiny_k3_dir), "--prompt", PROMPT, "--max-tokens", "6", "--ignore-eos", "--json")
+    code, out, _ = run(capsys, *argv)
+    native = json.loads(out)
+    code2, out2, _ = run(capsys, *argv, "--reference-step")
+    reference = json.loads(out2)
+    assert code == code2 == 0 and native["tokens"] == reference["tokens"]
+    assert native["native_decode_steps"] == 5 and reference["native_decode_steps"] == 0
+
+
 # -- inspect ---------------------------------------------------------------------------------------
 
 

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--stats", action="store_true", help="print timing and expert-store statistics")
+    p.add_argument("--reference-step", action="store_true",
+                   help="decode through the model's modules (the reference), not the native C step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_load_flags(p)
 
@@ -117,6 +119,7 @@ def cmd_init_tiny(args) -> int:
 
 def cmd_generate(args) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.engine.scheduler import EngineConfig
     from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.tokenizer import StreamDecoder, load_tokenizer
     from moeswap.models.loader import load_model
@@ -140,7 +143,8 @@ def cmd_generate(args) -> int:
     if not args.json:
         print(args.prompt if not args.chat else "", end="", flush=True)
         on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
-    result = generate(model, ids, cfg, on_token=on_token)
+    engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
+    result = generate(model, ids, cfg, on_token=on_token, engine=engine)
     store.close()
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
@@ -156,8 +160,9 @@ def cmd_generate(args) -> int:
           f"time to first token {stats['ttft_ms']:.1f} ms, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
           file=sys.stderr)
     if args.stats:
-        native = f"decode steps in one C call: {result.native_steps} of {result.decoded}" + (
-            f" (otherwise: {result.native_off})" if result.native_off else "")
+        native = ("decode steps through the model's modules (--reference-step)" if args.reference_step else
+                  f"decode steps in one C call: {result.native_steps} of {result.decoded}"
+                  + (f" (otherwise: {result.native_off})" if result.native_off else ""))
         print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}]", file=sys.stderr)
     return 0
 

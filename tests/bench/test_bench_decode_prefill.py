@@ -49,6 +49,13 @@ def test_decode_and_prefill_reports(tiny_k3_dir, tmp_path):
     assert prefill.format_markdown(rep).count("\n| ") == 3
 
 
+def test_reference_step_reaches_the_worker(tiny_k3_dir):
+    setup = sbs.Setup(str(tiny_k3_dir), threads=1, peers=(), reps=1, reference_step=True)
+    rep = decode.measure(setup, [1], prompt_tokens=8, tokens=3)
+    assert rep["settings"]["reference_step"] is True
+    assert "native C call (engine/native_step.py): 0 of 2 " in decode.format_markdown(rep)
+
+
 def test_cli_writes_json_and_markdown(tiny_k3_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
     code = main(["bench", "prefill", str(tiny_k3_dir), "--peers", "", "--reps", "1", "--threads", "1",

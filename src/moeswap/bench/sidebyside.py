@@ -30,6 +30,7 @@ class Setup:
     expert_memory: int = 8 << 30
     decoded_experts: bool = False
     compile: bool = False
+    reference_step: bool = False  # decode through the model's modules, not engine/native_step.py
     expert_activations: str = "fp32"
     gemm_precision: str = "fp32"
     gguf: str | None = None  # an existing GGUF for llama.cpp; default: convert the checkpoint (cached in .peers/)
@@ -173,6 +174,7 @@ class Peers:
         arch = load_config(setup.model).arch
         extra = ["--dtype", setup.dtype, "--expert-memory", str(setup.expert_memory)]
         extra += ["--decoded-experts"] * setup.decoded_experts + ["--compile"] * setup.compile
+        extra += ["--reference-step"] * setup.reference_step
         extra += ["--expert-activations", setup.expert_activations, "--gemm-precision", setup.gemm_precision]
         self.workers["moeswap"] = Worker("moeswap", setup.model, setup.threads, extra, setup.moeswap_env)
         for peer in setup.peers:
@@ -273,6 +275,7 @@ def common_report(setup: Setup, peers: Peers) -> dict:
             "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
             "settings": {"dtype": setup.dtype, "expert_memory": setup.expert_memory,
                          "decoded_experts": setup.decoded_experts, "compile": setup.compile,
+                         "reference_step": setup.reference_step,
                          "expert_activations": setup.expert_activations, "gemm_precision": setup.gemm_precision,
                          "moeswap_env": setup.moeswap_env}}
 
@@ -289,6 +292,8 @@ def add_common_flags(b) -> None:
                    help="moeswap expert store budget (default 8GiB: every expert of a bench model stays resident)")
     b.add_argument("--decoded-experts", action="store_true", help="moeswap keeps decoded experts, not MXFP4 bytes")
     b.add_argument("--compile", action="store_true", help="moeswap: torch.compile the decode step")
+    b.add_argument("--reference-step", action="store_true",
+                   help="moeswap: decode through the model's modules (the reference), not the native C step")
     b.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
                    help="moeswap's MXFP4 expert activations (int8: llama.cpp's arithmetic, AVX-512 VNNI only)")
     b.add_argument("--gemm-precision", default="fp32", choices=("fp32", "bf16"),
@@ -310,7 +315,7 @@ def setup_from_args(args) -> Setup:
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"{args.model}: no config.json; give a checkpoint directory")
     return Setup(args.model, args.threads, peers, args.reps, args.dtype, args.expert_memory, args.decoded_experts,
-                 args.compile, args.expert_activations, args.gemm_precision, args.gguf,
+                 args.compile, args.reference_step, args.expert_activations, args.gemm_precision, args.gguf,
                  {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {})
 
 

@@ -56,8 +56,9 @@ def _check_prompt(model, ids: Sequence[int], cfg: GenerationConfig) -> None:
 
 
 def generate(model, prompt_ids: Sequence[int], cfg: GenerationConfig = GenerationConfig(),
-             on_token: Callable[[int], None] | None = None) -> GenerationResult:
-    return generate_batch(model, [prompt_ids], cfg, on_token=(lambda i, t: on_token(t)) if on_token else None)[0]
+             on_token: Callable[[int], None] | None = None, engine: EngineConfig | None = None) -> GenerationResult:
+    return generate_batch(model, [prompt_ids], cfg, on_token=(lambda i, t: on_token(t)) if on_token else None,
+                          engine=engine)[0]
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfig = GenerationConfig(),

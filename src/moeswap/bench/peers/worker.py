@@ -27,7 +27,7 @@ class MoeswapRunner:
 
     def __init__(self, model_dir: str, threads: int, dtype: str = "auto", expert_memory: int = 8 << 30,
                  decoded_experts: bool = False, compile: bool = False, expert_activations: str = "fp32",
-                 gemm_precision: str = "fp32"):
+                 gemm_precision: str = "fp32", reference_step: bool = False):
         import torch
 
         from moeswap.models.loader import LoadOptions, load_model
@@ -38,12 +38,14 @@ class MoeswapRunner:
         known = {f.name for f in dataclasses.fields(LoadOptions)}
         self.model, self.store = load_model(model_dir, LoadOptions(**{k: v for k, v in wanted.items() if k in known}))
         self.compile = compile
+        self.native = not reference_step
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
         from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
 
         longest = max(len(p) for p in prompts) + max_tokens
-        sched = Scheduler(self.model, EngineConfig(max_batch=len(prompts), max_len=longest, compile=self.compile))
+        sched = Scheduler(self.model, EngineConfig(max_batch=len(prompts), max_len=longest, compile=self.compile,
+                                                   native=self.native))
         results = sched.run([Request(p, max_tokens, id=i) for i, p in enumerate(prompts)])
         st = sched.stats
         return {"tokens": [r.tokens for r in results], "ttft_s": st.prefill_s, "decode_s": st.decode_s,
@@ -54,7 +56,7 @@ class MoeswapRunner:
 def _make_runner(args: argparse.Namespace):
     if args.kind == "moeswap":
         return MoeswapRunner(args.model, args.threads, args.dtype, args.expert_memory, args.decoded_experts,
-                             args.compile, args.expert_activations, args.gemm_precision)
+                             args.compile, args.expert_activations, args.gemm_precision, args.reference_step)
     if args.kind == "llama.cpp":
         from moeswap.bench.peers.llamacpp import LlamaCppRunner
 
@@ -78,6 +80,7 @@ def serve(argv: list[str]) -> None:
     p.add_argument("--expert-memory", type=int, default=8 << 30)
     p.add_argument("--decoded-experts", action="store_true")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--reference-step", action="store_true")
     p.add_argument("--expert-activations", default="fp32")
     p.add_argument("--gemm-precision", default="fp32")
     args = p.parse_args(argv)
