@@ -49,11 +49,18 @@ def test_decode_and_prefill_reports(tiny_k3_dir, tmp_path):
     assert prefill.format_markdown(rep).count("\n| ") == 3
 
 
-def test_reference_step_reaches_the_worker(tiny_k3_dir):
-    setup = sbs.Setup(str(tiny_k3_dir), threads=1, peers=(), reps=1, reference_step=True)
+def test_the_reference_step_runs_beside_the_native_one(tiny_k3_dir):
+    """--peers moeswap-reference: moeswap through the model's modules as a peer, the same tokens; and
+    --reference-step takes moeswap itself off the native step."""
+    setup = sbs.Setup(str(tiny_k3_dir), threads=1, peers=("moeswap-reference",), reps=1)
     rep = decode.measure(setup, [1], prompt_tokens=8, tokens=3)
-    assert rep["settings"]["reference_step"] is True
-    assert "native C call (engine/native_step.py): 0 of 2 " in decode.format_markdown(rep)
+    row = rep["rows"][0]["results"]
+    assert row["moeswap-reference"]["greedy_agree_16"] == [3] and row["moeswap-reference"]["moeswap_ratio"] > 0
+    md = decode.format_markdown(rep)
+    assert "moeswap / moeswap-reference" in md and "native C call (engine/native_step.py): 2 of 2 " in md
+    off = decode.measure(sbs.Setup(str(tiny_k3_dir), threads=1, peers=(), reps=1, reference_step=True), [1], 8, 3)
+    assert off["settings"]["reference_step"] is True
+    assert "native C call (engine/native_step.py): 0 of 2 " in decode.format_markdown(off)
 
 
 def test_cli_writes_json_and_markdown(tiny_k3_dir, tmp_path, capsys):

@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PEERS = ("llama.cpp", "transformers")
+PEERS = ("llama.cpp", "transformers")  # the default peers
+# moeswap-reference: moeswap itself decoding through the model's modules (--reference-step), side by side
+# with the native step: the native step's speed-up, and its tokens, in one run
+KNOWN_PEERS = PEERS + ("moeswap-reference",)
 
 
 @dataclass
@@ -189,6 +192,9 @@ class Peers:
                     gguf = setup.gguf or str(llamacpp.ensure_gguf(setup.model))
                     self.workers[peer] = Worker(peer, setup.model, setup.threads, [
                         "--gguf", gguf, "--max-seqs", str(max_seqs), "--max-len", str(max_len)])
+                elif peer == "moeswap-reference":
+                    self.workers[peer] = Worker("moeswap", setup.model, setup.threads, extra + ["--reference-step"],
+                                                setup.moeswap_env)
                 elif peer == "transformers":
                     from moeswap.bench.peers import hf
 
@@ -200,7 +206,7 @@ class Peers:
                     else:
                         self.workers[peer] = Worker(peer, setup.model, setup.threads)
                 else:
-                    self.skipped[peer] = f"unknown peer {peer!r} (known: {', '.join(PEERS)})"
+                    self.skipped[peer] = f"unknown peer {peer!r} (known: {', '.join(KNOWN_PEERS)})"
             except RuntimeError as err:
                 self.skipped[peer] = f"could not start: {str(err)[-500:]}"
 
@@ -285,7 +291,8 @@ def add_common_flags(b) -> None:
 
     b.add_argument("model", help="checkpoint directory (K3 or Kimi Linear layout)")
     b.add_argument("--threads", type=int, default=2, help="threads for every implementation (default 2)")
-    b.add_argument("--peers", default=",".join(PEERS), help="comma list of peers: llama.cpp,transformers ('' = none)")
+    b.add_argument("--peers", default=",".join(PEERS),
+                   help="comma list of peers: llama.cpp,transformers,moeswap-reference ('' = none)")
     b.add_argument("--reps", type=int, default=2, help="rounds per measurement; each implementation's best is kept")
     b.add_argument("--dtype", default="auto", help="moeswap compute dtype (auto: fp32 on CPU)")
     b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("8GiB"),
