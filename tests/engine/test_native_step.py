@@ -246,3 +246,20 @@ def test_group_limited_routing_and_an_fp32_head_run_in_the_model_around_the_call
     assert native.reason is None and torch.equal(got, want)
     assert native._plan.head is None and native._plan.module_ffn == {i for i, layer in enumerate(model.model.layers)
                                                                      if hasattr(layer, "block_sparse_moe")}
+
+
+@pytest.mark.parametrize("flags", cpu_kernels.build_variants()[1:], ids=" ".join)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_kernel_build_gives_the_forward_bit_for_bit(tiny_k3_dir, monkeypatch, flags, precision):
+    """The AVX2 and portable builds (a CI machine may have no AVX-512): the call still equals the forward,
+    which then runs on the same build; under bf16 without AVX-512 BF16, the rounded inputs take the fp32 kernel."""
+    kernel = cpu_kernels.kernel(flags)
+    if kernel is None:
+        pytest.skip(f"the kernel does not build here: {cpu_kernels.build_error()}")
+    monkeypatch.setattr(cpu_kernels, "kernel", lambda flags=None: kernel)
+    model, _ = _load(tiny_k3_dir, gemm_precision=precision)
+    want, _ = _decode(model, model, 2, 6, 3)
+    model, _ = _load(tiny_k3_dir, gemm_precision=precision)
+    native = NativeDecode(model)
+    got, _ = _decode(native, model, 2, 6, 3)
+    assert native.reason is None and native._plan.kernel is kernel and torch.equal(got, want)

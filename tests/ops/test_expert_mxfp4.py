@@ -3,7 +3,6 @@ matches the plain-torch reference; selection, overrides and the fallback when th
 
 from __future__ import annotations
 
-import platform
 import shutil
 
 import pytest
@@ -58,18 +57,7 @@ def test_bf16_inputs_and_batched_shapes(name):
     assert_matches(got, want, torch.bfloat16)
 
 
-def kernel_builds() -> list[tuple[str, ...] | None]:
-    """None = this machine's best; plus the AVX2 and portable builds where the CPU and compiler allow."""
-    builds: list[tuple[str, ...] | None] = [None]
-    if platform.machine() in ("x86_64", "AMD64") and shutil.which("cc") or shutil.which("gcc"):
-        flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
-        if " avx2 " in flags and " fma " in flags:
-            builds.append(("-march=native", "-mno-avx512f"))
-        builds.append(("-march=x86-64",))
-    return builds
-
-
-@pytest.mark.parametrize("flags", kernel_builds(), ids=lambda f: "native" if f is None else " ".join(f))
+@pytest.mark.parametrize("flags", cpu_kernels.build_variants(), ids=lambda f: "native" if f is None else " ".join(f))
 def test_every_kernel_build_matches_the_decoded_matmul(flags):
     kernel = cpu_kernels.kernel(flags)
     if kernel is None:

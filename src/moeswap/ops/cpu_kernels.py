@@ -584,6 +584,18 @@ def for_inference(*tensors: torch.Tensor) -> CpuKernels | None:
     return kernel()
 
 
+def build_variants() -> list[tuple[str, ...] | None]:
+    """Kernel builds this machine can run, for tests: None (its best), then on x86-64 the AVX2 build where
+    the CPU has AVX2 and FMA, and the portable one."""
+    builds: list[tuple[str, ...] | None] = [None]
+    if platform.machine() in ("x86_64", "AMD64") and (shutil.which("cc") or shutil.which("gcc")):
+        cpu = Path("/proc/cpuinfo").read_text() if platform.system() == "Linux" else ""
+        if " avx2 " in cpu and " fma " in cpu:
+            builds.append(("-march=native", "-mno-avx512f"))
+        builds.append(("-march=x86-64",))
+    return builds
+
+
 def build(flags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Path:
     """Compile `source` (default cpu_kernels.c) into the cache (once per source, compiler, flags and CPU)
     and return the path. Default flags: this CPU's instruction set (-march=native, else -mcpu=native,
