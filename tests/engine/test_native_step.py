@@ -263,3 +263,28 @@ def test_every_kernel_build_gives_the_forward_bit_for_bit(tiny_k3_dir, monkeypat
     native = NativeDecode(model)
     got, _ = _decode(native, model, 2, 6, 3)
     assert native.reason is None and native._plan.kernel is kernel and torch.equal(got, want)
+
+
+def test_a_lookahead_with_every_expert_resident_costs_nothing(tiny_k3_dir, monkeypatch):
+    """--prefetch next-layer with a fast tier that holds every expert: nothing can be evicted, so nothing is left
+    to load; the decode steps run whole in the call, without stops or guesses, and give the forward's logits."""
+    from moeswap.models.kimi_k3 import DecoderLayer
+
+    model, store = _load(tiny_k3_dir, prefetch="next-layer")
+    assert store.can_evict is False and model.expert_lookahead is not None
+    want, _ = _decode(model, model, 2, 6, 4)
+    model, store = _load(tiny_k3_dir, prefetch="next-layer")
+    native = NativeDecode(model)
+    guesses = []
+    real_lookahead = model.expert_lookahead
+    model.expert_lookahead = lambda i, x: guesses.append(i) or real_lookahead(i, x)
+    _decode(native, model, 2, 6, 4)  # the same steps once: the tables take every expert they use
+    ran = []
+    real = DecoderLayer.feed_forward
+    monkeypatch.setattr(DecoderLayer, "feed_forward", lambda self, x: ran.append(1) or real(self, x))
+    guesses.clear()
+    got, _ = _decode(native, model, 2, 6, 4)
+    layers = len(model.model.layers)
+    assert native.reason is None and len(ran) == layers and len(guesses) == layers  # the prefill's only
+    assert torch.equal(got, want)
+    store.close()

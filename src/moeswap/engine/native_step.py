@@ -15,6 +15,8 @@ Routed experts run in the call from the layers' resident tables (models/layers/m
 never evicts. Otherwise the call stops after a MoE layer's attention and the model runs that FFN (the
 store's fetch, its trace, an expert lookahead, group-limited routing), then the call resumes at the next
 layer; so does a layer whose chosen experts are not in its table yet (the store then fills the table).
+A next-layer lookahead runs only while a store can evict: with every expert resident it has nothing to
+load (its precision and recall are then not scored).
 
 The table points at the bf16 weights and fp32 parameters themselves, so in-place changes to them are seen;
 where it holds a copy (fp32 casts, conv taps, the absorbed MLA weights, AttnRes scores) it is rebuilt when
@@ -108,7 +110,7 @@ class _Plan:
         if not model.config.tie_word_embeddings and type(model.lm_head) is StoredWeightLinear:
             self.head = self._bf16(model.lm_head)
         self._scratch: dict[int, tuple] = {}
-        self.stores = list({id(m.store): m.store for _, m in self.moe}.values())
+        self.stores = list({id(b.store): b.store for b in model.moe_blocks()}.values())
 
     # -- pointers, checked --------------------------------------------------------------------------
     def _ptr(self, t: torch.Tensor) -> int:
@@ -322,7 +324,9 @@ class NativeDecode:
         m, B, D = self.model, tokens_B1.shape[0], plan.D
         states = self._state_table(state, B)
         longest = [st.longest() for st in state.layers if isinstance(st, MLACache)]
-        plan.refresh(m.expert_lookahead is not None)
+        # a lookahead runs only where a store can evict: with every expert resident it has nothing to load
+        lookahead = m.expert_lookahead if any(getattr(s, "can_evict", True) for s in plan.stores) else None
+        plan.refresh(lookahead is not None)
         partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
         bank, m_out, used = plan.scratch(B)
         logits = torch.empty(B, plan.V) if plan.head else None
@@ -341,10 +345,10 @@ class NativeDecode:
             # a layer whose FFN the model runs (through the store, after its lookahead), then the rest
             i = stopped.value
             layer, x = m.model.layers[i], m_out.view(B, 1, D)
-            if m.expert_lookahead is not None:
-                m.expert_lookahead(i, x)
+            if lookahead is not None:
+                lookahead(i, x)
             partial += layer.feed_forward(layer.post_attention_layernorm(x)).view(B, D)
-            plan.refresh(m.expert_lookahead is not None)
+            plan.refresh(lookahead is not None)
             first = i + 1
         if status:
             why = {1: "bad sizes", 2: "out of memory"}.get(status, f"status {status}")

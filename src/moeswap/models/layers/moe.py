@@ -163,12 +163,11 @@ class MoE(nn.Module):
 
     def resident_table(self) -> _ResidentTable | None:
         """The layer's table of resident experts where decode steps may use it: a store that never evicts
-        (ExpertStore.can_evict), records no trace and prefetches nothing, experts on the grouped CPU kernel.
-        (Anything that would change what an expert computes, such as per-request adapters, must take the
-        fetch path instead.)"""
+        (ExpertStore.can_evict: a prefetcher then has nothing to load, and the table skips its guesses'
+        scoring) and records no trace, experts on the grouped CPU kernel. (Anything that would change what
+        an expert computes, such as per-request adapters, must take the fetch path instead.)"""
         s = self.store
-        if (getattr(s, "can_evict", True) or getattr(s, "trace", None) is not None
-                or getattr(s, "prefetcher", None) is not None or expert_mxfp4.grouped() is None):
+        if getattr(s, "can_evict", True) or getattr(s, "trace", None) is not None or expert_mxfp4.grouped() is None:
             return None
         table = self.__dict__.get("_resident")
         if table is None or table.store is not s:
