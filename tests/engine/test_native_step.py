@@ -36,6 +36,18 @@ def _decode(step, model, batch: int, prompt_len: int, steps: int, state=None):
     return torch.stack(outs), state
 
 
+def _forward_then_native(path, batch: int, prompt_len: int, steps: int, prepare=lambda model: model, **options):
+    """The same decode on two fresh loads of `path`: through the model's forward, then through NativeDecode.
+    Returns (want, got, native), got/want as `_decode` gives them, with the store: (logits, state, store)."""
+    runs = []
+    for native in (False, True):
+        model, store = _load(path, **options)
+        model = prepare(model)
+        step = NativeDecode(model) if native else model
+        runs.append((*_decode(step, model, batch, prompt_len, steps), store, step))
+    return runs[0][:3], runs[1][:3], runs[1][3]
+
+
 def _state_tensors(state):
     out = []
     for st in state.layers:
@@ -54,16 +66,11 @@ def model_dir(request, tiny_k3_dir, tiny_linear_dir):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_native_steps_equal_the_forward_bit_for_bit(model_dir, batch):
-    model, store = _load(model_dir)
-    want, want_state = _decode(model, model, batch, 7, 5)
-    want_hits = store.stats.fast.hits
-    model, store = _load(model_dir)
-    native = NativeDecode(model)
-    got, got_state = _decode(native, model, batch, 7, 5)
+    (want, want_state, want_store), (got, got_state, store), native = _forward_then_native(model_dir, batch, 7, 5)
     assert native.reason is None, native.reason
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(_state_tensors(got_state), _state_tensors(want_state)))
-    assert store.stats.fast.hits == want_hits  # hits counted for the experts the C call ran
+    assert store.stats.fast.hits == want_store.stats.fast.hits  # hits counted for the experts the C call ran
 
 
 def test_layers_whose_experts_are_not_in_the_table_yet_run_through_the_store(tiny_k3_dir, monkeypatch):
@@ -101,11 +108,8 @@ real_step = NativeDecode._step
 
 
 def test_mla_caches_grow_past_their_capacity(tiny_k3_dir):
-    model, _ = _load(tiny_k3_dir)
-    want, _ = _decode(model, model, 2, 62, 5)  # make_state's caches hold 64 tokens: steps 3-5 grow them
-    model, _ = _load(tiny_k3_dir)
-    native = NativeDecode(model)
-    got, state = _decode(native, model, 2, 62, 5)
+    # make_state's caches hold 64 tokens: steps 3-5 grow them
+    (want, _, _), (got, state, _), native = _forward_then_native(tiny_k3_dir, 2, 62, 5)
     assert native.reason is None and torch.equal(got, want)
     assert all(st.latent_BSX.shape[1] >= 67 for st in state.layers if not isinstance(st, KDAState))
 
@@ -117,11 +121,7 @@ def test_llama_cpp_arithmetic_equals_the_forward_bit_for_bit(model_dir, options)
     the call rounds where the forward does."""
     if options.get("expert_activations") == "int8" and not cpu_kernels.kernel().has_int8_activations:
         pytest.skip("int8 activations need AVX-512 VNNI")
-    model, _ = _load(model_dir, **options)
-    want, _ = _decode(model, model, 3, 6, 4)
-    model, _ = _load(model_dir, **options)
-    native = NativeDecode(model)
-    got, _ = _decode(native, model, 3, 6, 4)
+    (want, _, _), (got, _, _), native = _forward_then_native(model_dir, 3, 6, 4, **options)
     assert native.reason is None and torch.equal(got, want)
 
 
@@ -238,13 +238,10 @@ def test_group_limited_routing_and_an_fp32_head_run_in_the_model_around_the_call
         model.lm_head = head
         return model
 
-    model = prepare(_load(tiny_k3_dir)[0])
-    want, _ = _decode(model, model, 2, 5, 3)
-    model = prepare(_load(tiny_k3_dir)[0])
-    native = NativeDecode(model)
-    got, _ = _decode(native, model, 2, 5, 3)
+    (want, _, _), (got, _, _), native = _forward_then_native(tiny_k3_dir, 2, 5, 3, prepare)
     assert native.reason is None and torch.equal(got, want)
-    assert native._plan.head is None and native._plan.module_ffn == {i for i, layer in enumerate(model.model.layers)
+    layers = native.model.model.layers
+    assert native._plan.head is None and native._plan.module_ffn == {i for i, layer in enumerate(layers)
                                                                      if hasattr(layer, "block_sparse_moe")}
 
 
@@ -257,11 +254,7 @@ def test_every_kernel_build_gives_the_forward_bit_for_bit(tiny_k3_dir, monkeypat
     if kernel is None:
         pytest.skip(f"the kernel does not build here: {cpu_kernels.build_error()}")
     monkeypatch.setattr(cpu_kernels, "kernel", lambda flags=None: kernel)
-    model, _ = _load(tiny_k3_dir, gemm_precision=precision)
-    want, _ = _decode(model, model, 2, 6, 3)
-    model, _ = _load(tiny_k3_dir, gemm_precision=precision)
-    native = NativeDecode(model)
-    got, _ = _decode(native, model, 2, 6, 3)
+    (want, _, _), (got, _, _), native = _forward_then_native(tiny_k3_dir, 2, 6, 3, gemm_precision=precision)
     assert native.reason is None and native._plan.kernel is kernel and torch.equal(got, want)
 
 

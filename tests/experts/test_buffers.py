@@ -31,6 +31,6 @@ def test_other_sizes_are_not_reused_and_spares_are_released():
     again = pool.take(1000)
     assert again.data_ptr() in ptrs and pool.reused == 1
     pool.clear()
-    assert pool._buffers == [] and again.numel() == 1000  # the caller's buffer stays valid
+    assert len(pool._buffers) == 0 and again.numel() == 1000  # the caller's buffer stays valid
     again.fill_(7)
     assert int(again.sum()) == 7000

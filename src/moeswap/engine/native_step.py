@@ -241,7 +241,7 @@ class _Plan:
                 t.stop, t.table = 1, None
                 continue
             t.table, t.F = table.rows.data_ptr(), table.F  # MoE.resident_table keeps it alive
-            t.format = cpu_kernels.resident_format_code(table.kind, moe.int8_activations and table.kind == "mxfp4")
+            t.format = cpu_kernels.resident_format_code(table.kind, moe.int8_activations)
 
 
 class NativeDecode:

@@ -2,8 +2,9 @@
 
 Each `step()` first admits waiting requests into free slots (each prompt prefilled alone, in chunks:
 KDA in its chunked form, or its token recurrence in one C call on the CPU; MLA over the chunk plus the
-cache) and then runs one batched decode step over every live sequence. Finished sequences leave at once and their slot is reused. Greedy results equal
-running each request alone. Time to first token and time per output token are measured here.
+cache) and then runs one batched decode step over every live sequence (on the CPU, its layers in one
+C call: engine/native_step.py). Finished sequences leave at once and their slot is reused. Greedy
+results equal running each request alone. Time to first token and time per output token are measured here.
 Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`.
 """
 

@@ -28,8 +28,7 @@ class BufferPool:
     def __init__(self, spare_bytes: int):
         self.spare_bytes = spare_bytes
         self._lock = threading.Lock()
-        self._buffers: list[torch.Tensor] = []  # every buffer handed out and not yet released
-        self._by_ptr: dict[int, torch.Tensor] = {}  # the same, by data pointer
+        self._buffers: dict[int, torch.Tensor] = {}  # every buffer handed out and not yet released, by pointer
         self._evicted: collections.deque[torch.Tensor] = collections.deque()  # likely free: try these first
         self.enabled = hasattr(torch._C, "_storage_Use_Count")  # private API: without it, no reuse
         self.reused = self.allocated = 0
@@ -42,28 +41,24 @@ class BufferPool:
             mine = None
             while self._evicted and mine is None:
                 b = self._evicted.popleft()
-                if b.numel() == nbytes and _storage_users(b) == 2 and self._by_ptr.get(b.data_ptr()) is b:
+                if b.numel() == nbytes and _storage_users(b) == 2 and self._buffers.get(b.data_ptr()) is b:
                     mine = b
             if mine is None:
-                mine = next((b for b in self._buffers if b.numel() == nbytes and _storage_users(b) == 2), None)
+                mine = next((b for b in self._buffers.values() if b.numel() == nbytes and _storage_users(b) == 2),
+                            None)
             if mine is not None:
                 self.reused += 1
                 return mine.view(-1)  # a new tensor on the storage: holding it counts as a use
             # about to grow: first release spare buffers beyond the allowance, oldest first
-            free = [b for b in self._buffers if _storage_users(b) == 2]
+            free = [b for b in self._buffers.values() if _storage_users(b) == 2]
             spare = sum(b.numel() for b in free)
-            release = set()
             for b in free:
                 if spare <= self.spare_bytes:
                     break
-                release.add(id(b))
+                del self._buffers[b.data_ptr()]
                 spare -= b.numel()
-            if release:
-                self._buffers = [b for b in self._buffers if id(b) not in release]
-                self._by_ptr = {b.data_ptr(): b for b in self._buffers}
             mine = torch.empty(nbytes, dtype=torch.uint8)
-            self._buffers.append(mine)
-            self._by_ptr[mine.data_ptr()] = mine
+            self._buffers[mine.data_ptr()] = mine
             self.allocated += 1
             return mine.view(-1)
 
@@ -71,12 +66,11 @@ class BufferPool:
         """t (a view into one of our buffers, or anything else) belonged to an expert just evicted: its
         buffer is likely free by the next `take`."""
         with self._lock:
-            b = self._by_ptr.get(t.untyped_storage().data_ptr())
+            b = self._buffers.get(t.untyped_storage().data_ptr())
             if b is not None:
                 self._evicted.append(b)
 
     def clear(self) -> None:
         with self._lock:
             self._buffers.clear()
-            self._by_ptr.clear()
             self._evicted.clear()

@@ -415,7 +415,7 @@ class ExpertStore:
             if victim is None:
                 return strict
             dropped = tier.drop(victim)
-            if dropped is not None and hasattr(self.source, "evicted"):
+            if dropped is not None:
                 self.source.evicted(dropped)  # its read buffer is likely free for the next read
             self.stats.tiers[tier.name].evictions += 1
             if i == 0 and victim in self._unused:

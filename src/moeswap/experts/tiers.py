@@ -42,6 +42,9 @@ class Tier:
         """Begin loading `key` off the caller's thread; `result()` gives what get() would have."""
         return reads.call(partial(self.get, key), urgent)
 
+    def evicted(self, w: Weights) -> None:
+        """A cache tier above dropped `w` (what this tier gave it, perhaps): nothing to do here by default."""
+
 
 def tensors_of(w: Weights) -> list[torch.Tensor]:
     return list(tensors(w).values())

@@ -900,13 +900,6 @@ int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, con
                (const void *const *)w2, NULL, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 
-/* A decode step's routed experts straight from the router's choice, for experts that stay resident:
- * table [E_total, 6] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
- * bf16: w1 0 w3 0 w2 0), a row of zeros where the caller has none; ids, weight [T, K] are the router's
- * output. The pairs are grouped by expert, experts in id order and each one's tokens in order (as
- * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format:
- * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations. *used: the distinct experts. Returns moe()'s status,
- * 1 for an id out of range, 4 when a chosen expert has no pointers (the caller takes the store's path). */
 /* 0 when every one of the P chosen ids has a row in the table, 1 for an id out of range, 4 for one without. */
 static int resident_ids(const int64_t *table, int64_t E_total, const int64_t *ids, int64_t P) {
     for (int64_t k = 0; k < P; k++) {
@@ -915,6 +908,14 @@ static int resident_ids(const int64_t *table, int64_t E_total, const int64_t *id
     }
     return 0;
 }
+
+/* A decode step's routed experts straight from the router's choice, for experts that stay resident:
+ * table [E_total, 6] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
+ * bf16: w1 0 w3 0 w2 0), a row of zeros where the caller has none; ids, weight [T, K] are the router's
+ * output. The pairs are grouped by expert, experts in id order and each one's tokens in order (as
+ * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format:
+ * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations. *used: the distinct experts. Returns moe()'s status,
+ * 1 for an id out of range, 4 when a chosen expert has no pointers (the caller takes the store's path). */
 
 int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64_t F, int64_t E_total,
                          const int64_t *table, const int64_t *ids, const float *weight, int64_t K, int act,
@@ -1372,8 +1373,9 @@ static int kda_block(int bf16_in, const decode_layer *l, float *conv, float *S, 
         take_columns(proj, N, P, l->off[5], C, gate);
     }
     if (!status)
-        status = moeswap_kda_layer(qkv, conv, l->taps, l->W, z, l->dt_bias, l->rate, (float)l->lower, (int)l->bounded,
-                                   b, S, gate, l->o_norm, eps, (float)l->kda_scale, l2_eps, y, N, 1, H, K, nt);
+        status = moeswap_kda_layer(qkv, conv, l->taps, l->W, z, l->dt_bias, l->rate, (float)l->lower,
+                                   (int)l->bounded, b, S, gate, l->o_norm, eps, (float)l->kda_scale, l2_eps, y, N,
+                                   1, H, K, nt);
     if (!status) status = dense_linear(bf16_in, y, N, C, l->w_o, D, out, nt);
     free(buf);
     return status;
@@ -1394,9 +1396,9 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
     const int64_t H = l->H, X = l->L + l->R, Q = H * (l->N + l->R), P = l->in_rows, HV = H * l->V;
     for (int64_t n = 0; n < N; n++)
         if (lengths[n] < 0 || lengths[n] >= cap) return 1;
-    float *buf = (float *)malloc((size_t)(N * (l->q_rank + Q + X + HV)) * sizeof(float) + 64);
+    float *buf = (float *)malloc((size_t)(N * (l->q_rank + Q + X + l->L + HV)) * sizeof(float) + 64);
     if (!buf) return 2;
-    float *qa = buf, *q = qa + N * l->q_rank, *kv = q + N * Q, *att = kv + N * X;
+    float *qa = buf, *q = qa + N * l->q_rank, *kv = q + N * Q, *c = kv + N * X, *att = c + N * l->L;
     int status = 0;
     if (l->w_qb) {
         take_columns(proj, N, P, l->off[0], l->q_rank, qa);
@@ -1406,19 +1408,14 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
         take_columns(proj, N, P, l->off[0], Q, q);
     }
     take_columns(proj, N, P, l->off[1], X, kv);
-    if (!status) {
-        /* the cache row: the normalised latent, then the shared key slice as it came */
-        float *c = (float *)malloc((size_t)(N * l->L) * sizeof(float) + 64);
-        if (!c) { free(buf); return 2; }
-        take_columns(kv, N, X, 0, l->L, c);
-        status = moeswap_rms_norm(c, N, l->L, l->kv_norm, eps, c, nt);
-        for (int64_t n = 0; !status && n < N; n++) {
-            float *row = latent + (n * cap + lengths[n]) * X;
-            memcpy(row, c + n * l->L, (size_t)l->L * sizeof(float));
-            memcpy(row + l->L, kv + n * X + l->L, (size_t)l->R * sizeof(float));
-            lengths[n]++;
-        }
-        free(c);
+    /* the cache row: the normalised latent, then the shared key slice as it came */
+    take_columns(kv, N, X, 0, l->L, c);
+    if (!status) status = moeswap_rms_norm(c, N, l->L, l->kv_norm, eps, c, nt);
+    for (int64_t n = 0; !status && n < N; n++) {
+        float *row = latent + (n * cap + lengths[n]) * X;
+        memcpy(row, c + n * l->L, (size_t)l->L * sizeof(float));
+        memcpy(row + l->L, kv + n * X + l->L, (size_t)l->R * sizeof(float));
+        lengths[n]++;
     }
     if (!status)
         status = moeswap_mla_decode(q, latent, cap, lengths, l->wk, l->wv, (float)l->mla_scale, att, N, H, l->N,
@@ -1446,9 +1443,8 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
         status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
                                (float)l->route_scale, ids, w, nt);
     if (!status && l->lat_down)
-        status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps,
-                                             l->lat_up, l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed,
-                                             nt, used);
+        status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps, l->lat_up,
+                            l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed, nt, used);
     else if (!status)
         status = moeswap_moe_resident((int)l->format, xn, N, D, l->F, l->E, l->table, ids, w, l->topk, act, b1, b2,
                                       routed, nt, used);
@@ -1488,8 +1484,7 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
                           float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
                           int64_t *used, int64_t *stopped, int bf16_in, int nt) {
     if (N < 1 || D < 1 || first < 0 || first > n_layers || *n_bank < 0 || *n_bank > max_bank) return 1;
-    if (!ready) { init_tables(); ready = 1; }
-    float *buf = (float *)malloc((size_t)(4 * N * D) * sizeof(float) + 64);
+    float *buf = (float *)malloc((size_t)(3 * N * D) * sizeof(float) + 64);
     if (!buf) return 2;
     float *h = buf, *xn = h + N * D, *y = xn + N * D;
     float *proj = NULL;

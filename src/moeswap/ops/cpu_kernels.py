@@ -515,8 +515,9 @@ def _resident_format(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_
 
 
 def resident_format_code(kind: str | None, int8_activations: bool) -> int:
-    """0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations (the *_resident kernels' `format`)."""
-    return 1 if kind == "bf16" else 2 if int8_activations else 0
+    """0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations (the *_resident kernels' `format`; int8 activations are
+    for MXFP4 experts only)."""
+    return 1 if kind == "bf16" else 2 if int8_activations and kind == "mxfp4" else 0
 
 
 def resident_row(w, I: int, bf16: bool) -> tuple[int, tuple[int, ...]] | None:

@@ -335,7 +335,9 @@ def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
         per_step = count_ops(model, run)
         per_expert = expert_step_s(model)
         warm_s = min(r.decode_s / r.decoded for r in (run(33) for _ in range(rounds // 2)))
-        native_s = min(r.decode_s / r.decoded for r in (run(33, native=True) for _ in range(rounds // 2)))
+        native_runs = [run(33, native=True) for _ in range(rounds // 2)]
+        native_s = min(r.decode_s / r.decoded for r in native_runs)
+        native_ran = all(r.native_steps == r.decoded for r in native_runs)  # every step took the native call
         streamer = _Streamer(cpu_kernels.kernel())
         handles = streamer.attach(model)
         run(1)  # warm-up with the streams on
@@ -356,19 +358,7 @@ def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
     native_us = native_s * 1e6 - per_step.get("step", 0.0) * op_us_cached - experts * rows * row_ns * 1e-3
     return TinyRun(max(0.0, step_s - streams_s - experts * per_expert) / ops * 1e6, op_us_cached,
                    max(0.0, per_expert * 1e6 - rows * row_ns * 1e-3), per_layer_counts(model, per_step),
-                   step_s * 1e3, max(0.0, native_us) / len(model.model.layers) if _native_applies(model) else None)
-
-
-def _native_applies(model) -> bool:
-    """Whether the engine's decode steps take the native step on this model (engine/native_step.py)."""
-    import torch
-
-    from moeswap.engine.native_step import NativeDecode
-
-    native = NativeDecode(model)
-    with torch.inference_mode():
-        native(torch.zeros(1, 1, dtype=torch.long), model.make_state(1))
-    return native.reason is None
+                   step_s * 1e3, max(0.0, native_us) / len(model.model.layers) if native_ran else None)
 
 
 def last_level_cache_mb() -> float | None:

@@ -148,7 +148,7 @@ class MoE(nn.Module):
         got = cpu_kernels.kernel().latent_moe_resident(
             x_TD.contiguous(), down.weight, norm_w, 0.0 if norm is None else norm.eps, up.weight, table.rows,
             ids_TK.contiguous(), w_TK.float().contiguous(), table.F, table.kind, self.act, self.situ_betas,
-            self.int8_activations and table.kind == "mxfp4")
+            self.int8_activations)
         if got is None:
             return None
         self.store.count_resident_hits(got[1])
@@ -208,7 +208,7 @@ class _ResidentTable:
             return False
         used = cpu_kernels.kernel().moe_resident(
             h_TI.float().contiguous(), self.rows, ids_TK.contiguous(), w_TK.float().contiguous(), self.F, self.kind,
-            moe.act, moe.situ_betas, out_TI, moe.int8_activations and self.kind == "mxfp4")
+            moe.act, moe.situ_betas, out_TI, moe.int8_activations)
         if used is None:
             return False
         self.store.count_resident_hits(used)
