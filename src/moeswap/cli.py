@@ -13,7 +13,9 @@ import json
 import sys
 import time
 
-from moeswap.units import parse_bytes
+from moeswap.models import REGISTRY
+from moeswap.options import LoadOptions, add_load_flags
+from moeswap.tuning import tune_process
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
 
@@ -30,43 +32,6 @@ BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill"}
 
 
-def _add_load_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--dense-weights", default="auto", choices=("auto", "compute"),
-                   help="auto: keep bf16-stored Linear weights in bf16 under fp32 math where a CPU kernel runs "
-                        "them (half the bytes per decode step, same values); compute: convert to --dtype")
-    p.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
-                   help="MXFP4 experts on the CPU: fp32 activations (default), or int8 per 32-value block with "
-                        "integer dot products, as llama.cpp computes them (faster; AVX-512 VNNI only)")
-    p.add_argument("--gemm-precision", default="fp32", choices=("fp32", "bf16"),
-                   help="CPU matmuls with bf16 weights: fp32 (default, exact), or inputs rounded to bf16 as llama.cpp "
-                        "does (bf16 GEMM for prefill, bf16 dot products for decode batches; ~2x with AVX512-BF16)")
-    # the expert store (experts/store.py StoreOptions, through LoadOptions)
-    p.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"),
-                   help="bytes of routed experts kept in the fast tier: accelerator memory, or host memory "
-                        "without one (default 1GiB)")
-    p.add_argument("--host-memory", type=parse_bytes, default=0,
-                   help="bytes of a host-memory tier between the fast tier and disk (default 0: none)")
-    p.add_argument("--expert-policy", default="lfru", choices=("lru", "lfu", "lfru", "static", "none"),
-                   help="which expert a full tier gives up (default lfru: frequency with decay); static needs "
-                        "--expert-profile; none reads every expert from disk every time")
-    p.add_argument("--prefetch", default="none", choices=("none", "next-layer"),
-                   help="next-layer: guess the next layer's experts with its router and load them while "
-                        "this layer computes")
-    p.add_argument("--decoded-experts", action="store_true",
-                   help="keep decoded copies in the fast tier instead of the stored MXFP4 bytes (4.25 bits)")
-    p.add_argument("--expert-profile", metavar="TRACE", help="routing trace (moeswap trace) for --expert-policy static")
-
-
-def load_options(args):
-    from moeswap.models.loader import LoadOptions
-
-    return LoadOptions(args.dtype, args.device, args.expert_memory, args.host_memory, args.expert_policy,
-                       args.prefetch, args.decoded_experts, args.expert_profile, args.dense_weights,
-                       args.expert_activations, args.gemm_precision)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moeswap", description="Run, swap, serve, fine-tune and plan Kimi K3-class MoE models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -74,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-tiny", help="write a small random model in the published K3 / Kimi Linear layout")
     p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--arch", default="kimi_k3", choices=("kimi_k3", "kimi_linear"))
+    p.add_argument("--arch", default="kimi_k3", choices=tuple(REGISTRY))
     p.add_argument("--size", default="tiny", choices=("tiny", "small", "bench"),
                    help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts")
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-step", action="store_true",
                    help="decode through the model's modules (the reference), not the native C step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    _add_load_flags(p)
+    add_load_flags(p)
 
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
     p.add_argument("model")
@@ -126,9 +91,8 @@ def cmd_generate(args) -> int:
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    _check_device(args.device)
     t0 = time.perf_counter()
-    model, store = load_model(args.model, load_options(args))
+    model, store = load_model(args.model, LoadOptions.from_args(args))
     tok = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
@@ -167,17 +131,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _check_device(name: str) -> None:
-    import torch
-
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"--device {name!r} is not a torch device ({err})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name!r}: no CUDA device is available here (use --device cpu)")
-
-
 def cmd_inspect(args) -> int:
     from moeswap.summary import format_summary, summarize
 
@@ -190,6 +143,7 @@ COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_process()  # before torch allocates anything (it is imported by the commands that need it)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -20,8 +20,6 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a model moeswap runs."""
 
 
-ARCHITECTURES = ("kimi_k3", "kimi_linear")
-
 # Keys this parser understands (text part). Anything else is reported once, not silently ignored.
 _KNOWN_KEYS = {
     "architectures", "auto_map", "model_type", "dtype", "torch_dtype", "transformers_version",
@@ -253,9 +251,11 @@ def _detect_arch(model_type: str | None, archs: tuple[str, ...], text: dict, sou
         # A text-only K3 file says kimi_linear too; K3's own features tell them apart.
         k3 = "attn_res_block_size" in text or "routed_expert_hidden_size" in text
         return "kimi_k3" if k3 else "kimi_linear"
+    from moeswap.models import REGISTRY
+
     raise ConfigError(
         f"{source}: unknown architecture (model_type={model_type!r}, architectures={list(archs)}); "
-        f"moeswap runs: {', '.join(ARCHITECTURES)}"
+        f"moeswap runs: {', '.join(REGISTRY)}"
     )
 
 

@@ -12,10 +12,10 @@ import argparse
 import time
 from pathlib import Path
 
+from moeswap.options import LoadOptions, add_load_flags
+
 
 def add_parser(sub) -> None:
-    from moeswap.cli import _add_load_flags
-
     p = sub.add_parser("trace", help="record a routing trace (step, layer, experts) of a real run")
     p.add_argument("model", help="model directory")
     p.add_argument("--prompts", required=True, metavar="FILE", help="text file with one prompt per line")
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    _add_load_flags(p)
+    add_load_flags(p)
 
 
 def model_meta(model, store, model_dir: str) -> dict:
@@ -38,7 +38,6 @@ def model_meta(model, store, model_dir: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeswap.cli import _check_device, load_options
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.experts.trace import TraceRecorder, write_trace
@@ -49,8 +48,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts {args.prompts}: the file has no prompts (expected one per line)")
-    _check_device(args.device)
-    model, store = load_model(args.model, load_options(args))
+    model, store = load_model(args.model, LoadOptions.from_args(args))
     tok = load_tokenizer(args.model)
     recorder = TraceRecorder({**model_meta(model, store, args.model), "prompts": len(prompts),
                               "max_tokens": args.max_tokens, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})

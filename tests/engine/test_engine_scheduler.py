@@ -85,7 +85,7 @@ def test_int8_expert_activations_batch_like_single_sequences(tmp_path, monkeypat
     from moeswap.ops import cpu_kernels
 
     path = write_tiny_model(tmp_path / "k3", "kimi_k3", "tiny", seed=4)
-    with pytest.raises(ValueError, match="expert activations 'int4': expected one of fp32, int8"):
+    with pytest.raises(ValueError, match="--expert-activations 'int4': expected one of fp32, int8"):
         load_model(path, LoadOptions(expert_activations="int4"))
     kernel = cpu_kernels.kernel()
     if kernel is None or not kernel.has_int8_activations:

@@ -11,6 +11,7 @@ import pytest
 
 from moeswap import tiny
 from moeswap.bench.memory import run_isolated
+from moeswap.options import LoadOptions
 
 # Big experts, small dense weights: 3 MoE layers x 64 experts x 816 KiB = 153 MiB of MXFP4 experts.
 SWAP_SIZE = dict(hidden=256, layers=4, vocab=512, heads=2, head_dim=32, kv_lora=32, q_lora=32, nope=16, rope=8,
@@ -27,8 +28,8 @@ def big_expert_model(tmp_path_factory):
 
 
 def test_peak_rss_within_budget_plus_dense_plus_overhead(big_expert_model):
-    r = run_isolated(str(big_expert_model), prompt_tokens=16, max_tokens=6, expert_memory=BUDGET,
-                     prefetch="next-layer")
+    r = run_isolated(str(big_expert_model), prompt_tokens=16, max_tokens=6,
+                     options=LoadOptions(expert_memory=BUDGET, prefetch="next-layer"))
     assert r["expert_bytes_in_checkpoint"] >= 4 * BUDGET
     assert r["expert_loads"] * r["decoded_expert_bytes"] > 3 * BUDGET  # it did swap: read far more than fits
     assert r["expert_cache_bytes_at_end"] <= BUDGET

@@ -58,7 +58,7 @@ def test_loader_keeps_bf16_linear_weights_and_tokens_do_not_change(tiny_k3_dir):
 
 
 def test_unknown_dense_weights_option(tiny_k3_dir):
-    with pytest.raises(ValueError, match="dense weights 'half'"):
+    with pytest.raises(ValueError, match="--dense-weights 'half': expected one of auto, compute"):
         load_model(tiny_k3_dir, LoadOptions(dense_weights="half"))
 
 

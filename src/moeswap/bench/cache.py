@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from moeswap.experts.keys import Key
-from moeswap.experts.policy import ONLINE, POLICIES, make_policy
+from moeswap.experts.policy import POLICIES, lfru_half_life, make_policy, online_policies
 from moeswap.experts.stats import TierStats
-from moeswap.experts.store import ExpertStore, lfru_half_life
+from moeswap.experts.store import ExpertStore
 from moeswap.experts.tiers import MemoryTier, Tier
 from moeswap.experts.trace import Trace, read_trace
 
@@ -59,7 +59,8 @@ def total_experts(trace: Trace) -> int:
     return len(trace.meta["moe_layers"]) * trace.meta["num_experts"]
 
 
-def run_replays(trace: Trace, budgets=DEFAULT_BUDGETS, policies=tuple(POLICIES), profile: dict | None = None) -> list[dict]:
+def run_replays(trace: Trace, budgets=DEFAULT_BUDGETS, policies=None, profile: dict | None = None) -> list[dict]:
+    policies = tuple(POLICIES) if policies is None else policies
     total, top_k = total_experts(trace), trace.meta.get("top_k", 1)
     future, profile = trace.accesses(), profile if profile is not None else trace.profile()
     rows = []
@@ -71,7 +72,7 @@ def run_replays(trace: Trace, budgets=DEFAULT_BUDGETS, policies=tuple(POLICIES),
         else:
             for p in policies:
                 row["hit_rate"][p] = replay(trace, p, slots, profile, future).hit_rate
-            online = {p: row["hit_rate"][p] for p in ONLINE if p in row["hit_rate"]}
+            online = {p: row["hit_rate"][p] for p in online_policies() if p in row["hit_rate"]}
             if online:
                 row["best_online"] = max(online, key=online.get)
         rows.append(row)

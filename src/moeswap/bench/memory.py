@@ -13,6 +13,9 @@ import resource
 import subprocess
 import sys
 
+from moeswap.options import LoadOptions, add_load_flags
+from moeswap.tuning import tune_process
+
 
 def _dtypes(model) -> str:
     """The parameter dtypes by share of bytes, e.g. "bfloat16 96%, float32 4%" (CPU keeps bf16 Linears)."""
@@ -42,18 +45,17 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: int, dtype: str,
-            policy: str = "lfru", prefetch: str = "none") -> dict:
-    """Runs inside the child process."""
+def measure(model_dir: str, prompt_tokens: int, max_tokens: int, options: LoadOptions) -> dict:
+    """Runs inside the child process, tuned as the moeswap command is."""
+    tune_process()
     import torch
 
     from moeswap.engine.generate import GenerationConfig, generate
-    from moeswap.models.loader import LoadOptions, load_model
+    from moeswap.models.loader import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     base = _rss_bytes()
-    model, store = load_model(model_dir, LoadOptions(dtype=dtype, expert_memory=expert_memory, expert_policy=policy,
-                                                     prefetch=prefetch))
+    model, store = load_model(model_dir, options)
     after_load = _rss_bytes()
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
@@ -64,22 +66,20 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: 
     per_expert = store.fast.cost(min(store.index.entries))
     return {
         "model": model_dir, "dtype": _dtypes(model), "prompt_tokens": prompt_tokens,
-        "generated": len(result.tokens), "expert_memory": expert_memory,
+        "generated": len(result.tokens), "expert_memory": options.expert_memory,
         "expert_bytes_in_checkpoint": sum(store.index.stored_bytes(store.ckpt, *k) for k in store.index.entries),
         "rss_before_load": base, "rss_after_load": after_load, "peak_rss": peak,
         "dense_weight_bytes": dense, "decoded_expert_bytes": per_expert,
         "expert_loads": touched, "experts_resident_at_end": len(store.fast),
-        "expert_cache_bytes_at_end": store.fast.used, "policy": policy, "prefetch": prefetch,
+        "expert_cache_bytes_at_end": store.fast.used, "policy": options.expert_policy, "prefetch": options.prefetch,
         "overhead": peak - base - dense - store.fast.used,
     }
 
 
-def run_isolated(model_dir: str, prompt_tokens: int = 64, max_tokens: int = 32, expert_memory: int = 1 << 30,
-        dtype: str = "auto", policy: str = "lfru", prefetch: str = "none") -> dict:
-    code = ("import json,sys; from moeswap.bench.memory import measure; "
-            f"print(json.dumps(measure({model_dir!r}, {prompt_tokens}, {max_tokens}, {expert_memory}, {dtype!r}, "
-            f"{policy!r}, {prefetch!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def run_isolated(model_dir: str, prompt_tokens: int = 64, max_tokens: int = 32,
+                 options: LoadOptions = LoadOptions()) -> dict:
+    argv = [str(model_dir), "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(max_tokens), *options.to_argv()]
+    out = subprocess.run([sys.executable, "-m", "moeswap.bench.memory", *argv], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"memory benchmark failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -100,25 +100,30 @@ def format_report(r: dict) -> str:
     return "\n".join(f"| {k:<{width}} | {v:>14} |" for k, v in rows)
 
 
-def add_parser(benches) -> None:
-    from moeswap.units import parse_bytes
-
-    b = benches.add_parser("memory", help="peak resident memory while generating vs dense weights + experts kept")
+def _add_measure_flags(b: argparse.ArgumentParser) -> None:
     b.add_argument("model")
     b.add_argument("--prompt-tokens", type=int, default=64)
     b.add_argument("--max-tokens", type=int, default=32)
-    b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("1GiB"))
-    b.add_argument("--dtype", default="auto")
-    b.add_argument("--expert-policy", default="lfru")
-    b.add_argument("--prefetch", default="none", choices=("none", "next-layer"))
+    add_load_flags(b)
+
+
+def add_parser(benches) -> None:
+    b = benches.add_parser("memory", help="peak resident memory while generating vs dense weights + experts kept")
+    _add_measure_flags(b)
     b.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
 
 
 def run(args: argparse.Namespace) -> int:
-    result = run_isolated(args.model, args.prompt_tokens, args.max_tokens, args.expert_memory, args.dtype,
-                          args.expert_policy, args.prefetch)
+    result = run_isolated(args.model, args.prompt_tokens, args.max_tokens, LoadOptions.from_args(args))
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+if __name__ == "__main__":  # the child process of run_isolated: one JSON line on stdout
+    parser = argparse.ArgumentParser()
+    _add_measure_flags(parser)
+    a = parser.parse_args()
+    print(json.dumps(measure(a.model, a.prompt_tokens, a.max_tokens, LoadOptions.from_args(a))))

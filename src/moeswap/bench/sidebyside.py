@@ -9,6 +9,7 @@ runs each implementation in turn, `reps` rounds, and keeps each one's best round
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -17,6 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moeswap.options import LoadOptions, add_load_flags
+
+BENCH_LOAD = LoadOptions(expert_memory=8 << 30)  # every expert of a bench model stays resident
 PEERS = ("llama.cpp", "transformers")  # the default peers
 # moeswap-reference: moeswap itself decoding through the model's modules (--reference-step), side by side
 # with the native step: the native step's speed-up, and its tokens, in one run
@@ -29,13 +33,9 @@ class Setup:
     threads: int
     peers: tuple[str, ...] = PEERS
     reps: int = 2
-    dtype: str = "auto"
-    expert_memory: int = 8 << 30
-    decoded_experts: bool = False
+    load: LoadOptions = BENCH_LOAD  # how the moeswap workers load the model
     compile: bool = False
     reference_step: bool = False  # decode through the model's modules, not engine/native_step.py
-    expert_activations: str = "fp32"
-    gemm_precision: str = "fp32"
     gguf: str | None = None  # an existing GGUF for llama.cpp; default: convert the checkpoint (cached in .peers/)
     moeswap_env: dict = field(default_factory=dict)  # extra environment for the moeswap worker
 
@@ -175,10 +175,7 @@ class Peers:
         self.max_len = max_len
         self.skipped: dict[str, str] = {}
         arch = load_config(setup.model).arch
-        extra = ["--dtype", setup.dtype, "--expert-memory", str(setup.expert_memory)]
-        extra += ["--decoded-experts"] * setup.decoded_experts + ["--compile"] * setup.compile
-        extra += ["--reference-step"] * setup.reference_step
-        extra += ["--expert-activations", setup.expert_activations, "--gemm-precision", setup.gemm_precision]
+        extra = setup.load.to_argv() + ["--compile"] * setup.compile + ["--reference-step"] * setup.reference_step
         self.workers["moeswap"] = Worker("moeswap", setup.model, setup.threads, extra, setup.moeswap_env)
         for peer in setup.peers:
             try:
@@ -279,32 +276,21 @@ def common_report(setup: Setup, peers: Peers) -> dict:
             "roofline_tokens_per_s": bw["read_GBps"] * 1e9 / by["per_token_bytes"],
             "gemm_gflops": matmul_gflops(setup.threads),
             "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
-            "settings": {"dtype": setup.dtype, "expert_memory": setup.expert_memory,
-                         "decoded_experts": setup.decoded_experts, "compile": setup.compile,
-                         "reference_step": setup.reference_step,
-                         "expert_activations": setup.expert_activations, "gemm_precision": setup.gemm_precision,
-                         "moeswap_env": setup.moeswap_env}}
+            "settings": {**dataclasses.asdict(setup.load), "compile": setup.compile,
+                         "reference_step": setup.reference_step, "moeswap_env": setup.moeswap_env}}
 
 
 def add_common_flags(b) -> None:
-    from moeswap.units import parse_bytes
-
     b.add_argument("model", help="checkpoint directory (K3 or Kimi Linear layout)")
     b.add_argument("--threads", type=int, default=2, help="threads for every implementation (default 2)")
     b.add_argument("--peers", default=",".join(PEERS),
                    help="comma list of peers: llama.cpp,transformers,moeswap-reference ('' = none)")
     b.add_argument("--reps", type=int, default=2, help="rounds per measurement; each implementation's best is kept")
-    b.add_argument("--dtype", default="auto", help="moeswap compute dtype (auto: fp32 on CPU)")
-    b.add_argument("--expert-memory", type=parse_bytes, default=parse_bytes("8GiB"),
-                   help="moeswap expert store budget (default 8GiB: every expert of a bench model stays resident)")
-    b.add_argument("--decoded-experts", action="store_true", help="moeswap keeps decoded experts, not MXFP4 bytes")
+    add_load_flags(b, defaults={"expert_memory": BENCH_LOAD.expert_memory},
+                   title="how moeswap loads the model (default --expert-memory: every expert of a bench model stays)")
     b.add_argument("--compile", action="store_true", help="moeswap: torch.compile the decode step")
     b.add_argument("--reference-step", action="store_true",
                    help="moeswap: decode through the model's modules (the reference), not the native C step")
-    b.add_argument("--expert-activations", default="fp32", choices=("fp32", "int8"),
-                   help="moeswap's MXFP4 expert activations (int8: llama.cpp's arithmetic, AVX-512 VNNI only)")
-    b.add_argument("--gemm-precision", default="fp32", choices=("fp32", "bf16"),
-                   help="moeswap's bf16-weight matmuls on bf16 inputs, as llama.cpp (prefill GEMMs and decode batches)")
     b.add_argument("--omp-passive", action="store_true",
                    help="moeswap worker with OMP_WAIT_POLICY=PASSIVE (see docs/benchmarks.md)")
     b.add_argument("--gguf", help="an existing GGUF for llama.cpp (default: convert MODEL with llama.cpp's converter)")
@@ -321,9 +307,8 @@ def setup_from_args(args) -> Setup:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"{args.model}: no config.json; give a checkpoint directory")
-    return Setup(args.model, args.threads, peers, args.reps, args.dtype, args.expert_memory, args.decoded_experts,
-                 args.compile, args.reference_step, args.expert_activations, args.gemm_precision, args.gguf,
-                 {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {})
+    return Setup(args.model, args.threads, peers, args.reps, LoadOptions.from_args(args), args.compile,
+                 args.reference_step, args.gguf, {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {})
 
 
 def int_list(text: str, flag: str) -> list[int]:

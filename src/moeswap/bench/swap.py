@@ -20,6 +20,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+from moeswap.options import NO_CACHE, PREFETCH_MODES, LoadOptions, add_load_flags
+
 BASELINE_RESIDENT = "all experts resident"
 BASELINE_NO_CACHE = "no cache: every expert read from disk every time"
 
@@ -38,27 +40,29 @@ def _drop_page_cache(ckpt) -> None:
             os.close(fd)
 
 
-def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu", "lfru", "static", "belady"),
-              prompt_tokens: int = 8, max_tokens: int = 16, decoded: bool = False, cold: bool = True,
-              dtype: str = "auto", out_dir: str | Path = ".", repeats: int = 1, warmup_tokens: int = 24,
-              log=print) -> dict:
+def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_tokens: int = 8,
+              max_tokens: int = 16, options: LoadOptions = LoadOptions(), cold: bool = True,
+              out_dir: str | Path = ".", repeats: int = 1, warmup_tokens: int = 24, log=print) -> dict:
     """Every configuration `repeats` times, round-robin (so machine noise hits all alike); tokens/s is the
     median over rounds, hit rate and stall are those of the timed decode steps. Each run first generates
     `warmup_tokens` from another prompt with the same store (untimed), so the cache is measured warm, as
-    in a server that has been running, not just filling up."""
+    in a server that has been running, not just filling up. `policies`: default every registered one;
+    `options`: how the model is loaded (its store's budget, policy and prefetch are what this varies)."""
     import statistics
 
     import torch
 
     from moeswap.engine.generate import GenerationConfig, generate
-    from moeswap.experts.store import StoreOptions, build_store
+    from moeswap.experts.build import build_store
+    from moeswap.experts.policy import POLICIES
     from moeswap.experts.trace import TraceRecorder, write_trace
-    from moeswap.models.loader import LoadOptions, attach_store, load_model
+    from moeswap.models.loader import attach_store, load_model
     from moeswap.trace_cmd import model_meta
 
+    policies = tuple(POLICIES) if policies is None else tuple(policies)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model, store = load_model(model_dir, LoadOptions(dtype=dtype, expert_policy="none"))
+    model, store = load_model(model_dir, options.replace(expert_policy=NO_CACHE, prefetch="none"))
     ckpt, index, config = store.ckpt, store.index, model.config
     wdtype = next(model.parameters()).dtype
     keys = sorted(index.entries)
@@ -69,8 +73,8 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
     gen_cfg = GenerationConfig(max_tokens=max_tokens, stop_ids=())
 
     def make(policy: str, budget: int, prefetch: str = "none", profile: str | None = None):
-        opts = StoreOptions(expert_memory=budget, policy=policy, prefetch=prefetch, decoded=decoded,
-                            profile=profile, drop_page_cache=cold)
+        opts = options.replace(expert_memory=budget, expert_policy=policy, prefetch=prefetch, expert_profile=profile,
+                               drop_page_cache=cold)
         return build_store(ckpt, index, config, wdtype, "cpu", opts)
 
     probe = make("lru", 1 << 62)
@@ -109,7 +113,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
         return store
 
     log(f"{model_dir}: {len(keys)} experts, {total / 2**20:.1f} MiB in the fast tier's form "
-        f"({'decoded ' + str(wdtype) if decoded else 'MXFP4'}), {'cold' if cold else 'warm'} disk reads, "
+        f"({'decoded ' + str(wdtype) if options.decoded_experts else 'MXFP4'}), {'cold' if cold else 'warm'} disk reads, "
         f"torch threads {torch.get_num_threads()}, {repeats} round(s)")
     meta = model_meta(model, store, model_dir)
     recorder = TraceRecorder(meta)
@@ -122,14 +126,14 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
         profile_path = write_trace(prof.trace, out_dir / "swap-profile.bin")
 
     configs = [{"name": BASELINE_RESIDENT, "make": resident_store},
-               {"name": BASELINE_NO_CACHE, "make": lambda: make("none", 0)}]
+               {"name": BASELINE_NO_CACHE, "make": lambda: make(NO_CACHE, 0)}]
     for pct in budgets:
         budget = int(total * pct / 100)
         if budget < config.moe.top_k * expert_bytes:
             log(f"  {pct}%: skipped, below one layer's {config.moe.top_k} active experts")
             continue
         for policy in policies:
-            for prefetch in ("none", "next-layer"):
+            for prefetch in PREFETCH_MODES:
                 name = policy + (" + next-layer prefetch" if prefetch != "none" else "")
                 path = {"belady": trace_path, "static": profile_path}.get(policy)
                 configs.append({"name": f"{name} @ {pct}%", "policy": policy, "prefetch": prefetch, "budget_pct": pct,
@@ -161,7 +165,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=("lru", "lfu",
     from moeswap.bench.cache import environment
 
     return {"bench": "swap", "model": str(model_dir), "experts": len(keys), "expert_bytes_total": total,
-            "expert_bytes": expert_bytes, "form": "decoded" if decoded else "mxfp4", "dtype": str(wdtype),
+            "expert_bytes": expert_bytes, "form": "decoded" if options.decoded_experts else "mxfp4", "dtype": str(wdtype),
             "cold_disk": cold, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "budgets": list(budgets),
             "policies": list(policies), "repeats": repeats, "warmup_tokens": warmup_tokens,
             "reference_tokens_per_s": reference,
@@ -220,15 +224,16 @@ def add_parser(benches) -> None:
     b = benches.add_parser("swap", help="decode tokens/s by fast-tier budget, policy and prefetch vs all-resident")
     b.add_argument("model")
     b.add_argument("--budgets", default="10,25,50,100", help="fast-tier budgets in %% of expert bytes (default %(default)s)")
-    b.add_argument("--policies", default="lru,lfu,lfru,static,belady", help="default %(default)s")
+    b.add_argument("--policies", help="comma list of cache policies (default: every one, "
+                                      "from experts/policy.py POLICIES)")
     b.add_argument("--prompt-tokens", type=int, default=8)
     b.add_argument("--max-tokens", type=int, default=16, help="decode steps timed per configuration (default 16)")
     b.add_argument("--repeats", type=int, default=3, help="rounds over all configurations; tokens/s is the median")
     b.add_argument("--warmup-tokens", type=int, default=24,
                    help="untimed tokens from another prompt first, so the cache is warm (default 24; 0: cold start)")
-    b.add_argument("--decoded-experts", action="store_true", help="fast tier keeps decoded copies (budget in decoded bytes)")
     b.add_argument("--warm-disk", action="store_true", help="let the OS page cache serve repeated disk reads")
-    b.add_argument("--dtype", default="auto")
+    # what this bench varies (budget, policy, prefetch) comes from its own flags above
+    add_load_flags(b, only=("dtype", "dense_weights", "expert_activations", "gemm_precision", "decoded_experts"))
     b.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: leaves a core to the prefetch thread, and shared "
                         "machines spin badly with more)")
@@ -243,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     from moeswap.experts.policy import POLICIES
 
     budgets = [int(b) for b in _list(args.budgets, "--budgets", float)]
-    policies = _list(args.policies, "--policies")
+    policies = _list(args.policies, "--policies") if args.policies else list(POLICIES)
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
@@ -257,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    result = run_bench(args.model, budgets, policies, args.prompt_tokens, args.max_tokens, args.decoded_experts,
-                       not args.warm_disk, args.dtype, args.out_dir, args.repeats, args.warmup_tokens)
+    result = run_bench(args.model, budgets, policies, args.prompt_tokens, args.max_tokens, LoadOptions.from_args(args),
+                       not args.warm_disk, args.out_dir, args.repeats, args.warmup_tokens)
     result["elapsed_s"] = time.perf_counter() - t0
     report = format_report(result)
     stamp = time.strftime("%Y%m%d-%H%M%S")

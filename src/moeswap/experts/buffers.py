@@ -1,6 +1,6 @@
 """Reusable host buffers for expert reads from disk.
 
-A fresh buffer of an expert's size is served by mmap (store.return_large_frees_to_os) and page-faults
+A fresh buffer of an expert's size is served by mmap (tuning.return_large_frees_to_os) and page-faults
 on first touch: measured 0.53 ms to read a 0.8 MB expert from the page cache into a fresh buffer
 against 0.14 ms into a reused one, CPU time taken from the model on every miss. The pool hands out
 buffers that nothing references any more (the expert they held was evicted and dropped by every user),

@@ -4,7 +4,9 @@ A policy hears of demand accesses (`record`) and new residents (`insert`), and n
 residents that are not pinned. It knows nothing of bytes, tiers or threads (the store calls it under
 its lock). Each policy is a priority: the lowest resident is evicted first; `_Ranked` keeps residents
 in a lazily updated heap, so every call is O(log n) even with 80k experts resident.
-Entry point: `make_policy(name, ...)`; POLICIES lists the names, ONLINE those usable in a live run.
+Entry point: `make_policy(name, ...)`. POLICIES is the registry: adding a policy is one subclass and
+one entry there; every flag's choices, benchmark and the store take it from there. A policy's `create`
+says what it needs from the run (`online` ones need nothing but the run itself).
 """
 
 from __future__ import annotations
@@ -62,10 +64,18 @@ class CachePolicy:
     """Subclasses define `_count(key)` (update what they know on an access) and `_priority(key)`."""
 
     name = "policy"
+    online = True  # usable in a live run with nothing but the run itself (no profile, no future)
 
     def __init__(self):
         self._resident = _Ranked()
         self._clock = 0  # demand accesses seen
+
+    @classmethod
+    def create(cls, profile: Mapping[Key, int] | None, future: Iterable[Key] | None,
+               half_life: float | None) -> CachePolicy:
+        """An instance for a run: `profile` (expert -> uses in a routing trace), `future` (the run's own
+        accesses) and `half_life` (a default memory sized to the tier) are offered; take what you need."""
+        return cls()
 
     def record(self, key: Key) -> None:
         """A demand access to `key`, resident or being loaded."""
@@ -135,6 +145,10 @@ class LFRU(CachePolicy):
         self.half_life = half_life
         self._level: dict[Key, float] = {}
 
+    @classmethod
+    def create(cls, profile, future, half_life):
+        return cls() if half_life is None else cls(half_life)
+
     def _count(self, key):
         now, old = self._clock / self.half_life, self._level.get(key, -math.inf)
         hi, lo = max(now, old), min(now, old)
@@ -144,11 +158,24 @@ class LFRU(CachePolicy):
         return self._level.get(key, -math.inf)
 
 
+def lfru_half_life(slots: int) -> float:
+    """LFRU's default memory, in accesses: a few turnovers of a fast tier holding `slots` experts."""
+    return max(1024, 32 * slots)
+
+
 class StaticHot(CachePolicy):
     """Keeps the experts a profile (a routing trace of similar prompts) used most: evicts the resident with
     the lowest profile count, least recently used first, so unprofiled experts pass through a few slots."""
 
     name = "static"
+    online = False
+
+    @classmethod
+    def create(cls, profile, future, half_life):
+        if not profile:
+            raise ValueError("expert policy 'static' needs a profile: pass --expert-profile TRACE "
+                             "(record one with `moeswap trace MODEL --prompts FILE -o TRACE`)")
+        return cls(profile)
 
     def __init__(self, profile: Mapping[Key, int]):
         super().__init__()
@@ -167,6 +194,14 @@ class Belady(CachePolicy):
     whole future access sequence (a trace of the same run), so it only serves as a bound in benchmarks."""
 
     name = "belady"
+    online = False
+
+    @classmethod
+    def create(cls, profile, future, half_life):
+        if future is None:
+            raise ValueError("expert policy 'belady' needs the run's future accesses (a trace of the same run); "
+                             "it is meant for benchmarks")
+        return cls(future)
 
     def __init__(self, future: Iterable[Key]):
         super().__init__()
@@ -188,23 +223,15 @@ class Belady(CachePolicy):
 
 
 POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (LRU, LFU, LFRU, StaticHot, Belady)}
-ONLINE = ("lru", "lfu", "lfru")  # need nothing but the run itself
+
+
+def online_policies() -> tuple[str, ...]:
+    """The registered policies a live run can use with nothing but itself."""
+    return tuple(name for name, cls in POLICIES.items() if cls.online)
 
 
 def make_policy(name: str, profile: Mapping[Key, int] | None = None, future: Iterable[Key] | None = None,
                 half_life: float | None = None) -> CachePolicy:
     if name not in POLICIES:
         raise ValueError(f"expert policy {name!r}: expected one of {', '.join(POLICIES)}")
-    if name == "static":
-        if not profile:
-            raise ValueError("expert policy 'static' needs a profile: pass --expert-profile TRACE "
-                             "(record one with `moeswap trace MODEL --prompts FILE -o TRACE`)")
-        return StaticHot(profile)
-    if name == "belady":
-        if future is None:
-            raise ValueError("expert policy 'belady' needs the run's future accesses (a trace of the same run); "
-                             "it is meant for benchmarks")
-        return Belady(future)
-    if name == "lfru" and half_life is not None:
-        return LFRU(half_life)
-    return POLICIES[name]()
+    return POLICIES[name].create(profile, future, half_life)

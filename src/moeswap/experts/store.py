@@ -7,61 +7,24 @@ Experts of the layer step being computed and those hinted for the next layer are
 never evicts them (a demand may, so nothing waits forever). With a prefetcher, reads run on background
 threads that only move bytes; the rest of a load (checks, the books, the copy up) happens on the model's
 thread, at its next fetch or when it needs that expert. Knows nothing of models: the loader builds it
-with `build_store(ckpt, index, config, dtype, device, StoreOptions)`.
+with `experts.build.build_store`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from moeswap.config import ModelConfig
 from moeswap.experts.keys import Key
-from moeswap.experts.policy import CachePolicy, make_policy
+from moeswap.experts.policy import CachePolicy
 from moeswap.experts.reads import Done
 from moeswap.experts.source import ExpertIndex
 from moeswap.experts.stats import StoreStats, TierStats
-from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, Weights, convert, tensors_of
+from moeswap.experts.tiers import Tier, Weights, tensors_of
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.ops.linear import can_keep_stored
-from moeswap.units import human_bytes
-
-PREFETCH_MODES = ("none", "next-layer")
-
-
-@dataclass(frozen=True)
-class StoreOptions:
-    expert_memory: int = 1 << 30  # bytes of the fast tier (accelerator memory, or host memory on CPU)
-    host_memory: int = 0  # bytes of a host-memory tier between the fast tier and disk; 0: none
-    policy: str = "lfru"  # lru | lfu | lfru | static | belady; "none": no cache, read every expert every time
-    prefetch: str = "none"  # none | next-layer
-    decoded: bool = False  # keep decoded copies in the fast tier instead of the stored MXFP4 bytes
-    profile: str | None = None  # routing trace (moeswap trace): static's profile, belady's future
-    drop_page_cache: bool = False  # benchmarks: every disk read comes from the device, not the page cache
-    keep_bf16: bool = True  # bf16-stored float experts stay bf16 under fp32 math where a CPU kernel runs them
-
-
-def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
-    """Serve allocations >= threshold with mmap so freeing them returns memory to the OS.
-
-    Experts come and go in blocks of one buffer each (0.8 MB on the bench model, 17.5 MB on K3); glibc's
-    default (a threshold that grows up to 32 MiB) keeps them in the heap, which measured ~500 MB above
-    budget on a 1.2 GB-expert model, and 1 MiB still 110-250 MB more than 512 KiB. The price, page
-    faults on every fresh buffer, is avoided for disk reads by reusing buffers (experts/buffers.py).
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
-        except (OSError, AttributeError):
-            pass  # not glibc: nothing to tune
-
 
 class _Load:
     """One expert on its way into the fast tier. A background load has `pending` (its read, running on
@@ -435,109 +398,3 @@ class ExpertStore:
                 for t in tensors_of(w):
                     t.record_stream(stream)
         return w
-
-
-def lfru_half_life(slots: int) -> float:
-    """LFRU's default memory, in accesses: a few turnovers of a fast tier holding `slots` experts."""
-    return max(1024, 32 * slots)
-
-
-def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int, bool]:
-    """(stored bytes, decoded bytes at `itemsize`, is MXFP4) of one expert, from the checkpoint header."""
-    stored = decoded = 0
-    packed = True
-    for kinds in index.names(*key).values():
-        for kind, name in kinds.items():
-            info = ckpt.info(name)
-            stored += info.nbytes
-            if kind == "weight":
-                decoded += info.nbytes // info.dtype.itemsize * itemsize
-                packed = False
-            elif kind == "weight_packed":
-                decoded += info.nbytes * 2 * itemsize
-    return stored, decoded, packed
-
-
-def _stored_bf16(ckpt: Checkpoint, index: ExpertIndex, key: Key) -> bool:
-    """Whether the expert's weights are plain bf16 tensors (not MX-quantised) in the checkpoint."""
-    kinds = [k for names in index.names(*key).values() for k in names.items()]
-    return all(kind == "weight" and ckpt.info(name).dtype == torch.bfloat16 for kind, name in kinds)
-
-
-def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
-                device: str | torch.device = "cpu", options: StoreOptions = StoreOptions()) -> ExpertStore:
-    """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
-    return_large_frees_to_os()
-    device = torch.device(device)
-    accelerator = device.type != "cpu"
-    if options.prefetch not in PREFETCH_MODES:
-        raise ValueError(f"--prefetch {options.prefetch!r}: expected one of {', '.join(PREFETCH_MODES)}")
-    caching = options.policy != "none"
-    if not caching and options.prefetch != "none":
-        raise ValueError("--prefetch needs a cache: --expert-policy none keeps no experts to prefetch into")
-    sizes: dict[Key, tuple[int, int, bool]] = {}
-    first = min(index.entries)  # every expert has the same shapes (ExpertIndex.validate)
-    # bf16-stored float experts stay bf16 where a CPU kernel runs them under fp32 math (as dense weights do)
-    expert_dtype = torch.bfloat16 if options.keep_bf16 and _stored_bf16(ckpt, index, first) and can_keep_stored(
-        torch.bfloat16, dtype, device) else dtype
-
-    def size(key: Key) -> tuple[int, int, bool]:
-        if key not in sizes:
-            sizes[key] = _expert_sizes(ckpt, index, key, expert_dtype.itemsize)
-        return sizes[key]
-
-    def fast_cost(key: Key) -> int:
-        stored, decoded, packed = size(key)
-        return stored if packed and not options.decoded else decoded
-
-    def host_cost(key: Key) -> int:
-        stored, decoded, packed = size(key)
-        return stored if packed else decoded
-
-    # spare read buffers: two layer steps' worth of misses, so a miss reuses an evicted expert's buffer
-    spare = 2 * config.moe.top_k * size(Key(*first))[0]
-    disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache, spare_buffer_bytes=spare,
-                          pin_background=device.type == "cuda")
-    fast = MemoryTier("fast", options.expert_memory if caching else 0, fast_cost,
-                      partial(convert, decoded=options.decoded, dtype=expert_dtype, device=device), device)
-    tiers: list[Tier] = [fast]
-    if caching and options.host_memory:
-        tiers.append(MemoryTier("host", options.host_memory, host_cost,
-                                partial(convert, decoded=False, dtype=expert_dtype, device=torch.device("cpu"),
-                                        pin=accelerator)))
-    tiers.append(disk)
-
-    top_k = config.moe.top_k
-    slots = 0
-    if caching:
-        form = "decoded" if options.decoded or not size(Key(*first))[2] else "MXFP4"
-        need = top_k * fast_cost(Key(*first))
-        if options.expert_memory < need:
-            raise ValueError(
-                f"--expert-memory {human_bytes(options.expert_memory)} is smaller than one layer's active experts: "
-                f"{top_k} x {human_bytes(fast_cost(Key(*first)))} ({form}) = {human_bytes(need)}; "
-                f"give at least {human_bytes(need)}")
-        host_need = top_k * host_cost(Key(*first))
-        if options.host_memory and options.host_memory < host_need:
-            raise ValueError(f"--host-memory {human_bytes(options.host_memory)} is smaller than one layer's active "
-                             f"experts ({human_bytes(host_need)}); give at least that, or 0 for no host tier")
-        slots = options.expert_memory // fast_cost(Key(*first))
-
-    trace = None
-    if options.profile:
-        from moeswap.experts.trace import read_trace
-
-        trace = read_trace(options.profile)
-    policy = options.policy if caching else "lru"
-    kwargs = dict(profile=trace.profile() if trace else None, half_life=lfru_half_life(slots),
-                  future=trace.accesses() if trace and policy == "belady" else None)
-    policies = [make_policy(policy, **kwargs)]
-    if len(tiers) == 3:  # the host tier sees only fast-tier misses: Belady's future does not apply there
-        policies.append(make_policy("lru" if policy == "belady" else policy, **kwargs))
-    store = ExpertStore(tiers, policies, max_hint=max(top_k, slots // 4))
-    store.can_evict = not caching or options.expert_memory < len(index.entries) * fast_cost(Key(*first))
-    if options.prefetch == "next-layer":
-        from moeswap.experts.prefetch import Prefetcher
-
-        store.prefetcher = Prefetcher(store)
-    return store

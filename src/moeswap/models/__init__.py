@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from moeswap.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moeswap.config import ModelConfig
 
 # arch -> "module:Class"; imported lazily so a CLI call loads only what it runs.
 REGISTRY = {

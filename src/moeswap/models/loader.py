@@ -9,7 +9,6 @@ fails on any unmapped, missing, misshapen or wrongly typed tensor. Entry point: 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,39 +16,11 @@ from torch import nn
 
 from moeswap.config import ModelConfig, load_config
 from moeswap.experts.source import ExpertIndex
-from moeswap.experts.store import StoreOptions, build_store
+from moeswap.experts.build import build_store
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
-from moeswap.ops.linear import GEMM_PRECISIONS, StoredWeightLinear, can_keep_stored
-
-DENSE_WEIGHTS = ("auto", "compute")
-EXPERT_ACTIVATIONS = ("fp32", "int8")
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on accelerators
-    device: str = "cpu"
-    expert_memory: int = 1 << 30  # bytes of routed experts kept in the fast tier (experts/store.py)
-    host_memory: int = 0  # bytes of a host-memory tier between the fast tier and disk (0: none)
-    expert_policy: str = "lfru"  # lru | lfu | lfru | static | belady | none (read every expert every time)
-    prefetch: str = "none"  # none | next-layer
-    decoded_experts: bool = False  # keep decoded copies in the fast tier instead of MXFP4 bytes
-    expert_profile: str | None = None  # routing trace for --expert-policy static
-    # Linear weights and float experts: "auto" keeps bf16-stored ones in bf16 under fp32 math where a CPU
-    # kernel runs them (ops/linear.py; half the bytes per decode step); "compute" converts them to `dtype`.
-    dense_weights: str = "auto"
-    # MXFP4 experts in the grouped CPU kernel: "fp32" multiplies fp32 activations; "int8" quantizes them per
-    # 32-value block and sums in integers (llama.cpp's arithmetic; AVX-512 VNNI builds only).
-    expert_activations: str = "fp32"
-    # CPU matmuls with bf16 weights: "fp32" exact; "bf16" rounds their inputs to bf16 (bf16 GEMM for
-    # prefill, bf16 dot products for decode batches), ~2x faster where the CPU has AVX512-BF16 (ops/linear.py)
-    gemm_precision: str = "fp32"
-
-    def store_options(self) -> StoreOptions:
-        return StoreOptions(self.expert_memory, self.host_memory, self.expert_policy, self.prefetch,
-                            self.decoded_experts, self.expert_profile, keep_bf16=self.dense_weights != "compute")
-
+from moeswap.ops.linear import StoredWeightLinear, can_keep_stored
+from moeswap.options import LoadOptions
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
@@ -63,20 +34,27 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return dtype
 
 
+def check_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device {name!r} is not a torch device ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: no CUDA device is available here (use --device cpu)")
+    return device
+
+
 def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     """Returns (model, store). The model is in eval mode with requires_grad=False everywhere."""
+    check_device(options.device)
     config = load_config(path)
     ckpt = Checkpoint.open(path)
     dtype = resolve_dtype(options.dtype, options.device)
-    if options.dense_weights not in DENSE_WEIGHTS:
-        raise ValueError(f"dense weights {options.dense_weights!r}: expected one of {', '.join(DENSE_WEIGHTS)}")
     check_expert_activations(options.expert_activations)
-    if options.gemm_precision not in GEMM_PRECISIONS:
-        raise ValueError(f"--gemm-precision {options.gemm_precision!r}: expected one of {', '.join(GEMM_PRECISIONS)}")
     model = build_model(config, device="meta")
     index = fill_from_checkpoint(model, ckpt, config, dtype, options.device, options.dense_weights)
     index.validate(ckpt, config)
-    store = build_store(ckpt, index, config, dtype, options.device, options.store_options())
+    store = build_store(ckpt, index, config, dtype, options.device, options)
     attach_store(model, store)
     for block in model.moe_blocks():
         block.int8_activations = options.expert_activations == "int8"
@@ -85,8 +63,7 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
 
 
 def check_expert_activations(choice: str) -> None:
-    if choice not in EXPERT_ACTIVATIONS:
-        raise ValueError(f"expert activations {choice!r}: expected one of {', '.join(EXPERT_ACTIVATIONS)}")
+    """int8 activations need this CPU's kernel build to have them (LoadOptions checked the name)."""
     if choice == "int8":
         from moeswap.ops import cpu_kernels
 

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeswap.ops import cpu_kernels
+from moeswap.options import GEMM_PRECISIONS
 
 KERNEL_MAX_ROWS = 32  # up to this many rows the kernel streams the weights once; above, GEMM wins
-GEMM_PRECISIONS = ("fp32", "bf16")
 
 # "bf16": CPU matmuls with bf16 weights round their inputs to bf16. More than KERNEL_MAX_ROWS rows
 # (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x fp32), outputs rounded to bf16
@@ -30,7 +30,7 @@ GEMM_PRECISIONS = ("fp32", "bf16")
 # them (fp32 sums; 1.6-2.4x the fp32 kernel at 16 rows, the same speed at one), else the fp32 kernel on
 # the rounded inputs. llama.cpp's arithmetic class (it rounds the inputs of bf16 matmuls to bf16);
 # opt-in, the exact fp32 path is the default. Set per forward by the model. Compiled decode steps keep
-# the fp32 kernel: reading this ContextVar would break their graphs.
+# the fp32 kernel: reading this ContextVar would break their graphs. The names: options.GEMM_PRECISIONS.
 _gemm_precision: ContextVar[str] = ContextVar("moeswap_gemm_precision", default="fp32")
 
 

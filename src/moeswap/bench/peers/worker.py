@@ -11,7 +11,6 @@ Entry point: `Worker(kind, ...)` in the parent; `python -m moeswap.bench.peers.w
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -19,24 +18,24 @@ import sys
 import tempfile
 import time
 
+from moeswap.options import LoadOptions, add_load_flags
+from moeswap.tuning import tune_process, use_huge_pages
+
 
 class MoeswapRunner:
     """moeswap's engine (the continuous-batching scheduler) with its own timings."""
 
     name = "moeswap"
 
-    def __init__(self, model_dir: str, threads: int, dtype: str = "auto", expert_memory: int = 8 << 30,
-                 decoded_experts: bool = False, compile: bool = False, expert_activations: str = "fp32",
-                 gemm_precision: str = "fp32", reference_step: bool = False):
+    def __init__(self, model_dir: str, threads: int, options: LoadOptions, compile: bool = False,
+                 reference_step: bool = False):
         import torch
 
-        from moeswap.models.loader import LoadOptions, load_model
+        from moeswap.models.loader import load_model
 
+        tune_process()
         torch.set_num_threads(threads)
-        wanted = {"dtype": dtype, "expert_memory": expert_memory, "decoded_experts": decoded_experts,
-                  "expert_activations": expert_activations, "gemm_precision": gemm_precision}
-        known = {f.name for f in dataclasses.fields(LoadOptions)}
-        self.model, self.store = load_model(model_dir, LoadOptions(**{k: v for k, v in wanted.items() if k in known}))
+        self.model, self.store = load_model(model_dir, options)
         self.compile = compile
         self.native = not reference_step
 
@@ -55,8 +54,7 @@ class MoeswapRunner:
 
 def _make_runner(args: argparse.Namespace):
     if args.kind == "moeswap":
-        return MoeswapRunner(args.model, args.threads, args.dtype, args.expert_memory, args.decoded_experts,
-                             args.compile, args.expert_activations, args.gemm_precision, args.reference_step)
+        return MoeswapRunner(args.model, args.threads, LoadOptions.from_args(args), args.compile, args.reference_step)
     if args.kind == "llama.cpp":
         from moeswap.bench.peers.llamacpp import LlamaCppRunner
 
@@ -76,14 +74,11 @@ def serve(argv: list[str]) -> None:
     p.add_argument("--gguf")
     p.add_argument("--max-seqs", type=int, default=16)
     p.add_argument("--max-len", type=int, default=4096)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--expert-memory", type=int, default=8 << 30)
-    p.add_argument("--decoded-experts", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--reference-step", action="store_true")
-    p.add_argument("--expert-activations", default="fp32")
-    p.add_argument("--gemm-precision", default="fp32")
+    add_load_flags(p)  # the parent passes LoadOptions.to_argv()
     args = p.parse_args(argv)
+    use_huge_pages()  # for every peer on torch, as the moeswap command has
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a library prints goes to stderr, never into the protocol
     sys.stdout = sys.stderr

@@ -1,0 +1,119 @@
+"""Building an expert store for a loaded model: each expert's sizes from the checkpoint header, the
+tiers and their budgets (checked at start-up), the cache policy per tier, and the prefetcher.
+
+Reads the store's settings from LoadOptions (options.py). Knows nothing of models beyond the config's
+top-k. Entry point: `build_store(ckpt, index, config, dtype, device, options)`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from moeswap.config import ModelConfig
+from moeswap.experts.keys import Key
+from moeswap.experts.policy import lfru_half_life, make_policy
+from moeswap.experts.source import ExpertIndex
+from moeswap.experts.store import ExpertStore
+from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, convert
+from moeswap.formats.checkpoint import Checkpoint
+from moeswap.ops.linear import can_keep_stored
+from moeswap.options import LoadOptions
+from moeswap.units import human_bytes
+
+
+def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int, bool]:
+    """(stored bytes, decoded bytes at `itemsize`, is MXFP4) of one expert, from the checkpoint header."""
+    stored = decoded = 0
+    packed = True
+    for kinds in index.names(*key).values():
+        for kind, name in kinds.items():
+            info = ckpt.info(name)
+            stored += info.nbytes
+            if kind == "weight":
+                decoded += info.nbytes // info.dtype.itemsize * itemsize
+                packed = False
+            elif kind == "weight_packed":
+                decoded += info.nbytes * 2 * itemsize
+    return stored, decoded, packed
+
+
+def _stored_bf16(ckpt: Checkpoint, index: ExpertIndex, key: Key) -> bool:
+    """Whether the expert's weights are plain bf16 tensors (not MX-quantised) in the checkpoint."""
+    kinds = [k for names in index.names(*key).values() for k in names.items()]
+    return all(kind == "weight" and ckpt.info(name).dtype == torch.bfloat16 for kind, name in kinds)
+
+
+def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
+                device: str | torch.device = "cpu", options: LoadOptions = LoadOptions()) -> ExpertStore:
+    """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
+    device = torch.device(device)
+    accelerator = device.type != "cpu"
+    caching = options.caching
+    sizes: dict[Key, tuple[int, int, bool]] = {}
+    first = min(index.entries)  # every expert has the same shapes (ExpertIndex.validate)
+    # bf16-stored float experts stay bf16 where a CPU kernel runs them under fp32 math (as dense weights do)
+    expert_dtype = torch.bfloat16 if options.keep_bf16 and _stored_bf16(ckpt, index, first) and can_keep_stored(
+        torch.bfloat16, dtype, device) else dtype
+
+    def size(key: Key) -> tuple[int, int, bool]:
+        if key not in sizes:
+            sizes[key] = _expert_sizes(ckpt, index, key, expert_dtype.itemsize)
+        return sizes[key]
+
+    def fast_cost(key: Key) -> int:
+        stored, decoded, packed = size(key)
+        return stored if packed and not options.decoded_experts else decoded
+
+    def host_cost(key: Key) -> int:
+        stored, decoded, packed = size(key)
+        return stored if packed else decoded
+
+    # spare read buffers: two layer steps' worth of misses, so a miss reuses an evicted expert's buffer
+    spare = 2 * config.moe.top_k * size(Key(*first))[0]
+    disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache, spare_buffer_bytes=spare,
+                          pin_background=device.type == "cuda")
+    fast = MemoryTier("fast", options.expert_memory if caching else 0, fast_cost,
+                      partial(convert, decoded=options.decoded_experts, dtype=expert_dtype, device=device), device)
+    tiers: list[Tier] = [fast]
+    if caching and options.host_memory:
+        tiers.append(MemoryTier("host", options.host_memory, host_cost,
+                                partial(convert, decoded=False, dtype=expert_dtype, device=torch.device("cpu"),
+                                        pin=accelerator)))
+    tiers.append(disk)
+
+    top_k = config.moe.top_k
+    slots = 0
+    if caching:
+        form = "decoded" if options.decoded_experts or not size(Key(*first))[2] else "MXFP4"
+        need = top_k * fast_cost(Key(*first))
+        if options.expert_memory < need:
+            raise ValueError(
+                f"--expert-memory {human_bytes(options.expert_memory)} is smaller than one layer's active experts: "
+                f"{top_k} x {human_bytes(fast_cost(Key(*first)))} ({form}) = {human_bytes(need)}; "
+                f"give at least {human_bytes(need)}")
+        host_need = top_k * host_cost(Key(*first))
+        if options.host_memory and options.host_memory < host_need:
+            raise ValueError(f"--host-memory {human_bytes(options.host_memory)} is smaller than one layer's active "
+                             f"experts ({human_bytes(host_need)}); give at least that, or 0 for no host tier")
+        slots = options.expert_memory // fast_cost(Key(*first))
+
+    trace = None
+    if options.expert_profile:
+        from moeswap.experts.trace import read_trace
+
+        trace = read_trace(options.expert_profile)
+    policy = options.expert_policy if caching else "lru"
+    kwargs = dict(profile=trace.profile() if trace else None, half_life=lfru_half_life(slots),
+                  future=trace.accesses() if trace and policy == "belady" else None)
+    policies = [make_policy(policy, **kwargs)]
+    if len(tiers) == 3:  # the host tier sees only fast-tier misses: Belady's future does not apply there
+        policies.append(make_policy("lru" if policy == "belady" else policy, **kwargs))
+    store = ExpertStore(tiers, policies, max_hint=max(top_k, slots // 4))
+    store.can_evict = not caching or options.expert_memory < len(index.entries) * fast_cost(Key(*first))
+    if options.prefetch == "next-layer":
+        from moeswap.experts.prefetch import Prefetcher
+
+        store.prefetcher = Prefetcher(store)
+    return store

@@ -1,0 +1,151 @@
+"""Load options: how a model is loaded and where its routed experts are kept, as one frozen dataclass.
+
+Each field is one CLI flag (`--expert-memory` for `expert_memory`), declared once here with its help and
+its choices, which come from the registry that owns them (cache policies, prefetch modes, ...).
+Every command that loads a model adds the flags with `add_load_flags` and reads them back with
+`LoadOptions.from_args`; a child process gets them as flags again with `to_argv`. Torch-free, so the
+CLI builds its parser without importing torch. Entry point: `LoadOptions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
+
+from moeswap.units import human_bytes, parse_bytes
+
+NO_CACHE = "none"  # --expert-policy none: no cache tier, every expert read from disk every time
+PREFETCH_MODES = ("none", "next-layer")
+DENSE_WEIGHTS = ("auto", "compute")
+EXPERT_ACTIVATIONS = ("fp32", "int8")
+GEMM_PRECISIONS = ("fp32", "bf16")
+
+
+def _policy_choices() -> tuple[str, ...]:
+    from moeswap.experts.policy import POLICIES  # torch-free; read when asked, so registrations count
+
+    return (*POLICIES, NO_CACHE)
+
+
+def _option(default: Any, help: str, *, choices: Callable[[], Iterable[str]] | tuple[str, ...] | None = None,
+            kind: str = "str", metavar: str | None = None, flag: bool = True):
+    """A field with its flag: kind is str, bytes (parsed '2GiB') or bool (a switch); flag=False keeps
+    it out of the CLI (set by code only)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "kind": kind, "metavar": metavar,
+                                            "flag": flag})
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: str = _option("auto", "compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
+    device: str = _option("cpu", "torch device, e.g. cpu or cuda")
+    dense_weights: str = _option(
+        "auto", "auto: keep bf16-stored Linear weights in bf16 under fp32 math where a CPU kernel runs them "
+                "(half the bytes per decode step, same values); compute: convert to --dtype", choices=DENSE_WEIGHTS)
+    expert_activations: str = _option(
+        "fp32", "MXFP4 experts on the CPU: fp32 activations (default), or int8 per 32-value block with integer "
+                "dot products, as llama.cpp computes them (faster; AVX-512 VNNI only)", choices=EXPERT_ACTIVATIONS)
+    gemm_precision: str = _option(
+        "fp32", "CPU matmuls with bf16 weights: fp32 (default, exact), or inputs rounded to bf16 as llama.cpp "
+                "does (bf16 GEMM for prefill, bf16 dot products for decode batches; ~2x with AVX512-BF16)",
+        choices=GEMM_PRECISIONS)
+    # the expert store (experts/build.py)
+    expert_memory: int = _option(1 << 30, "bytes of routed experts kept in the fast tier: accelerator memory, "
+                                          "or host memory without one", kind="bytes")
+    host_memory: int = _option(0, "bytes of a host-memory tier between the fast tier and disk (0: none)",
+                               kind="bytes")
+    expert_policy: str = _option(
+        "lfru", "which expert a full tier gives up (lfru: frequency with decay); static needs --expert-profile; "
+                "none keeps no cache and reads every expert from disk every time", choices=_policy_choices)
+    prefetch: str = _option("none", "next-layer: guess the next layer's experts with its router and load them "
+                                    "while this layer computes", choices=PREFETCH_MODES)
+    decoded_experts: bool = _option(False, "keep decoded copies in the fast tier instead of the stored MXFP4 "
+                                           "bytes (4.25 bits)", kind="bool")
+    expert_profile: str | None = _option(None, "routing trace (moeswap trace) for --expert-policy static",
+                                         metavar="TRACE")
+    # benchmarks: every disk read comes from the device, not the OS page cache
+    drop_page_cache: bool = _option(False, "", kind="bool", flag=False)
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, choices = getattr(self, f.name), _choices(f)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{_flag(f)} {value!r}: expected one of {', '.join(choices)}")
+            if f.metadata["kind"] == "bytes" and not (isinstance(value, int) and value >= 0):
+                raise ValueError(f"{_flag(f)} must be a byte count >= 0, got {value!r}")
+        if self.expert_policy == NO_CACHE and self.prefetch != "none":
+            raise ValueError("--prefetch needs a cache: --expert-policy none keeps no experts to prefetch into")
+
+    @property
+    def caching(self) -> bool:
+        return self.expert_policy != NO_CACHE
+
+    @property
+    def keep_bf16(self) -> bool:
+        """bf16-stored weights (dense, and float experts) stay bf16 where a CPU kernel runs them."""
+        return self.dense_weights != "compute"
+
+    def replace(self, **changes) -> LoadOptions:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> LoadOptions:
+        """The options a parser built with `add_load_flags` read; fields it did not add keep their defaults."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
+
+    def to_argv(self) -> list[str]:
+        """These options as flags for `add_load_flags` (those that differ from the defaults)."""
+        argv: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if not f.metadata["flag"]:
+                raise ValueError(f"{f.name} has no flag; it cannot be passed on a command line")
+            argv += [_flag(f)] if f.metadata["kind"] == "bool" else [_flag(f), str(value)]
+        return argv
+
+
+def _flag(f) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def _choices(f) -> tuple[str, ...] | None:
+    choices = f.metadata["choices"]
+    return tuple(choices() if callable(choices) else choices) if choices is not None else None
+
+
+def load_flag_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(LoadOptions) if f.metadata["flag"])
+
+
+def add_load_flags(parser: argparse.ArgumentParser, *, only: Iterable[str] | None = None,
+                   defaults: dict[str, Any] | None = None, title: str = "loading and the expert store") -> None:
+    """Adds LoadOptions' flags to `parser` as one argument group: all of them, or the fields named in
+    `only`; `defaults` overrides a field's default for this command (its help says so)."""
+    defaults = dict(defaults or {})
+    names = load_flag_names() if only is None else tuple(only)
+    known = {f.name: f for f in fields(LoadOptions) if f.metadata["flag"]}
+    unknown = [n for n in (*names, *defaults) if n not in known]
+    if unknown:
+        raise ValueError(f"no load option {unknown[0]!r}; known: {', '.join(known)}")
+    group = parser.add_argument_group(title)
+    for name in names:
+        f = known[name]
+        meta, default = f.metadata, defaults.get(name, f.default if f.default is not MISSING else None)
+        kw: dict[str, Any] = {"dest": name, "default": default}
+        if meta["kind"] == "bool":
+            group.add_argument(_flag(f), action="store_true", help=meta["help"], **kw)
+            continue
+        shown = human_bytes(default) if meta["kind"] == "bytes" and default else default
+        kw["help"] = meta["help"] + (f" (default {shown})" if shown not in (None, "") else "")
+        if meta["kind"] == "bytes":
+            kw["type"] = parse_bytes
+        if meta["choices"] is not None:
+            kw["choices"] = _choices(f)
+        if meta["metavar"]:
+            kw["metavar"] = meta["metavar"]
+        group.add_argument(_flag(f), **kw)
