@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moeswap.config import load_config
-from moeswap.formats.checkpoint import Checkpoint
+from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models.loader import checkpoint_map_module
 from moeswap.units import human_bytes, human_count
 
@@ -35,6 +35,9 @@ COMPONENTS = (
 def _component(name: str, attn_kinds: tuple[str, ...]) -> str:
     m = re.match(r"model\.layers\.(\d+)\.self_attn\.", name)
     if m:
+        if int(m.group(1)) >= len(attn_kinds):
+            raise CheckpointError(f"tensor {name!r} is for layer {m.group(1)}, but config.json says the model "
+                                  f"has {len(attn_kinds)} layers")
         return "KDA attention" if attn_kinds[int(m.group(1))] == "kda" else "MLA attention"
     for label, pattern in COMPONENTS:
         if pattern not in ("KDA", "MLA") and re.fullmatch(pattern, name):

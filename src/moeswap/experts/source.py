@@ -3,12 +3,14 @@
 `ExpertIndex` is built by the loader from CHECKPOINT_MAP matches and validated against the config
 (every expert of every MoE layer present, with the right shapes and dtypes). `load_expert` reads one
 expert's tensors (MXFP4 packed+scale, MXFP8 float8+scale, or float) and decodes them; nothing else is read.
+`check_expert` refuses bytes that cannot decode to finite weights, naming the tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from moeswap.config import ModelConfig
@@ -102,6 +104,42 @@ def _expect(info, shape, dtype, what: str) -> None:
                               f"from config.json, found {list(info.shape)}")
     if dtype is not None and info.dtype != dtype:
         raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected dtype {dtype}, found {info.dtype}")
+
+
+def check_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int,
+                 w: ExpertWeights | MXFP4ExpertWeights) -> None:
+    """Fails naming the tensor when an expert's bytes cannot decode to finite weights: an MXFP4 scale byte
+    above mxfp4.MAX_SCALE_BYTE (its block can decode to ±Inf; 0xFF is NaN), or a non-finite value in a
+    float or decoded MXFP8 weight. MXFP4 elements are always finite, so for MXFP4 the scales (1/16 of the
+    bytes) are all there is to check."""
+    names = index.names(layer, expert)
+    if isinstance(w, MXFP4ExpertWeights):
+        for proj in PROJS:
+            scale = getattr(w, f"{proj}_scale").numpy()  # numpy: a third of torch's per-call overhead on 16 KB
+            top = int(scale.max()) if scale.size else 0
+            if top > mxfp4.MAX_SCALE_BYTE:
+                row, block = (int(i) for i in np.unravel_index(np.argmax(scale > mxfp4.MAX_SCALE_BYTE), scale.shape))
+                what = ("NaN scale bytes (E8M0 0xFF)" if top == mxfp4.SCALE_NAN else
+                        f"scale bytes above {mxfp4.MAX_SCALE_BYTE} (2^{mxfp4.MAX_SCALE_BYTE - 127}), whose blocks "
+                        f"decode to ±Inf")
+                raise CheckpointError(_corrupt(ckpt, names[proj]["weight_scale"], layer, expert, proj,
+                                               f"{what}, first at row {row} block {block}; expected E8M0 bytes of at "
+                                               f"most {mxfp4.MAX_SCALE_BYTE}"))
+        return
+    for proj, t in (("w1", w.w1_FI), ("w3", w.w3_FI), ("w2", w.w2_IF)):
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            at = [int(i) for i in (~finite).nonzero()[0]]
+            kinds = names[proj]
+            what = "decodes to" if "weight_scale" in kinds else "holds"
+            raise CheckpointError(_corrupt(ckpt, kinds["weight"], layer, expert, proj,
+                                           f"{what} non-finite weights (NaN or Inf), first at {at}; expected "
+                                           f"finite values"))
+
+
+def _corrupt(ckpt: Checkpoint, name: str, layer: int, expert: int, proj: str, what: str) -> str:
+    return (f"{name} in {ckpt.info(name).file} (layer {layer} expert {expert} {proj}): {what}; the file is "
+            f"corrupt: re-download or re-copy it")
 
 
 def load_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int, dtype: torch.dtype,

@@ -20,7 +20,7 @@ import torch
 from moeswap.experts.buffers import BufferPool
 from moeswap.experts.keys import Key
 from moeswap.experts.reads import Pending, Reads, pread_exactly
-from moeswap.experts.source import ExpertIndex, load_expert
+from moeswap.experts.source import ExpertIndex, check_expert, load_expert
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
@@ -176,22 +176,8 @@ class CheckpointTier(Tier):
     def stored_bytes(self, key: Key) -> int:
         return self.index.stored_bytes(self.ckpt, key.layer, key.expert)
 
-    def _files(self, key: Key) -> str:
-        names = self.index.names(key.layer, key.expert)
-        return ", ".join(sorted({str(self.ckpt.info(n).file) for kinds in names.values() for n in kinds.values()}))
-
     def _check(self, key: Key, w: Weights) -> None:
-        """Bytes that cannot decode to finite weights: a NaN scale byte (0xFF) or a non-finite float.
-        MXFP4 elements are always finite, so the scales are all there is to check (1/16 of the bytes)."""
-        if isinstance(w, MXFP4ExpertWeights):  # numpy: a third of torch's per-call overhead on 16 KB arrays
-            bad = [p for p in ("w1", "w2", "w3") if getattr(w, f"{p}_scale").numpy().max() == mxfp4.SCALE_NAN]
-            what = "NaN scale bytes (0xFF)"
-        else:
-            bad = [p for p, t in (("w1", w.w1_FI), ("w3", w.w3_FI), ("w2", w.w2_IF)) if not bool(torch.isfinite(t).all())]
-            what = "non-finite weights"
-        if bad:
-            raise CheckpointError(f"{key}: {bad[0]} has {what} in {self._files(key)}: the file is corrupt; "
-                                  f"re-download or re-copy it")
+        check_expert(self.ckpt, self.index, key.layer, key.expert, w)
 
     def _span(self, key: Key):
         """(file, start, end, parts) when the expert is MXFP4 and its tensors sit together in one file (as

@@ -1,6 +1,7 @@
 """Safetensors checkpoints: tensor name -> (file, absolute byte range, dtype, shape), and the bytes behind it.
 
-Parses headers itself (never a whole file), validates them at open time, then serves tensors either as
+Parses headers itself (never a whole file) and validates them at open time (shard paths confined to the
+checkpoint's directory, byte ranges inside their file and disjoint), then serves tensors either as
 zero-copy views of one lazily opened read-only mmap per shard (`get`) or as owned copies read with
 pread (`read`, the expert store's disk tier). Knows nothing of models, names' meaning or quantization.
 Entry point: `Checkpoint.open(path)`.
@@ -22,9 +23,13 @@ from pathlib import Path
 
 import torch
 
+from moeswap.formats.files import confined, read_json, show
+
 INDEX_NAME = "model.safetensors.index.json"
 HEADER_LENGTH_BYTES = 8  # little-endian u64 before the JSON header
 MAX_HEADER_BYTES = 100_000_000  # the safetensors limit; a larger length means a corrupt file, not a big one
+MAX_DIMS = 64  # more than any tensor has; also bounds what a hostile header makes torch allocate for a shape
+MAX_DIM = (1 << 63) - 1  # torch sizes are int64 (a zero-size tensor may claim any other dimension)
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -179,7 +184,10 @@ class Checkpoint:
 def _only_shard(directory: Path) -> Path:
     shards = sorted(directory.glob("*.safetensors"))
     if len(shards) == 1:
-        return shards[0]
+        shard = confined(directory, shards[0].name, CheckpointError, str(directory))
+        if not shard.is_file():  # a FIFO or device would block or never end
+            raise CheckpointError(f"{shard}: expected a safetensors file, found a directory or special file")
+        return shard
     found = ", ".join(s.name for s in shards[:5]) + (" ..." if len(shards) > 5 else "") if shards else "none"
     raise CheckpointError(
         f"{directory}: expected {INDEX_NAME} or exactly one *.safetensors file, found {found}"
@@ -192,13 +200,17 @@ def _tensors_from_index(index: Path) -> dict[str, TensorInfo]:
     for name, shard in weight_map.items():
         by_file.setdefault(shard, []).append(name)
 
+    # Every shard path is checked before any file is touched: a checkpoint never reaches outside its directory.
+    files = {shard: confined(index.parent, shard, CheckpointError, f"{index}: weight_map entry {show(names[0])}")
+             for shard, names in sorted(by_file.items())}
     tensors: dict[str, TensorInfo] = {}
     for shard, names in sorted(by_file.items()):
-        file = index.parent / shard
+        file = files[shard]
         if not file.is_file():
+            found = "which is a directory or special file" if file.exists() else "which does not exist"
             raise CheckpointError(
                 f"{index}: maps {len(names)} tensors (e.g. {names[0]!r}) to shard {shard!r}, "
-                f"which does not exist in {index.parent}; is the download incomplete?"
+                f"{found} in {index.parent}; is the download incomplete?"
             )
         in_file = _tensors_from_file(file)
         for name in names:
@@ -212,22 +224,20 @@ def _tensors_from_index(index: Path) -> dict[str, TensorInfo]:
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index}: expected a JSON safetensors index, cannot parse it: {e}") from None
+    data = read_json(index, CheckpointError)
     expected = f"{index}: expected a JSON object whose 'weight_map' maps tensor names to shard file names"
     if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
-        found = f"keys {sorted(data)}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        found = f"keys {show(sorted(data))}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
         raise CheckpointError(f"{expected}, found {found}")
     for name, shard in data["weight_map"].items():
-        if not isinstance(shard, str):
-            raise CheckpointError(f"{expected}, found {name!r} -> {shard!r}")
+        if not isinstance(shard, str) or not name.isprintable():
+            raise CheckpointError(f"{expected}, found {show(name)} -> {show(shard)}")
     return data["weight_map"]
 
 
 def _tensors_from_file(file: Path) -> dict[str, TensorInfo]:
-    """Parse and check one safetensors header (reads only the header bytes)."""
+    """Parse and check one safetensors header (reads only the header bytes). Errors say what the bytes
+    should have been, never what they are: the file may not be a checkpoint at all."""
     file_size = file.stat().st_size
     with open(file, "rb") as f:
         prefix = f.read(HEADER_LENGTH_BYTES)
@@ -237,20 +247,26 @@ def _tensors_from_file(file: Path) -> dict[str, TensorInfo]:
                 f"file has {file_size} bytes"
             )
         header_len = int.from_bytes(prefix, "little")
-        if header_len > min(file_size - HEADER_LENGTH_BYTES, MAX_HEADER_BYTES):
+        limit = min(file_size - HEADER_LENGTH_BYTES, MAX_HEADER_BYTES)
+        if header_len > limit:
             raise CheckpointError(
-                f"{file}: truncated or not safetensors: header claims {header_len} bytes; expected at most "
-                f"{min(file_size - HEADER_LENGTH_BYTES, MAX_HEADER_BYTES)} (file has {file_size} bytes)"
+                f"{file}: truncated or not safetensors: expected its first {HEADER_LENGTH_BYTES} bytes to give "
+                f"a JSON header length of at most {limit} bytes (the rest of the file, capped at "
+                f"{MAX_HEADER_BYTES}), found a larger one; re-download or re-copy it"
             )
         raw = f.read(header_len)
+    corrupt = f"{file}: corrupt safetensors header"
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: corrupt safetensors header: expected JSON, {e}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{corrupt}: expected JSON, found bytes that are not UTF-8 (at header offset "
+                              f"{e.start})") from None
+    except RecursionError:
+        raise CheckpointError(f"{corrupt}: expected JSON, found nesting too deep to parse") from None
+    except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
+        raise CheckpointError(f"{corrupt}: expected JSON, {e}") from None
     if not isinstance(header, dict):
-        raise CheckpointError(
-            f"{file}: corrupt safetensors header: expected a JSON object, found {type(header).__name__}"
-        )
+        raise CheckpointError(f"{corrupt}: expected a JSON object, found {type(header).__name__}")
 
     data_start = HEADER_LENGTH_BYTES + header_len
     tensors = {
@@ -259,6 +275,7 @@ def _tensors_from_file(file: Path) -> dict[str, TensorInfo]:
         if name != "__metadata__"
     }
     _check_not_truncated(file, file_size, tensors.values())
+    _check_no_overlap(file, tensors.values())
     return tensors
 
 
@@ -273,29 +290,44 @@ def _check_not_truncated(file: Path, file_size: int, tensors: Iterable[TensorInf
         )
 
 
+def _check_no_overlap(file: Path, tensors: Iterable[TensorInfo]) -> None:
+    """Each byte of data belongs to at most one tensor (safetensors' own rule; a writer never shares)."""
+    previous = None
+    for t in sorted((t for t in tensors if t.nbytes), key=lambda t: (t.offset, t.name)):
+        if previous is not None and t.offset < previous.offset + previous.nbytes:
+            raise CheckpointError(
+                f"{file}: corrupt safetensors header: tensors {previous.name!r} and {t.name!r} claim "
+                f"overlapping data_offsets; expected each byte to belong to one tensor"
+            )
+        previous = t
+
+
 def _tensor_info(name: str, entry: object, file: Path, data_start: int) -> TensorInfo:
-    where = f"{file}: tensor {name!r}"
+    where = f"{file}: tensor {show(name)}"
+    if not name.isprintable():
+        raise CheckpointError(f"{where}: expected a tensor name without control characters")
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise CheckpointError(
-            f"{where}: expected an entry with dtype, shape and data_offsets, found {entry!r}"
+            f"{where}: expected an entry with dtype, shape and data_offsets, found {show(entry)}"
         )
     dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype_name not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
         raise CheckpointError(
-            f"{where}: unknown dtype {dtype_name!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
+            f"{where}: unknown dtype {show(dtype_name)}; expected one of {', '.join(SAFETENSORS_DTYPES)}"
         )
-    if not _is_int_list(shape, 0) or not _is_int_list(offsets, 2) or offsets[0] > offsets[1]:
+    if not _is_int_list(shape, 0) or not _is_int_list(offsets, 2) or offsets[0] > offsets[1] \
+            or len(shape) > MAX_DIMS or any(d > MAX_DIM for d in shape):
         raise CheckpointError(
-            f"{where}: expected shape as a list of non-negative ints and data_offsets as [begin, end], "
-            f"found shape={shape!r} data_offsets={offsets!r}"
+            f"{where}: expected shape as a list of at most {MAX_DIMS} non-negative ints below 2^63 and "
+            f"data_offsets as [begin, end], found shape={show(shape)} data_offsets={show(offsets)}"
         )
     dtype = SAFETENSORS_DTYPES[dtype_name]
     begin, end = offsets
     expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected:
         raise CheckpointError(
-            f"{where}: shape {shape} of {dtype_name} needs {expected} bytes, data_offsets {offsets} "
-            f"span {end - begin}"
+            f"{where}: shape {show(shape)} of {dtype_name} needs {expected} bytes, data_offsets "
+            f"{show(offsets)} span {end - begin}"
         )
     return TensorInfo(name, file, dtype, tuple(shape), data_start + begin, expected)
 

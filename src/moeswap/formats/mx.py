@@ -2,7 +2,7 @@
 
 Pure functions on tensors. A block is 32 consecutive values along the last dim; its scale byte s means
 2^(s - 127) (0xFF is NaN, byte 0 the fp32 subnormal 2^-127). Entry points: `scale_to_float`,
-`block_exponents` (FLOOR / EVEN / RCEIL, see docs/formats.md) and the shape checks.
+`block_exponents` (FLOOR / EVEN / RCEIL, see docs/formats.md), `max_finite_scale_byte` and the shape checks.
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ def _e8m0_table() -> torch.Tensor:
 
 
 E8M0_TO_FP32 = _e8m0_table()
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def max_finite_scale_byte(element_max: float) -> int:
+    """The largest scale byte whose every block value is a finite fp32 for elements up to `element_max`:
+    above it a block can decode to ±Inf (and 0xFF is NaN), which no trained model's weights are."""
+    return max(s for s in range(SCALE_NAN) if element_max * 2.0 ** (s - 127) <= FP32_MAX)
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:

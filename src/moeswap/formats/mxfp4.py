@@ -15,6 +15,7 @@ from moeswap.formats.mx import BLOCK, MODES, SCALE_NAN, Mode, scale_to_float  # 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0-7; code | 8 negates
 E2M1_MAX = 6.0
 E2M1_EMAX = 2  # floor(log2(6)): the exponent of the largest element
+MAX_SCALE_BYTE = mx.max_finite_scale_byte(E2M1_MAX)  # 252 = 2^125: 6 * 2^126 is past fp32's range
 
 
 def _pair_table() -> torch.Tensor:
