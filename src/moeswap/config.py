@@ -1,19 +1,22 @@
 """ModelConfig: the frozen description of a model, read from a checkpoint's config.json.
 
 Owns: unwrapping K3's multimodal `text_config`, both key spellings (Kimi and DeepSeek/transformers),
-layer kinds from `linear_attn_config` (1-based lists) or `layer_types`/`mlp_layer_types`, and the
-compressed-tensors quantization scheme. Knows nothing of tensors or files beyond config.json.
+layer kinds from `linear_attn_config` (1-based lists) or `layer_types`/`mlp_layer_types`, the
+compressed-tensors quantization scheme, and the type and range of every field (finite positive floats,
+sizes within bounds, routing the router can do). Knows nothing of tensors or files beyond config.json.
 Entry points: `load_config(path)` (a directory or a config.json) and `parse_config(dict)`.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from moeswap.formats.files import confined, read_json, show
 
 
 class ConfigError(ValueError):
@@ -131,120 +134,156 @@ class ModelConfig:
         return out
 
 
+# Upper bounds far above any published model (K3: 93 layers, 896 experts, hidden size 7168, vocabulary
+# 163840): a larger value is a corrupt file, and building its model would allocate or loop without end.
+MAX_LAYERS = 1 << 12
+MAX_EXPERTS = 1 << 16
+MAX_SIZE = 1 << 24  # any width, head count, rank or vocabulary size
+MAX_POSITIONS = (1 << 31) - 1
+FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # smallest normal, largest finite
+
+
 def load_config(path: str | Path) -> ModelConfig:
-    """Read `path` (a model directory or a config.json file)."""
+    """Read `path` (a model directory or a config.json file). A directory's config.json must be a file
+    inside it (formats.files.confined): a checkpoint never reads another file's keys through a link."""
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
+    file = confined(path, "config.json", ConfigError, str(path)) if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"{file}: no config.json found (expected a model directory or a config.json path)")
-    try:
-        raw = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    return parse_config(raw, source=str(file))
+    return parse_config(read_json(file, ConfigError), source=str(file))
 
 
 def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Every field checked for type and range; an error names the field and the value found."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object at the top level")
-    archs = tuple(raw.get("architectures") or ())
     wrapped = "text_config" in raw
     text = raw["text_config"] if wrapped else raw
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: field 'text_config' must be an object")
+    top, g = _Getter(raw, source), _Getter(text, source)
+    archs = top.str_list("architectures") + (g.str_list("architectures") if wrapped else ())
     model_type = raw.get("model_type", text.get("model_type"))
-    if wrapped:
-        archs += tuple(text.get("architectures") or ())
     arch = _detect_arch(model_type, archs, text, source)
-    g = _Getter(text, source)
 
-    num_layers = g.int("num_hidden_layers")
-    attn_kinds = _attn_kinds(text, num_layers, source)
-    mlp_kinds = _mlp_kinds(text, num_layers, source)
+    num_layers = g.int("num_hidden_layers", low=1, high=MAX_LAYERS)
+    lin_raw = text.get("linear_attn_config")
+    if lin_raw is not None and not isinstance(lin_raw, dict):
+        raise ConfigError(f"{source}: field 'linear_attn_config' must be an object, got {show(lin_raw)}")
+    lin = lin_raw or {}
+    lg = _Getter(lin, source, "linear_attn_config.")
+    attn_kinds = _attn_kinds(text, lin, num_layers, source)
+    mlp_kinds = _mlp_kinds(g, num_layers, source)
 
-    lin = text.get("linear_attn_config") or {}
-    unknown = sorted(k for k in text if k not in _KNOWN_KEYS) + sorted(
-        f"linear_attn_config.{k}" for k in lin if k not in _KNOWN_LINEAR_ATTN_KEYS
+    unknown = sorted(_printable(k) for k in text if k not in _KNOWN_KEYS) + sorted(
+        f"linear_attn_config.{_printable(k)}" for k in lin if k not in _KNOWN_LINEAR_ATTN_KEYS
     )
     if unknown:
         warnings.warn(f"{source}: ignoring unknown config keys: {', '.join(unknown)}", stacklevel=2)
 
+    has_kda, has_mla, has_moe = "kda" in attn_kinds, "mla" in attn_kinds, "moe" in mlp_kinds
+    kda_heads, kda_dim = lg.opt_int("num_heads"), lg.opt_int("head_dim")
     kda = KDAConfig(
-        num_heads=int(lin.get("num_heads", text.get("linear_num_heads", 0)) or 0),
-        head_dim=int(lin.get("head_dim", text.get("linear_head_dim", 0)) or 0),
-        conv_kernel=int(lin.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4))),
-        gate_lower_bound=lin.get("gate_lower_bound"),
-        full_rank_gate=bool(lin.get("use_full_rank_gate", False)),
+        num_heads=kda_heads if kda_heads is not None else g.opt_int("linear_num_heads") or 0,
+        head_dim=kda_dim if kda_dim is not None else g.opt_int("linear_head_dim") or 0,
+        conv_kernel=lg.int("short_conv_kernel_size", g.int("linear_conv_kernel_dim", 4, low=1), low=1),
+        gate_lower_bound=lg.opt_float("gate_lower_bound", sign=-1),
+        full_rank_gate=lg.bool("use_full_rank_gate", False),
     )
-    if "kda" in attn_kinds and (kda.num_heads <= 0 or kda.head_dim <= 0):
+    if has_kda and (kda.num_heads <= 0 or kda.head_dim <= 0):
         raise ConfigError(f"{source}: KDA layers present but linear_attn_config.num_heads/head_dim missing")
     mla = MLAConfig(
-        num_heads=g.int("num_attention_heads"),
-        q_lora_rank=g.opt_int("q_lora_rank"),
-        kv_lora_rank=g.int("kv_lora_rank"),
-        qk_nope_head_dim=g.int("qk_nope_head_dim"),
+        num_heads=g.int("num_attention_heads", low=int(has_mla)),
+        q_lora_rank=g.opt_int("q_lora_rank", low=1),
+        kv_lora_rank=g.int("kv_lora_rank", low=int(has_mla)),
+        qk_nope_head_dim=g.int("qk_nope_head_dim", low=int(has_mla)),
         qk_rope_head_dim=g.int("qk_rope_head_dim"),
-        v_head_dim=g.int("v_head_dim"),
-        output_gate=bool(text.get("mla_use_output_gate", False)),
-        use_nope=bool(text.get("mla_use_nope", True)),
+        v_head_dim=g.int("v_head_dim", low=int(has_mla)),
+        output_gate=g.bool("mla_use_output_gate", False),
+        use_nope=g.bool("mla_use_nope", True),
     )
     if not mla.use_nope:
         raise ConfigError(f"{source}: mla_use_nope=false (rotary MLA) is not supported; Kimi models use NoPE")
     scoring = g.first(("moe_router_activation_func", "scoring_func"), "sigmoid")
     if scoring not in ("sigmoid", "softmax"):
-        raise ConfigError(f"{source}: moe_router_activation_func={scoring!r}; expected 'sigmoid' or 'softmax'")
+        raise ConfigError(f"{source}: moe_router_activation_func={show(scoring)}; expected 'sigmoid' or 'softmax'")
+    num_experts = g.first_int(("num_experts", "n_routed_experts", "num_local_experts"), low=int(has_moe),
+                              high=MAX_EXPERTS)
     moe = MoEConfig(
-        num_experts=int(g.first(("num_experts", "n_routed_experts", "num_local_experts"))),
-        top_k=int(g.first(("num_experts_per_token", "num_experts_per_tok"))),
-        num_shared_experts=int(g.first(("num_shared_experts", "n_shared_experts"), 0)),
-        expert_dim=g.int("moe_intermediate_size"),
-        latent_dim=g.opt_int("routed_expert_hidden_size"),
-        latent_norm=bool(text.get("latent_moe_use_norm", False)),
+        num_experts=num_experts,
+        top_k=g.first_int(("num_experts_per_token", "num_experts_per_tok")),
+        num_shared_experts=g.first_int(("num_shared_experts", "n_shared_experts"), 0, high=MAX_EXPERTS),
+        expert_dim=g.int("moe_intermediate_size", low=int(has_moe)),
+        latent_dim=g.opt_int("routed_expert_hidden_size"),  # 0 or absent: experts run at full width
+        latent_norm=g.bool("latent_moe_use_norm", False),
         scoring=scoring,
-        renormalize=bool(g.first(("moe_renormalize", "norm_topk_prob"), True)),
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-        num_groups=int(g.first(("num_expert_group", "n_group"), 1) or 1),
-        topk_group=int(text.get("topk_group", 1) or 1),
+        renormalize=g.first_bool(("moe_renormalize", "norm_topk_prob"), True),
+        routed_scaling_factor=g.float("routed_scaling_factor", 1.0),
+        num_groups=g.first_int(("num_expert_group", "n_group"), 1, high=MAX_EXPERTS) or 1,  # 0 means no groups
+        topk_group=g.int("topk_group", 1, high=MAX_EXPERTS) or 1,
     )
-    if "moe" in mlp_kinds and not (0 < moe.top_k <= moe.num_experts):
-        raise ConfigError(f"{source}: num_experts_per_token={moe.top_k} must be in 1..num_experts={moe.num_experts}")
+    if has_moe:
+        _check_routing(moe, source)
 
     act = text.get("hidden_act", "silu")
     if act not in ("situ", "silu"):
-        raise ConfigError(f"{source}: hidden_act={act!r} is not supported (expected 'situ' or 'silu')")
-    eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    quant = _quant_scheme(text.get("quantization_config") or raw.get("quantization_config"), source)
+        raise ConfigError(f"{source}: hidden_act={show(act)} is not supported (expected 'situ' or 'silu')")
+    vocab_size = g.int("vocab_size", low=1)
+    tokens = _Getter({**raw, **text}, source)  # token ids may sit at the top of K3's wrapper or in text_config
+    quant_raw = text.get("quantization_config") or raw.get("quantization_config")
+    if quant_raw and not isinstance(quant_raw, dict):
+        raise ConfigError(f"{source}: field 'quantization_config' must be an object, got {show(quant_raw)}")
+    quant = _quant_scheme(quant_raw, source)
 
     cfg = ModelConfig(
         arch=arch,
-        hidden_size=g.int("hidden_size"),
+        hidden_size=g.int("hidden_size", low=1),
         num_layers=num_layers,
-        vocab_size=g.int("vocab_size"),
+        vocab_size=vocab_size,
         attn_kinds=attn_kinds,
         mlp_kinds=mlp_kinds,
-        intermediate_size=g.int("intermediate_size"),
+        intermediate_size=g.int("intermediate_size", low=int("dense" in mlp_kinds)),
         hidden_act=act,
-        situ_beta=float(text.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
-        attn_res_block_size=g.opt_int("attn_res_block_size"),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        situ_beta=g.float("activation_situ_beta", 4.0),
+        situ_linear_beta=g.float("activation_situ_linear_beta", 25.0),
+        attn_res_block_size=g.opt_int("attn_res_block_size"),  # 0 or absent: no attention residuals
+        rms_norm_eps=g.float("rms_norm_eps", 1e-5),
+        tie_word_embeddings=tokens.bool("tie_word_embeddings", False),
         kda=kda,
         mla=mla,
         moe=moe,
         quant=quant,
         weight_prefix="language_model." if wrapped else "",
-        eos_token_ids=eos_ids,
-        bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
-        pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
-        max_position_embeddings=int(g.first(("max_position_embeddings", "model_max_length"), 1 << 20)),
+        eos_token_ids=tokens.token_ids("eos_token_id", vocab_size),
+        bos_token_id=tokens.opt_int("bos_token_id", high=vocab_size - 1),
+        pad_token_id=tokens.opt_int("pad_token_id", high=vocab_size - 1),
+        max_position_embeddings=g.first_int(("max_position_embeddings", "model_max_length"), 1 << 20, low=1,
+                                            high=MAX_POSITIONS),
         unknown_keys=tuple(unknown),
     )
     return cfg
 
 
-def _detect_arch(model_type: str | None, archs: tuple[str, ...], text: dict, source: str) -> str:
+def _check_routing(m: MoEConfig, source: str) -> None:
+    """top_k and DeepSeek-V3 expert groups must describe a choice the router can make."""
+    if not 0 < m.top_k <= m.num_experts:
+        raise ConfigError(f"{source}: num_experts_per_token={m.top_k} must be in 1..num_experts={m.num_experts}")
+    if m.num_groups <= 1:
+        return
+    per_group = m.num_experts // m.num_groups
+    if m.num_experts % m.num_groups or per_group < 2:  # a group's score is the sum of its top 2 experts
+        raise ConfigError(f"{source}: num_expert_group={m.num_groups} must split num_experts={m.num_experts} "
+                          f"into equal groups of at least 2 experts")
+    if not m.topk_group <= m.num_groups or m.top_k > m.topk_group * per_group:
+        raise ConfigError(f"{source}: topk_group={m.topk_group} must be in 1..num_expert_group={m.num_groups} and "
+                          f"keep at least num_experts_per_token={m.top_k} experts ({per_group} per group)")
+
+
+def _printable(key: str) -> str:
+    return key if key.isprintable() else show(key)
+
+
+def _detect_arch(model_type: object, archs: tuple[str, ...], text: dict, source: str) -> str:
     if model_type == "kimi_k3" or "KimiK3ForConditionalGeneration" in archs:
         return "kimi_k3"
     if model_type == "kimi_linear" or "KimiLinearForCausalLM" in archs:
@@ -254,20 +293,23 @@ def _detect_arch(model_type: str | None, archs: tuple[str, ...], text: dict, sou
     from moeswap.models import REGISTRY
 
     raise ConfigError(
-        f"{source}: unknown architecture (model_type={model_type!r}, architectures={list(archs)}); "
+        f"{source}: unknown architecture (model_type={show(model_type)}, architectures={show(list(archs))}); "
         f"moeswap runs: {', '.join(REGISTRY)}"
     )
 
 
-def _attn_kinds(text: dict, n: int, source: str) -> tuple[str, ...]:
-    lin = text.get("linear_attn_config")
-    if lin and "kda_layers" in lin and "full_attn_layers" in lin:
+def _attn_kinds(text: dict, lin: dict, n: int, source: str) -> tuple[str, ...]:
+    if "kda_layers" in lin and "full_attn_layers" in lin:
         kinds: list[str | None] = [None] * n
         for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
+            if not isinstance(lin[key], list):
+                raise ConfigError(f"{source}: linear_attn_config.{key} must be a list of 1-based layer "
+                                  f"numbers, got {show(lin[key])}")
             for one_based in lin[key]:
                 if not (isinstance(one_based, int) and not isinstance(one_based, bool) and 1 <= one_based <= n):
                     raise ConfigError(
-                        f"{source}: linear_attn_config.{key} lists layer {one_based!r}, not an integer in 1..{n} (1-based)"
+                        f"{source}: linear_attn_config.{key} lists layer {show(one_based)}, not an integer in "
+                        f"1..{n} (1-based)"
                     )
                 if kinds[one_based - 1] is not None:
                     raise ConfigError(f"{source}: layer {one_based} (1-based) is listed as both KDA and MLA")
@@ -275,15 +317,17 @@ def _attn_kinds(text: dict, n: int, source: str) -> tuple[str, ...]:
         missing = [i + 1 for i, k in enumerate(kinds) if k is None]
         if missing:
             raise ConfigError(
-                f"{source}: linear_attn_config lists neither KDA nor MLA for layers {missing} (1-based)"
+                f"{source}: linear_attn_config lists neither KDA nor MLA for layers {show(missing)} (1-based)"
             )
         return tuple(kinds)  # type: ignore[arg-type]
     types = text.get("layer_types")
     if types:
         names = {"linear_attention": "kda", "full_attention": "mla", "kda": "kda", "mla": "mla"}
-        if len(types) != n or any(t not in names for t in types):
+        if not isinstance(types, list) or len(types) != n or any(not isinstance(t, str) or t not in names
+                                                                  for t in types):
             raise ConfigError(
-                f"{source}: layer_types must list {n} entries of 'linear_attention'/'full_attention', got {types}"
+                f"{source}: layer_types must list {n} entries of 'linear_attention'/'full_attention', "
+                f"got {show(types)}"
             )
         return tuple(names[t] for t in types)
     raise ConfigError(
@@ -292,15 +336,17 @@ def _attn_kinds(text: dict, n: int, source: str) -> tuple[str, ...]:
     )
 
 
-def _mlp_kinds(text: dict, n: int, source: str) -> tuple[str, ...]:
-    types = text.get("mlp_layer_types")
+def _mlp_kinds(g: _Getter, n: int, source: str) -> tuple[str, ...]:
+    types = g.d.get("mlp_layer_types")
     if types:
         names = {"dense": "dense", "sparse": "moe", "moe": "moe"}
-        if len(types) != n or any(t not in names for t in types):
-            raise ConfigError(f"{source}: mlp_layer_types must list {n} entries of 'dense'/'sparse', got {types}")
+        if not isinstance(types, list) or len(types) != n or any(not isinstance(t, str) or t not in names
+                                                                  for t in types):
+            raise ConfigError(f"{source}: mlp_layer_types must list {n} entries of 'dense'/'sparse', "
+                              f"got {show(types)}")
         return tuple(names[t] for t in types)
-    k = int(text.get("first_k_dense_replace", 0))
-    freq = int(text.get("moe_layer_freq", 1) or 1)
+    k = g.int("first_k_dense_replace", 0, high=MAX_LAYERS)
+    freq = g.int("moe_layer_freq", 1, high=MAX_LAYERS) or 1
     return tuple("dense" if i < k or (i - k) % freq else "moe" for i in range(n))
 
 
@@ -317,26 +363,92 @@ def _quant_scheme(q: dict | None, source: str) -> QuantScheme | None:
 
 
 class _Getter:
-    """Reads required/optional fields with errors that name the field."""
+    """Reads fields of one JSON object, checking type and range; errors name the field and the value.
+    A null value counts as absent."""
 
-    def __init__(self, d: dict, source: str):
-        self.d, self.source = d, source
+    def __init__(self, d: dict, source: str, prefix: str = ""):
+        self.d, self.source, self.prefix = d, source, prefix
 
-    def int(self, key: str) -> int:
-        if key not in self.d or self.d[key] is None:
-            raise ConfigError(f"{self.source}: required field '{key}' is missing")
-        v = self.d[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"{self.source}: field '{key}' must be a non-negative integer, got {v!r}")
+    def _value(self, key: str, default: Any) -> Any:
+        v = self.d.get(key)
+        if v is None:
+            if default is ...:
+                raise ConfigError(f"{self.source}: required field '{self.prefix}{key}' is missing")
+            return default
         return v
 
-    def opt_int(self, key: str) -> int | None:
-        return None if self.d.get(key) is None else self.int(key)
+    def int(self, key: str, default: Any = ..., low: int = 0, high: int = MAX_SIZE) -> int:
+        v = self._value(key, default)
+        return v if v is default else self._int(key, v, low, high)
 
-    def first(self, keys: tuple[str, ...], default: Any = ...) -> Any:
+    def opt_int(self, key: str, low: int = 0, high: int = MAX_SIZE) -> int | None:
+        return self.int(key, None, low, high)
+
+    def _int(self, key: str, v: Any, low: int, high: int) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"{self.source}: field '{self.prefix}{key}' must be a non-negative integer, "
+                              f"got {show(v)}")
+        if not low <= v <= high:
+            raise ConfigError(f"{self.source}: field '{self.prefix}{key}' must be in {low}..{high}, got {v}")
+        return v
+
+    def float(self, key: str, default: float) -> float:
+        v = self.opt_float(key, sign=1)
+        return default if v is None else v
+
+    def opt_float(self, key: str, sign: int) -> float | None:
+        """A number whose sign is `sign` and whose magnitude is a normal, finite fp32 (the model computes
+        with it in fp32: NaN, Inf, zero or a wrong sign would make every output garbage)."""
+        v = self.d.get(key)
+        if v is None:
+            return None
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if ok:
+            try:
+                f = float(v)
+            except OverflowError:  # an int too large for a float
+                ok = False
+            else:
+                ok = math.isfinite(f) and FP32_TINY <= sign * f <= FP32_MAX
+        if not ok:
+            which = "positive" if sign > 0 else "negative"
+            raise ConfigError(f"{self.source}: field '{self.prefix}{key}' must be a finite {which} number "
+                              f"(magnitude {FP32_TINY:.2g} to {FP32_MAX:.2g}, as fp32 holds), got {show(v)}")
+        return f
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self._value(key, default)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.source}: field '{self.prefix}{key}' must be true or false, got {show(v)}")
+        return v
+
+    def str_list(self, key: str) -> tuple[str, ...]:
+        v = self.d.get(key) or []
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ConfigError(f"{self.source}: field '{self.prefix}{key}' must be a list of names, got {show(v)}")
+        return tuple(v)
+
+    def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
+        v = self.d.get(key)
+        ids = v if isinstance(v, list) else [] if v is None else [v]
+        return tuple(self._int(key, i, 0, vocab_size - 1) for i in ids)
+
+    def _first_key(self, keys: tuple[str, ...], default: Any) -> str | None:
         for k in keys:
             if self.d.get(k) is not None:
-                return self.d[k]
+                return k
         if default is ...:
             raise ConfigError(f"{self.source}: required field '{keys[0]}' (or {', '.join(keys[1:])}) is missing")
-        return default
+        return None
+
+    def first(self, keys: tuple[str, ...], default: Any = ...) -> Any:
+        k = self._first_key(keys, default)
+        return default if k is None else self.d[k]
+
+    def first_int(self, keys: tuple[str, ...], default: Any = ..., low: int = 0, high: int = MAX_SIZE) -> int:
+        k = self._first_key(keys, default)
+        return default if k is None else self.int(k, low=low, high=high)
+
+    def first_bool(self, keys: tuple[str, ...], default: bool) -> bool:
+        k = self._first_key(keys, default)
+        return default if k is None else self.bool(k, default)

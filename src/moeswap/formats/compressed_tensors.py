@@ -47,41 +47,61 @@ def short_name(fmt: str) -> str:
 
 
 def parse_quantization_config(q: Mapping, source: str = "config.json") -> Scheme:
-    """Checks a compressed-tensors quantization_config holding one MX scheme; errors name the field."""
+    """Checks a compressed-tensors quantization_config holding one MX scheme; errors name the field
+    (every value is checked for type first: the block comes from a file)."""
+    from moeswap.formats.files import show
+
+    where = f"{source}: quantization_config"
+    if not isinstance(q, Mapping):
+        raise ValueError(f"{where} must be an object, got {show(q)}")
     method = q.get("quant_method")
     if method != QUANT_METHOD:
         hint = " (block FP8: convert it with `moeswap quantize`)" if method == "fp8" else ""
-        raise ValueError(f"{source}: quantization_config.quant_method={method!r} is not supported "
+        raise ValueError(f"{where}.quant_method={show(method)} is not supported "
                          f"(moeswap reads compressed-tensors MXFP4/MXFP8 experts){hint}")
     groups = q.get("config_groups") or {}
     if not isinstance(groups, Mapping) or not groups:
-        raise ValueError(f"{source}: quantization_config.config_groups must name at least one scheme, got {groups!r}")
+        raise ValueError(f"{where}.config_groups must name at least one scheme, got {show(groups)}")
     formats, group_sizes, targets = set(), set(), []
     for name, grp in groups.items():
+        at = f"{where}.config_groups.{show(name)}"
+        if not isinstance(grp, Mapping) or not isinstance(grp.get("weights") or {}, Mapping):
+            raise ValueError(f"{at} must be an object with an object 'weights', got {show(grp)}")
         fmt = grp.get("format") or q.get("format")
+        if not isinstance(fmt, str):
+            raise ValueError(f"{at}: format must be a name, got {show(fmt)}")
         formats.add(fmt)
         weights = grp.get("weights") or {}
-        group_sizes.add(weights.get("group_size"))
-        targets += list(grp.get("targets") or ())
+        group_sizes.add(show(weights.get("group_size")))  # as text: any JSON value, hashable and printable
+        group_targets = grp.get("targets") or []
+        if not isinstance(group_targets, list) or not all(isinstance(t, str) for t in group_targets):
+            raise ValueError(f"{at}.targets must be a list of names, got {show(group_targets)}")
+        targets += group_targets
         bits = weights.get("num_bits")
         if fmt in _NUM_BITS and bits not in (None, _NUM_BITS[fmt]):
-            raise ValueError(f"{source}: quantization_config.config_groups.{name}: format {fmt} stores "
-                             f"{_NUM_BITS[fmt]}-bit weights, but weights.num_bits is {bits!r}")
+            raise ValueError(f"{at}: format {fmt} stores {_NUM_BITS[fmt]}-bit weights, but weights.num_bits "
+                             f"is {show(bits)}")
     if len(formats) != 1:
-        raise ValueError(f"{source}: quantization_config mixes formats {sorted(map(str, formats))}; "
+        raise ValueError(f"{where} mixes formats {show(sorted(formats))}; "
                          f"moeswap reads one MX format for the routed experts")
     fmt = formats.pop()
     if fmt not in _NUM_BITS:
-        raise ValueError(f"{source}: quantization format {fmt!r} is not supported "
+        raise ValueError(f"{source}: quantization format {show(fmt)} is not supported "
                          f"(expected {' or '.join(FORMATS.values())})")
-    group_size = group_sizes.pop() if len(group_sizes) == 1 else sorted(map(str, group_sizes))
-    if group_size != GROUP_SIZE:
-        raise ValueError(f"{source}: {short_name(fmt).upper()} group_size must be {GROUP_SIZE}, got {group_size}")
-    ignore = q.get("ignore") or ()
-    if isinstance(ignore, str) or not all(isinstance(p, str) for p in ignore):
-        raise ValueError(f"{source}: quantization_config.ignore must be a list of module names or 're:' "
-                         f"regexes, got {ignore!r}")
-    return Scheme(fmt, group_size, tuple(ignore), tuple(targets) or ("Linear",))
+    group_size = group_sizes.pop() if len(group_sizes) == 1 else sorted(group_sizes)
+    if group_size != str(GROUP_SIZE):
+        raise ValueError(f"{source}: {short_name(fmt).upper()} group_size must be {GROUP_SIZE}, got "
+                         f"{', '.join(group_size) if isinstance(group_size, list) else group_size}")
+    ignore = q.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ValueError(f"{where}.ignore must be a list of module names or 're:' regexes, got {show(ignore)}")
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise ValueError(f"{where}.ignore: {show(pattern)} is not a valid regex ({err})") from None
+    return Scheme(fmt, GROUP_SIZE, tuple(ignore), tuple(targets) or ("Linear",))
 
 
 def quantization_config(fmt: str, ignore: Iterable[str], targets: Iterable[str] = ("Linear",)) -> dict:
