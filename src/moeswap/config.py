@@ -369,17 +369,16 @@ class _Getter:
     def __init__(self, d: dict, source: str, prefix: str = ""):
         self.d, self.source, self.prefix = d, source, prefix
 
-    def _value(self, key: str, default: Any) -> Any:
+    def _value(self, key: str, default: Any) -> tuple[bool, Any]:
+        """(present, value): a missing required field (default ...) is an error here."""
         v = self.d.get(key)
-        if v is None:
-            if default is ...:
-                raise ConfigError(f"{self.source}: required field '{self.prefix}{key}' is missing")
-            return default
-        return v
+        if v is None and default is ...:
+            raise ConfigError(f"{self.source}: required field '{self.prefix}{key}' is missing")
+        return v is not None, v
 
     def int(self, key: str, default: Any = ..., low: int = 0, high: int = MAX_SIZE) -> int:
-        v = self._value(key, default)
-        return v if v is default else self._int(key, v, low, high)
+        present, v = self._value(key, default)
+        return self._int(key, v, low, high) if present else default
 
     def opt_int(self, key: str, low: int = 0, high: int = MAX_SIZE) -> int | None:
         return self.int(key, None, low, high)
@@ -417,7 +416,9 @@ class _Getter:
         return f
 
     def bool(self, key: str, default: bool) -> bool:
-        v = self._value(key, default)
+        present, v = self._value(key, default)
+        if not present:
+            return default
         if not isinstance(v, bool):
             raise ConfigError(f"{self.source}: field '{self.prefix}{key}' must be true or false, got {show(v)}")
         return v
