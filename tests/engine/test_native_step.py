@@ -1,7 +1,8 @@
 """The native decode step (engine/native_step.py): the decoder layers of a decode step in one C call give
-the model's forward bit for bit (logits, KDA states, MLA caches, store statistics), fall back to the
-forward, per layer, for experts not yet in a resident table, and refuse, with a reason, what they do
-not cover."""
+the model's forward bit for bit (for every architecture's plain decode: tests/models/test_registry.py;
+here growing caches, llama.cpp's arithmetic, every kernel build, swapping stores, weights changed in
+place), fall back to the forward, per layer, for experts not yet in a resident table, and refuse, with a
+reason, what they do not cover."""
 
 import pytest
 import torch
@@ -48,29 +49,9 @@ def _forward_then_native(path, batch: int, prompt_len: int, steps: int, prepare=
     return runs[0][:3], runs[1][:3], runs[1][3]
 
 
-def _state_tensors(state):
-    out = []
-    for st in state.layers:
-        if isinstance(st, KDAState):
-            out += [st.recurrent_BHKK, st.conv_BWC]
-        else:
-            n = int(st.lengths_B.max())
-            out += [st.latent_BSX[:, :n], st.lengths_B]
-    return out
-
-
 @pytest.fixture(params=["k3", "linear"])
 def model_dir(request, tiny_k3_dir, tiny_linear_dir):
     return tiny_k3_dir if request.param == "k3" else tiny_linear_dir
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_native_steps_equal_the_forward_bit_for_bit(model_dir, batch):
-    (want, want_state, want_store), (got, got_state, store), native = _forward_then_native(model_dir, batch, 7, 5)
-    assert native.reason is None, native.reason
-    assert torch.equal(got, want)
-    assert all(torch.equal(a, b) for a, b in zip(_state_tensors(got_state), _state_tensors(want_state)))
-    assert store.stats.fast.hits == want_store.stats.fast.hits  # hits counted for the experts the C call ran
 
 
 def test_layers_whose_experts_are_not_in_the_table_yet_run_through_the_store(tiny_k3_dir, monkeypatch):

@@ -1,4 +1,5 @@
-"""Tokenizer loading (tokenizer.json and Kimi tiktoken.model), streaming detokenization, tiny builds."""
+"""Tokenizer loading (tokenizer.json and Kimi tiktoken.model), bos/eos, chat template and streaming
+detokenization, run on the tiny tokenizers (whose own invariants tests/test_tiny.py checks)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from moeswap.engine.tokenizer import (
-    BYTE_TO_CHAR,
-    DEFAULT_SPECIALS,
-    StreamDecoder,
-    Tokenizer,
-    TokenizerError,
-    build_tiny_tiktoken,
-    build_tiny_tokenizer,
-    load_tokenizer,
-)
+from moeswap.engine.tokenizer import BYTE_TO_CHAR, StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
+from moeswap.tiny.tokenizer import DEFAULT_SPECIALS, build_tiny_tiktoken, build_tiny_tokenizer
 
 VOCAB = 512
 TEXTS = [
@@ -135,14 +128,6 @@ def test_vocab_size_exact(tmp_path, vocab_size):
     tk = load_tokenizer(tmp_path / "tk")
     assert tk.vocab_size == vocab_size and tk.id_to_special == hf.id_to_special
     assert tk.decode(tk.encode(TEXTS[5])) == TEXTS[5]
-
-
-def test_build_is_deterministic(tmp_path):
-    for build in (build_tiny_tokenizer, build_tiny_tiktoken):
-        build(tmp_path / "a", 1000)
-        build(tmp_path / "b", 1000)
-        for f in (tmp_path / "a").iterdir():
-            assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
 
 
 def test_custom_specials_and_plain_chat_template(tmp_path):

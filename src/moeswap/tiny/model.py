@@ -1,4 +1,4 @@
-"""`moeswap init-tiny`: small random models in the exact published checkpoint layout.
+"""Tiny models' configs and weights in the exact published checkpoint layout (tokenizer: tokenizer.py).
 
 K3: multimodal wrapper config with `text_config` and compressed-tensors quantization_config,
 `language_model.` prefix, MXFP4 routed experts (`weight_packed`/`weight_scale`), A_log zero-padded;
@@ -21,8 +21,10 @@ from tqdm import tqdm
 
 from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
+from moeswap.engine.tokenizer import load_tokenizer
 from moeswap.formats import mxfp4
 from moeswap.models import build_model
+from moeswap.tiny.tokenizer import build_tiny_tokenizer
 
 SIZES = {
     # tests: every feature on, seconds to write
@@ -176,8 +178,6 @@ def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "ti
 
 
 def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, progress: bool) -> None:
-    from moeswap.engine.tokenizer import build_tiny_tokenizer
-
     config = tiny_config(arch, size)
     text = config.get("text_config", config)
     build_tiny_tokenizer(out, text["vocab_size"])
@@ -230,8 +230,6 @@ _EXPERT_KEY = re.compile(r"(.*\.experts\.\d+)\.")
 
 
 def _special_ids(out: Path) -> tuple[int, int, int]:
-    from moeswap.engine.tokenizer import load_tokenizer
-
     tok = load_tokenizer(out)
     eos = tok.eos_ids[0]
     bos = tok.bos_id if tok.bos_id is not None else eos
