@@ -15,6 +15,7 @@ import time
 
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
+from moeswap.tiny.sizes import SIZES
 from moeswap.tuning import tune_process
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init-tiny", help="write a small random model in the published K3 / Kimi Linear layout")
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--arch", default="kimi_k3", choices=tuple(REGISTRY))
-    p.add_argument("--size", default="tiny", choices=("tiny", "small", "bench"),
+    p.add_argument("--size", default="tiny", choices=tuple(SIZES),
                    help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts")
     p.add_argument("--seed", type=int, default=0)
 

@@ -23,25 +23,19 @@ from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
 from moeswap.engine.tokenizer import load_tokenizer
 from moeswap.formats import mxfp4
-from moeswap.models import build_model
+from moeswap.models import REGISTRY, build_model
+from moeswap.tiny.sizes import SIZES
 from moeswap.tiny.tokenizer import build_tiny_tokenizer
 
-SIZES = {
-    # tests: every feature on, seconds to write
-    "tiny": dict(hidden=64, layers=6, vocab=512, heads=2, head_dim=32, kv_lora=32, q_lora=32, nope=16, rope=8,
-                 experts=16, top_k=4, expert_dim=64, latent=32, dense=128, res_block=2),
-    # `make demo`: a few tens of MB
-    "small": dict(hidden=256, layers=8, vocab=2048, heads=4, head_dim=32, kv_lora=64, q_lora=64, nope=32, rope=16,
-                  experts=64, top_k=8, expert_dim=256, latent=128, dense=512, res_block=4),
-    # benchmarks and memory checks: ~0.96 B parameters (the engine benchmark's 0.3-1 B), 0.45 GB of MXFP4 experts
-    "bench": dict(hidden=1024, layers=12, vocab=4096, heads=8, head_dim=64, kv_lora=128, q_lora=256, nope=64, rope=32,
-                  experts=48, top_k=8, expert_dim=1024, latent=512, dense=2048, res_block=4),
-}
-ARCHES = ("kimi_k3", "kimi_linear")
 
 
 def tiny_config(arch: str, size: str) -> dict:
-    """config.json content in the layout the real model ships."""
+    """config.json content in the layout the real model ships, for every architecture in the registry
+    (tests/models/test_registry.py runs each one through init-tiny, so a new one needs its layout here)."""
+    if arch not in REGISTRY:
+        raise ValueError(f"--arch {arch!r}: expected one of {', '.join(REGISTRY)}")
+    if arch not in ("kimi_k3", "kimi_linear"):
+        raise ValueError(f"init-tiny has no config layout for architecture {arch!r} yet (moeswap/tiny/model.py)")
     s = SIZES[size]
     n = s["layers"]
     mla_layers = [i + 1 for i in range(n) if i % 4 == 3 or i == n - 1]  # 1-based, last layer MLA like K3
@@ -163,10 +157,9 @@ def _a_log_layout(arch: str, a_log_H: torch.Tensor, head_dim: int) -> torch.Tens
 def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "tiny", seed: int = 0,
                      shard_bytes: int | None = None, progress: bool = False) -> Path:
     """Writes the model atomically: into a temporary sibling directory, renamed at the end."""
-    if arch not in ARCHES:
-        raise ValueError(f"--arch {arch!r}: expected one of {', '.join(ARCHES)}")
     if size not in SIZES:
         raise ValueError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
+    tiny_config(arch, size)  # checks the architecture before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another directory")
