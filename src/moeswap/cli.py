@@ -16,7 +16,7 @@ import time
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tiny.sizes import SIZES
-from moeswap.tuning import tune_process
+from moeswap import tuning
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
 
@@ -30,7 +30,8 @@ class _Parser(argparse.ArgumentParser):
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "trace": "moeswap.trace_cmd"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
-           "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill"}
+           "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
+           "load": "moeswap.bench.load"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +85,8 @@ def cmd_init_tiny(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    import torch
+
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.engine.sampling import SamplingParams
@@ -116,6 +119,7 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
+        "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
     if args.json:
         print(json.dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
@@ -128,7 +132,8 @@ def cmd_generate(args) -> int:
         native = ("decode steps through the model's modules (--reference-step)" if args.reference_step else
                   f"decode steps in one C call: {result.native_steps} of {result.decoded}"
                   + (f" (otherwise: {result.native_off})" if result.native_off else ""))
-        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}]", file=sys.stderr)
+        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; torch threads {stats['threads']}"
+              + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)
     return 0
 
 
@@ -144,7 +149,7 @@ COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd
 
 
 def main(argv: list[str] | None = None) -> int:
-    tune_process()  # before torch allocates anything (it is imported by the commands that need it)
+    tuning.tune_process()  # before torch is imported (the commands that need it import it)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
