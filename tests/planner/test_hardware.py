@@ -35,6 +35,12 @@ def test_unknown_hardware_lists_known_names():
     assert "unknown hardware 'h300'" in str(e.value) and "h200" in str(e.value) and "mi350x" in str(e.value)
 
 
+def test_local_before_it_is_measured_says_how_to_measure():
+    # the catalog resolves names only; measuring this machine is plan()'s or the CLI's step (local.py)
+    with pytest.raises(PlanError, match="'local' is not measured.*--hardware local"):
+        resolve_hardware("local")
+
+
 def test_accelerator_name_resolves_to_its_system():
     assert resolve_hardware("nvidia-h200").name == "h200"
 

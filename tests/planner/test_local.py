@@ -15,7 +15,7 @@ def test_measure_writes_a_loadable_catalog(tmp_path):
     write_toml(data, path)
     cat = builtin_catalog()
     cat.add_file(path)
-    hw = resolve_hardware("local", cat, local_path=path)
+    hw = resolve_hardware("local", cat)
     assert hw.accel.mem_bw_gbs > 0 and hw.engine.kernel_us > 0 and hw.system.node_devices == 1
     assert all("[measured]" in s for s in hw.accel.sources.values())
     # on a CPU the engine profile is moeswap's own: its kernels' rates, per-op time and op counts

@@ -118,7 +118,7 @@ def request_from_args(args: argparse.Namespace, catalog):
         raise PlanError("--hardware is required (a system name, a .toml file or 'local'; --list-hardware lists them)")
     devices = args.devices
     if devices is None:  # one server's worth
-        devices = resolve_hardware(args.hardware, catalog, args.engine, args.hardware_file).system.node_devices
+        devices = resolve_hardware(args.hardware, catalog, args.engine).system.node_devices
     return PlanRequest(
         model=args.model, hardware=args.hardware, devices=devices, workload=args.workload,
         serve=Serve(isl=args.isl, osl=args.osl, concurrency=args.concurrency, context=args.context,

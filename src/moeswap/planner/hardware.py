@@ -241,15 +241,14 @@ class Hardware:
         return out
 
 
-def resolve_hardware(spec: str, catalog: Catalog | None = None, engine: str | None = None,
-                     local_path: str | Path | None = None, remeasure: bool = False) -> Hardware:
-    """`spec` is a system name, an accelerator name (if one system uses it), a TOML file, or 'local'."""
+def resolve_hardware(spec: str, catalog: Catalog | None = None, engine: str | None = None) -> Hardware:
+    """`spec` is a system name, an accelerator name (if one system uses it), a TOML file, or 'local'
+    (a measurement that local.load_or_measure has added to `catalog`)."""
     cat = catalog or builtin_catalog()
-    if spec == "local" and (remeasure or "local" not in cat.entries["system"]):
-        from .local import load_or_measure  # measuring imports torch; only pay for it when asked
-
-        load_or_measure(cat, local_path, remeasure)
-    elif spec.endswith(".toml") or Path(spec).is_file():
+    if spec == "local" and "local" not in cat.entries["system"]:
+        raise PlanError("hardware 'local' is not measured in this catalog; `moeswap plan --hardware local` "
+                        "(or plan() with hardware='local') measures this machine first")
+    if spec.endswith(".toml") or Path(spec).is_file():
         added = cat.add_file(spec)
         systems = [e.id for e in added if e.kind == "system"]
         if len(systems) != 1:
