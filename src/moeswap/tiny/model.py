@@ -23,7 +23,7 @@ from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
 from moeswap.engine.tokenizer import load_tokenizer
 from moeswap.formats import mxfp4
-from moeswap.models import REGISTRY, build_model
+from moeswap.models import REGISTRY, build_model, routed_expert_shapes
 from moeswap.tiny.sizes import SIZES
 from moeswap.tiny.tokenizer import build_tiny_tokenizer
 
@@ -120,8 +120,7 @@ def tensors_for(arch: str, size: str, seed: int):
             value = _a_log_layout(arch, value, cfg.kda.head_dim)
         keep_fp32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight"))
         yield prefix + name, value.to(torch.float32 if keep_fp32 else torch.bfloat16)
-    n_in = cfg.moe.latent_dim or cfg.hidden_size
-    shapes = {"w1": (cfg.moe.expert_dim, n_in), "w3": (cfg.moe.expert_dim, n_in), "w2": (n_in, cfg.moe.expert_dim)}
+    shapes = routed_expert_shapes(cfg)
     for layer in (i for i, k in enumerate(cfg.mlp_kinds) if k == "moe"):
         for e in range(cfg.moe.num_experts):
             for proj, shape in shapes.items():
