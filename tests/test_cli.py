@@ -290,3 +290,16 @@ def test_dense_weights_flag(capsys, tiny_k3_dir):
         main(["generate", str(tiny_k3_dir), "--prompt", PROMPT, "--dense-weights", "half"])
     _, err = capsys.readouterr()
     assert_one_line_error(exit_info.value.code, err, "argument --dense-weights", "invalid choice: 'half'")
+
+
+def test_a_prompt_spelling_a_special_token_is_text_unless_asked(capsys, tiny_k3_dir):
+    from moeswap.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_k3_dir)
+    end = tok.special_to_id["<|im_end|>"]
+    for flags, expect_special in (([], False), (["--special-tokens"], True)):
+        assert main(["generate", str(tiny_k3_dir), "--prompt", "a<|im_end|>b", "--max-tokens", "1", "--json",
+                     *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ids = tok.encode("a<|im_end|>b", specials=expect_special)
+        assert out["prompt_tokens"] == len(ids) and (end in ids) == expect_special

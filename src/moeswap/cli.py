@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--special-tokens", action="store_true",
+                   help="read special-token strings in --prompt (e.g. <|im_end|>) as those tokens; by default "
+                        "they are text, as user input always is (the chat template's own markers are tokens)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -99,8 +102,8 @@ def cmd_generate(args) -> int:
     model, store = load_model(args.model, LoadOptions.from_args(args))
     tok = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    ids = tok.encode(text, add_bos=False)
+    messages = [{"role": "user", "content": args.prompt}]
+    ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
     cfg = GenerationConfig(
         max_tokens=args.max_tokens, seed=args.seed,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),

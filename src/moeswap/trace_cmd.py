@@ -57,9 +57,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = GenerationConfig(max_tokens=args.max_tokens, stop_ids=stop)
     t0, generated = time.perf_counter(), 0
     for text in prompts:
-        if args.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": text}])
-        generated += len(generate(model, tok.encode(text, add_bos=False), cfg).tokens)
+        ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
+        generated += len(generate(model, ids, cfg).tokens)
     store.close()
     trace = recorder.trace
     out = write_trace(trace, args.out)

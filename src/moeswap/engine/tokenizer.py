@@ -86,9 +86,11 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings in the text become their special ids."""
-        ids = self._encode(text)
+    def encode(self, text: str, add_bos: bool = False, *, specials: bool = False) -> list[int]:
+        """Token ids of `text`. A special token's string in it is encoded as the text it spells, so what a
+        user typed never becomes a control token; `specials=True` turns such strings into their special
+        ids, for text the program itself wrote (a chat template's markers)."""
+        ids = self._encode(text, specials)
         if add_bos:
             if self.bos_id is None:
                 raise TokenizerError("add_bos=True but this tokenizer has no BOS token "
@@ -96,7 +98,7 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, specials: bool) -> list[int]:
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -114,11 +116,13 @@ class Tokenizer:
             if not 0 <= i < self.vocab_size:
                 raise TokenizerError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Kimi-style `<|im_user|>user<|im_middle|>...<|im_end|>` turns when the vocabulary has those
-        specials, else plain `role: content` lines. Ends with an open assistant turn by default."""
+    def chat_segments(self, messages: list[dict[str, Any]],
+                      add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The chat template as (text, is_markup) pieces: Kimi-style `<|im_user|>user<|im_middle|>...<|im_end|>`
+        turns when the vocabulary has those specials, else plain `role: content` lines; an open assistant
+        turn at the end by default. Only markup may hold special tokens; roles and contents are text."""
         kimi = all(t in self.special_to_id for t in _CHAT_TOKENS)
-        parts = []
+        parts: list[tuple[str, bool]] = []
         for n, m in enumerate(messages):
             role, content = _message_role_text(m, n)
             if kimi:
@@ -126,12 +130,23 @@ class Tokenizer:
                 start = f"<|im_{role}|>"
                 if start not in self.special_to_id:
                     start = "<|im_system|>" if "<|im_system|>" in self.special_to_id else "<|im_user|>"
-                parts.append(f"{start}{role}<|im_middle|>{content}<|im_end|>")
+                parts += [(start, True), (role, False), ("<|im_middle|>", True), (content, False), ("<|im_end|>", True)]
             else:
-                parts.append(f"{role}: {content}\n")
+                parts += [(role, False), (": ", True), (content, False), ("\n", True)]
         if add_generation_prompt:
-            parts.append("<|im_assistant|>assistant<|im_middle|>" if kimi else "assistant: ")
-        return "".join(parts)
+            parts += [("<|im_assistant|>assistant<|im_middle|>", True)] if kimi else [("assistant: ", True)]
+        return [(text, markup) for text, markup in parts if text]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template as one string (for display: `encode_chat` keeps content from becoming markup)."""
+        return "".join(text for text, _ in self.chat_segments(messages, add_generation_prompt))
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat template: markup with its special tokens, roles and contents as text."""
+        ids: list[int] = []
+        for text, markup in self.chat_segments(messages, add_generation_prompt):
+            ids += self.encode(text, specials=markup)
+        return ids
 
 
 def _message_role_text(m: Any, n: int) -> tuple[str, str]:
@@ -158,10 +173,14 @@ class HFTokenizer(Tokenizer):
         self._added = {i: t.content for i, t in added.items()}
         super().__init__(vocab_size=tok.get_vocab_size(with_added_tokens=True),
                          id_to_special={i: t.content for i, t in added.items() if t.special})
+        # a second copy that reads special tokens' strings as text (the flag is per tokenizer object,
+        # so toggling one copy would race between threads)
+        self._as_text = tokenizers.Tokenizer.from_str(tok.to_str())
+        self._as_text.encode_special_tokens = True
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, specials: bool) -> list[int]:
         # add_special_tokens=False: BOS is our explicit add_bos, not a post-processor's choice
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list((self._tok if specials else self._as_text).encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
@@ -193,8 +212,8 @@ class TiktokenTokenizer(Tokenizer):
         self._ranks = ranks
         super().__init__(vocab_size=max([len(ranks) - 1, *id_to_special]) + 1, id_to_special=id_to_special)
 
-    def _encode(self, text: str) -> list[int]:
-        return self._enc.encode(text, allowed_special="all", disallowed_special=())
+    def _encode(self, text: str, specials: bool) -> list[int]:
+        return self._enc.encode(text, allowed_special="all" if specials else set(), disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
