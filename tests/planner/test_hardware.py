@@ -29,6 +29,13 @@ def test_unknown_field_and_bad_value():
         Catalog().add_file("m.toml", '[link.l]\nname = "l"\ngbs = -1\nlatency_us = 1\n[link.l.source]\ngbs = "a"\nlatency_us = "b"\n')
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_rejected(value):
+    text = f'[link.l]\nname = "l"\ngbs = {value}\nlatency_us = 1\n[link.l.source]\ngbs = "a"\nlatency_us = "b"\n'
+    with pytest.raises(PlanError, match=f"field 'gbs' must be a finite non-negative number, got {value}"):
+        Catalog().add_file("m.toml", text)
+
+
 def test_unknown_hardware_lists_known_names():
     with pytest.raises(PlanError) as e:
         resolve_hardware("h300")

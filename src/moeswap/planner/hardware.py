@@ -8,6 +8,7 @@ users add their own with the same schema (see docs/planner.md). Entry point: `re
 from __future__ import annotations
 
 import tomllib
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -129,8 +130,8 @@ def _validate(kind: str, eid: str, body: Any, origin: str) -> Entry:
             if not isinstance(value, str):
                 raise PlanError(f"{where}: field {key!r} must be a string, got {value!r}")
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise PlanError(f"{where}: field {key!r} must be a non-negative number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise PlanError(f"{where}: field {key!r} must be a finite non-negative number, got {value!r}")
             if typ is int and int(value) != value:
                 raise PlanError(f"{where}: field {key!r} must be a whole number, got {value!r}")
             if not str(sources.get(key, "")).strip():
