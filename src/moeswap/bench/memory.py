@@ -13,6 +13,8 @@ import resource
 import subprocess
 import sys
 
+from moeswap import jsonio
+
 
 def _dtypes(model) -> str:
     """The parameter dtypes by share of bytes, e.g. "bfloat16 96%, float32 4%" (CPU keeps bf16 Linears)."""
@@ -76,8 +78,8 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, expert_memory: 
 
 def run_isolated(model_dir: str, prompt_tokens: int = 64, max_tokens: int = 32, expert_memory: int = 1 << 30,
         dtype: str = "auto", policy: str = "lfru", prefetch: str = "none") -> dict:
-    code = ("import json,sys; from moeswap.bench.memory import measure; "
-            f"print(json.dumps(measure({model_dir!r}, {prompt_tokens}, {max_tokens}, {expert_memory}, {dtype!r}, "
+    code = ("from moeswap.bench.memory import measure; from moeswap.jsonio import dumps; "
+            f"print(dumps(measure({model_dir!r}, {prompt_tokens}, {max_tokens}, {expert_memory}, {dtype!r}, "
             f"{policy!r}, {prefetch!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:
@@ -120,5 +122,5 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            jsonio.dump(result, f, indent=2)
     return 0

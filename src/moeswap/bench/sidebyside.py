@@ -9,13 +9,14 @@ runs each implementation in turn, `reps` rounds, and keeps each one's best round
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moeswap import jsonio
 
 PEERS = ("llama.cpp", "transformers")  # the default peers
 # moeswap-reference: moeswap itself decoding through the model's modules (--reference-step), side by side
@@ -245,7 +246,7 @@ def write_report(kind: str, report: dict, markdown: str, out_dir: str | None, js
         json_path = json_path or str(Path(out_dir) / f"{kind}-{stamp}.json")
         md_path = md_path or str(Path(out_dir) / f"{kind}-{stamp}.md")
     if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        Path(json_path).write_text(jsonio.dumps(report, indent=2) + "\n")
         paths.append(json_path)
     if md_path:
         Path(md_path).write_text(markdown + "\n")

@@ -19,6 +19,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
+from moeswap import jsonio
+
 
 class TokenizerError(ValueError):
     """A tokenizer directory or file moeswap cannot use."""
@@ -494,7 +496,7 @@ def _write_tiny_config(out: Path, id_to_special: dict[int, str], extra: dict[str
         "eos_token": next((s for s in _EOS_NAMES if s in names), None),
         **extra,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+    (out / "tokenizer_config.json").write_text(jsonio.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
                                                encoding="utf-8")
 
 
