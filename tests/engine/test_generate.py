@@ -9,6 +9,7 @@ from moeswap.engine.generate import GenerationConfig, PromptError, generate, gen
 from moeswap.engine.sampling import SamplingParams, sample
 from moeswap.engine.scheduler import EngineConfig
 from moeswap.models.loader import LoadOptions, load_model
+from moeswap.ops import cpu_kernels
 from moeswap.tiny import write_tiny_model
 
 
@@ -48,7 +49,8 @@ def test_greedy_tokens_are_the_full_forwards_argmax(model, greedy_oracle):
     want = [greedy_oracle(model, p, 12) for p in prompts]
     together = generate_batch(model, prompts, cfg)
     assert [r.tokens for r in together] == want
-    assert together[0].native_steps == 11, together[0].native_off  # the decode steps took the native step
+    if cpu_kernels.kernel() is not None:  # the decode steps took the native step
+        assert together[0].native_steps == 11, together[0].native_off
     reference = EngineConfig(max_batch=1, native=False)
     assert [generate(model, p, cfg, engine=reference).tokens for p in prompts] == want
     assert len({tuple(w) for w in want}) == 3
