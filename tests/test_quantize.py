@@ -203,12 +203,18 @@ def test_block_fp8_source(tiny_linear_dir, tmp_path):
         assert model(torch.arange(8).unsqueeze(0)).isfinite().all()
 
 
-def test_cli(tiny_linear_dir, tmp_path, capsys):
+def test_cli(tiny_linear_dir, tmp_path, capsys, strict_json):
     assert main(["quantize", str(tiny_linear_dir), str(tmp_path / "o"), "--experts", "mxfp8", "--mode", "floor",
                  "--eval-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "routed experts as mxfp8-quantized (floor)" in out and "relative error" in out and "top-1 agreement" in out
-    assert "quality" in json.loads((tmp_path / "o" / REPORT_NAME).read_text())
+    report = strict_json((tmp_path / "o" / REPORT_NAME).read_text())
+    assert report["quality"]["tokens"] == 8
+    for name in ("config.json", INDEX_NAME):
+        strict_json((tmp_path / "o" / name).read_text())
+    assert main(["quantize", str(tiny_linear_dir), str(tmp_path / "j"), "--experts", "mxfp4", "--json"]) == 0
+    printed = strict_json(capsys.readouterr().out)
+    assert printed["summary"] == strict_json((tmp_path / "j" / REPORT_NAME).read_text())["summary"]
     with pytest.raises(SystemExit) as exit_info:
         main(["quantize", str(tiny_linear_dir), str(tmp_path / "p"), "--experts", "nvfp4"])
     assert exit_info.value.code == 2 and "invalid choice: 'nvfp4'" in capsys.readouterr().err

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 import time
 
+from moeswap.jsonio import dumps
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tiny.sizes import SIZES
@@ -117,19 +117,21 @@ def cmd_generate(args) -> int:
     engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
     result = generate(model, ids, cfg, on_token=on_token, engine=engine)
     store.close()
+    rate = result.decode_tokens_per_s  # None: nothing decoded after the first token
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
-        "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
     if args.json:
-        print(json.dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
+        print(dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
         return 0
     print(stream.flush())
     print(f"\n[{stats['completion_tokens']} tokens, finish: {stats['finish_reason']}, "
-          f"time to first token {stats['ttft_ms']:.1f} ms, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
+          f"time to first token {stats['ttft_ms']:.1f} ms, decode "
+          + ("n/a]" if rate is None else f"{stats['decode_tokens_per_s']:.1f} tokens/s]"),
           file=sys.stderr)
     if args.stats:
         native = ("decode steps through the model's modules (--reference-step)" if args.reference_step else
@@ -144,7 +146,7 @@ def cmd_inspect(args) -> int:
     from moeswap.summary import format_summary, summarize
 
     s = summarize(args.model)
-    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    print(dumps(s, indent=2) if args.json else format_summary(s))
     return 0
 
 

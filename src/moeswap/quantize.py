@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mx
@@ -66,7 +67,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
             report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
             _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
             _copy_side_files(src, tmp)
-            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+            (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
     return report
 
@@ -248,7 +249,7 @@ def _write_config(out: Path, raw: dict, qconfig: dict) -> None:
     for d in (config, text or {}):
         d.pop("quantization_config", None)
     holder["quantization_config"] = qconfig
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
 
 
 def _copy_side_files(src: Path, out: Path) -> None:
@@ -315,8 +316,8 @@ def run(args: argparse.Namespace) -> int:
     report = quantize(args.src, args.dst, options)
     if args.eval_tokens > 0:
         report["quality"] = compare_models(args.src, args.dst, tokens=args.eval_tokens)
-        (Path(args.dst) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+        (Path(args.dst) / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
+    print(jsonio.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import tokenizers
 
 
+
 class TokenizerError(ValueError):
     """A tokenizer directory or file moeswap cannot use."""
 
@@ -429,4 +430,3 @@ def _find_eos(d: Path, tok: Tokenizer, tok_cfg: dict[str, Any]) -> tuple[int, ..
     if i is not None:
         ids.append(i)
     return tuple(dict.fromkeys(ids))  # union, first-seen order: chat models stop on any of them
-

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from moeswap import jsonio
 from moeswap.experts.keys import Key
 
 MAGIC = b"MSWTRACE"
@@ -96,7 +97,7 @@ def _little(a: array) -> bytes:
 
 def write_trace(trace: Trace, path: str | Path) -> Path:
     path = Path(path)
-    meta = json.dumps(trace.meta, sort_keys=True).encode()
+    meta = jsonio.dumps(trace.meta, sort_keys=True).encode()
     with open(path, "wb") as f:
         f.write(MAGIC + struct.pack("<II", VERSION, len(meta)) + meta + struct.pack("<I", len(trace)))
         for a in (trace.steps, trace.layers, trace.counts, trace.experts):

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from moeswap import jsonio
+
 from .errors import PlanError
 from .workload import COMPUTE, LORA_TARGETS, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
 
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         result = plan(request_from_args(args, cat), cat)
         print(report.terminal(result, top=args.top, show_rejected=args.show_rejected))
         if args.json:
-            Path(args.json).write_text(json.dumps(report.to_dict(result), indent=1, default=float))
+            Path(args.json).write_text(jsonio.dumps(report.to_dict(result), indent=1, default=float))
             print(f"wrote {args.json}")
         if args.markdown:
             Path(args.markdown).write_text(report.markdown(result, top=args.top))

@@ -9,7 +9,6 @@ Entry point: `write_tiny_model(out_dir, arch, size, seed)`.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import zlib
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
 from moeswap.engine.tokenizer import load_tokenizer
@@ -176,8 +176,8 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
     eos, bos, pad = _special_ids(out)
     for c in (config, text):
         c.update(eos_token_id=eos, bos_token_id=bos, pad_token_id=pad)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
+    (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(jsonio.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
 
     items = list(tqdm(tensors_for(arch, size, seed), desc="making tensors", unit=" tensors", disable=not progress))
     total = sum(t.numel() * t.element_size() for _, t in items)
@@ -215,7 +215,7 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
             weight_map[name] = file
             total_size += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "model.safetensors.index.json").write_text(jsonio.dumps(index, indent=2) + "\n")
 
 
 _EXPERT_KEY = re.compile(r"(.*\.experts\.\d+)\.")

@@ -9,7 +9,6 @@ Entry points: `build_tiny_tokenizer(out_dir, vocab_size)`, `build_tiny_tiktoken(
 from __future__ import annotations
 
 import base64
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
+from moeswap import jsonio
 from moeswap.engine.tokenizer import PRETOKENIZE_PATTERN, byte_level_token_bytes
 
 DEFAULT_SPECIALS = ("<|bos|>", "<|end_of_msg|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
@@ -99,7 +99,7 @@ def _write_tiny_config(out: Path, id_to_special: dict[int, str], extra: dict[str
         "eos_token": next((s for s in _EOS_NAMES if s in names), None),
         **extra,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+    (out / "tokenizer_config.json").write_text(jsonio.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
                                                encoding="utf-8")
 
 
