@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from moeswap.ops import cpu_kernels
 from moeswap.planner import PlanRequest, Serve, plan
 from moeswap.planner.models import parse_model_dict, preset_path
@@ -9,6 +11,7 @@ from moeswap.planner.hardware import builtin_catalog, resolve_hardware
 from moeswap.planner.local import load_or_measure, measure, write_toml
 
 
+@pytest.mark.slow
 def test_measure_writes_a_loadable_catalog(tmp_path):
     data = measure("cpu", disk_dir=tmp_path, quick=True)
     path = tmp_path / "hw.toml"
