@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -46,7 +47,8 @@ def test_the_command_applies_it_before_torch_starts(tiny_k3_dir):
     """A busy machine (load average patched to 9) reaches torch: one thread, and --json says why."""
     code = ("import os, sys; os.getloadavg = lambda: (9.0, 9.0, 9.0); from moeswap.cli import main; "
             f"sys.exit(main(['generate', {str(tiny_k3_dir)!r}, '--prompt', 'hi', '--max-tokens', '2', '--json']))")
-    env = {"PATH": "/usr/bin:/bin"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MOESWAP_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
