@@ -134,12 +134,13 @@ def _untrusted(path: Path) -> str | None:
     if not hasattr(os, "getuid"):
         return None  # no POSIX owners to check (Windows)
     uid = os.getuid()
-    is_dir = path.is_dir() and not path.is_symlink()
     try:
         st = os.lstat(path)
     except OSError as err:
         return f"cannot stat it ({err.strerror})"
-    if not (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)):
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
         return "it is not a regular file or directory"
     if st.st_uid != uid:
         return f"it belongs to uid {st.st_uid}, not to this user (uid {uid})"
