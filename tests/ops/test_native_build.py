@@ -99,8 +99,8 @@ def test_a_library_in_an_untrusted_cache_directory_is_never_loaded(source, tmp_p
 
 @needs_root
 def test_a_planted_fallback_directory_leaves_a_fresh_private_one(source, tmp_path):
-    """Both cache directories belong to another user (a planted $TMPDIR/moeswap-kernels-<uid>, as issue #16
-    describes): the library is built in this process's own mkdtemp directory."""
+    """Both cache directories belong to another user (the user cache, and a $TMPDIR/moeswap-kernels-<uid>
+    planted before this user made it): the library is built in this process's own mkdtemp directory."""
     expected = _build(source)
     fallback = tmp_path / "tmp" / f"moeswap-kernels-{os.getuid()}"
     for directory in (expected.parent, fallback):

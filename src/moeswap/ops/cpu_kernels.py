@@ -1,11 +1,8 @@
-"""cpu_kernels: the C kernels of csrc/ (one shared library, built by native_build at first use:
--march=native, OpenMP when available, cached per source, compiler and CPU), loaded with ctypes.
-
-csrc/cpu_kernels.h is the ABI: `abi()` parses its prototypes into every function's ctypes argtypes and its
-MOESWAP_DECODE_LAYER_FIELDS into the ctypes fields of `decode_layer` (a strict parser of the few forms the
-header uses: anything else is an error). `kernel()` returns the loaded `CpuKernels` or None when it cannot
-be built here (a RuntimeWarning says why once; callers then use their plain-torch path). Each method checks
-shapes and dtypes and raises a ValueError naming them; the C side only sees contiguous CPU buffers.
+"""cpu_kernels: the C kernels of csrc/, one library built at first use (native_build: -march=native, OpenMP),
+loaded with ctypes. csrc/cpu_kernels.h is the ABI: `abi()` parses it strictly into every function's argtypes
+and the ctypes fields of `decode_layer`. `kernel()` returns the loaded `CpuKernels`, or None where it cannot be
+built (a RuntimeWarning says why once; callers then take their plain-torch path). Each method checks shapes
+and dtypes and raises a ValueError naming them; the C side only sees contiguous CPU buffers.
 """
 
 from __future__ import annotations

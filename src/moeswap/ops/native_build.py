@@ -1,12 +1,9 @@
-"""native_build: compiles moeswap's C sources into shared libraries at first use and keeps them in a cache,
-for ops/cpu_kernels.py (the kernels, csrc/) and experts/reads.py (the reader threads, native_reads.c).
+"""native_build: compiles moeswap's C sources into shared libraries at first use and caches them, for
+ops/cpu_kernels.py (csrc/) and experts/reads.py (native_reads.c). Entry point: `build(name, sources, ...)`.
 
-`build(name, sources, headers, flags)` returns the library's path. A library is cached per the bytes of its
-sources and headers, the compiler (path and version), the flags and the CPU, in `$MOESWAP_CACHE_DIR/kernels`
-(else `$XDG_CACHE_HOME` or `~/.cache`, `/moeswap/kernels`), else `$TMPDIR/moeswap-kernels-<uid>`. A cached
-library is used only where no other user can have put it: this user's regular file, in this user's directory,
-neither writable by group or others, under directories that let no other user swap them; else a warning,
-and the library is built afresh in a private directory of this process.
+A library is keyed by the bytes of its sources and headers, the compiler, the flags and the CPU, and kept in
+$MOESWAP_CACHE_DIR/kernels, else $XDG_CACHE_HOME (or ~/.cache)/moeswap/kernels, else $TMPDIR/moeswap-kernels-<uid>;
+a cached one is loaded only where no other user can have put it, else it is built in a private directory.
 """
 
 from __future__ import annotations
