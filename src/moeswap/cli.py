@@ -13,11 +13,13 @@ import json
 import sys
 import time
 
+from moeswap.atomic_dir import OutOfSpaceError
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tuning import tune_process
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
+                                                OutOfSpaceError)
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors as one line, like every other user error (argparse would print the usage first)."""
