@@ -13,12 +13,14 @@ import sys
 import time
 
 from moeswap.jsonio import dumps
+from moeswap.atomic_dir import OutOfSpaceError
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tiny.sizes import SIZES
 from moeswap import tuning
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
+                                                OutOfSpaceError)
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors as one line, like every other user error (argparse would print the usage first)."""
@@ -68,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--verify", action="store_true",
+                   help="also read every tensor and file: non-finite values, MX scales out of range, SHA-256 against "
+                        "*.sha256 / SHA256SUMS / manifest.json beside the checkpoint (exit 2 on any problem)")
 
     p = sub.add_parser("bench", help="measurements side by side with named baselines (JSON + markdown)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -146,8 +151,18 @@ def cmd_inspect(args) -> int:
     from moeswap.summary import format_summary, summarize
 
     s = summarize(args.model)
-    print(dumps(s, indent=2) if args.json else format_summary(s))
-    return 0
+    if not args.verify:
+        print(dumps(s, indent=2) if args.json else format_summary(s))
+        return 0
+    from moeswap.verify import format_verify, summary_line, verify
+
+    v = verify(args.model, progress=sys.stderr.isatty())
+    print(dumps({**s, "verify": v}, indent=2) if args.json else
+          f"{format_summary(s)}\n\n{format_verify(v)}")
+    if v["ok"]:
+        return 0
+    print(f"moeswap: error: {summary_line(v)}", file=sys.stderr)
+    return 2
 
 
 COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect}
