@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeswap.formats import mxfp4
-from moeswap.ops import cpu_kernels
+from moeswap.ops import cpu_kernels, native_build
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
@@ -125,7 +125,7 @@ def test_select_and_overrides(monkeypatch):
 
 def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setenv(cpu_kernels.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(native_build.ENV_CACHE, str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.delenv(em.ENV_KERNEL, raising=False)
     w = random_expert(64, 64)
@@ -142,7 +142,7 @@ def test_fresh_build_into_an_empty_cache(monkeypatch, tmp_path):
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setenv(cpu_kernels.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(native_build.ENV_CACHE, str(tmp_path))
     kernel = cpu_kernels.kernel()
     assert kernel is not None and kernel.path.parent == tmp_path / "kernels"
     assert cpu_kernels.build() == kernel.path  # cached: the second call compiles nothing

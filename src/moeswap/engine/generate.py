@@ -35,8 +35,9 @@ class GenerationResult:
     native_off: str | None = None  # why the last decode step did not, if it did not
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decoded / self.decode_s if self.decode_s > 0 else float("nan")
+    def decode_tokens_per_s(self) -> float | None:
+        """None (JSON null) when no token was decoded: only the prefill's token."""
+        return self.decoded / self.decode_s if self.decoded else None
 
 
 class PromptError(ValueError):

@@ -64,9 +64,9 @@ class Result:
         return max(0, len(self.tokens) - 1)
 
     @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first."""
-        return self.decode_s / self.decoded if self.decoded else float("nan")
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None (JSON null) with only the first."""
+        return self.decode_s / self.decoded if self.decoded else None
 
 
 @dataclass
@@ -83,8 +83,9 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         d = dict(vars(self))
-        d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_s if self.prefill_s else float("nan")
-        d["decode_tokens_per_s"] = self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+        # None (JSON null) with nothing prefilled or decoded
+        d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_s if self.prefill_tokens else None
+        d["decode_tokens_per_s"] = self.decode_tokens / self.decode_s if self.decode_tokens else None
         return d
 
 
