@@ -20,6 +20,7 @@ import torch
 from moeswap.config import load_config
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo, pread_into
+from moeswap.formats.files import escape_reason
 from moeswap.formats.weights import Declared, group_modules, storage_of
 
 # A block's E8M0 scale is 2^(floor(log2 amax) - emax), emax 2 for FP4 and 8 for E4M3 elements. Trained
@@ -47,7 +48,7 @@ def verify(model_dir: str | os.PathLike, progress: bool = False) -> dict:
     expected, lists = read_checksums(root)
     listed_problems = []
     for name, wants in sorted(expected.items()):
-        if not _safe_name(name):
+        if not _inside(root, name):
             listed_problems += [{"name": name, "listed_in": src, "problem": "not a path inside the model directory"}
                                 for _, src in wants]
         elif not (root / name).is_file():
@@ -165,9 +166,9 @@ def _check_scales(scale: torch.Tensor, decoded: torch.Tensor, info: TensorInfo, 
 
 def _files_to_hash(root: Path, ckpt: Checkpoint, expected: dict, lists: set[str]) -> list[Path]:
     """Every regular file at the top of the model directory (and the listed files below it), the
-    checkpoint's shards included, but not the checksum lists themselves."""
-    files = {p for p in root.iterdir() if p.is_file() and p.name not in lists}
-    files |= {root / name for name in expected if _safe_name(name) and (root / name).is_file()}
+    checkpoint's shards included, but not the checksum lists themselves, nor links that resolve outside."""
+    files = {p for p in root.iterdir() if p.is_file() and p.name not in lists and _inside(root, p.name)}
+    files |= {root / name for name in expected if _inside(root, name) and (root / name).is_file()}
     files |= set(ckpt.files())
     return sorted(files)
 
@@ -189,10 +190,9 @@ def _check_file(root: Path, file: Path, expected: dict, advance: Callable[[int],
             "expected": next((want for want, _ in wants if want != got), got)}
 
 
-def _safe_name(name: str) -> bool:
-    """A relative path that stays inside the directory (no absolute path, no '..')."""
-    parts = Path(name).parts
-    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and not name.startswith("~")
+def _inside(root: Path, name: str) -> bool:
+    """A relative path that stays inside the directory, links resolved (formats.files' rule)."""
+    return not name.startswith("~") and escape_reason(root, name) is None
 
 
 def read_checksums(root: Path) -> tuple[dict[str, list[tuple[str, str]]], list[dict]]:
@@ -203,7 +203,8 @@ def read_checksums(root: Path) -> tuple[dict[str, list[tuple[str, str]]], list[d
     expected: dict[str, list[tuple[str, str]]] = {}
     lists = []
     for path in sorted(root.iterdir()):
-        if not path.is_file() or not (path.suffix == ".sha256" or path.name in CHECKSUM_NAMES):
+        if not path.is_file() or not (path.suffix == ".sha256" or path.name in CHECKSUM_NAMES) \
+                or not _inside(root, path.name):  # a list that links outside is never read: errors quote it
             continue
         entries = _manifest_json(path) if path.name == "manifest.json" else _sha256sum(path)
         if entries is None:  # a manifest.json that lists no checksums is some other tool's file

@@ -401,3 +401,22 @@ def test_unchanged_checkpoint_reads_the_same_after_the_checks(tiny_k3_dir):
     for proj in ("w1", "w2", "w3"):
         stored = load_file(store.ckpt.info(names[proj]["weight_scale"]).file)
         assert torch.equal(getattr(w, f"{proj}_scale"), stored[names[proj]["weight_scale"]])
+
+
+def test_inspect_verify_reads_nothing_through_links_outside(tiny_k3_dir, copy_model, tmp_path, opened):
+    """verify hashes every file of the model directory and reads its checksum lists: a link to a file
+    outside is neither hashed nor read (a list's parse error would quote the file's first line)."""
+    from moeswap.verify import verify
+
+    model, outside = copy_model(tiny_k3_dir), tmp_path / "outside"
+    outside.mkdir()
+    (outside / "passwd").write_bytes(SECRET)
+    (model / "notes.txt").symlink_to(outside / "passwd")
+    (model / "SHA256SUMS").symlink_to(outside / "passwd")
+    (model / "sub").symlink_to(outside, target_is_directory=True)
+    (model / "manifest.json").write_text(json.dumps({"files": [{"path": "sub/passwd", "sha256": "b" * 64}]}))
+    opened.clear()
+    report = verify(model)
+    assert not [p for p in opened if p.is_relative_to(outside.resolve())]
+    assert "notes.txt" not in {f["name"] for f in report["files"]} and "secret" not in json.dumps(report)
+    assert [(e["name"], e["problem"]) for e in report["listed"]] == [("sub/passwd", "not a path inside the model directory")]

@@ -3,7 +3,7 @@
 A checkpoint is data, never a way to reach other files: a path it names is refused when absolute, when
 it has a `..` part, or when it resolves (symlinks included) outside the directory; the one exception is
 the Hugging Face hub cache, whose snapshots/<rev>/ files link into the same repository's blobs/.
-Knows nothing of what the files hold. Entry points: `confined`, `read_json`, `show`.
+Knows nothing of what the files hold. Entry points: `confined` / `escape_reason`, `read_json`, `show`.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ def confined(root: Path, relative: object, error: type[ValueError], where: str) 
 
     The message says which rule the path broke, never what lies at the place it points to (whether it
     exists, its size or its bytes)."""
-    reason = _escape_reason(root, relative)
+    reason = escape_reason(root, relative)
     if reason:
         raise error(f"{where}: {show(relative)} is {reason}; a checkpoint may only name files inside {root}")
     return root / str(relative)
 
 
-def _escape_reason(root: Path, relative: object) -> str | None:
+def escape_reason(root: Path, relative: object) -> str | None:
+    """Why `relative` could reach outside `root` (see `confined`), or None when it stays inside."""
     if not isinstance(relative, str) or not relative:
         return "not a file name"
     if not relative.isprintable():  # also NUL, which the OS would reject with a message naming no entry
@@ -59,7 +60,7 @@ def _allowed_roots(root: Path) -> list[Path]:
     real = root.resolve()
     roots = [real]
     if real.parent.name == "snapshots":
-        # Hugging Face hub cache: <repo>/snapshots/<rev>/<file> -> ../../blobs/<hash>. Only the literal
+        # Hugging Face hub cache: a file of snapshots/REV links to ../../blobs/HASH. Only the literal
         # blobs/ beside snapshots/ (its ancestors are resolved; if blobs itself were a link, a file
         # reached through it would not resolve under this path).
         roots.append(real.parent.parent / "blobs")
