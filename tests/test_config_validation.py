@@ -11,7 +11,6 @@ import json
 import math
 import os
 import warnings
-from pathlib import Path
 
 import pytest
 

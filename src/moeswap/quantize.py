@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import re
@@ -31,6 +30,7 @@ from moeswap.atomic_dir import atomic_directory, atomic_file, writing
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mx
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
+from moeswap.formats.files import confined, read_json
 from moeswap.formats.weights import Declared, StoredWeight, group_modules, storage_of
 from moeswap.formats.writer import layout, write_index, write_shard
 
@@ -58,6 +58,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
         raise ValueError(f"--expert-pattern {options.expert_pattern!r} is not a valid regex: {err}") from None
     src, dst = Path(src), Path(dst)
     raw = _read_config(src)
+    side_files = _side_files(src)
     _check_destination(src, dst)
     t0 = time.perf_counter()
     with Checkpoint.open(src) as ckpt:
@@ -67,7 +68,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
             report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
             with writing(tmp / "config.json"):
                 _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
-            _copy_side_files(src, tmp)
+            _copy_side_files(side_files, tmp)
             with writing(tmp / REPORT_NAME):
                 (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
@@ -256,13 +257,10 @@ def _read_config(src: Path) -> dict:
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: expected a model directory (config.json + safetensors), found "
                                 f"{'a file' if src.exists() else 'nothing'}")
-    path = src / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing; a model directory needs its config.json") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: expected JSON, cannot parse it: {err}") from None
+    path = confined(src, "config.json", ValueError, str(src))
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; a model directory needs its config.json")
+    raw = read_json(path, ValueError)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, found {type(raw).__name__}")
     return raw
@@ -285,14 +283,18 @@ def _write_config(out: Path, raw: dict, qconfig: dict) -> None:
     (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
 
 
-def _copy_side_files(src: Path, out: Path) -> None:
-    """Tokenizer, generation config, code: everything but the weights, their index and config.json."""
-    for path in src.iterdir():
-        if path.name in ("config.json", INDEX_NAME, REPORT_NAME) or path.suffix == ".safetensors":
-            continue
+def _side_files(src: Path) -> list[Path]:
+    """Tokenizer, generation config, code: everything but the weights, their index and config.json. Each
+    must lie inside `src` (checked before any work): a link outside would copy another file into DST."""
+    return [confined(src, path.name, ValueError, str(src)) for path in sorted(src.iterdir())
+            if path.name not in ("config.json", INDEX_NAME, REPORT_NAME) and path.suffix != ".safetensors"]
+
+
+def _copy_side_files(side_files: list[Path], out: Path) -> None:
+    for path in side_files:
         with writing(out / path.name):
             if path.is_dir():
-                shutil.copytree(path, out / path.name)
+                shutil.copytree(path, out / path.name, symlinks=True)  # links inside stay links, not copies
             elif path.is_file():
                 shutil.copy2(path, out / path.name)
 

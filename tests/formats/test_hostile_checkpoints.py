@@ -420,3 +420,35 @@ def test_inspect_verify_reads_nothing_through_links_outside(tiny_k3_dir, copy_mo
     assert not [p for p in opened if p.is_relative_to(outside.resolve())]
     assert "notes.txt" not in {f["name"] for f in report["files"]} and "secret" not in json.dumps(report)
     assert [(e["name"], e["problem"]) for e in report["listed"]] == [("sub/passwd", "not a path inside the model directory")]
+
+
+@pytest.mark.parametrize("what", ["config.json", "tokenizer.json", "a directory"])
+def test_quantize_copies_nothing_from_outside_the_source(tiny_k3_dir, copy_model, tmp_path, opened, capsys, what):
+    """quantize reads the source's config.json and copies its side files into the output: a link to a
+    file outside is refused before any work, so no other file's bytes reach the new checkpoint."""
+    model, outside = copy_model(tiny_k3_dir), tmp_path / "outside"
+    outside.mkdir()
+    (outside / "passwd").write_bytes(SECRET)
+    name = {"config.json": "config.json", "tokenizer.json": "tokenizer.json", "a directory": "extras"}[what]
+    if (model / name).exists():
+        (model / name).unlink()
+    (model / name).symlink_to(outside if what == "a directory" else outside / "passwd")
+    opened.clear()
+    assert main(["quantize", str(model), str(tmp_path / "out"), "--experts", "mxfp8"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"moeswap: error: {model}: {name!r} is a link that resolves outside the model directory; "
+                   f"a checkpoint may only name files inside {model}\n")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in opened if p.is_relative_to(outside.resolve())]
+
+
+def test_quantize_config_json_that_is_a_directory_or_deep(tiny_k3_dir, copy_model, tmp_path, capsys):
+    model = copy_model(tiny_k3_dir)
+    (model / "config.json").write_bytes(b"[" * 100_000)
+    assert main(["quantize", str(model), str(tmp_path / "out"), "--experts", "mxfp8"]) == 2
+    assert capsys.readouterr().err == (f"moeswap: error: {model / 'config.json'}: not valid JSON for a model file "
+                                       f"(nested too deeply to parse)\n")
+    (model / "config.json").unlink()
+    (model / "config.json").mkdir()
+    assert main(["quantize", str(model), str(tmp_path / "out"), "--experts", "mxfp8"]) == 2
+    assert capsys.readouterr().err.endswith("config.json: expected a JSON file, found a directory\n")
