@@ -391,6 +391,7 @@ def test_racing_writers_never_mix(tiny_linear_dir, tmp_path, monkeypatch):
     assert load_config(dst).quant.format == "mxfp8-quantized"  # all of the winner's, nothing of the loser's
 
 
+@pytest.mark.slow
 def test_two_processes_racing(tiny_linear_dir, tmp_path):
     """Two real `moeswap quantize` to one destination: each ends with success or a one-line error, and the
     destination is one complete checkpoint."""

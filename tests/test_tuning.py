@@ -43,6 +43,7 @@ def test_spin_mode_and_bad_values():
     assert fit_threads_to_load(2, math.nan, {}).threads is None  # an unreadable load changes nothing
 
 
+@pytest.mark.slow
 def test_the_command_applies_it_before_torch_starts(tiny_k3_dir):
     """A busy machine (load average patched to 9) reaches torch: one thread, and --json says why."""
     code = ("import os, sys; os.getloadavg = lambda: (9.0, 9.0, 9.0); from moeswap.cli import main; "

@@ -57,6 +57,7 @@ def test_bf16_inputs_and_batched_shapes(name):
     assert_matches(got, want, torch.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", cpu_kernels.build_variants(), ids=lambda f: "native" if f is None else " ".join(f))
 def test_every_kernel_build_matches_the_decoded_matmul(flags):
     kernel = cpu_kernels.kernel(flags)
@@ -138,6 +139,7 @@ def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
         em.select("cpu_c")
 
 
+@pytest.mark.slow
 def test_fresh_build_into_an_empty_cache(monkeypatch, tmp_path):
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
