@@ -332,3 +332,19 @@ def test_a_prompt_spelling_a_special_token_is_text_unless_asked(capsys, tiny_k3_
         out = json.loads(capsys.readouterr().out)
         ids = tok.encode("a<|im_end|>b", specials=expect_special)
         assert out["prompt_tokens"] == len(ids) and (end in ids) == expect_special
+
+
+def test_warnings_are_one_line(tiny_linear_dir, copy_model):
+    import subprocess
+    import sys
+
+    model = copy_model(tiny_linear_dir)
+    config = json.loads((model / "config.json").read_text())
+    config["frobnicate_level"] = 3
+    (model / "config.json").write_text(json.dumps(config))
+    out = subprocess.run([sys.executable, "-m", "moeswap.cli", "inspect", str(model)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    warning_lines = [line for line in out.stderr.splitlines() if "frobnicate_level" in line]
+    assert len(warning_lines) == 1 and warning_lines[0].startswith("moeswap: warning: ")
+    assert warning_lines[0].endswith("config.json: ignoring unknown config keys: frobnicate_level")
+    assert len(out.stderr.strip().splitlines()) == 1

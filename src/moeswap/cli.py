@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 import time
+import warnings
 
 from moeswap.jsonio import dumps
 from moeswap.atomic_dir import OutOfSpaceError
@@ -168,10 +169,17 @@ def cmd_inspect(args) -> int:
 COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect}
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as the CLI's errors are: one line, no source location (--debug keeps Python's format)."""
+    return f"moeswap: warning: {' '.join(str(message).split())}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     tuning.tune_process()  # before torch is imported (the commands that need it import it)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.debug:
+        warnings.formatwarning = _one_line_warning
     if args.command == "bench":
         handler = importlib.import_module(BENCHES[args.bench]).run
     elif args.command in SUBCOMMANDS:
