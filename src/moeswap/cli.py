@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import json
 import os
+import select
 import sys
 import time
 
@@ -92,7 +93,8 @@ def check_text(flag: str, text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
         try:
-            bad = "byte " + text[err.start:err.end].encode("utf-8", "surrogateescape").hex(" ")
+            raw = text[err.start:err.end].encode("utf-8", "surrogateescape")
+            bad = ("byte " if len(raw) == 1 else "bytes ") + raw.hex(" ")
         except UnicodeEncodeError:
             bad = f"lone surrogate {text[err.start]!r}"
         raise ValueError(f"{flag} is not valid UTF-8 ({bad} at character {err.start}): pass UTF-8 text") from None
@@ -180,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmoeswap: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        if not _pipe_closed(sys.stdout) or args.debug:
-            raise  # some other pipe: a failure, not a reader that has seen enough
+        if args.debug or _reader_gone(sys.stdout) is False:
+            raise  # not our output's reader leaving (some other pipe): a failure
         # As Python's docs advise (signal module, "Note on SIGPIPE"): stop quietly, point the closed streams
         # at devnull so that the flush at exit cannot fail again, and exit 1, as Python itself does on EPIPE.
         for stream in (sys.stdout, sys.stderr):
-            if _pipe_closed(stream):
+            if _reader_gone(stream):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         return 1
     except USER_ERRORS as err:
@@ -195,17 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _pipe_closed(stream) -> bool:
-    """Whether `stream` is a pipe whose reader has gone (poll reports an error on its write end); True
-    where that cannot be told, since the error was a broken pipe."""
+def _reader_gone(stream) -> bool | None:
+    """Whether `stream` is a pipe whose reader has closed it (poll reports an error or hang-up on its write
+    end); None where that cannot be told (no file descriptor, as under a test's capture; no poll)."""
     try:
-        import select
-
+        fd = stream.fileno()
         poll = select.poll()
-        poll.register(stream.fileno(), select.POLLOUT)
-        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
-    except (AttributeError, OSError, ValueError):  # no poll (Windows), no file descriptor (a test's capture)
-        return True
+    except (AttributeError, OSError, ValueError):
+        return None
+    poll.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Non-finite values: the error the engine raises for NaN or Inf logits, and where in the model they begin.
 
-The scheduler checks each step's logits with one fused reduction (`all_finite`); only when that fails does `first_nonfinite`
-re-run the step through the model's modules (the reference path, whichever path ran the step) with a
-check on every module's output. It knows the model's module names, not the scheduler's slots.
-Entry points: `NonFiniteError`, `first_nonfinite(model, prefix, step, ...)`.
+The scheduler checks each step's logits with one reduction (`all_finite`); only when that fails does
+`first_nonfinite` re-run the step through the model's modules (the reference path, whichever path ran the
+step) with a check on every module's output. It knows the model's module names, not the scheduler's slots.
+Entry points: `NonFiniteError`, `all_finite(tensor)`, `first_nonfinite(model, prefix, step, ...)`.
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def finite(x) -> bool:
 
 def first_nonfinite(model, prefix: Sequence[int], step: Sequence[int], chunk: int,
                     dtype: torch.dtype | None = None, device=None) -> str:
-    """Where a step's non-finite logits begin, in a few words (e.g. "decoder layer 2 (model.layers.2.mlp)"). One sequence: `prefix` (the tokens before the step)
-    rebuilds its state in a fresh one, unchecked; then `step` (a prompt, or one decode token) runs with a
-    forward hook on every module, and the first module whose output is not finite is named (inner modules
-    finish first, so it is the innermost one). Nothing of the scheduler's state is read or written."""
+    """Where a step's non-finite logits begin, in a few words ("decoder layer 2 (model.layers.2.mlp)").
+    One sequence: `prefix` (the tokens before the step) rebuilds its state in a fresh one, unchecked; then
+    `step` (a prompt, or one decode token) runs with a forward hook on every module, and the first module
+    whose output is not finite is named (inner modules finish first, so it is the innermost one). Costs a
+    prefill of prefix + step; nothing of the scheduler's state is read or written."""
     names = {m: n for n, m in model.named_modules() if n}
     found: list[str] = []
 
@@ -51,9 +52,7 @@ def first_nonfinite(model, prefix: Sequence[int], step: Sequence[int], chunk: in
         if not found and not finite(output):
             found.append(names[module])
 
-    state = model.make_state(1, dtype, device)
-
-    def feed(tokens: Sequence[int]) -> torch.Tensor | None:
+    def feed(state, tokens: Sequence[int]) -> torch.Tensor | None:
         logits = None
         for start in range(0, len(tokens), chunk):
             piece = torch.tensor([list(tokens[start:start + chunk])], device=device)
@@ -61,10 +60,11 @@ def first_nonfinite(model, prefix: Sequence[int], step: Sequence[int], chunk: in
         return logits
 
     try:
-        feed(prefix)
+        state = model.make_state(1, dtype, device)
+        feed(state, prefix)
         hooks = [m.register_forward_hook(check) for m in names]
         try:
-            logits = feed(step)
+            logits = feed(state, step)
         finally:
             for h in hooks:
                 h.remove()
