@@ -1,4 +1,5 @@
-# Two entry points: `make demo` (generate with the built-in small K3) and `make test`.
+# Two entry points: `make demo` (generate with the built-in small K3) and `make test` (the whole suite);
+# `make test-fast` is `make test` without the tests marked slow (over ~3 s each), for quick checks.
 # Each creates .venv and installs what it needs. torch is pinned to the CPU build that this
 # project's machines carry; set TORCH=torch to take whatever pip resolves (a CUDA build on Linux).
 PYTHON ?= python3
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 MOESWAP := $(VENV)/bin/moeswap
 DEMO_MODEL ?= models/tiny-k3
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test test-fast install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ demo: install
 
 test: install-test
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+test-fast: install-test
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 clean:
 	rm -rf $(VENV) $(DEMO_MODEL)

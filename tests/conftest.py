@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny models written once per session by `write_tiny_model` (the published layouts).
+"""Shared fixtures: tiny models written once per session by `write_tiny_model` (the published layouts),
+and two oracles: `greedy_oracle` (greedy tokens from the model's full forward) and `strict_json`.
 
 Tests that damage a model take a copy (`copy_model`); the session directories are never modified.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -45,3 +47,31 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def greedy_oracle():
+    """greedy_oracle(model, prompt_ids, n) -> n greedy tokens, each the argmax of the model's full forward
+    over the prompt and the tokens before it: no state, no engine, no decode step; what greedy
+    generation must reproduce."""
+    import torch
+
+    @torch.no_grad()
+    def tokens(model, prompt, n: int) -> list[int]:
+        seq = list(prompt)
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        return seq[len(prompt):]
+
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def strict_json():
+    """strict_json(text) -> the parsed value; fails on NaN / Infinity / -Infinity, which Python's parser
+    takes but JSON does not have (an undefined value must be written as null)."""
+
+    def reject(constant: str):
+        raise AssertionError(f"invalid JSON: {constant}")
+
+    return lambda text: json.loads(text, parse_constant=reject)

@@ -6,15 +6,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from moeswap.cli import main
-from moeswap.units import parse_bytes
 from moeswap.config import ConfigError
+from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.experts.trace import read_trace
 from moeswap.formats.checkpoint import INDEX_NAME
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.units import parse_bytes
 
 
 PROMPT = "the quick brown fox"
@@ -26,12 +30,18 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def generate_json(capsys, model: Path, *flags: str) -> dict:
-    code, out, err = run(capsys, "generate", str(model), "--prompt", PROMPT, "--json", *flags)
-    assert code == 0, err
-    lines = out.strip().splitlines()
-    assert len(lines) == 1, out  # --json prints one object and nothing else
-    return json.loads(lines[0])
+@pytest.fixture
+def generate_json(capsys, strict_json):
+    """generate_json(model, *flags) -> the one object `generate --json` prints, parsed as strict JSON."""
+
+    def generate(model: Path, *flags: str) -> dict:
+        code, out, err = run(capsys, "generate", str(model), "--prompt", PROMPT, "--json", *flags)
+        assert code == 0, err
+        lines = out.strip().splitlines()
+        assert len(lines) == 1, out  # --json prints one object and nothing else
+        return strict_json(lines[0])
+
+    return generate
 
 
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
@@ -47,7 +57,7 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
 # -- init-tiny + generate --------------------------------------------------------------------------
 
 
-def test_init_tiny_then_generate(capsys, tmp_path, tiny_k3_dir):
+def test_init_tiny_then_generate(capsys, tmp_path, tiny_k3_dir, generate_json, greedy_oracle):
     out_dir = tmp_path / "m"
     code, out, _ = run(capsys, "init-tiny", str(out_dir), "--arch", "kimi_k3", "--size", "tiny", "--seed", "0")
     assert code == 0
@@ -55,16 +65,37 @@ def test_init_tiny_then_generate(capsys, tmp_path, tiny_k3_dir):
     assert (out_dir / "model-00001-of-00003.safetensors").read_bytes() == \
         (tiny_k3_dir / "model-00001-of-00003.safetensors").read_bytes()
 
-    first = generate_json(capsys, out_dir, "--max-tokens", "5", "--ignore-eos")
-    for key in ("text", "tokens", "prompt_tokens", "completion_tokens", "finish_reason", "ttft_ms",
-                "decode_tokens_per_s", "expert_store"):
-        assert key in first, key
+    t0 = time.perf_counter()
+    first = generate_json(out_dir, "--max-tokens", "5", "--ignore-eos")
+    wall = time.perf_counter() - t0
     assert len(first["tokens"]) == first["completion_tokens"] == 5 and first["finish_reason"] == "length"
-    assert all(isinstance(t, int) and 0 <= t < 512 for t in first["tokens"])
-    assert first["ttft_ms"] > 0 and first["decode_tokens_per_s"] > 0 and first["prompt_tokens"] > 0
-    assert first["expert_store"]["misses"] > 0
-    second = generate_json(capsys, out_dir, "--max-tokens", "5", "--ignore-eos")
-    assert second["tokens"] == first["tokens"] and second["text"] == first["text"]
+    tok = load_tokenizer(out_dir)
+    ids = tok.encode(PROMPT, add_bos=False)
+    model, _ = load_model(out_dir, LoadOptions())
+    assert first["prompt_tokens"] == len(ids)
+    assert first["tokens"] == greedy_oracle(model, ids, 5) and first["text"] == tok.decode(first["tokens"])
+    # the reported times lie inside the call: loading, the first token, then 4 decode steps
+    assert 0 < first["load_s"] + first["ttft_ms"] / 1e3 + 4 / first["decode_tokens_per_s"] <= wall
+    assert first["native_decode_steps"] == 4
+
+
+def test_generate_json_counts_each_expert_use(generate_json, tiny_k3_dir, tmp_path, capsys):
+    """The store's books against a routing trace of the same run (`moeswap trace`, same prompt and
+    tokens): every expert use is a hit or a miss; with every expert fitting, each distinct expert is
+    read from disk once (a miss) and then hits."""
+    got = generate_json(tiny_k3_dir, "--max-tokens", "5", "--ignore-eos")["expert_store"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    assert main(["trace", str(tiny_k3_dir), "--prompts", str(prompts), "-o", str(tmp_path / "t.bin"),
+                 "--max-tokens", "5", "--ignore-eos"]) == 0
+    capsys.readouterr()
+    trace = read_trace(tmp_path / "t.bin")
+    assert got["hits"] + got["misses"] == len(trace.experts)
+    assert got["misses"] == got["disk_reads"] == len(set(trace.accesses()))
+    assert got["bytes_read"] == got["disk_reads"] * trace.meta["expert_stored_bytes"]
+    assert got["hit_rate"] == pytest.approx(got["hits"] / len(trace.experts))
+    assert got["tiers"]["fast"]["evictions"] == 0
+    assert got["prefetch"]["precision"] is None and got["prefetch"]["recall"] is None  # no prefetch: undefined
 
 
 def test_init_tiny_refuses_a_non_empty_directory(capsys, tmp_path):
@@ -74,18 +105,18 @@ def test_init_tiny_refuses_a_non_empty_directory(capsys, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
-def test_sampling_is_seeded(capsys, tiny_k3_dir):
+def test_sampling_is_seeded(generate_json, tiny_k3_dir):
     flags = ("--max-tokens", "6", "--ignore-eos", "--temperature", "1.5")
-    a = generate_json(capsys, tiny_k3_dir, *flags, "--seed", "1")
-    b = generate_json(capsys, tiny_k3_dir, *flags, "--seed", "1")
-    c = generate_json(capsys, tiny_k3_dir, *flags, "--seed", "2")
+    a = generate_json(tiny_k3_dir, *flags, "--seed", "1")
+    b = generate_json(tiny_k3_dir, *flags, "--seed", "1")
+    c = generate_json(tiny_k3_dir, *flags, "--seed", "2")
     assert a["tokens"] == b["tokens"]
     assert c["tokens"] != a["tokens"]  # the seed is used (fixed model, fixed seeds: not flaky)
 
 
-def test_ignore_eos(capsys, tiny_k3_dir, copy_model):
+def test_ignore_eos(generate_json, tiny_k3_dir, copy_model):
     """Make the greedy continuation's 2nd token an eos id: generation stops there, unless --ignore-eos."""
-    greedy = generate_json(capsys, tiny_k3_dir, "--max-tokens", "6", "--ignore-eos")["tokens"]
+    greedy = generate_json(tiny_k3_dir, "--max-tokens", "6", "--ignore-eos")["tokens"]
     assert len(greedy) == 6
     stop_at = greedy[1]
     model = copy_model(tiny_k3_dir)
@@ -93,10 +124,10 @@ def test_ignore_eos(capsys, tiny_k3_dir, copy_model):
     gen_cfg["eos_token_id"] = [gen_cfg["eos_token_id"], stop_at]
     (model / "generation_config.json").write_text(json.dumps(gen_cfg))
 
-    stopped = generate_json(capsys, model, "--max-tokens", "6")
+    stopped = generate_json(model, "--max-tokens", "6")
     assert stopped["tokens"] == greedy[: greedy.index(stop_at) + 1]
     assert stopped["finish_reason"] == "stop"
-    ignored = generate_json(capsys, model, "--max-tokens", "6", "--ignore-eos")
+    ignored = generate_json(model, "--max-tokens", "6", "--ignore-eos")
     assert ignored["tokens"] == greedy and ignored["finish_reason"] == "length"
     assert ignored["completion_tokens"] == 6
 
@@ -109,13 +140,10 @@ def test_generate_streams_text(capsys, tiny_k3_dir):
     assert "[3 tokens, finish: length" in err and "misses" in err
 
 
-def test_generate_reference_step_gives_the_native_steps_tokens(capsys, tiny_k3_dir):
-    argv = ("generate", str(tiny_k3_dir), "--prompt", PROMPT, "--max-tokens", "6", "--ignore-eos", "--json")
-    code, out, _ = run(capsys, *argv)
-    native = json.loads(out)
-    code2, out2, _ = run(capsys, *argv, "--reference-step")
-    reference = json.loads(out2)
-    assert code == code2 == 0 and native["tokens"] == reference["tokens"]
+def test_generate_reference_step_gives_the_native_steps_tokens(generate_json, tiny_k3_dir):
+    native = generate_json(tiny_k3_dir, "--max-tokens", "6", "--ignore-eos")
+    reference = generate_json(tiny_k3_dir, "--max-tokens", "6", "--ignore-eos", "--reference-step")
+    assert native["tokens"] == reference["tokens"]
     assert native["native_decode_steps"] == 5 and reference["native_decode_steps"] == 0
 
 
@@ -132,10 +160,10 @@ def test_inspect_text(capsys, tiny_k3_dir):
     assert "quantization: mxfp4-pack-quantized" in out and "mxfp4 (packed)" in out and "in 3 files" in out
 
 
-def test_inspect_json_numbers_add_up(capsys, tiny_k3_dir):
+def test_inspect_json_numbers_add_up(capsys, tiny_k3_dir, strict_json):
     code, out, _ = run(capsys, "inspect", str(tiny_k3_dir), "--json")
     assert code == 0
-    s = json.loads(out)
+    s = strict_json(out)
     assert s["arch"] == "kimi_k3" and s["layers"] == 6 and s["quantization"] == "mxfp4-pack-quantized"
     assert sum(s["params_by_component"].values()) == s["total_params"]
     assert sum(s["bytes_by_component"].values()) == s["total_bytes"]
@@ -163,9 +191,9 @@ def test_inspect_json_numbers_add_up(capsys, tiny_k3_dir):
     assert s["active_params"] == total - embed - routed + routed * e["top_k"] // e["routed"]
 
 
-def test_inspect_kimi_linear(capsys, tiny_linear_dir):
+def test_inspect_kimi_linear(capsys, tiny_linear_dir, strict_json):
     code, out, _ = run(capsys, "inspect", str(tiny_linear_dir), "--json")
-    s = json.loads(out)
+    s = strict_json(out)
     assert code == 0 and s["arch"] == "kimi_linear" and s["quantization"] is None
     assert sum(s["params_by_component"].values()) == s["total_params"]
     assert "mxfp4 (packed)" not in s["bytes_by_precision"]
@@ -260,6 +288,7 @@ def moeswap(*argv: str) -> subprocess.CompletedProcess:
                           env=env)
 
 
+@pytest.mark.slow
 def test_process_exit_codes(tmp_path, tiny_k3_dir):
     ok = moeswap("inspect", str(tiny_k3_dir), "--json")
     assert ok.returncode == 0, ok.stderr
@@ -282,11 +311,24 @@ def test_process_debug_shows_the_traceback(tmp_path):
     assert "ConfigError" in res.stderr and "no config.json found" in res.stderr
 
 
-def test_dense_weights_flag(capsys, tiny_k3_dir):
-    converted = generate_json(capsys, tiny_k3_dir, "--max-tokens", "4", "--dense-weights", "compute")
-    kept = generate_json(capsys, tiny_k3_dir, "--max-tokens", "4")
+def test_dense_weights_flag(capsys, tiny_k3_dir, generate_json):
+    converted = generate_json(tiny_k3_dir, "--max-tokens", "4", "--dense-weights", "compute")
+    kept = generate_json(tiny_k3_dir, "--max-tokens", "4")
     assert converted["tokens"] == kept["tokens"]  # same values, bf16 weights kept or widened
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", str(tiny_k3_dir), "--prompt", PROMPT, "--dense-weights", "half"])
     _, err = capsys.readouterr()
     assert_one_line_error(exit_info.value.code, err, "argument --dense-weights", "invalid choice: 'half'")
+
+
+def test_a_prompt_spelling_a_special_token_is_text_unless_asked(capsys, tiny_k3_dir):
+    from moeswap.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_k3_dir)
+    end = tok.special_to_id["<|im_end|>"]
+    for flags, expect_special in (([], False), (["--special-tokens"], True)):
+        assert main(["generate", str(tiny_k3_dir), "--prompt", "a<|im_end|>b", "--max-tokens", "1", "--json",
+                     *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ids = tok.encode("a<|im_end|>b", specials=expect_special)
+        assert out["prompt_tokens"] == len(ids) and (end in ids) == expect_special

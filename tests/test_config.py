@@ -6,15 +6,15 @@ import copy
 import dataclasses
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 
 from moeswap.config import ConfigError, load_config, parse_config
+from moeswap.planner.models import preset_path
 
-DOCS = Path("/work/shared/docs")
-K3_JSON = DOCS / "kimi_k3_config.json"
-LINEAR_JSON = DOCS / "kimi_linear_48b_config.json"
+# The published config.json files, byte for byte: the planner ships them as its presets (package data)
+K3_JSON = preset_path("kimi-k3")
+LINEAR_JSON = preset_path("kimi-linear-48b")
 
 
 def k3_raw() -> dict:

@@ -157,7 +157,7 @@ def test_importing_moeswap_changes_nothing_in_the_process():
 
 def test_the_command_tunes_its_process(monkeypatch):
     calls = []
-    monkeypatch.setattr(cli, "tune_process", lambda: calls.append("tuned"))
+    monkeypatch.setattr(cli.tuning, "tune_process", lambda: calls.append("tuned"))
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert calls == ["tuned"]

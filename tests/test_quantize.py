@@ -3,7 +3,13 @@ compressed-tensors both load and decode to the same bits; the error report; fail
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -203,12 +209,18 @@ def test_block_fp8_source(tiny_linear_dir, tmp_path):
         assert model(torch.arange(8).unsqueeze(0)).isfinite().all()
 
 
-def test_cli(tiny_linear_dir, tmp_path, capsys):
+def test_cli(tiny_linear_dir, tmp_path, capsys, strict_json):
     assert main(["quantize", str(tiny_linear_dir), str(tmp_path / "o"), "--experts", "mxfp8", "--mode", "floor",
                  "--eval-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "routed experts as mxfp8-quantized (floor)" in out and "relative error" in out and "top-1 agreement" in out
-    assert "quality" in json.loads((tmp_path / "o" / REPORT_NAME).read_text())
+    report = strict_json((tmp_path / "o" / REPORT_NAME).read_text())
+    assert report["quality"]["tokens"] == 8
+    for name in ("config.json", INDEX_NAME):
+        strict_json((tmp_path / "o" / name).read_text())
+    assert main(["quantize", str(tiny_linear_dir), str(tmp_path / "j"), "--experts", "mxfp4", "--json"]) == 0
+    printed = strict_json(capsys.readouterr().out)
+    assert printed["summary"] == strict_json((tmp_path / "j" / REPORT_NAME).read_text())["summary"]
     with pytest.raises(SystemExit) as exit_info:
         main(["quantize", str(tiny_linear_dir), str(tmp_path / "p"), "--experts", "nvfp4"])
     assert exit_info.value.code == 2 and "invalid choice: 'nvfp4'" in capsys.readouterr().err
@@ -271,3 +283,166 @@ def test_mxfp8_experts_against_a_config_that_says_mxfp4(linear_mxfp8, copy_model
     with pytest.raises(CheckpointError, match=r"stored as MXFP8 \(mxfp8-quantized\) but config.json's "
                                               r"quantization_config says format mxfp4-pack-quantized"):
         load_model(broken)
+
+
+# -- interrupted, racing, disk full, non-finite sources ------------------------------------------------
+
+# `moeswap quantize SRC DST --experts mxfp4` in a process that touches READY and stops at the 20th expert
+# weight, its first shard half written: a kill there is a kill mid-write.
+_STOPPED_QUANTIZE = """
+import sys, time
+from pathlib import Path
+from moeswap.cli import main
+from moeswap.formats import compressed_tensors as ct
+
+original, calls = ct.encode_weight, []
+def stopping(fmt, w, mode="even"):
+    calls.append(1)
+    if len(calls) == 20:
+        Path(sys.argv[3]).touch()
+        time.sleep(300)
+    return original(fmt, w, mode)
+ct.encode_weight = stopping
+sys.exit(main(["quantize", sys.argv[1], sys.argv[2], "--experts", "mxfp4"]))
+"""
+
+
+def _stopped_quantize(src: Path, dst: Path, ready: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_QUANTIZE, str(src), str(dst), str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    return proc
+
+
+def _same_files(a: Path, b: Path, skip=(REPORT_NAME,)) -> None:
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for file in a.iterdir():
+        if file.name not in skip:
+            assert file.read_bytes() == (b / file.name).read_bytes(), file.name
+
+
+def test_sigterm_mid_write_leaves_nothing(tiny_linear_dir, tmp_path):
+    parent = tmp_path / "w"
+    proc = _stopped_quantize(tiny_linear_dir, parent / "out", tmp_path / "ready")
+    staging = [p for p in parent.iterdir()]
+    assert len(staging) == 1 and any(staging[0].iterdir())  # writing, not yet renamed
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert list(parent.iterdir()) == []  # neither the destination nor the staging directory
+
+
+def test_sigkill_mid_write_then_a_second_run(tiny_linear_dir, linear_mxfp4, tmp_path):
+    parent = tmp_path / "w"
+    proc = _stopped_quantize(tiny_linear_dir, parent / "out", tmp_path / "ready")
+    proc.kill()
+    proc.communicate(timeout=60)
+    (stale,) = parent.iterdir()
+    assert stale.name.startswith(".out.staging-") and not (parent / "out").exists()
+
+    quantize(tiny_linear_dir, parent / "out", QuantizeOptions("mxfp4", "even"))
+    assert [p.name for p in parent.iterdir()] == ["out"]  # the dead run's staging directory is gone
+    _same_files(parent / "out", Path(linear_mxfp4["destination"]))  # and the output is complete
+
+
+def test_disk_full_is_one_line_and_leaves_nothing(tiny_linear_dir, tmp_path, monkeypatch, capsys):
+    from moeswap.formats import writer
+
+    calls = []
+
+    def full(f, tensor):
+        calls.append(1)
+        if len(calls) == 30:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(f, tensor)
+
+    original = writer._write_bytes
+    monkeypatch.setattr(writer, "_write_bytes", full)
+    dst = tmp_path / "w" / "out"
+    assert main(["quantize", str(tiny_linear_dir), str(dst), "--experts", "mxfp4"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"moeswap: error: no space left on device writing {dst / 'model-00001-of-00003.safetensors'}; "
+                   f"free some space and run again (the partial output was removed)\n")
+    assert list((tmp_path / "w").iterdir()) == []
+
+
+def test_racing_writers_never_mix(tiny_linear_dir, tmp_path, monkeypatch):
+    """While this quantize writes, another one finishes the same destination first: this one fails with a
+    clear error and the winner's output is left as it was (a rename never merges directories)."""
+    dst = tmp_path / "out"
+    winner = quantize(tiny_linear_dir, tmp_path / "winner", QuantizeOptions("mxfp8"))
+    calls = []
+
+    def other_process_finishes(fmt, w, mode="even"):
+        calls.append(1)
+        if len(calls) == 10:
+            os.rename(winner["destination"], dst)
+        return original(fmt, w, mode)
+
+    original = ct.encode_weight
+    monkeypatch.setattr(ct, "encode_weight", other_process_finishes)
+    with pytest.raises(FileExistsError, match=f"{dst} was created by another process while this one was writing"):
+        quantize(tiny_linear_dir, dst, QuantizeOptions("mxfp4"))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert load_config(dst).quant.format == "mxfp8-quantized"  # all of the winner's, nothing of the loser's
+
+
+@pytest.mark.slow
+def test_two_processes_racing(tiny_linear_dir, tmp_path):
+    """Two real `moeswap quantize` to one destination: each ends with success or a one-line error, and the
+    destination is one complete checkpoint."""
+    dst = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "moeswap", "quantize", str(tiny_linear_dir), str(dst),
+                               "--experts", fmt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for fmt in ("mxfp4", "mxfp8")]
+    results = [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    err = next(e for code, e in results if code == 2)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("moeswap: error: ") and "Traceback" not in err
+    assert ("was created by another process while this one was writing" in err
+            or "exists and is not an empty directory" in err)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    fmt = json.loads((dst / REPORT_NAME).read_text())["format"]
+    load_model(dst, LoadOptions(dtype="float32"))  # complete: every tensor there and consistent
+    assert load_config(dst).quant.format == fmt
+
+
+@pytest.mark.parametrize("where", ["dense", "expert"])
+def test_non_finite_source_is_refused_naming_the_tensor(tiny_linear_dir, copy_model, tmp_path, capsys, where):
+    src = copy_model(tiny_linear_dir)
+    name = "model.layers.1.self_attn.q_proj.weight" if where == "dense" else EXPERT + ".weight"
+    with Checkpoint.open(src) as ckpt:
+        info = ckpt.info(name)
+    with open(info.file, "r+b") as f:  # bf16 NaN, then bf16 -Inf, in the stored bytes
+        f.seek(info.offset + 2 * 5)
+        f.write(torch.tensor([float("nan"), float("-inf")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    dst = tmp_path / "w" / "out"
+    assert main(["quantize", str(src), str(dst), "--experts", "mxfp4"]) == 2
+    err = capsys.readouterr().err
+    numel = info.nbytes // 2
+    assert err == (f"moeswap: error: {src}: tensor {name!r} has 2 non-finite values (1 NaN, 1 infinite) of "
+                   f"{numel:,}; the source checkpoint is damaged: re-download or re-convert it (nothing was "
+                   f"written)\n")
+    assert list((tmp_path / "w").iterdir()) == []
+
+
+def test_non_finite_mx_source_is_refused(tiny_k3_dir, copy_model, tmp_path):
+    """An MXFP4 source decodes to NaN where a scale byte is 0xFF: refused whether the experts are re-encoded
+    (to MXFP8) or copied (to MXFP4)."""
+    src = copy_model(tiny_k3_dir)
+    module = "language_model.model.layers.2.block_sparse_moe.experts.5.w3"
+    with Checkpoint.open(src) as ckpt:
+        info = ckpt.info(module + ".weight_scale")
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset + 3)
+        f.write(b"\xff")
+    for fmt in ("mxfp8", "mxfp4"):
+        with pytest.raises(CheckpointError, match=rf"tensor '{module}' \(decoded from mxfp4\) has 32 non-finite "
+                                                  rf"values \(32 NaN, 0 infinite\)"):
+            quantize(src, tmp_path / fmt, QuantizeOptions(fmt))
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]

@@ -1,8 +1,9 @@
 """write_tiny_model (`moeswap init-tiny`): deterministic, in the published K3 / Kimi Linear layouts, atomic,
-and the result loads and generates."""
+and the result loads and generates; the tiny tokenizers it ships are deterministic and round-trip their corpus."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import defaultdict
@@ -18,6 +19,7 @@ from moeswap.engine.tokenizer import load_tokenizer
 from moeswap.formats.checkpoint import INDEX_NAME
 from moeswap.models.loader import load_model
 from moeswap.tiny import write_tiny_model
+from moeswap.tiny.tokenizer import build_tiny_tiktoken, build_tiny_tokenizer, corpus_text
 
 
 EXPERT = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(\w+)")
@@ -177,6 +179,36 @@ def test_tokenizer_matches_config(which, tiny_k3_dir, tiny_linear_dir):
     assert tok.decode(tok.encode("hello world")) == "hello world"
 
 
+# -- the tiny tokenizer ----------------------------------------------------------------------------
+
+# Every tiny tokenizer (and so every tiny model's tokenizer.json) is trained on these bytes: an edit to
+# corpus.txt, even a stripped trailing space or a final newline, changes them all. Update on purpose only.
+CORPUS_SHA256 = "d03c4ba8e43ba6edb236cdaf9650647f2823d029e597324f115da0df0f9e2db7"
+
+
+def test_corpus_is_the_one_the_tiny_tokenizers_are_trained_on():
+    assert hashlib.sha256(corpus_text().encode()).hexdigest() == CORPUS_SHA256
+
+
+@pytest.mark.parametrize("build", [build_tiny_tokenizer, build_tiny_tiktoken])
+def test_tiny_tokenizer_is_deterministic(tmp_path, build):
+    build(tmp_path / "a", 1000)
+    build(tmp_path / "b", 1000)
+    for f in (tmp_path / "a").iterdir():
+        assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.parametrize("build", [build_tiny_tokenizer, build_tiny_tiktoken])
+def test_tiny_tokenizer_round_trips_its_corpus(tmp_path, build):
+    build(tmp_path, 2048)
+    tok = load_tokenizer(tmp_path)
+    text = corpus_text()
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert all(tok.decode(tok.encode(line)) == line for line in text.splitlines())
+    assert len(ids) < len(text.encode()) / 2  # trained on it: the merges compress it
+
+
 # -- writing ---------------------------------------------------------------------------------------
 
 
@@ -208,12 +240,12 @@ def test_writes_into_an_empty_directory(tmp_path):
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    import moeswap.tiny as tiny
+    import moeswap.tiny.model as tiny_model
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tiny, "save_file", boom)
+    monkeypatch.setattr(tiny_model, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         write_tiny_model(tmp_path / "out", "kimi_linear", "tiny", 0)
     assert list(tmp_path.iterdir()) == []

@@ -11,17 +11,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import os
 import select
 import sys
 import time
 
+from moeswap.jsonio import dumps
+from moeswap.atomic_dir import OutOfSpaceError
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
-from moeswap.tuning import tune_process
+from moeswap.tiny.sizes import SIZES
+from moeswap import tuning
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
+                                                OutOfSpaceError)
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors as one line, like every other user error (argparse would print the usage first)."""
@@ -33,7 +36,8 @@ class _Parser(argparse.ArgumentParser):
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "trace": "moeswap.trace_cmd"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
-           "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill"}
+           "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
+           "load": "moeswap.bench.load"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init-tiny", help="write a small random model in the published K3 / Kimi Linear layout")
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--arch", default="kimi_k3", choices=tuple(REGISTRY))
-    p.add_argument("--size", default="tiny", choices=("tiny", "small", "bench"),
+    p.add_argument("--size", default="tiny", choices=tuple(SIZES),
                    help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts")
     p.add_argument("--seed", type=int, default=0)
 
@@ -52,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--special-tokens", action="store_true",
+                   help="read special-token strings in --prompt (e.g. <|im_end|>) as those tokens; by default "
+                        "they are text, as user input always is (the chat template's own markers are tokens)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -67,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--verify", action="store_true",
+                   help="also read every tensor and file: non-finite values, MX scales out of range, SHA-256 against "
+                        "*.sha256 / SHA256SUMS / manifest.json beside the checkpoint (exit 2 on any problem)")
 
     p = sub.add_parser("bench", help="measurements side by side with named baselines (JSON + markdown)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -101,6 +111,8 @@ def check_text(flag: str, text: str) -> None:
 
 
 def cmd_generate(args) -> int:
+    import torch
+
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.engine.sampling import SamplingParams
@@ -116,8 +128,8 @@ def cmd_generate(args) -> int:
     try:
         tok = load_tokenizer(args.model)
         load_s = time.perf_counter() - t0
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-        ids = tok.encode(text, add_bos=False)
+        messages = [{"role": "user", "content": args.prompt}]
+        ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
         cfg = dataclasses.replace(
             cfg, stop_ids=() if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids))
         stream = StreamDecoder(tok)
@@ -134,24 +146,28 @@ def cmd_generate(args) -> int:
             raise
     finally:
         store.close()
+    rate = result.decode_tokens_per_s  # None: nothing decoded after the first token
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
-        "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
+        "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
     if args.json:
-        print(json.dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
+        print(dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
         return 0
     print(stream.flush())
     print(f"\n[{stats['completion_tokens']} tokens, finish: {stats['finish_reason']}, "
-          f"time to first token {stats['ttft_ms']:.1f} ms, decode {stats['decode_tokens_per_s']:.1f} tokens/s]",
+          f"time to first token {stats['ttft_ms']:.1f} ms, decode "
+          + ("n/a]" if rate is None else f"{stats['decode_tokens_per_s']:.1f} tokens/s]"),
           file=sys.stderr)
     if args.stats:
         native = ("decode steps through the model's modules (--reference-step)" if args.reference_step else
                   f"decode steps in one C call: {result.native_steps} of {result.decoded}"
                   + (f" (otherwise: {result.native_off})" if result.native_off else ""))
-        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}]", file=sys.stderr)
+        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; torch threads {stats['threads']}"
+              + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)
     return 0
 
 
@@ -159,15 +175,25 @@ def cmd_inspect(args) -> int:
     from moeswap.summary import format_summary, summarize
 
     s = summarize(args.model)
-    print(json.dumps(s, indent=2) if args.json else format_summary(s))
-    return 0
+    if not args.verify:
+        print(dumps(s, indent=2) if args.json else format_summary(s))
+        return 0
+    from moeswap.verify import format_verify, summary_line, verify
+
+    v = verify(args.model, progress=sys.stderr.isatty())
+    print(dumps({**s, "verify": v}, indent=2) if args.json else
+          f"{format_summary(s)}\n\n{format_verify(v)}")
+    if v["ok"]:
+        return 0
+    print(f"moeswap: error: {summary_line(v)}", file=sys.stderr)
+    return 2
 
 
 COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect}
 
 
 def main(argv: list[str] | None = None) -> int:
-    tune_process()  # before torch allocates anything (it is imported by the commands that need it)
+    tuning.tune_process()  # before torch is imported (the commands that need it import it)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -3,10 +3,10 @@ routed experts as compressed-tensors MXFP4 or MXFP8 and report the error that in
 
 Streams shard by shard, tensor by tensor (each tensor is read with pread, converted if it is an expert
 weight, written and dropped: peak memory is about one tensor), into a temporary sibling renamed to DST
-only when everything is written, so a failure leaves no output. Sources: bf16/fp16/fp32, DeepSeek block
-FP8 (non-expert FP8 weights are written dequantised to bf16) and compressed-tensors MX (same-format
-experts are copied byte for byte). Entry points: `quantize(src, dst, QuantizeOptions)` and
-`compare_models` (logit error).
+only when everything is written, so a failure leaves no output. A source value that is NaN or infinite
+is refused, naming the tensor. Sources: bf16/fp16/fp32, DeepSeek block FP8 (non-expert FP8 weights are
+written dequantised to bf16) and compressed-tensors MX (same-format experts are copied byte for byte).
+Entry points: `quantize(src, dst, QuantizeOptions)` and `compare_models` (logit error).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from moeswap.atomic_dir import atomic_directory
+from moeswap import jsonio
+from moeswap.atomic_dir import atomic_directory, atomic_file, writing
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mx
-from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint
+from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.formats.weights import Declared, StoredWeight, group_modules, storage_of
 from moeswap.formats.writer import layout, write_index, write_shard
 
@@ -64,9 +65,11 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
         with atomic_directory(dst) as tmp:
             report = plan.write(tmp, options)
             report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
-            _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
+            with writing(tmp / "config.json"):
+                _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
             _copy_side_files(src, tmp)
-            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+            with writing(tmp / REPORT_NAME):
+                (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
     return report
 
@@ -147,11 +150,13 @@ class _Plan:
                 continue
             specs = [(name, dtype, shape) for unit in units for name, (dtype, shape) in unit.outputs.items()]
             by_output = {name: unit for unit in units for name in unit.outputs}
-            total += write_shard(out / file_name, specs, self._produce(specs, by_output, options, rows, bar))
+            with writing(out / file_name):
+                total += write_shard(out / file_name, specs, self._produce(specs, by_output, options, rows, bar))
             weight_map.update({name: file_name for name, _, _ in specs})
             dequantized += [u.weight.module for u in units if u.action == "dequantize"]
         bar.close()
-        write_index(out, weight_map, total)
+        with writing(out / INDEX_NAME):
+            write_index(out, weight_map, total)
         return _report(rows, dequantized, self.fmt, options.mode, self.ckpt.total_bytes, total)
 
     def _produce(self, specs, by_output: dict[str, _Unit], options: QuantizeOptions, rows: list,
@@ -160,7 +165,9 @@ class _Plan:
         for name, _, _ in layout(specs):
             unit = by_output[name]
             if unit.action == "copy" and unit.weight is None:
-                yield name, self.ckpt.read(name)
+                tensor = self.ckpt.read(name)
+                self._check_finite(tensor, repr(name))
+                yield name, tensor
                 continue
             if cache[0] is not unit:
                 cache = (unit, self._convert(unit, options, rows, bar))
@@ -168,23 +175,50 @@ class _Plan:
 
     def _convert(self, unit: _Unit, options: QuantizeOptions, rows: list, bar) -> dict[str, torch.Tensor]:
         weight = unit.weight
+        decoded = f"{weight.module!r} (decoded from {weight.kind})"
         if unit.action == "copy":  # same-format expert
             rows.append({"name": weight.module, "shape": list(weight.shape(self.ckpt)), "source": weight.kind,
                          "action": "copied", "rel_error": 0.0, "max_abs_error": 0.0})
             bar.update()
-            return {n: self.ckpt.read(n) for n in unit.outputs}
+            tensors = {n: self.ckpt.read(n) for n in unit.outputs}
+            self._check_finite(ct.decode_weight(weight.kind, {n.rpartition(".")[2]: t for n, t in tensors.items()},
+                                                torch.float32), decoded)
+            return tensors
         if unit.action == "dequantize":
-            return {f"{weight.module}.weight": weight.read_float(self.ckpt, DENSE_DTYPE, self.declared)}
+            w = weight.read_float(self.ckpt, DENSE_DTYPE, self.declared)
+            self._check_finite(w, decoded)
+            return {f"{weight.module}.weight": w}
         # Float sources are encoded in their own dtype (bit-identical to compressed-tensors for bf16 inputs);
         # quantised ones from their exact fp32 decoding.
-        w = self.ckpt.read(weight.tensors["weight"]) if weight.kind == "float" else \
-            weight.read_float(self.ckpt, torch.float32, self.declared)
+        if weight.kind == "float":
+            w = self.ckpt.read(weight.tensors["weight"])
+            self._check_finite(w, repr(weight.tensors["weight"]))
+        else:
+            w = weight.read_float(self.ckpt, torch.float32, self.declared)
+            self._check_finite(w, decoded)
         stored = ct.encode_weight(self.fmt, w, options.mode)
         back = ct.decode_weight(self.fmt, stored, torch.float32)
         rows.append({"name": weight.module, "shape": list(w.shape), "source": weight.kind, "action": "encoded",
                      **_errors(w.float(), back)})
         bar.update()
         return {f"{weight.module}.{suffix}": t for suffix, t in stored.items()}
+
+    def _check_finite(self, t: torch.Tensor, what: str) -> None:
+        """A NaN or Inf in the source would be written (as MX scale 0xFF, or as is) and fail only at load,
+        looking like a corrupt download of the output: refuse it here, before it is written."""
+        if not t.is_floating_point():
+            return
+        finite = nan = 0
+        for chunk in t.reshape(-1).split(1 << 24):  # bounded temporaries for an embedding-sized tensor
+            values = chunk.float() if chunk.element_size() == 1 else chunk  # no isfinite for 8-bit floats
+            ok = int(torch.isfinite(values).sum())
+            finite += ok
+            nan += int(torch.isnan(values).sum()) if ok < values.numel() else 0
+        if finite == t.numel():
+            return
+        raise CheckpointError(f"{self.ckpt.root}: tensor {what} has {t.numel() - finite:,} non-finite values "
+                              f"({nan:,} NaN, {t.numel() - finite - nan:,} infinite) of {t.numel():,}; the "
+                              f"source checkpoint is damaged: re-download or re-convert it (nothing was written)")
 
 
 def _check_expert_shape(ckpt: Checkpoint, weight: StoredWeight, fmt: str) -> None:
@@ -248,7 +282,7 @@ def _write_config(out: Path, raw: dict, qconfig: dict) -> None:
     for d in (config, text or {}):
         d.pop("quantization_config", None)
     holder["quantization_config"] = qconfig
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
 
 
 def _copy_side_files(src: Path, out: Path) -> None:
@@ -256,10 +290,11 @@ def _copy_side_files(src: Path, out: Path) -> None:
     for path in src.iterdir():
         if path.name in ("config.json", INDEX_NAME, REPORT_NAME) or path.suffix == ".safetensors":
             continue
-        if path.is_dir():
-            shutil.copytree(path, out / path.name)
-        elif path.is_file():
-            shutil.copy2(path, out / path.name)
+        with writing(out / path.name):
+            if path.is_dir():
+                shutil.copytree(path, out / path.name)
+            elif path.is_file():
+                shutil.copy2(path, out / path.name)
 
 
 # -- quality --------------------------------------------------------------------------------------
@@ -315,8 +350,9 @@ def run(args: argparse.Namespace) -> int:
     report = quantize(args.src, args.dst, options)
     if args.eval_tokens > 0:
         report["quality"] = compare_models(args.src, args.dst, tokens=args.eval_tokens)
-        (Path(args.dst) / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+        with atomic_file(Path(args.dst) / REPORT_NAME) as f:
+            f.write((jsonio.dumps(report, indent=2) + "\n").encode())
+    print(jsonio.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 

@@ -1,22 +1,114 @@
 """Process-wide tuning for a moeswap process: nothing here runs on import, only when called.
 
-The `moeswap` command (cli.main) and the benchmark child processes call `tune_process()` first; a
-program that imports moeswap as a library decides for itself (call it, or set the same knobs its own way).
-Entry point: `tune_process()`.
+The `moeswap` command (cli.main) and the benchmark child processes call `tune_process()` first, before
+torch is imported; a program that imports moeswap as a library decides for itself (call it, or set the
+same knobs its own way). Entry point: `tune_process()`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
+import time
+from dataclasses import dataclass
+
+# MOESWAP_THREADS=auto (default) fits the OpenMP threads to the machine's load; "spin" keeps OpenMP's own
+# defaults (one thread per core, spin-waiting), for A/B runs (bench load) and quiet dedicated machines.
+ENV_THREADS = "MOESWAP_THREADS"
+THREAD_MODES = ("auto", "spin")
+
+
+@dataclass(frozen=True)
+class ThreadFit:
+    """What `fit_threads_to_load` decided, and from what (generate --stats prints it)."""
+
+    cores: int  # CPUs this process may run on
+    load: float  # other processes' demand for CPUs when this one started (other_load)
+    threads: int | None  # OMP_NUM_THREADS set here; None: left as it was
+    passive: bool  # OMP_WAIT_POLICY=PASSIVE set here
+    why: str
+
+    def summary(self) -> str:
+        threads = "OpenMP defaults" if self.threads is None else f"{self.threads} thread(s)"
+        return f"{threads}{', passive wait' if self.passive else ''} ({self.why})"
+
+
+last_fit: ThreadFit | None = None
 
 
 def tune_process() -> None:
-    """Huge pages for torch's large CPU allocations, and large frees returned to the OS. Call it before
-    loading a model (torch reads THP_MEM_ALLOC_ENABLE at its first large allocation)."""
-    use_huge_pages()
+    """Huge pages for torch's large CPU allocations, large frees returned to the OS, and OpenMP threads
+    fitted to the machine's load. The variables only count before torch (and its OpenMP runtime, which
+    reads them when it loads) is imported; in a process that already has torch, only the allocator is tuned."""
+    global last_fit
     return_large_frees_to_os()
+    if "torch" in sys.modules:
+        return
+    use_huge_pages()
+    last_fit = fit_threads_to_load()
+
+
+def fit_threads_to_load(cores: int | None = None, load: float | None = None,
+                        environ: dict | None = None) -> ThreadFit:
+    """Fewer OpenMP threads, waiting passively, when other processes already keep the cores busy.
+
+    torch and the C kernels share one OpenMP runtime (torch's libgomp), whose threads spin after every
+    parallel region. When other processes hold the cores, a region's join waits for a worker the kernel
+    has descheduled, and the spinning threads take the time that worker needs: a 1,261-token prompt on
+    the small K3 under a load of 5 on 2 cores took 16.2 s to its first token with the defaults, 4.3 s with
+    OMP_WAIT_POLICY=PASSIVE and 1.6 s with one thread (docs/benchmarks.md). So, with other processes'
+    load L (other_load) on C cores, the threads are the cores left free, round(C - L), at least 1, waiting
+    passively; when that is every core (L < 1/2) OpenMP keeps its defaults. A variable the
+    user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, GOMP_SPINCOUNT) wins; MOESWAP_THREADS=spin turns this off.
+    Must run before the OpenMP runtime starts (before torch is imported): it only sets variables."""
+    env = os.environ if environ is None else environ
+    cores = cores if cores is not None else _cores()
+    if load is None:
+        load = other_load()
+    mode = env.get(ENV_THREADS, "auto")
+    if mode not in THREAD_MODES:
+        raise ValueError(f"{ENV_THREADS}={mode!r}: expected one of {', '.join(THREAD_MODES)}")
+    if mode == "spin":
+        return ThreadFit(cores, load, None, False, f"{ENV_THREADS}=spin")
+    user_set = [v for v in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if v in env]
+    if user_set:
+        return ThreadFit(cores, load, None, False, f"{', '.join(user_set)} set by the user")
+    threads = max(1, round(cores - load)) if math.isfinite(load) else cores
+    if threads >= cores:
+        return ThreadFit(cores, load, None, False, f"load {load:.1f} on {cores} cores")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return ThreadFit(cores, load, threads, True, f"load {load:.1f} on {cores} cores: busy machine")
+
+
+def other_load() -> float:
+    """Other processes' demand for CPUs: the larger of the 1-minute load average (a build that has been
+    running) and the tasks runnable right now besides this one (a load that just started; the median of
+    five looks 5 ms apart, from /proc/loadavg's running count, on Linux)."""
+    try:
+        average = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        average = 0.0
+    looks = []
+    for i in range(5):
+        try:
+            with open("/proc/loadavg") as f:
+                looks.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            break
+        if i < 4:
+            time.sleep(0.005)
+    now = sorted(looks)[len(looks) // 2] if looks else 0
+    return max(average, float(now))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def use_huge_pages() -> None:

@@ -1,14 +1,36 @@
 """`moeswap bench kernels`: one tiny run end to end (its measurements are benchmarks, not tests; this
-checks the plumbing: rows per variant, the goal line, the markdown)."""
+checks the plumbing: rows per variant, the arithmetic from time per call to GB/s and the goal line,
+the markdown, the JSON)."""
+
+import functools
+
+import pytest
 
 from moeswap.bench import kernels
+from moeswap.cli import main
 
 
-def test_tiny_kernel_bench_reports_every_variant():
-    r = kernels.run_bench(in_dim=64, expert_dim=96, tokens=(1, 2), n_experts=3, rounds=1, min_seconds=0.01, slow_variants=False)
+@pytest.mark.slow
+def test_tiny_kernel_bench_reports_every_variant(tmp_path, monkeypatch, capsys, strict_json):
+    monkeypatch.setattr(kernels, "run_bench", functools.partial(kernels.run_bench, min_seconds=0.01))
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--in-dim", "64", "--expert-dim", "96", "--tokens", "1,2", "--experts", "3",
+                 "--rounds", "1", "--fast-only", "--json", str(out)]) == 0
+    md = capsys.readouterr().out
+    r = strict_json(out.read_text())
     variants = {row["variant"] for row in r["rows"]}
     assert any(v.startswith("mxfp4 direct") for v in variants) and "bf16 resident" in variants
     assert {row["tokens"] for row in r["rows"]} == {1, 2}
-    assert all(row["GBps"] > 0 for row in r["rows"])
-    md = kernels.format_report(r)
-    assert "goal:" in md and "| tokens |" in md
+    packed = r["expert"]["packed_bytes"]
+    assert packed == 3 * 64 * 96 * 17 // 32  # three [96, 64] or [64, 96] matrices, 17 bytes per 32 weights
+    for row in r["rows"]:  # bytes over the median time per call
+        seconds = row["us_per_call"] * 1e-6
+        assert row["GBps"] == pytest.approx(row["bytes_per_call"] / seconds / 1e9)
+        assert row["packed_GBps"] == pytest.approx(packed / seconds / 1e9)
+        assert row["spread"][0] <= row["us_per_call"] <= row["spread"][1]
+    g = r["goal"]
+    best = next(row for row in r["rows"] if row["tokens"] == 1 and row["variant"] == g["variant"])
+    assert g["packed_GBps"] == best["packed_GBps"]
+    assert g["fraction_of_read_bandwidth"] == pytest.approx(g["packed_GBps"] / r["bandwidth"]["read_GBps"])
+    assert g["met"] == (g["fraction_of_read_bandwidth"] >= 0.5)
+    assert "goal:" in md and "| tokens |" in md and f"(target >= 50%: {'met' if g['met'] else 'NOT met'})" in md

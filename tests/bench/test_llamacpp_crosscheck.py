@@ -20,7 +20,7 @@ import torch
 from moeswap.bench.peers import llamacpp
 
 ok, why = llamacpp.available()
-pytestmark = pytest.mark.skipif(not ok, reason=why)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]  # slow: converts and runs GGUFs
 
 
 def q8_0(x: torch.Tensor) -> torch.Tensor:

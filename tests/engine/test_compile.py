@@ -19,13 +19,17 @@ def kernel():
     return k
 
 
-def test_compiled_decode_gives_the_eager_tokens_without_graph_breaks(tiny_k3_dir, kernel):
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_tokens_without_graph_breaks(tiny_k3_dir, kernel, greedy_oracle):
     from torch._dynamo.utils import counters
 
     model, _ = load_model(tiny_k3_dir, LoadOptions())
     prompts = [list(range(3, 15)), list(range(40, 47))]
     cfg = GenerationConfig(max_tokens=6, stop_ids=())
-    want = [r.tokens for r in generate_batch(model, prompts, cfg)]
+    # eager: the model's modules, not the native step (the default, which compile=True replaces)
+    eager = EngineConfig(max_batch=2, native=False)
+    want = [r.tokens for r in generate_batch(model, prompts, cfg, engine=eager)]
+    assert want == [greedy_oracle(model, p, 6) for p in prompts]
     torch._dynamo.reset()
     counters.clear()
     got = [r.tokens for r in generate_batch(model, prompts, cfg, engine=EngineConfig(max_batch=2, compile=True))]

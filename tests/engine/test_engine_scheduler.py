@@ -1,6 +1,8 @@
 """The continuous-batching scheduler: greedy tokens equal each request run alone, whatever joins or
 leaves between steps, however prompts are chunked; slots are reused; timings are recorded."""
 
+import time
+
 import pytest
 import torch
 
@@ -41,7 +43,8 @@ def test_sequences_join_and_leave_without_changing_tokens(model):
         assert results[i].tokens == _alone(model, r), f"request {i}"
         assert len(results[i].tokens) == r.max_tokens and results[i].finish_reason == "length"
     assert max(live_counts) == 2 and order[:2] == [0, 2]  # short ones leave first, others take their slots
-    assert results[4].queued_s > 0 and results[4].ttft_s >= results[4].queued_s
+    # request 4 waits for a slot from before request 0's first token until after its last
+    assert results[4].queued_s > results[0].decode_s > 0 and results[4].ttft_s >= results[4].queued_s
 
 
 def test_batched_equals_single_with_stops_and_uneven_lengths(model):
@@ -73,10 +76,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model):
 
 def test_stats_and_limits(model):
     sched = Scheduler(model, EngineConfig(max_batch=2, max_len=40))
+    t0 = time.perf_counter()
     res = sched.run([Request(_tokens(10, 1), 5), Request(_tokens(20, 2), 3)])
+    wall = time.perf_counter() - t0
     st = sched.stats
     assert st.prefill_tokens == 30 and st.decode_steps == 4 and st.decode_tokens == 4 + 2
-    assert st.prefill_s > 0 and st.decode_s > 0 and res[0].tpot_s > 0 and res[0].decoded == 4
+    assert res[0].decoded == 4 and res[1].decoded == 2
+    # The timings nest as the steps ran: both prefills, then 4 decode steps (request 1 leaves after 2).
+    assert 0 < st.prefill_s + st.decode_s <= wall
+    assert res[1].ttft_s >= st.prefill_s  # request 1 waited for request 0's prefill, then ran its own
+    assert res[1].decode_s <= st.decode_s <= res[0].decode_s  # request 0's window also holds request 1's prefill
+    assert res[0].tpot_s == pytest.approx(res[0].decode_s / 4) and res[1].tpot_s == pytest.approx(res[1].decode_s / 2)
+    rates = st.as_dict()
+    assert rates["prefill_tokens_per_s"] == pytest.approx(30 / st.prefill_s)
+    assert rates["decode_tokens_per_s"] == pytest.approx(6 / st.decode_s)
+    one = Scheduler(model, EngineConfig(max_batch=1, max_len=40))
+    only = one.run([Request(_tokens(4, 1), 1)])[0]  # one token, from the prefill: nothing decoded
+    assert only.tpot_s is None and one.stats.as_dict()["decode_tokens_per_s"] is None
     with pytest.raises(ValueError, match="max_len"):
         sched.submit(Request(_tokens(38, 3), 5))
 

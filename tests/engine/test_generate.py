@@ -1,12 +1,15 @@
-"""Engine invariants: incremental state equals a full forward; batching does not change results;
-sampling honours temperature / top-k / top-p and its seed."""
+"""Engine invariants: incremental state equals a full forward; greedy tokens, batched or alone, native
+step or the model's modules, are the full forward's argmax; sampling honours temperature / top-k /
+top-p and its seed."""
 
 import pytest
 import torch
 
 from moeswap.engine.generate import GenerationConfig, PromptError, generate, generate_batch
 from moeswap.engine.sampling import SamplingParams, sample
+from moeswap.engine.scheduler import EngineConfig
 from moeswap.models.loader import LoadOptions, load_model
+from moeswap.ops import cpu_kernels
 from moeswap.tiny import write_tiny_model
 
 
@@ -38,13 +41,19 @@ def test_prefill_then_decode_equals_full_forward(model):
     assert full.std() > 0.1
 
 
-def test_batch_of_different_lengths_equals_each_alone(model):
+def test_greedy_tokens_are_the_full_forwards_argmax(model, greedy_oracle):
+    """A batch of prompts of different lengths (prefilled alone, decoded together by the native step), and
+    each prompt alone through the model's modules, give every token the model's full forward picks."""
     prompts = [_tokens(5, 1), _tokens(40, 2), _tokens(17, 3)]
     cfg = GenerationConfig(max_tokens=12, stop_ids=())
-    alone = [generate(model, p, cfg).tokens for p in prompts]
-    together = [r.tokens for r in generate_batch(model, prompts, cfg)]
-    assert together == alone
-    assert len({tuple(a) for a in alone}) == 3
+    want = [greedy_oracle(model, p, 12) for p in prompts]
+    together = generate_batch(model, prompts, cfg)
+    assert [r.tokens for r in together] == want
+    if cpu_kernels.kernel() is not None:  # the decode steps took the native step
+        assert together[0].native_steps == 11, together[0].native_off
+    reference = EngineConfig(max_batch=1, native=False)
+    assert [generate(model, p, cfg, engine=reference).tokens for p in prompts] == want
+    assert len({tuple(w) for w in want}) == 3
 
 
 def test_stop_token_ends_only_that_sequence(model):

@@ -1,7 +1,10 @@
 """The native decode step (engine/native_step.py): the decoder layers of a decode step in one C call give
-the model's forward bit for bit (logits, KDA states, MLA caches, store statistics), fall back to the
-forward, per layer, for experts not yet in a resident table, and refuse, with a reason, what they do
-not cover."""
+the model's forward bit for bit (for every architecture's plain decode: tests/models/test_registry.py;
+here growing caches, llama.cpp's arithmetic, every kernel build, swapping stores, weights changed in
+place), fall back to the forward, per layer, for experts not yet in a resident table, and refuse, with a
+reason, what they do not cover."""
+
+import ctypes
 
 import pytest
 import torch
@@ -48,29 +51,9 @@ def _forward_then_native(path, batch: int, prompt_len: int, steps: int, prepare=
     return runs[0][:3], runs[1][:3], runs[1][3]
 
 
-def _state_tensors(state):
-    out = []
-    for st in state.layers:
-        if isinstance(st, KDAState):
-            out += [st.recurrent_BHKK, st.conv_BWC]
-        else:
-            n = int(st.lengths_B.max())
-            out += [st.latent_BSX[:, :n], st.lengths_B]
-    return out
-
-
 @pytest.fixture(params=["k3", "linear"])
 def model_dir(request, tiny_k3_dir, tiny_linear_dir):
     return tiny_k3_dir if request.param == "k3" else tiny_linear_dir
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_native_steps_equal_the_forward_bit_for_bit(model_dir, batch):
-    (want, want_state, want_store), (got, got_state, store), native = _forward_then_native(model_dir, batch, 7, 5)
-    assert native.reason is None, native.reason
-    assert torch.equal(got, want)
-    assert all(torch.equal(a, b) for a, b in zip(_state_tensors(got_state), _state_tensors(want_state)))
-    assert store.stats.fast.hits == want_store.stats.fast.hits  # hits counted for the experts the C call ran
 
 
 def test_layers_whose_experts_are_not_in_the_table_yet_run_through_the_store(tiny_k3_dir, monkeypatch):
@@ -198,8 +181,51 @@ def test_sigmoid_gate_kernel_matches_torch_and_reads_column_slices():
         k.sigmoid_gate(x.clone(), g[:, :8])
 
 
-def test_the_c_table_layout_matches_its_mirror():
-    assert cpu_kernels.kernel().lib.moeswap_decode_layer_size() == native_step.ctypes.sizeof(native_step._Layer)
+def test_the_ctypes_layer_matches_the_library_field_by_field():
+    """The ctypes decode_layer (from the header's field list) and the compiled one (the library's own table of
+    offsetof / sizeof): every field's name, offset, size and type, in order, and the whole size."""
+    kernel = cpu_kernels.kernel()
+    layout = kernel.layer_layout
+    assert [name for name, *_ in layout] == [name for name, _ in native_step._Layer._fields_]
+    assert [(getattr(native_step._Layer, n).offset, getattr(native_step._Layer, n).size) for n, *_ in layout] == [
+        (offset, size) for _, offset, size, _ in layout]
+    assert dict((n, t) for n, _, _, t in layout)["off"] == "int64_t[6]"
+    assert kernel.layout_problem(native_step._Layer) is None
+
+
+def _layer_like(fields) -> type[ctypes.Structure]:
+    return type("DriftedLayer", (ctypes.Structure,), {"_fields_": fields})
+
+
+def _drifted(change: str) -> list:
+    fields = list(native_step._Layer._fields_)
+    names = [n for n, _ in fields]
+    if change == "swap":  # two pointers: the same size, so only names tell them apart
+        a, b = names.index("ln_in"), names.index("ln_post")
+        fields[a], fields[b] = fields[b], fields[a]
+    elif change == "type":  # a double read as an int64: the same offset and size
+        fields[names.index("lower")] = ("lower", ctypes.c_int64)
+    elif change == "array":
+        fields[names.index("off")] = ("off", ctypes.c_int64 * 5)
+    elif change == "missing":
+        fields = fields[:-1]
+    return fields
+
+
+@pytest.mark.parametrize("change, field", [("swap", "ln_in"), ("type", "lower"), ("array", "off"),
+                                           ("missing", "stop")])
+def test_a_drifted_ctypes_layout_is_refused_naming_the_field(change, field):
+    problem = cpu_kernels.kernel().layout_problem(_layer_like(_drifted(change)))
+    assert problem is not None and field in problem, problem
+
+
+def test_a_model_whose_ctypes_layout_drifted_takes_the_forward(tiny_k3_dir, monkeypatch):
+    """The check runs before the first call: a table in a drifted layout is never handed to C; the step says
+    why and runs through the model."""
+    monkeypatch.setattr(native_step, "_Layer", _layer_like(_drifted("swap")))
+    (want, _, _), (got, _, _), native = _forward_then_native(tiny_k3_dir, 1, 4, 2)
+    assert native.reason is not None and "ln_in" in native.reason and "ln_post" in native.reason
+    assert torch.equal(got, want)
 
 
 def test_weights_changed_in_place_are_used(tiny_k3_dir):

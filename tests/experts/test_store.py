@@ -12,6 +12,7 @@ import pytest
 from moeswap.experts.keys import Key
 from moeswap.experts.policy import LRU, make_policy
 from moeswap.experts.prefetch import Prefetcher
+from moeswap.experts.stats import StoreStats, TierStats
 from moeswap.experts.store import ExpertStore
 from moeswap.experts.tiers import MemoryTier, Tier
 
@@ -146,6 +147,16 @@ def test_prefetch_loads_hinted_experts_and_scores_the_guess():
         assert s.summary().count("prefetch precision 67% recall 67%") == 1
     finally:
         store.close()
+
+
+def test_prefetch_accuracy_is_undefined_without_hints():
+    """Loads without a lookahead hint (in-layer read-ahead only): precision and recall have nothing to
+    count; None (JSON null), and the summary says n/a."""
+    s = StoreStats({"fast": TierStats()})
+    s.prefetch.loaded = 3
+    assert s.prefetch.precision is None and s.prefetch.recall is None
+    assert s.as_dict()["prefetch"]["precision"] is None and s.as_dict()["prefetch"]["recall"] is None
+    assert "prefetch precision n/a recall n/a, 3 loaded" in s.summary()
 
 
 def test_prefetch_never_evicts_pinned_and_never_hangs():

@@ -1,4 +1,4 @@
-"""K3-only parts against formulas written out here from /work/shared/docs/kimi_k3.md.
+"""K3-only parts against formulas written out here from shared/docs/kimi_k3.md of the design docs.
 
 Each reference below is a plain transcription of the spec (explicit loops, float64) and deliberately
 calls none of moeswap's helpers (rms_norm, glu, mix, l2_normalize, ...): SiTU-GLU (§5.3), the KDA

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeswap.formats import mxfp4
-from moeswap.ops import cpu_kernels
+from moeswap.ops import cpu_kernels, native_build
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
@@ -57,6 +57,7 @@ def test_bf16_inputs_and_batched_shapes(name):
     assert_matches(got, want, torch.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", cpu_kernels.build_variants(), ids=lambda f: "native" if f is None else " ".join(f))
 def test_every_kernel_build_matches_the_decoded_matmul(flags):
     kernel = cpu_kernels.kernel(flags)
@@ -125,7 +126,7 @@ def test_select_and_overrides(monkeypatch):
 
 def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setenv(cpu_kernels.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(native_build.ENV_CACHE, str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.delenv(em.ENV_KERNEL, raising=False)
     w = random_expert(64, 64)
@@ -138,11 +139,12 @@ def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
         em.select("cpu_c")
 
 
+@pytest.mark.slow
 def test_fresh_build_into_an_empty_cache(monkeypatch, tmp_path):
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setenv(cpu_kernels.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(native_build.ENV_CACHE, str(tmp_path))
     kernel = cpu_kernels.kernel()
     assert kernel is not None and kernel.path.parent == tmp_path / "kernels"
     assert cpu_kernels.build() == kernel.path  # cached: the second call compiles nothing

@@ -29,10 +29,23 @@ def test_unknown_field_and_bad_value():
         Catalog().add_file("m.toml", '[link.l]\nname = "l"\ngbs = -1\nlatency_us = 1\n[link.l.source]\ngbs = "a"\nlatency_us = "b"\n')
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_rejected(value):
+    text = f'[link.l]\nname = "l"\ngbs = {value}\nlatency_us = 1\n[link.l.source]\ngbs = "a"\nlatency_us = "b"\n'
+    with pytest.raises(PlanError, match=f"field 'gbs' must be a finite non-negative number, got {value}"):
+        Catalog().add_file("m.toml", text)
+
+
 def test_unknown_hardware_lists_known_names():
     with pytest.raises(PlanError) as e:
         resolve_hardware("h300")
     assert "unknown hardware 'h300'" in str(e.value) and "h200" in str(e.value) and "mi350x" in str(e.value)
+
+
+def test_local_before_it_is_measured_says_how_to_measure():
+    # the catalog resolves names only; measuring this machine is plan()'s or the CLI's step (local.py)
+    with pytest.raises(PlanError, match="'local' is not measured.*--hardware local"):
+        resolve_hardware("local")
 
 
 def test_accelerator_name_resolves_to_its_system():

@@ -64,3 +64,65 @@ def test_other_architectures():
 def test_mxfp4_versus_bf16_experts(k3p):
     assert model_sizes(k3p, Precision(experts="bf16"))["expert_bytes"] / model_sizes(k3p, Precision())["expert_bytes"] \
         == pytest.approx(2 / (0.5 + 1 / 32))
+
+
+def _configs():
+    """A small config of every architecture in the model registry, and every preset the planner ships."""
+    from moeswap.models import REGISTRY
+    from moeswap.tiny import tiny_config
+
+    out = [(f"tiny-{arch}", parse_model_dict(tiny_config(arch, "tiny"))) for arch in sorted(REGISTRY)]
+    for path in sorted(preset_path("kimi-k3").parent.glob("*.json")):
+        out.append((path.stem, resolve_model(str(path))[0]))
+    return out
+
+
+CONFIGS = _configs()
+
+
+@pytest.mark.parametrize("cfg", [c for _, c in CONFIGS], ids=[label for label, _ in CONFIGS])
+def test_counts_equal_the_model_built_on_meta(cfg):
+    """Oracle: the model's own modules (its Linears and routers are the matrices, every other parameter a
+    vector) and routed_expert_shapes; not the planner's KINDS table."""
+    from torch import nn
+
+    from moeswap.models import build_model, routed_expert_shapes
+    from moeswap.models.layers.moe import Router
+
+    model = build_model(cfg, device="meta")
+    p = model_params(cfg)
+
+    def matrices(module):
+        return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, Router)))
+
+    assert len(p.layers) == len(model.model.layers)
+    for lp, layer in zip(p.layers, model.model.layers):
+        ff = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+        assert lp.attn_params == matrices(layer.self_attn)
+        assert lp.mlp_params == matrices(ff)
+        assert lp.vectors == sum(x.numel() for x in layer.parameters()) - lp.attn_params - lp.mlp_params
+        assert 0 <= lp.vectors_fp32 <= lp.vectors
+        assert lp.num_experts == (ff.num_experts if hasattr(layer, "block_sparse_moe") else 0)
+    assert p.non_expert == sum(x.numel() for x in model.parameters())
+    assert p.embed == model.model.embed_tokens.weight.numel()
+    assert p.lm_head == (0 if cfg.tie_word_embeddings else model.lm_head.weight.numel())
+    shapes = routed_expert_shapes(cfg)
+    assert [(l.name, l.out_dim, l.in_dim) for l in p.expert] == [(k, *v) for k, v in shapes.items()]
+    assert p.total == p.non_expert + sum(b.num_experts for b in model.moe_blocks()) * sum(
+        o * i for o, i in shapes.values())
+
+
+def test_a_weight_the_table_does_not_know_is_an_error():
+    from moeswap.models import build_model
+    from moeswap.planner.errors import PlanError
+    from moeswap.planner.params import from_weights
+
+    cfg, _ = resolve_model("kimi-linear-48b")
+    weights = [(n, tuple(x.shape)) for n, x in build_model(cfg, device="meta").named_parameters()]
+    expert = model_params(cfg).expert
+    assert from_weights(cfg, weights, expert).non_expert == model_params(cfg).non_expert
+    for extra in (("model.layers.3.self_attn.q_proj.bias", (4096,)), ("model.layers.0.mlp.new_proj.weight", (8, 8))):
+        with pytest.raises(PlanError, match=extra[0].removesuffix(".weight").rpartition(".")[2]):
+            from_weights(cfg, weights + [extra], expert)
+    with pytest.raises(PlanError, match="decoder layers"):  # a matrix outside the layers has no place
+        from_weights(cfg, weights + [("model.gate_proj.weight", (8, 8))], expert)

@@ -11,7 +11,6 @@ Writes a markdown table, a PNG plot and JSON. Entry point: `replay(trace, policy
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -20,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from moeswap import jsonio
 from moeswap.experts.keys import Key
 from moeswap.experts.policy import POLICIES, lfru_half_life, make_policy, online_policies
 from moeswap.experts.stats import TierStats
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"bench": "cache", "trace": str(args.trace), "trace_meta": trace.meta, "accesses": len(trace.accesses()),
               "steps": trace.num_steps, "total_experts": total, "rows": rows, "replay_s": elapsed,
               "static_profile": args.profile or "same trace", "environment": environment()}
-    (out / "cache-hit-rate.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "cache-hit-rate.json").write_text(jsonio.dumps(result, indent=2) + "\n")
     png = plot(rows, policies, out / "cache-hit-rate.png", title)
     print(md)
     print(f"wrote {out / 'cache-hit-rate.md'}, {out / 'cache-hit-rate.json'}"

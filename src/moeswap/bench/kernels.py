@@ -9,7 +9,6 @@ the same run (a large fp32 sum). Variants are interleaved round by round and the
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -19,6 +18,8 @@ import sys
 import time
 
 import torch
+
+from moeswap import jsonio
 
 K3_EXPERT = (3584, 3072)  # (I latent input width, F expert width) of Kimi K3
 
@@ -232,6 +233,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            jsonio.dump(result, f, indent=2)
     sys.stdout.flush()
     return 0

@@ -15,6 +15,7 @@ import sys
 
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tuning import tune_process
+from moeswap import jsonio
 
 
 def _dtypes(model) -> str:
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            jsonio.dump(result, f, indent=2)
     return 0
 
 
@@ -126,4 +127,4 @@ if __name__ == "__main__":  # the child process of run_isolated: one JSON line o
     parser = argparse.ArgumentParser()
     _add_measure_flags(parser)
     a = parser.parse_args()
-    print(json.dumps(measure(a.model, a.prompt_tokens, a.max_tokens, LoadOptions.from_args(a))))
+    print(jsonio.dumps(measure(a.model, a.prompt_tokens, a.max_tokens, LoadOptions.from_args(a))))

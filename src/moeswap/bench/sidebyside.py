@@ -10,7 +10,6 @@ runs each implementation in turn, `reps` rounds, and keeps each one's best round
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import subprocess
@@ -18,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moeswap import jsonio
 from moeswap.options import LoadOptions, add_load_flags
 
 BENCH_LOAD = LoadOptions(expert_memory=8 << 30)  # every expert of a bench model stays resident
@@ -242,7 +242,7 @@ def write_report(kind: str, report: dict, markdown: str, out_dir: str | None, js
         json_path = json_path or str(Path(out_dir) / f"{kind}-{stamp}.json")
         md_path = md_path or str(Path(out_dir) / f"{kind}-{stamp}.md")
     if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        Path(json_path).write_text(jsonio.dumps(report, indent=2) + "\n")
         paths.append(json_path)
     if md_path:
         Path(md_path).write_text(markdown + "\n")

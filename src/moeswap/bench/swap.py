@@ -14,13 +14,13 @@ profiled on a second prompt; Belady replays the reference run's own trace.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from functools import partial
 from pathlib import Path
 
 from moeswap.options import NO_CACHE, PREFETCH_MODES, LoadOptions, add_load_flags
+from moeswap import jsonio
 
 BASELINE_RESIDENT = "all experts resident"
 BASELINE_NO_CACHE = "no cache: every expert read from disk every time"
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     md, js = out / f"swap-{stamp}.md", out / f"swap-{stamp}.json"
     md.write_text(report + "\n")
-    js.write_text(json.dumps(result, indent=2) + "\n")
+    js.write_text(jsonio.dumps(result, indent=2) + "\n")
     print(report)
     print(f"wrote {md} and {js} in {result['elapsed_s']:.0f}s")
     return 0

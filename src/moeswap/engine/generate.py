@@ -2,7 +2,7 @@
 the continuous-batching scheduler (engine.scheduler) with every request submitted at once.
 
 Tokenizer-free (token ids in, token ids out). Time to first token and per output token are measured
-inside the engine. Logits that are not finite raise NonFiniteError (engine.sampling). Entry points:
+inside the engine. Logits that are not finite raise NonFiniteError (engine.nonfinite). Entry points:
 `generate(model, prompt_ids, config, on_token)`, `generate_batch(...)`.
 """
 
@@ -51,8 +51,9 @@ class GenerationResult:
     native_off: str | None = None  # why the last decode step did not, if it did not
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decoded / self.decode_s if self.decode_s > 0 else float("nan")
+    def decode_tokens_per_s(self) -> float | None:
+        """None (JSON null) when no token was decoded: only the prefill's token."""
+        return self.decoded / self.decode_s if self.decoded else None
 
 
 class PromptError(ValueError):

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C call (cpu_kernels.c moeswap_decode_layers).
+"""A decode step's decoder layers in one C call (ops/csrc/decode_step.c moeswap_decode_layers).
 
 Between the kernels of an eager decode step, Python spends ~0.4 ms a layer (module calls, views, checks,
 tensor allocations, cold caches after each kernel): a third of a batch-1 step on the bench model. Here
@@ -41,24 +41,14 @@ from moeswap.ops import cpu_kernels
 from moeswap.ops.kda import L2_EPS
 from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, gemm_precision, linear
 
-_p, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_i64 = ctypes.c_int64
 
 
 class _Layer(ctypes.Structure):
-    """cpu_kernels.c `decode_layer`, field for field (its comments say what each one is)."""
+    """csrc/cpu_kernels.h `decode_layer`: its fields as MOESWAP_DECODE_LAYER_FIELDS lists them (comments there),
+    compared with the library's own layout, field by field, before a table of them is used."""
 
-    _fields_ = [
-        ("mla", _i64), ("moe", _i64), ("bank_before", _i64), ("score_attn", _p), ("score_ffn", _p),
-        ("ln_in", _p), ("ln_post", _p), ("w_in", _p), ("in_rows", _i64), ("off", _i64 * 6), ("w_o", _p),
-        ("w_fb", _p), ("w_gb", _p), ("taps", _p), ("dt_bias", _p), ("rate", _p), ("o_norm", _p),
-        ("lower", _f64), ("kda_scale", _f64), ("bounded", _i64), ("H", _i64), ("K", _i64), ("W", _i64),
-        ("q_norm", _p), ("w_qb", _p), ("q_rank", _i64), ("kv_norm", _p), ("wk", _p), ("wv", _p),
-        ("N", _i64), ("R", _i64), ("L", _i64), ("V", _i64), ("gated", _i64), ("mla_scale", _f64),
-        ("w_gu", _p), ("w_down", _p), ("hidden", _i64),
-        ("router", _p), ("router_bias", _p), ("E", _i64), ("topk", _i64), ("softmax", _i64), ("renorm", _i64),
-        ("route_scale", _f64), ("table", _p), ("F", _i64), ("format", _i64),
-        ("lat_down", _p), ("lat_up", _p), ("lat_norm", _p), ("lat_dim", _i64), ("stop", _i64),
-    ]
+    _fields_ = cpu_kernels.abi().layer_fields
 
 
 class Unsupported(Exception):
@@ -72,8 +62,9 @@ class _Plan:
         self.kernel = cpu_kernels.kernel()
         if self.kernel is None:
             raise Unsupported(f"no CPU kernel ({cpu_kernels.build_error()})")
-        if self.kernel.lib.moeswap_decode_layer_size() != ctypes.sizeof(_Layer):
-            raise Unsupported("the C decode_layer and its ctypes mirror differ")
+        problem = self.kernel.layout_problem(_Layer)
+        if problem:
+            raise Unsupported(problem)
         c = model.config
         self.eps, self.D = c.rms_norm_eps, c.hidden_size
         self.act_name, self.act = c.hidden_act, cpu_kernels.ACTS.get(c.hidden_act)

@@ -66,7 +66,7 @@ class Result:
     tokens: list[int]
     finish_reason: str
     prompt_tokens: int
-    ttft_s: float  # submit -> first token (includes waiting for a slot)
+    ttft_s: float | None  # submit -> first token (includes waiting for a slot); None: failed before one
     decode_s: float  # first token -> last token
     queued_s: float = 0.0  # submit -> admitted
     error: NonFiniteError | None = None  # why it failed (finish_reason "error"); tokens are those before
@@ -76,9 +76,9 @@ class Result:
         return max(0, len(self.tokens) - 1)
 
     @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first."""
-        return self.decode_s / self.decoded if self.decoded else float("nan")
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None (JSON null) with only the first."""
+        return self.decode_s / self.decoded if self.decoded else None
 
 
 @dataclass
@@ -95,8 +95,9 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         d = dict(vars(self))
-        d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_s if self.prefill_s else float("nan")
-        d["decode_tokens_per_s"] = self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+        # None (JSON null) with nothing prefilled or decoded
+        d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_s if self.prefill_tokens else None
+        d["decode_tokens_per_s"] = self.decode_tokens / self.decode_s if self.decode_tokens else None
         return d
 
 
@@ -267,7 +268,7 @@ class Scheduler:
         seq.t_last, seq.t_first = now, seq.t_first or now
         events.append(TokenEvent(r.id, None, "error"))
         self.finished[r.id] = Result(r.id, seq.tokens, "error", len(prompt),
-                                     seq.t_first - seq.t_submit if seq.tokens else float("nan"),
+                                     seq.t_first - seq.t_submit if seq.tokens else None,
                                      seq.t_last - seq.t_first, seq.t_admit - seq.t_submit, seq.error)
 
     def _emit(self, slot: int, tok: int, events: list[TokenEvent]) -> None:

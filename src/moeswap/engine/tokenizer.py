@@ -1,9 +1,9 @@
 """Text <-> token ids for the CLI and server; the engine itself only ever sees ids.
 
 Owns: loading a checkpoint's tokenizer (HF `tokenizer.json`, or Kimi's `tiktoken.model` with specials
-from `tokenizer_config.json`), bos/eos discovery, a minimal Kimi-style chat template, streamed
-detokenization (`StreamDecoder`), and the deterministic tiny tokenizers `moeswap init-tiny` ships.
-Entry points: `load_tokenizer(model_dir)`, `build_tiny_tokenizer(out_dir, vocab_size)`.
+from `tokenizer_config.json`), bos/eos discovery, a minimal Kimi-style chat template and streamed
+detokenization (`StreamDecoder`). The tiny tokenizers `moeswap init-tiny` writes live in tiny/tokenizer.py.
+Entry point: `load_tokenizer(model_dir)`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
+
 
 
 class TokenizerError(ValueError):
@@ -40,9 +40,6 @@ PRETOKENIZE_PATTERN = "|".join([
     r"\s+",
 ])
 
-DEFAULT_SPECIALS = ("<|bos|>", "<|end_of_msg|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
-_BOS_NAMES = ("<|bos|>", "[BOS]", "<s>")
-_EOS_NAMES = ("<|end_of_msg|>", "[EOS]", "<|im_end|>", "</s>")
 _CHAT_TOKENS = ("<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
 
 
@@ -64,7 +61,8 @@ BYTE_TO_CHAR = _byte_chars()
 CHAR_TO_BYTE = {c: b for b, c in enumerate(BYTE_TO_CHAR)}
 
 
-def _byte_level_token_bytes(token: str) -> bytes:
+def byte_level_token_bytes(token: str) -> bytes:
+    """The raw bytes a byte-level BPE token string stands for."""
     try:
         return bytes(CHAR_TO_BYTE[c] for c in token)
     except KeyError:  # not a byte-level string (e.g. an added token with spaces): taken as its UTF-8, like HF
@@ -89,9 +87,11 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings in the text become their special ids."""
-        ids = self._encode(text)
+    def encode(self, text: str, add_bos: bool = False, *, specials: bool = False) -> list[int]:
+        """Token ids of `text`. A special token's string in it is encoded as the text it spells, so what a
+        user typed never becomes a control token; `specials=True` turns such strings into their special
+        ids, for text the program itself wrote (a chat template's markers)."""
+        ids = self._encode(text, specials)
         if add_bos:
             if self.bos_id is None:
                 raise TokenizerError("add_bos=True but this tokenizer has no BOS token "
@@ -99,7 +99,7 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, specials: bool) -> list[int]:
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -117,11 +117,13 @@ class Tokenizer:
             if not 0 <= i < self.vocab_size:
                 raise TokenizerError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Kimi-style `<|im_user|>user<|im_middle|>...<|im_end|>` turns when the vocabulary has those
-        specials, else plain `role: content` lines. Ends with an open assistant turn by default."""
+    def chat_segments(self, messages: list[dict[str, Any]],
+                      add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The chat template as (text, is_markup) pieces: Kimi-style `<|im_user|>user<|im_middle|>...<|im_end|>`
+        turns when the vocabulary has those specials, else plain `role: content` lines; an open assistant
+        turn at the end by default. Only markup may hold special tokens; roles and contents are text."""
         kimi = all(t in self.special_to_id for t in _CHAT_TOKENS)
-        parts = []
+        parts: list[tuple[str, bool]] = []
         for n, m in enumerate(messages):
             role, content = _message_role_text(m, n)
             if kimi:
@@ -129,12 +131,23 @@ class Tokenizer:
                 start = f"<|im_{role}|>"
                 if start not in self.special_to_id:
                     start = "<|im_system|>" if "<|im_system|>" in self.special_to_id else "<|im_user|>"
-                parts.append(f"{start}{role}<|im_middle|>{content}<|im_end|>")
+                parts += [(start, True), (role, False), ("<|im_middle|>", True), (content, False), ("<|im_end|>", True)]
             else:
-                parts.append(f"{role}: {content}\n")
+                parts += [(role, False), (": ", True), (content, False), ("\n", True)]
         if add_generation_prompt:
-            parts.append("<|im_assistant|>assistant<|im_middle|>" if kimi else "assistant: ")
-        return "".join(parts)
+            parts += [("<|im_assistant|>assistant<|im_middle|>", True)] if kimi else [("assistant: ", True)]
+        return [(text, markup) for text, markup in parts if text]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template as one string (for display: `encode_chat` keeps content from becoming markup)."""
+        return "".join(text for text, _ in self.chat_segments(messages, add_generation_prompt))
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat template: markup with its special tokens, roles and contents as text."""
+        ids: list[int] = []
+        for text, markup in self.chat_segments(messages, add_generation_prompt):
+            ids += self.encode(text, specials=markup)
+        return ids
 
 
 def _message_role_text(m: Any, n: int) -> tuple[str, str]:
@@ -161,10 +174,14 @@ class HFTokenizer(Tokenizer):
         self._added = {i: t.content for i, t in added.items()}
         super().__init__(vocab_size=tok.get_vocab_size(with_added_tokens=True),
                          id_to_special={i: t.content for i, t in added.items() if t.special})
+        # a second copy that reads special tokens' strings as text (the flag is per tokenizer object,
+        # so toggling one copy would race between threads)
+        self._as_text = tokenizers.Tokenizer.from_str(tok.to_str())
+        self._as_text.encode_special_tokens = True
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, specials: bool) -> list[int]:
         # add_special_tokens=False: BOS is our explicit add_bos, not a post-processor's choice
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list((self._tok if specials else self._as_text).encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
@@ -180,7 +197,7 @@ class HFTokenizer(Tokenizer):
         if token is None:
             self._check_ids([token_id])
             raise TokenizerError(f"token id {token_id} has no token in this vocabulary")
-        return _byte_level_token_bytes(token)
+        return byte_level_token_bytes(token)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -196,8 +213,8 @@ class TiktokenTokenizer(Tokenizer):
         self._ranks = ranks
         super().__init__(vocab_size=max([len(ranks) - 1, *id_to_special]) + 1, id_to_special=id_to_special)
 
-    def _encode(self, text: str) -> list[int]:
-        return self._enc.encode(text, allowed_special="all", disallowed_special=())
+    def _encode(self, text: str, specials: bool) -> list[int]:
+        return self._enc.encode(text, allowed_special="all" if specials else set(), disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
@@ -413,158 +430,3 @@ def _find_eos(d: Path, tok: Tokenizer, tok_cfg: dict[str, Any]) -> tuple[int, ..
     if i is not None:
         ids.append(i)
     return tuple(dict.fromkeys(ids))  # union, first-seen order: chat models stop on any of them
-
-
-# ----------------------------------------------------------------------------------------------------
-# Tiny tokenizers for test models
-
-
-def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int, specials: dict[str, int] | None = None) -> None:
-    """Write a deterministic byte-level BPE tokenizer.json + tokenizer_config.json with exactly
-    `vocab_size` ids, specials (content -> id) on the top ids, trained on the built-in corpus."""
-    tok, id_to_special = _train_tiny(vocab_size, specials)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
-    _write_tiny_config(out, id_to_special, {"tokenizer_class": "PreTrainedTokenizerFast",
-                                            "clean_up_tokenization_spaces": False})
-
-
-def build_tiny_tiktoken(out_dir: str | Path, vocab_size: int, specials: dict[str, int] | None = None) -> None:
-    """Kimi-format twin of build_tiny_tokenizer: the same merges as tiktoken.model ranks (rank = id,
-    token = raw bytes) plus tokenizer_config.json, so the tiktoken path is testable offline."""
-    tok, id_to_special = _train_tiny(vocab_size, specials)
-    n_ranks = tok.get_vocab_size(with_added_tokens=False)
-    lines = []
-    for i in range(n_ranks):
-        raw = _byte_level_token_bytes(tok.id_to_token(i))
-        lines.append(f"{base64.b64encode(raw).decode('ascii')} {i}\n")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tiktoken.model").write_text("".join(lines), encoding="ascii")
-    _write_tiny_config(out, id_to_special, {})
-
-
-def _place_specials(vocab_size: int, specials: dict[str, int] | None) -> dict[int, str]:
-    if specials is None:
-        specials = {s: vocab_size - len(DEFAULT_SPECIALS) + k for k, s in enumerate(DEFAULT_SPECIALS)}
-    if vocab_size < 256 + len(specials) + 1:
-        raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs 256 byte tokens, "
-                         f"at least one merge and {len(specials)} specials ({256 + len(specials) + 1} ids)")
-    top = set(range(vocab_size - len(specials), vocab_size))
-    if set(specials.values()) != top or len(specials) != len(top):
-        raise ValueError(f"specials must take the top ids {min(top)}..{vocab_size - 1} once each "
-                         f"(specials follow the BPE ranks, as in Kimi), found {sorted(specials.values())}")
-    return {i: s for s, i in specials.items()}
-
-
-def _train_tiny(vocab_size: int, specials: dict[str, int] | None) -> tuple[tokenizers.Tokenizer, dict[int, str]]:
-    id_to_special = _place_specials(vocab_size, specials)
-    n_bpe = vocab_size - len(id_to_special)
-    # ignore_merges: a piece that is itself a token is used whole, as tiktoken does, so both formats agree
-    tok = tokenizers.Tokenizer(models.BPE(ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=n_bpe, show_progress=False, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
-    n_trained = tok.get_vocab_size(with_added_tokens=False)
-    # A few-KB corpus runs out of pairs before big vocabularies: fill the gap with reserved specials
-    for i in range(n_trained, n_bpe):
-        id_to_special[i] = f"<|reserved_token_{i}|>"
-    tok.add_special_tokens([AddedToken(id_to_special[i], special=True, normalized=False)
-                            for i in sorted(id_to_special)])
-    # add_special_tokens numbers tokens after the model's; check it put each where Kimi would
-    if tok.get_vocab_size(with_added_tokens=True) != vocab_size or any(
-            tok.token_to_id(s) != i for i, s in id_to_special.items()):
-        raise RuntimeError(f"tiny tokenizer ids came out wrong for vocab_size={vocab_size}")
-    return tok, {i: id_to_special[i] for i in sorted(id_to_special)}
-
-
-def _write_tiny_config(out: Path, id_to_special: dict[int, str], extra: dict[str, Any]) -> None:
-    names = set(id_to_special.values())
-    cfg: dict[str, Any] = {
-        "added_tokens_decoder": {str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True}
-                                 for i, s in id_to_special.items()},
-        "bos_token": next((s for s in _BOS_NAMES if s in names), None),
-        "eos_token": next((s for s in _EOS_NAMES if s in names), None),
-        **extra,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
-                                               encoding="utf-8")
-
-
-def _corpus_lines() -> list[str]:
-    # Upper- and title-case copies give the trainer enough distinct pairs for vocabularies of ~4k
-    lines = [ln for ln in TINY_CORPUS.splitlines() if ln.strip()]
-    return lines + [ln.upper() for ln in lines] + [ln.title() for ln in lines]
-
-
-# Written for this project: plain prose, a little code and numbers, and a few other languages so that
-# merges inside multi-byte characters exist and streaming has split characters to deal with.
-TINY_CORPUS = """\
-The lighthouse keeper climbed the stairs every evening at dusk. There were one hundred and twelve steps,
-and she counted each of them out loud, because counting kept her mind from wandering back to the mainland.
-At the top she wound the clockwork, trimmed the wick and polished the great lens until the brass shone.
-Ships she would never meet passed in the dark, and each of them knew the rock was there because of her.
-
-In the morning the fog rolled in from the west. The gulls were quiet, the sea was flat and grey, and the
-only sound was the slow knock of a rowing boat against the jetty. She made tea, wrote two lines in the log,
-and went down to the garden where the potatoes and the onions grew in neat rows behind a low stone wall.
-
-A good loaf of bread needs only flour, water, salt and time. Mix four hundred grams of flour with three
-hundred grams of warm water, leave it for half an hour, then add eight grams of salt and a little yeast.
-Fold the dough every thirty minutes for two hours. Shape it, let it rise overnight in a cool place, and
-bake it in a very hot oven for forty minutes. The crust should crackle when you take it out.
-
-Large language models read text as tokens. A tokenizer splits the words into pieces that it has seen often
-enough to remember, so common words become a single token while rare words are broken into several parts.
-A mixture of experts sends each token to a few specialists out of many; the other experts stay idle, which
-is why their weights can wait on a slower tier of memory until the router asks for them again.
-
-The weather report said rain before noon, sunshine after lunch, and strong winds on the northern coast.
-Nobody believed it. Children walked to school with their coats open, farmers looked at the sky and shrugged,
-and the fishermen stayed in the harbour, mending nets and arguing about football and the price of diesel.
-
-The old railway station had been closed for twenty years when a group of neighbours decided to open a
-library in the waiting room. They painted the walls yellow, carried in shelves from an empty shop, and asked
-everyone in town for books. Within a month there were novels, atlases, cookery books, a broken encyclopedia
-and a surprising number of manuals for motorcycles. On Saturdays the children held a chess tournament on the
-platform, and in winter somebody always brought soup in a large blue pot.
-
-Measure twice and cut once, the carpenter told his apprentice, then he measured three times anyway. He liked
-oak for tables, pine for shelves and walnut for anything that would be touched every day. Sharpen the chisel
-before you need it, sweep the floor before you leave, and never trust a ruler you found on the ground.
-
-An orchestra tunes to the oboe because its pitch is steady and easy to hear. The violins follow, then the
-cellos and the double basses, while the brass players warm their instruments with quiet breaths. When the
-conductor lifts the baton the hall becomes silent, and for a moment everybody is listening to the same thing.
-
-Planning a journey across the mountains requires patience. Check the forecast, pack water and a warm jacket,
-tell somebody where you are going, and turn back if the clouds gather early. The summit will still be there
-next week; the path is narrow, the rocks are loose, and the view from the valley is beautiful as well.
-
-def greet(name: str) -> str:
-    return f"Hello, {name}! You have {len(name)} letters in your name."
-
-for i in range(10):
-    print(i, i * i, [x + 1 for x in (1, 2, 3)])
-
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 2048 4096 65536 3.14159 2.71828 1,000,000 2025-01-31.
-Symbols: ( ) [ ] { } < > = + - * / % & | ^ ~ ! ? @ # $ : ; , . ' " ` \\ _ ... -> => == != <= >=
-
-Le gardien du phare montait l'escalier chaque soir. Il était une fois un café près de la mer, où l'on
-mangeait des crêpes et buvait du thé. Élève, école, forêt, château, naïve, où, déjà, très, garçon.
-Der Leuchtturmwärter stieg jeden Abend die Treppe hinauf. Über den Bäumen flogen Möwen; die Straße war
-nass und grün. Größe, Übung, schön, müde, Fußball, Mädchen, Brötchen.
-El farero subía la escalera cada noche. ¿Dónde está la estación? ¡Qué día tan bonito! Mañana, niño, año.
-Смотритель маяка поднимался по лестнице каждый вечер. Море было спокойным, а небо серым.
-灯塔看守人每天晚上都爬上楼梯。今天天气很好，我们去海边散步吧。中文、日本語、한국어。
-東京は雨が降っています。今日はとても寒いです。ありがとうございます。
-서울의 날씨는 맑습니다. 감사합니다.
-Emoji: 🙂 😀 🚀 🌍 ❤️ 👍 🎉 🐍 ☕ 🌧️ — and a few more: 🦀 🔥 ✨ 🍞 🌊.
-"""

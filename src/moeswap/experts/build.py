@@ -103,7 +103,7 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     if options.expert_profile:
         from moeswap.experts.trace import read_trace
 
-        trace = read_trace(options.expert_profile)
+        trace = read_trace(options.expert_profile).check_model(config, f"--expert-profile {options.expert_profile}")
     policy = options.expert_policy if caching else "lru"
     kwargs = dict(profile=trace.profile() if trace else None, half_life=lfru_half_life(slots),
                   future=trace.accesses() if trace and policy == "belady" else None)

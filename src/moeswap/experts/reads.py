@@ -44,10 +44,10 @@ def native_library():
     """The compiled reader, or None where it cannot be built (a warning says why, once)."""
     with _lib_lock:
         if not _lib:
-            from moeswap.ops.cpu_kernels import build
+            from moeswap.ops.native_build import build
 
             try:
-                lib = ctypes.CDLL(str(build(flags=(), source=SOURCE)))
+                lib = ctypes.CDLL(str(build("native_reads", [SOURCE], flags=())))
             except (OSError, RuntimeError) as err:
                 warnings.warn(f"moeswap: native expert reader unavailable, reading on Python threads: {err}",
                               RuntimeWarning, stacklevel=3)

@@ -14,6 +14,7 @@ import torch
 from moeswap.config import ModelConfig
 from moeswap.formats import mxfp4, mxfp8
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
+from moeswap.models import routed_expert_shapes
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
 PROJS = ("w1", "w2", "w3")  # gate, down, up
@@ -40,9 +41,7 @@ class ExpertIndex:
             layer, e = extra[0]
             raise CheckpointError(f"checkpoint has routed-expert tensors for layer {layer} expert {e} (and "
                                   f"{len(extra) - 1} more), but config.json says num_experts={cfg.moe.num_experts}")
-        n_in = cfg.moe.latent_dim or cfg.hidden_size
-        f = cfg.moe.expert_dim
-        logical = {"w1": (f, n_in), "w3": (f, n_in), "w2": (n_in, f)}
+        logical = routed_expert_shapes(cfg)
         for layer in moe_layers:
             for e in range(cfg.moe.num_experts):
                 projs = self.entries.get((layer, e))

@@ -32,13 +32,14 @@ class PrefetchStats:
     wasted: int = 0  # background loads evicted before any demand used them
     dropped: int = 0  # hinted experts not loaded: no room without evicting a pinned expert, or stale
 
+    # None (JSON null) where undefined: nothing was predicted, or no hinted step used an expert
     @property
-    def precision(self) -> float:
-        return self.correct / self.predicted if self.predicted else float("nan")
+    def precision(self) -> float | None:
+        return self.correct / self.predicted if self.predicted else None
 
     @property
-    def recall(self) -> float:
-        return self.correct / self.actual if self.actual else float("nan")
+    def recall(self) -> float | None:
+        return self.correct / self.actual if self.actual else None
 
 
 @dataclass
@@ -85,6 +86,10 @@ class StoreStats:
                 f"stalled {self.stall_s * 1e3:.0f} ms")
         p = self.prefetch
         if p.loaded or p.predicted:
-            line += (f"; prefetch precision {p.precision:.0%} recall {p.recall:.0%}, {p.loaded} loaded, "
+            line += (f"; prefetch precision {_percent(p.precision)} recall {_percent(p.recall)}, {p.loaded} loaded, "
                      f"{p.used} used, {p.late} late, {p.wasted} wasted, {p.dropped} dropped")
         return line
+
+
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"

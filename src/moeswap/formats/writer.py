@@ -8,7 +8,6 @@ Entry points: `write_shard(path, specs, tensors)` and `write_index(directory, we
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moeswap import jsonio
 from moeswap.formats.checkpoint import INDEX_NAME, SAFETENSORS_DTYPES
 
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -45,7 +45,7 @@ def write_shard(path: str | os.PathLike, specs: Iterable[Spec], tensors: Iterabl
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = jsonio.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
@@ -74,5 +74,5 @@ def _write_bytes(f, tensor: torch.Tensor) -> None:
 def write_index(directory: str | os.PathLike, weight_map: Mapping[str, str], total_size: int) -> Path:
     path = Path(directory) / INDEX_NAME
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    path.write_text(json.dumps(index, indent=2) + "\n")
+    path.write_text(jsonio.dumps(index, indent=2) + "\n")
     return path

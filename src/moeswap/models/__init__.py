@@ -1,4 +1,6 @@
-"""Model architectures. `build_model(config)` picks the file for `config.arch` through a plain dict."""
+"""Model architectures. `build_model(config)` picks the file for `config.arch` through a plain dict;
+`routed_expert_shapes(config)` gives one routed expert's matrices, which no model holds as parameters.
+Torch-free: an architecture's module is imported only when built."""
 
 from __future__ import annotations
 
@@ -25,3 +27,10 @@ def model_class(arch: str):
 
 def build_model(config: ModelConfig, **kwargs):
     return model_class(config.arch)(config, **kwargs)
+
+
+def routed_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """One routed expert's weight shapes [out, in] by checkpoint projection name: w1 (gate) and w3 (up)
+    [F, I], w2 (down) [I, F], where I is the latent width when the MoE has one (K3), else the model width."""
+    width, f = config.moe.latent_dim or config.hidden_size, config.moe.expert_dim
+    return {"w1": (f, width), "w3": (f, width), "w2": (width, f)}

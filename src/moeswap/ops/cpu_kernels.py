@@ -1,82 +1,174 @@
-"""cpu_kernels: the C kernels of cpu_kernels.c, JIT-compiled with the system C compiler at first use
-(-march=native, OpenMP when available), cached per source, compiler and CPU, and loaded with ctypes.
-
-`kernel()` returns the loaded `CpuKernels` or None when it cannot be built here (a RuntimeWarning says
-why once; callers then use their plain-torch path). Each method checks shapes and dtypes and raises a
-ValueError naming them; the C side only sees contiguous CPU buffers.
+"""cpu_kernels: the C kernels of csrc/, one library built at first use (native_build: -march=native, OpenMP),
+loaded with ctypes. csrc/cpu_kernels.h is the ABI: `abi()` parses it strictly into every function's argtypes
+and the ctypes fields of `decode_layer`. `kernel()` returns the loaded `CpuKernels`, or None where it cannot be
+built (a RuntimeWarning says why once; callers then take their plain-torch path). Each method checks shapes
+and dtypes and raises a ValueError naming them; the C side only sees contiguous CPU buffers.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
+import functools
 import platform
+import re
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from moeswap.formats import mx
+from moeswap.ops import native_build
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ENV_CACHE = "MOESWAP_CACHE_DIR"
+CSRC = Path(__file__).with_name("csrc")
+HEADER = CSRC / "cpu_kernels.h"
 ACTS = {"silu": 0, "situ": 1}
 
-_p = ctypes.c_void_p
-_i64 = ctypes.c_int64
-_SIGNATURES = {
-    "moeswap_mxfp4_linear": [_p, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, ctypes.c_int],
-    "moeswap_mxfp4_expert": [_p, _i64, _i64, _i64, *[_p] * 6, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p,
-                             ctypes.c_int],
-    "moeswap_mxfp4_moe": [_p, _i64, _i64, _i64, ctypes.c_int, *[_p] * 6, _p, _p, _p, ctypes.c_int, ctypes.c_float,
-                          ctypes.c_float, _p, ctypes.c_int, ctypes.c_int],
-    "moeswap_bf16_moe": [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p, _p, _p, _p, _p, ctypes.c_int, ctypes.c_float,
-                         ctypes.c_float, _p, ctypes.c_int],
-    "moeswap_moe_resident": [ctypes.c_int, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, ctypes.c_int,
-                             ctypes.c_float, ctypes.c_float, _p, ctypes.c_int, _p],
-    "moeswap_latent_moe_resident": [ctypes.c_int, _p, _i64, _i64, _p, _i64, _p, ctypes.c_float, _p, _i64, _i64, _p,
-                                    _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p, ctypes.c_int, _p],
-    "moeswap_bf16_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
-    "moeswap_bf16_mlp": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p,
-                         ctypes.c_int],
-    "moeswap_bf16x_linear": [_p, _i64, _i64, _p, _i64, _p, ctypes.c_int],
-    "moeswap_mxfp4_decode": [_p, _p, _i64, _i64, _p, ctypes.c_int, ctypes.c_int],
-    "moeswap_kda_decode": [*[_p] * 7, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_int],
-    "moeswap_glu": [_p, _p, _p, _i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int],
-    "moeswap_kda_layer": [_p, _p, _p, _i64, _p, _p, _p, ctypes.c_float, ctypes.c_int, _p, _p, _p, _p,
-                          ctypes.c_float, ctypes.c_float, ctypes.c_float, _p, _i64, _i64, _i64, _i64, ctypes.c_int],
-    "moeswap_route": [_p, _i64, _i64, _p, _i64, _p, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_float, _p, _p,
-                      ctypes.c_int],
-    "moeswap_mla_decode": [_p, _p, _i64, _p, _p, _p, ctypes.c_float, _p, _i64, _i64, _i64, _i64, _i64, _i64,
-                           ctypes.c_int],
-    "moeswap_rms_norm": [_p, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
-    "moeswap_res_mix": [_p, ctypes.c_int, _i64, _i64, _p, ctypes.c_float, _p, ctypes.c_int],
-    "moeswap_sigmoid_gate": [_p, _p, _i64, _i64, _i64],
-    "moeswap_q8_quantize": [_p, _i64, _i64, _p, ctypes.c_int],
-    "moeswap_decode_layers": [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _i64, _p, _i64, _i64,
-                              ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_float, _p, _p,
-                              ctypes.c_int, ctypes.c_int],
-}
+# C types as ctypes: the scalars the header's parameters may have; every pointer is a void pointer
+_SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double}
+_POINTEES = {*_SCALARS, "void", "char", "uint8_t", "uint16_t", "decode_layer"}
+
+
+@dataclass(frozen=True)
+class Abi:
+    """What csrc/cpu_kernels.h declares: each exported function's (restype, argtypes), in header order, and
+    `decode_layer`'s fields as ctypes `_fields_`."""
+
+    functions: dict[str, tuple[type, list[type]]]
+    layer_fields: list[tuple[str, type]]
+
+
+@functools.cache
+def abi() -> Abi:
+    return parse_header(HEADER.read_text(), HEADER.name)
+
+
+def parse_header(text: str, where: str = "cpu_kernels.h") -> Abi:
+    """The Abi of a header in cpu_kernels.h's restricted form, or a ValueError naming what is not in it."""
+    text = re.sub(r"/\*.*?\*/", " ", text.replace("\\\n", " "), flags=re.S)  # splices, then comments, as C
+    if "//" in text:
+        raise ValueError(f"{where}: a // comment (the header uses /* */ only)")
+    fields: list[tuple[str, type]] | None = None
+    code = []
+    for line in text.splitlines():
+        if not line.lstrip().startswith("#"):
+            code.append(line)
+            continue
+        m = re.fullmatch(r"\s*#\s*define\s+MOESWAP_DECODE_LAYER_FIELDS\((\w+)\)(.*)", line)
+        if m:
+            fields = _layer_fields(m.group(1), m.group(2), where)
+        elif not re.match(r"\s*#\s*(ifndef|endif|include|undef|define MOESWAP_[A-Z_]+\b)", line):
+            # no conditional declarations, and no macro that could rename what the prototypes say
+            raise ValueError(f"{where}: {line.strip()[:80]!r} (expected only the include guard, #include, "
+                             f"and MOESWAP_ macros)")
+    if fields is None:
+        raise ValueError(f"{where}: no #define MOESWAP_DECODE_LAYER_FIELDS(...)")
+    functions: dict[str, tuple[type, list[type]]] = {}
+    for statement in " ".join(code).split(";"):
+        statement = " ".join(statement.split())
+        if not statement or re.fullmatch(r"typedef struct \{ MOESWAP_DECODE_LAYER_FIELDS\(\w+\) \} decode_layer",
+                                         statement):
+            continue
+        m = re.fullmatch(r"(.+?)\b(moeswap_\w+) ?\((.*)\)", statement)
+        if not m:
+            raise ValueError(f"{where}: {statement[:80]!r} is not an exported function's prototype")
+        ret, name, params = m.groups()
+        argtypes = [] if params.strip() == "void" else [_declared(p, f"{where}: {name}") for p in params.split(",")]
+        if name in functions:
+            raise ValueError(f"{where}: {name} is declared twice")
+        functions[name] = (ctype_of(ret, f"{where}: {name}'s return type"), argtypes)
+    return Abi(functions, fields)
+
+
+def _layer_fields(param: str, body: str, where: str) -> list[tuple[str, type]]:
+    """FIELD(type, name, dims) entries of the X-macro, as ctypes fields."""
+    entry = re.compile(rf"\b{param}\(([^()]*)\)")
+    rest = entry.sub(" ", body).strip()
+    if rest:
+        raise ValueError(f"{where}: MOESWAP_DECODE_LAYER_FIELDS holds {rest[:60]!r} besides {param}(type, name, dims)")
+    fields: list[tuple[str, type]] = []
+    for text in entry.findall(body):
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 3 or not re.fullmatch(r"[A-Za-z_]\w*", parts[1]) or not re.fullmatch(r"(\[\d+\])?", parts[2]):
+            raise ValueError(f"{where}: decode_layer field {param}({text}) "
+                             f"(expected {param}(type, name, [n] or nothing))")
+        if any(parts[1] == name for name, _ in fields):
+            raise ValueError(f"{where}: decode_layer field {parts[1]} is listed twice")
+        fields.append((parts[1], ctype_of(parts[0] + parts[2], f"{where}: decode_layer field {parts[1]}")))
+    return fields
+
+
+def _declared(param: str, where: str) -> type:
+    """The ctypes type of one parameter `[const] T [* [const]]... name`."""
+    m = re.fullmatch(r"(.*?[\s*])([A-Za-z_]\w*)", param.strip())
+    if not m or m.group(2) in _POINTEES or m.group(2) == "const":
+        raise ValueError(f"{where}: parameter {param.strip()!r} (expected a type and a name)")
+    return ctype_of(m.group(1), f"{where}: parameter {param.strip()!r}")
+
+
+def ctype_of(spelling: str, where: str = "C type") -> type:
+    """The ctypes type of a C type as cpu_kernels.h spells it ("int64_t", "const float *", "int64_t[6]"):
+    int, int64_t, float, double as themselves, any pointer as a void pointer, [n] as an array."""
+    m = re.fullmatch(r"(.*?)\s*(?:\[(\d+)\])?", spelling.strip())
+    tokens = re.findall(r"[A-Za-z_]\w*|\S", m.group(1))
+    if tokens[:1] == ["const"]:
+        tokens = tokens[1:]
+    base, rest = (tokens[0], tokens[1:]) if tokens else ("", [])
+    if (base not in _POINTEES or any(t not in ("*", "const") for t in rest) or rest[:1] == ["const"]
+            or (not rest and base not in _SCALARS)):
+        raise ValueError(f"{where}: type {spelling.strip()!r} (expected [const] int, int64_t, float or double, or "
+                         f"a pointer to one of {', '.join(sorted(_POINTEES))})")
+    ctype = ctypes.c_void_p if rest else _SCALARS[base]
+    return ctype * int(m.group(2)) if m.group(2) else ctype
 
 
 class CpuKernels:
     def __init__(self, path: Path):
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(self.lib, name)
-            fn.restype, fn.argtypes = ctypes.c_int, argtypes
-        self.lib.moeswap_mxfp4_isa.restype = self.lib.moeswap_mxfp4_q8.restype = ctypes.c_int
-        self.lib.moeswap_has_bf16_dot.restype = self.lib.moeswap_decode_layer_size.restype = ctypes.c_int
+        for name, (restype, argtypes) in abi().functions.items():
+            fn = getattr(self.lib, name, None)
+            if fn is None:
+                raise RuntimeError(f"{path.name} lacks {name}, which {HEADER.name} declares")
+            fn.restype, fn.argtypes = restype, argtypes
         self.has_bf16_dot = bool(self.lib.moeswap_has_bf16_dot())  # AVX-512 BF16 builds: bf16x_linear
         self.isa = {512: "avx512", 256: "avx2", 0: "portable"}[self.lib.moeswap_mxfp4_isa()]
         self.has_int8_activations = bool(self.lib.moeswap_mxfp4_q8())  # AVX-512 VNNI builds
+        self.layer_layout = self._layer_layout()
+
+    def _layer_layout(self) -> list[tuple[str, int, int, str]]:
+        """decode_layer as this library was compiled: (name, offset, size, C type) per field, in order."""
+        out = []
+        name, ctype, offset, size = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64()
+        while not self.lib.moeswap_decode_layer_field(len(out), ctypes.byref(name), ctypes.byref(offset),
+                                                      ctypes.byref(size), ctypes.byref(ctype)):
+            out.append((name.value.decode(), offset.value, size.value, ctype.value.decode()))
+        return out
+
+    def layout_problem(self, struct: type[ctypes.Structure]) -> str | None:
+        """None when the ctypes `struct` lays out decode_layer as this library does, field for field (name,
+        offset, size and type); else a sentence naming the first field that differs."""
+        mirror = list(struct._fields_)
+        for i in range(max(len(self.layer_layout), len(mirror))):
+            if i >= len(self.layer_layout):
+                return f"decode_layer: the ctypes mirror has a field {mirror[i][0]!r} past the library's last one"
+            name, offset, size, spelling = self.layer_layout[i]
+            if i >= len(mirror):
+                return f"decode_layer: the ctypes mirror lacks the library's field {name} ({spelling})"
+            py_name, py_type = mirror[i][:2]
+            got = getattr(struct, py_name)
+            if (py_name, got.offset, got.size) != (name, offset, size) or not _same_ctype(py_type, ctype_of(spelling)):
+                return (f"decode_layer field {i}: the library has {name} ({spelling}, offset {offset}, {size} "
+                        f"bytes), the ctypes mirror {py_name} ({_ctype_name(py_type)}, offset {got.offset}, "
+                        f"{got.size} bytes)")
+        if ctypes.sizeof(struct) != self.lib.moeswap_decode_layer_size():
+            return (f"decode_layer: {self.lib.moeswap_decode_layer_size()} bytes in the library, "
+                    f"{ctypes.sizeof(struct)} in the ctypes mirror")
+        return None
 
     @staticmethod
     def _threads() -> int:
@@ -597,63 +689,21 @@ def build_variants() -> list[tuple[str, ...] | None]:
     return builds
 
 
-def build(flags: tuple[str, ...] | None = None, source: Path = SOURCE) -> Path:
-    """Compile `source` (default cpu_kernels.c) into the cache (once per source, compiler, flags and CPU)
-    and return the path. Default flags: this CPU's instruction set (-march=native, else -mcpu=native,
-    else none), with OpenMP when the compiler has it (without, the kernel runs on one thread)."""
-    if not source.is_file():
-        raise RuntimeError(f"{source} is missing from this installation")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not compiler:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    candidates = [tuple(flags)] if flags is not None else [("-march=native",), ("-mcpu=native",), ()]
-    text = source.read_bytes()
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except OSError as err:
-        raise RuntimeError(f"cannot run the C compiler {compiler!r}: {err}") from None
-    key = b"\0".join([text, version.encode(), repr(candidates).encode(), _cpu_id().encode()])
-    out = _cache_dir() / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if out.is_file():
-        return out
-    tmp = out.with_name(f"{out.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
-    errors = []
-    for candidate in candidates:
-        for openmp in (["-fopenmp"], []):
-            command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", "-pthread", *candidate, *openmp, str(source),
-                       "-lm", "-o", str(tmp)]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if result.returncode == 0:
-                os.replace(tmp, out)  # atomic: concurrent builders all end with a whole file
-                return out
-            errors.append(result.stderr.strip()[-2000:])
-    tmp.unlink(missing_ok=True)
-    raise RuntimeError(f"compiling {source.name} with {compiler} failed: {errors[0]}")
+def build(flags: tuple[str, ...] | None = None) -> Path:
+    """The kernel library for `flags` (default: this CPU's best; native_build.build), built from every C file
+    and header of csrc/, or found in the cache."""
+    return native_build.build("cpu_kernels", sorted(CSRC.glob("*.c")), sorted(CSRC.glob("*.h")), flags)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get(ENV_CACHE) or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "moeswap")
-    path = Path(root).expanduser() / "kernels"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, delete=True)
-        probe.close()
-    except OSError:
-        path = Path(tempfile.gettempdir()) / f"moeswap-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
-        path.mkdir(parents=True, exist_ok=True)
-    return path
+def _same_ctype(a: type, b: type) -> bool:
+    if issubclass(a, ctypes.Array) or issubclass(b, ctypes.Array):
+        return (issubclass(a, ctypes.Array) and issubclass(b, ctypes.Array) and a._length_ == b._length_
+                and _same_ctype(a._type_, b._type_))
+    return a is b
 
 
-def _cpu_id() -> str:
-    """-march=native output depends on the CPU: a shared cache must not hand one machine's build to another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        model = next((line for line in info.splitlines() if line.startswith("model name")), "")
-        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-        return model + flags
-    except OSError:
-        return platform.machine() + platform.processor()
+def _ctype_name(t: type) -> str:
+    return f"{_ctype_name(t._type_)}[{t._length_}]" if issubclass(t, ctypes.Array) else t.__name__
 
 
 # -- the kernels as torch ops, for torch.compile: a ctypes call breaks a compiled graph, an op does not.

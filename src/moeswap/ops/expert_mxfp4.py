@@ -3,7 +3,7 @@
 Implementations, all with the signature of `reference`:
   reference   decode each matrix to fp32, matmul, drop it (plain torch; the parity oracle);
   torch_rows  the same in row chunks of ~1 MB, so no whole decoded matrix is ever allocated;
-  cpu_c       cpu_kernels.c: decodes 32-weight blocks into registers and multiplies them there (AVX-512,
+  cpu_c       csrc/mxfp4.c: decodes 32-weight blocks into registers and multiplies them there (AVX-512,
               AVX2 or portable C; ops/cpu_kernels.py builds it).
 `select()` picks the best available one (cpu_c on CPU tensors when it builds, else torch_rows);
 MOESWAP_EXPERT_KERNEL=<name> forces one. `grouped()` is cpu_c for all experts of a layer step in one

@@ -2,7 +2,7 @@
 
 On a CPU a decode step is bound by the bytes of weights it streams, and torch's bf16 GEMV with one row
 runs far below memory bandwidth, so moeswap keeps bf16-stored dense weights in bf16 and computes in
-fp32 (cpu_kernels.c's bf16_linear: every weight widened exactly, fp32 sums; the same values as an fp32
+fp32 (csrc/linear_bf16.c's bf16_linear: every weight widened exactly, fp32 sums; the same values as an fp32
 copy of the weights, at half the bytes). Many rows (prefill) go to torch's GEMM on a widened copy.
 `StoredWeightLinear` is nn.Linear with this forward; the loader gives it to Linear layers whose stored
 weights it keeps as they are (models/loader.py, `dense_weights`).

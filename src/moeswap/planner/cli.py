@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from moeswap import jsonio
+
 from .errors import PlanError
 from .workload import COMPUTE, LORA_TARGETS, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
 
@@ -118,7 +120,7 @@ def request_from_args(args: argparse.Namespace, catalog):
         raise PlanError("--hardware is required (a system name, a .toml file or 'local'; --list-hardware lists them)")
     devices = args.devices
     if devices is None:  # one server's worth
-        devices = resolve_hardware(args.hardware, catalog, args.engine, args.hardware_file).system.node_devices
+        devices = resolve_hardware(args.hardware, catalog, args.engine).system.node_devices
     return PlanRequest(
         model=args.model, hardware=args.hardware, devices=devices, workload=args.workload,
         serve=Serve(isl=args.isl, osl=args.osl, concurrency=args.concurrency, context=args.context,
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         result = plan(request_from_args(args, cat), cat)
         print(report.terminal(result, top=args.top, show_rejected=args.show_rejected))
         if args.json:
-            Path(args.json).write_text(json.dumps(report.to_dict(result), indent=1, default=float))
+            Path(args.json).write_text(jsonio.dumps(report.to_dict(result), indent=1, default=float))
             print(f"wrote {args.json}")
         if args.markdown:
             Path(args.markdown).write_text(report.markdown(result, top=args.top))

@@ -8,6 +8,7 @@ users add their own with the same schema (see docs/planner.md). Entry point: `re
 from __future__ import annotations
 
 import tomllib
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -129,8 +130,8 @@ def _validate(kind: str, eid: str, body: Any, origin: str) -> Entry:
             if not isinstance(value, str):
                 raise PlanError(f"{where}: field {key!r} must be a string, got {value!r}")
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise PlanError(f"{where}: field {key!r} must be a non-negative number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise PlanError(f"{where}: field {key!r} must be a finite non-negative number, got {value!r}")
             if typ is int and int(value) != value:
                 raise PlanError(f"{where}: field {key!r} must be a whole number, got {value!r}")
             if not str(sources.get(key, "")).strip():
@@ -241,15 +242,14 @@ class Hardware:
         return out
 
 
-def resolve_hardware(spec: str, catalog: Catalog | None = None, engine: str | None = None,
-                     local_path: str | Path | None = None, remeasure: bool = False) -> Hardware:
-    """`spec` is a system name, an accelerator name (if one system uses it), a TOML file, or 'local'."""
+def resolve_hardware(spec: str, catalog: Catalog | None = None, engine: str | None = None) -> Hardware:
+    """`spec` is a system name, an accelerator name (if one system uses it), a TOML file, or 'local'
+    (a measurement that local.load_or_measure has added to `catalog`)."""
     cat = catalog or builtin_catalog()
-    if spec == "local" and (remeasure or "local" not in cat.entries["system"]):
-        from .local import load_or_measure  # measuring imports torch; only pay for it when asked
-
-        load_or_measure(cat, local_path, remeasure)
-    elif spec.endswith(".toml") or Path(spec).is_file():
+    if spec == "local" and "local" not in cat.entries["system"]:
+        raise PlanError("hardware 'local' is not measured in this catalog; `moeswap plan --hardware local` "
+                        "(or plan() with hardware='local') measures this machine first")
+    if spec.endswith(".toml") or Path(spec).is_file():
         added = cat.add_file(spec)
         systems = [e.id for e in added if e.kind == "system"]
         if len(systems) != 1:

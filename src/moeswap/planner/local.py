@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlanError
+from .hardware import builtin_catalog
+from .local_cpu import engine_fields, fit_line
 
 DEFAULT_PATH = Path("~/.cache/moeswap/hardware-local.toml")
 
@@ -85,15 +87,6 @@ def _gemv_fit(max_bytes: int) -> tuple[float, float]:
         del w
     t0, slope = fit_line(points)
     return t0 * 1e6, 1 / slope / 1e9
-
-
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares t = t0 + slope * bytes over (bytes, seconds) points; t0 is floored at 0."""
-    nb = len(points)
-    mx = sum(b for b, _ in points) / nb
-    my = sum(t for _, t in points) / nb
-    slope = sum((b - mx) * (t - my) for b, t in points) / sum((b - mx) ** 2 for b, _ in points)
-    return max(0.0, my - slope * mx), slope
 
 
 def _matmul_tflops(device: str, dtype_name: str, n: int) -> float | None:
@@ -301,8 +294,6 @@ def _cpu_engine(copy: float, bf16_tflops: float, tag: str) -> dict[str, Any]:
     """The moeswap-cpu profile with its rates, per-op time and op counts measured on moeswap's own
     CPU kernels and engine (local_cpu.py): generic torch matmuls and tiny ops miss both the C kernels
     and the Python around each eager op."""
-    from .local_cpu import engine_fields
-
     fields, sources = engine_fields(copy, bf16_tflops, tag)
     engine = _base_engine("moeswap-cpu")
     engine["name"] = f"{engine['name']} (its kernels, per-op time and op counts measured here)"
@@ -317,8 +308,6 @@ def _disk_free(folder: Path) -> float:
 
 
 def _base_engine(name: str) -> dict[str, Any]:
-    from .hardware import builtin_catalog
-
     e = builtin_catalog().get("engine", name)
     return {**e.fields, "source": dict(e.sources)}
 

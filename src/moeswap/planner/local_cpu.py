@@ -8,7 +8,7 @@ This module times the two kernels (weight-streaming GB/s, GFLOP/s; for experts a
 output row), then runs the engine itself on a generated tiny model: it counts the eager ops per
 layer kind and takes the time per op and per routed expert from the decode step. The planner's
 roofline (roofline.py) adds these up for any model: docs/planner.md, `--hardware local`.
-Entry point: `engine_fields(copy_gbs, bf16_tflops, tag)`.
+Entry point: `engine_fields(copy_gbs, bf16_tflops, tag)`; `fit_line` also serves local.py's GPU fit.
 """
 
 from __future__ import annotations
@@ -121,6 +121,15 @@ def _empty_moe_call(kernel):
     x = torch.zeros(1, 64)
     none = torch.zeros(0, dtype=torch.int64)
     return lambda: kernel.moe(x, experts, none, [0] * (TOP_K + 1), none.float(), "situ", BETAS, x)
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares t = t0 + slope * x over (x, seconds) points; t0 is floored at 0."""
+    nb = len(points)
+    mx = sum(b for b, _ in points) / nb
+    my = sum(t for _, t in points) / nb
+    slope = sum((b - mx) * (t - my) for b, t in points) / sum((b - mx) ** 2 for b, _ in points)
+    return max(0.0, my - slope * mx), slope
 
 
 def fit_rows_bytes(points: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -238,8 +247,6 @@ def expert_step_s(model) -> float:
     to 1..all experts of the first MoE block through `MoE.run_experts` (store lookup, grouping, the
     kernel's share), fitted as t = t0 + experts * slope."""
     import torch
-
-    from .local import fit_line
 
     moe = model.moe_blocks()[0]
     cfg = model.config

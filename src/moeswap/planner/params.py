@@ -1,20 +1,54 @@
-"""Parameter counts and matmul shapes per layer, derived from ModelConfig (kimi_k3.md §7 shapes).
+"""Parameter counts and matmul shapes per layer, read off the model itself.
 
 Owns the shape table every other planner module builds on: one `Linear` per weight matrix with its
-tensor-parallel split, plus small vectors (norms, biases, conv taps). Knows nothing of bytes or time.
+tensor-parallel split, plus small vectors (norms, biases, conv taps). Every shape comes from the
+architecture's model (moeswap.models) built on `meta` and from `routed_expert_shapes`; this file adds
+only what each weight is under tensor parallelism (KINDS). Knows nothing of bytes or time.
 Entry point: `model_params(cfg)`.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from moeswap.config import ModelConfig
+
+from .errors import PlanError
 
 # How a matrix splits under tensor parallelism: by output rows ("col"), input columns ("row"),
 # or not at all ("rep": small matrices engines replicate, e.g. the router and MLA down-projections).
 SPLITS = ("col", "row", "rep")
+
+# What every weight of a model in moeswap.models is, by module name (the name of the module that owns
+# the weight, or of a bare parameter): a matrix [out, in] with its split; a replicated vector stored in
+# bf16 ("vector") or in fp32 ("vector_fp32": as the published checkpoints store conv taps, A_log,
+# dt_bias and the router bias); the embedding table or the output head. A weight missing here is an
+# error, so that none is silently left out of the counts.
+KINDS: dict[str, str] = {
+    # attention (KDA and MLA): head-parallel projections split by heads, low-rank down-projections replicate
+    "q_proj": "col", "k_proj": "col", "v_proj": "col", "b_proj": "col", "f_a_proj": "rep", "f_b_proj": "col",
+    "g_proj": "col", "g_a_proj": "rep", "g_b_proj": "col", "q_a_proj": "rep", "q_b_proj": "col",
+    "kv_a_proj_with_mqa": "rep", "kv_b_proj": "col", "o_proj": "row",
+    "q_conv1d": "vector_fp32", "k_conv1d": "vector_fp32", "v_conv1d": "vector_fp32", "A_log": "vector_fp32",
+    "dt_bias": "vector_fp32", "o_norm": "vector", "q_a_layernorm": "vector", "kv_a_layernorm": "vector",
+    # dense MLP and shared experts; the MoE router, its bias and K3's latent projections and norm
+    "gate_proj": "col", "up_proj": "col", "down_proj": "row",
+    "gate": "rep", "e_score_correction_bias": "vector_fp32",
+    "routed_expert_down_proj": "col", "routed_expert_up_proj": "row", "routed_expert_norm": "vector",
+    # one routed expert (routed_expert_shapes' projection names)
+    "w1": "col", "w3": "col", "w2": "row",
+    # layer and model norms, K3's block attention residual vectors, embedding and head
+    "input_layernorm": "vector", "post_attention_layernorm": "vector", "norm": "vector",
+    "self_attention_res_norm": "vector", "self_attention_res_proj": "vector", "mlp_res_norm": "vector",
+    "mlp_res_proj": "vector", "output_attn_res_norm": "vector", "output_attn_res_proj": "vector",
+    "embed_tokens": "embed", "lm_head": "lm_head",
+}
+# The submodules of a decoder layer that hold its attention and its MLP (dense, or the MoE block).
+LAYER_PARTS = {"self_attn": "attn", "mlp": "mlp", "block_sparse_moe": "mlp"}
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -96,83 +130,80 @@ class ModelParams:
         return dense + moe_layers * self.cfg.moe.top_k * self.expert_params
 
 
+@lru_cache(maxsize=16)
 def model_params(cfg: ModelConfig) -> ModelParams:
-    d = cfg.hidden_size
-    layers = []
-    for i, (ak, mk) in enumerate(zip(cfg.attn_kinds, cfg.mlp_kinds)):
-        attn, av, av32 = _kda(cfg) if ak == "kda" else _mla(cfg)
-        mlp, mv, mv32, n_exp = _dense(cfg) if mk == "dense" else _moe(cfg)
-        # Two RMSNorms per layer; K3's block attention residuals add a norm and a projection vector
-        # before the attention and before the MLP.
-        norms = 2 * d + (4 * d if cfg.attn_res_block_size else 0)
-        layers.append(LayerParams(i, ak, mk, attn, mlp, av + mv + norms, av32 + mv32, n_exp))
-    width = cfg.moe.latent_dim or d
-    f = cfg.moe.expert_dim
-    expert = (Linear("w1", f, width, "col"), Linear("w3", f, width, "col"), Linear("w2", width, f, "row"))
-    embed = cfg.vocab_size * d
-    lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * d
-    final = d + (2 * d if cfg.attn_res_block_size else 0)
-    return ModelParams(cfg, tuple(layers), expert, embed, lm_head, final)
+    """The model of `cfg.arch` built on `meta` (shapes, no memory) with its weights sorted by KINDS, plus
+    one routed expert. Kept per config: planning the same model again does not build it again."""
+    from moeswap.models import REGISTRY, routed_expert_shapes
+
+    if cfg.arch not in REGISTRY:
+        raise PlanError(f"architecture {cfg.arch!r} has no model in moeswap.models (known: {', '.join(sorted(REGISTRY))})")
+    weights = [(name, tuple(p.shape)) for name, p in _meta_model(cfg).named_parameters()]
+    expert = tuple(Linear(proj, out, inp, _kind(proj, f"routed expert {proj}"))
+                   for proj, (out, inp) in routed_expert_shapes(cfg).items())
+    return from_weights(cfg, weights, expert)
 
 
-def _kda(cfg: ModelConfig) -> tuple[tuple[Linear, ...], int, int]:
-    d, h, hd = cfg.hidden_size, cfg.kda.num_heads, cfg.kda.head_dim
-    w = h * hd
-    rank = hd  # the decay-gate (and Kimi Linear's output-gate) bottleneck is head_dim wide
-    lin = [
-        Linear("q_proj", w, d, "col"), Linear("k_proj", w, d, "col"), Linear("v_proj", w, d, "col"),
-        Linear("f_a_proj", rank, d, "rep"), Linear("f_b_proj", w, rank, "col"),
-        Linear("b_proj", h, d, "col"),
-    ]
-    if cfg.kda.full_rank_gate:
-        lin.append(Linear("g_proj", w, d, "col"))
-    else:
-        lin += [Linear("g_a_proj", rank, d, "rep"), Linear("g_b_proj", w, rank, "col")]
-    lin.append(Linear("o_proj", d, w, "row"))
-    conv = 3 * w * cfg.kda.conv_kernel
-    fp32 = conv + h + w  # conv taps, A_log (per head), dt_bias
-    return tuple(lin), fp32 + hd, fp32  # + o_norm weight (bf16)
+def _meta_model(cfg: ModelConfig):
+    import torch  # only when a model is planned: the hardware catalog alone stays torch-free
+    from torch.overrides import TorchFunctionMode
+
+    from moeswap.models import build_model
+
+    class SkipMetaNormalInit(TorchFunctionMode):
+        """nn.init.normal_ (the embedding's init) on a meta tensor runs a Python reference that imports
+        torch._dynamo, about 1 s, several times the build itself; a meta tensor has no values to set."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.init.normal_ and (args[0] if args else kwargs.get("tensor")).is_meta:
+                return args[0] if args else kwargs["tensor"]
+            return func(*args, **kwargs)
+
+    with SkipMetaNormalInit():
+        return build_model(cfg, device="meta")
 
 
-def _mla(cfg: ModelConfig) -> tuple[tuple[Linear, ...], int, int]:
-    d, m = cfg.hidden_size, cfg.mla
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    lin = []
-    vec = m.kv_lora_rank  # kv_a_layernorm
-    if m.q_lora_rank:
-        lin += [Linear("q_a_proj", m.q_lora_rank, d, "rep"), Linear("q_b_proj", m.num_heads * qk, m.q_lora_rank, "col")]
-        vec += m.q_lora_rank
-    else:
-        lin.append(Linear("q_proj", m.num_heads * qk, d, "col"))
-    lin += [
-        Linear("kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, d, "rep"),
-        Linear("kv_b_proj", m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "col"),
-    ]
-    if m.output_gate:
-        lin.append(Linear("g_proj", m.num_heads * m.v_head_dim, d, "col"))
-    lin.append(Linear("o_proj", d, m.num_heads * m.v_head_dim, "row"))
-    return tuple(lin), vec, 0
+def from_weights(cfg: ModelConfig, weights: list[tuple[str, tuple[int, ...]]], expert: tuple[Linear, ...]) -> ModelParams:
+    """ModelParams from a model's (parameter name, shape) list, in module order, and one routed expert."""
+    attn: list[list[Linear]] = [[] for _ in range(cfg.num_layers)]
+    mlp: list[list[Linear]] = [[] for _ in range(cfg.num_layers)]
+    vec, vec32 = [0] * cfg.num_layers, [0] * cfg.num_layers
+    top = {"embed": 0, "lm_head": 0, "vector": 0}
+    for name, shape in weights:
+        # a parameter's module name: its owner's for a `.weight`, else its own (A_log, a router bias)
+        kind = _kind(name.removesuffix(".weight").rpartition(".")[2], f"{cfg.arch} weight {name}")
+        m = _LAYER_WEIGHT.fullmatch(name)
+        if m is None:  # outside the layers: embedding, head, final norm and AttnRes vectors
+            if kind not in top:
+                raise PlanError(f"{cfg.arch} weight {name} ({kind}): outside the decoder layers the planner "
+                                "counts only the embedding, the head and bf16 vectors (planner/params.py)")
+            top[kind] += math.prod(shape)
+            continue
+        i, (part, _, rest) = int(m.group(1)), m.group(2).partition(".")
+        if kind in SPLITS:
+            where = LAYER_PARTS.get(part)
+            if where is None or len(shape) != 2:
+                raise PlanError(f"{cfg.arch} weight {name} {list(shape)}: the planner expects a matrix [out, in] "
+                                f"inside one of {', '.join(LAYER_PARTS)} (planner/params.py LAYER_PARTS)")
+            (attn if where == "attn" else mlp)[i].append(Linear(rest.removesuffix(".weight"), shape[0], shape[1], kind))
+        elif kind in ("vector", "vector_fp32"):
+            vec[i] += math.prod(shape)
+            vec32[i] += math.prod(shape) if kind == "vector_fp32" else 0
+        else:
+            raise PlanError(f"{cfg.arch} weight {name} ({kind}): not expected inside decoder layer {i}")
+    layers = tuple(
+        LayerParams(i, ak, mk, tuple(attn[i]), tuple(mlp[i]), vec[i], vec32[i], cfg.moe.num_experts if mk == "moe" else 0)
+        for i, (ak, mk) in enumerate(zip(cfg.attn_kinds, cfg.mlp_kinds)))
+    return ModelParams(cfg, layers, expert, top["embed"], top["lm_head"], top["vector"])
 
 
-def _dense(cfg: ModelConfig) -> tuple[tuple[Linear, ...], int, int, int]:
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    lin = (Linear("gate_proj", f, d, "col"), Linear("up_proj", f, d, "col"), Linear("down_proj", d, f, "row"))
-    return lin, 0, 0, 0
-
-
-def _moe(cfg: ModelConfig) -> tuple[tuple[Linear, ...], int, int, int]:
-    d, moe = cfg.hidden_size, cfg.moe
-    lin = [Linear("gate", moe.num_experts, d, "rep")]
-    vec = vec32 = moe.num_experts  # e_score_correction_bias (fp32)
-    if moe.latent_dim:
-        lin += [Linear("routed_expert_down_proj", moe.latent_dim, d, "col"),
-                Linear("routed_expert_up_proj", d, moe.latent_dim, "row")]
-        vec += moe.latent_dim if moe.latent_norm else 0
-    if moe.num_shared_experts:
-        s = moe.num_shared_experts * moe.expert_dim
-        lin += [Linear("shared.gate_proj", s, d, "col"), Linear("shared.up_proj", s, d, "col"),
-                Linear("shared.down_proj", d, s, "row")]
-    return tuple(lin), vec, vec32, moe.num_experts
+def _kind(module: str, what: str) -> str:
+    kind = KINDS.get(module)
+    if kind is None:
+        raise PlanError(f"{what}: module {module!r} has no entry in the planner's KINDS table "
+                        "(planner/params.py), which says how each weight splits under tensor parallelism")
+    return kind
 
 
 def kda_state_bytes_per_seq(cfg: ModelConfig, state_bytes: float = 4.0, conv_bytes: float = 2.0) -> tuple[int, int]:

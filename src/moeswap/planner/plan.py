@@ -114,7 +114,11 @@ def plan(req: PlanRequest, catalog: Catalog | None = None) -> PlanResult:
     cat = catalog or builtin_catalog()
     for f in req.catalogs:
         cat.add_file(f)
-    hw = resolve_hardware(req.hardware, cat, req.engine, req.local_path, req.remeasure)
+    if req.hardware == "local" and (req.remeasure or "local" not in cat.entries["system"]):
+        from .local import load_or_measure  # measuring imports torch and runs the engine: only when asked
+
+        load_or_measure(cat, req.local_path, req.remeasure)
+    hw = resolve_hardware(req.hardware, cat, req.engine)
     if req.objective == "cost" and not req.price_per_hour:
         raise PlanError("the cost objective needs a device price: pass --price-per-hour (per device)")
 

@@ -148,8 +148,10 @@ def _candidate_dict(c: Candidate) -> dict[str, Any]:
         ],
     }
     if c.points:
+        # a saturated point's queue grows without bound: no steady TTFT or TPOT (null; the model's inf)
         d["serve"] = [
-            {"concurrency": p.concurrency, "fits": p.fits, "ttft_s": p.ttft, "tpot_s": p.tpot, "step_s": p.step,
+            {"concurrency": p.concurrency, "fits": p.fits, "ttft_s": None if p.saturated else p.ttft,
+             "tpot_s": None if p.saturated else p.tpot, "step_s": p.step,
              "tok_s_per_device": p.tok_s_device, "output_tok_s_per_device": p.out_tok_s_device,
              "output_tok_s": p.out_tok_s, "prefill_tok_s_per_device": p.prefill_tok_s_device,
              "saturated": p.saturated}

@@ -20,6 +20,7 @@ import time
 
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tuning import tune_process, use_huge_pages
+from moeswap import jsonio
 
 
 class MoeswapRunner:
@@ -85,9 +86,9 @@ def serve(argv: list[str]) -> None:
     try:
         t0 = time.perf_counter()
         runner = _make_runner(args)
-        reply.write(json.dumps({"ready": True, "name": runner.name, "load_s": time.perf_counter() - t0}) + "\n")
+        reply.write(jsonio.dumps({"ready": True, "name": runner.name, "load_s": time.perf_counter() - t0}) + "\n")
     except Exception as err:  # reported to the parent, which skips this peer and says why
-        reply.write(json.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}) + "\n")
+        reply.write(jsonio.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}) + "\n")
         return
     for line in sys.stdin:
         msg = json.loads(line)
@@ -97,7 +98,7 @@ def serve(argv: list[str]) -> None:
             out = runner.generate(msg["prompts"], msg["max_tokens"])
         except Exception as err:
             out = {"error": f"{type(err).__name__}: {err}"}
-        reply.write(json.dumps(out) + "\n")
+        reply.write(jsonio.dumps(out) + "\n")
 
 
 class Worker:
@@ -125,7 +126,7 @@ class Worker:
         return json.loads(line)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.write(jsonio.dumps({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         out = self._read()
         if "error" in out:
@@ -135,7 +136,7 @@ class Worker:
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.write(jsonio.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.flush()
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):

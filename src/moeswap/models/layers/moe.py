@@ -73,14 +73,15 @@ class MoE(nn.Module):
         m, d = cfg.moe, cfg.hidden_size
         self.layer_idx = layer_idx
         self.act, self.situ_betas = cfg.hidden_act, (cfg.situ_beta, cfg.situ_linear_beta)
+        # submodules in the order forward runs them (the planner sums their costs in this order)
         self.gate = Router(cfg, device)
-        if m.num_shared_experts:
-            self.shared_experts = GatedMLP(d, m.num_shared_experts * m.expert_dim, self.act, self.situ_betas, device)
         if m.latent_dim:
             self.routed_expert_down_proj = nn.Linear(d, m.latent_dim, bias=False, device=device)
             self.routed_expert_up_proj = nn.Linear(m.latent_dim, d, bias=False, device=device)
             if m.latent_norm:
                 self.routed_expert_norm = RMSNorm(m.latent_dim, cfg.rms_norm_eps, device)
+        if m.num_shared_experts:
+            self.shared_experts = GatedMLP(d, m.num_shared_experts * m.expert_dim, self.act, self.situ_betas, device)
         self.num_experts = m.num_experts
         self.store: ExpertProvider | None = None  # attached by the loader; never part of state_dict
         self.int8_activations = False  # LoadOptions.expert_activations: int8 activations in the grouped kernel

@@ -1,4 +1,4 @@
-"""`moeswap init-tiny`: small random models in the exact published checkpoint layout.
+"""Tiny models' configs and weights in the exact published checkpoint layout (tokenizer: tokenizer.py).
 
 K3: multimodal wrapper config with `text_config` and compressed-tensors quantization_config,
 `language_model.` prefix, MXFP4 routed experts (`weight_packed`/`weight_scale`), A_log zero-padded;
@@ -9,7 +9,6 @@ Entry point: `write_tiny_model(out_dir, arch, size, seed)`.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import zlib
@@ -19,27 +18,24 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
+from moeswap.engine.tokenizer import load_tokenizer
 from moeswap.formats import mxfp4
-from moeswap.models import build_model
+from moeswap.models import REGISTRY, build_model, routed_expert_shapes
+from moeswap.tiny.sizes import SIZES
+from moeswap.tiny.tokenizer import build_tiny_tokenizer
 
-SIZES = {
-    # tests: every feature on, seconds to write
-    "tiny": dict(hidden=64, layers=6, vocab=512, heads=2, head_dim=32, kv_lora=32, q_lora=32, nope=16, rope=8,
-                 experts=16, top_k=4, expert_dim=64, latent=32, dense=128, res_block=2),
-    # `make demo`: a few tens of MB
-    "small": dict(hidden=256, layers=8, vocab=2048, heads=4, head_dim=32, kv_lora=64, q_lora=64, nope=32, rope=16,
-                  experts=64, top_k=8, expert_dim=256, latent=128, dense=512, res_block=4),
-    # benchmarks and memory checks: ~0.96 B parameters (the engine benchmark's 0.3-1 B), 0.45 GB of MXFP4 experts
-    "bench": dict(hidden=1024, layers=12, vocab=4096, heads=8, head_dim=64, kv_lora=128, q_lora=256, nope=64, rope=32,
-                  experts=48, top_k=8, expert_dim=1024, latent=512, dense=2048, res_block=4),
-}
-ARCHES = ("kimi_k3", "kimi_linear")
 
 
 def tiny_config(arch: str, size: str) -> dict:
-    """config.json content in the layout the real model ships."""
+    """config.json content in the layout the real model ships, for every architecture in the registry
+    (tests/models/test_registry.py runs each one through init-tiny, so a new one needs its layout here)."""
+    if arch not in REGISTRY:
+        raise ValueError(f"--arch {arch!r}: expected one of {', '.join(REGISTRY)}")
+    if arch not in ("kimi_k3", "kimi_linear"):
+        raise ValueError(f"init-tiny has no config layout for architecture {arch!r} yet (moeswap/tiny/model.py)")
     s = SIZES[size]
     n = s["layers"]
     mla_layers = [i + 1 for i in range(n) if i % 4 == 3 or i == n - 1]  # 1-based, last layer MLA like K3
@@ -124,8 +120,7 @@ def tensors_for(arch: str, size: str, seed: int):
             value = _a_log_layout(arch, value, cfg.kda.head_dim)
         keep_fp32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight"))
         yield prefix + name, value.to(torch.float32 if keep_fp32 else torch.bfloat16)
-    n_in = cfg.moe.latent_dim or cfg.hidden_size
-    shapes = {"w1": (cfg.moe.expert_dim, n_in), "w3": (cfg.moe.expert_dim, n_in), "w2": (n_in, cfg.moe.expert_dim)}
+    shapes = routed_expert_shapes(cfg)
     for layer in (i for i, k in enumerate(cfg.mlp_kinds) if k == "moe"):
         for e in range(cfg.moe.num_experts):
             for proj, shape in shapes.items():
@@ -161,10 +156,9 @@ def _a_log_layout(arch: str, a_log_H: torch.Tensor, head_dim: int) -> torch.Tens
 def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "tiny", seed: int = 0,
                      shard_bytes: int | None = None, progress: bool = False) -> Path:
     """Writes the model atomically: into a temporary sibling directory, renamed at the end."""
-    if arch not in ARCHES:
-        raise ValueError(f"--arch {arch!r}: expected one of {', '.join(ARCHES)}")
     if size not in SIZES:
         raise ValueError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
+    tiny_config(arch, size)  # checks the architecture before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another directory")
@@ -176,16 +170,14 @@ def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "ti
 
 
 def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, progress: bool) -> None:
-    from moeswap.engine.tokenizer import build_tiny_tokenizer
-
     config = tiny_config(arch, size)
     text = config.get("text_config", config)
     build_tiny_tokenizer(out, text["vocab_size"])
     eos, bos, pad = _special_ids(out)
     for c in (config, text):
         c.update(eos_token_id=eos, bos_token_id=bos, pad_token_id=pad)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
+    (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(jsonio.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
 
     items = list(tqdm(tensors_for(arch, size, seed), desc="making tensors", unit=" tensors", disable=not progress))
     total = sum(t.numel() * t.element_size() for _, t in items)
@@ -223,15 +215,13 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
             weight_map[name] = file
             total_size += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "model.safetensors.index.json").write_text(jsonio.dumps(index, indent=2) + "\n")
 
 
 _EXPERT_KEY = re.compile(r"(.*\.experts\.\d+)\.")
 
 
 def _special_ids(out: Path) -> tuple[int, int, int]:
-    from moeswap.engine.tokenizer import load_tokenizer
-
     tok = load_tokenizer(out)
     eos = tok.eos_ids[0]
     bos = tok.bos_id if tok.bos_id is not None else eos

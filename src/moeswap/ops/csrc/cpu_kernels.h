@@ -1,0 +1,161 @@
+/* cpu_kernels.h: the C ABI of moeswap's CPU kernels (the C files beside it, built into one shared library),
+ * the one description both sides read. Every C file includes it, so the compiler checks each definition
+ * against its prototype here; ops/cpu_kernels.py reads the prototypes to set every function's ctypes
+ * argtypes, and engine/native_step.py builds its ctypes `decode_layer` from MOESWAP_DECODE_LAYER_FIELDS,
+ * which the library also exports as a table (moeswap_decode_layer_field), checked field by field before the
+ * first call.
+ *
+ * Python parses this file strictly: the include guard, #include, MOESWAP_ macros, the decode_layer typedef
+ * and one prototype per exported function, whose parameters are `[const] T [* [const]]... name` with a
+ * scalar T of int, int64_t, float or double (pointers may point at anything declared here). Anything else
+ * is an error there, not a guess.
+ * Status returns: 0 done, 1 bad sizes, 2 out of memory, 3 a path this build lacks, 4 see the function.
+ */
+#ifndef MOESWAP_CPU_KERNELS_H
+#define MOESWAP_CPU_KERNELS_H
+
+#include <stdint.h>
+
+/* ---- decode_step.c: a decode step's decoder layers in one call (engine/native_step.py builds the table) ----
+ * One row per decoder layer; every weight bf16 [out, in] unless noted; norms, scores, router, taps and
+ * absorbed MLA weights fp32. FIELD(type, name, array dimension or nothing), in struct order. */
+#define MOESWAP_DECODE_LAYER_FIELDS(FIELD)                                                                    \
+    FIELD(int64_t, mla, )                  /* attention kind: 1 MLA, 0 KDA */                                 \
+    FIELD(int64_t, moe, )                  /* FFN kind: 1 MoE, 0 dense MLP */                                 \
+    FIELD(int64_t, bank_before, )          /* bank the partial sum first (AttnRes) */                         \
+    FIELD(const float *, score_attn, )     /* AttnRes score vectors [D], NULL without */                      \
+    FIELD(const float *, score_ffn, )                                                                         \
+    FIELD(const float *, ln_in, )          /* input_layernorm [D] */                                          \
+    FIELD(const float *, ln_post, )        /* post_attention_layernorm [D] */                                 \
+    FIELD(const uint16_t *, w_in, )        /* the fused input projections [in_rows, D] */                     \
+    FIELD(int64_t, in_rows, )                                                                                 \
+    FIELD(int64_t, off, [6])               /* ... and their first rows (KDA: q k v f_a b g; MLA: q kv g) */   \
+    FIELD(const uint16_t *, w_o, )         /* o_proj [D, H K] (KDA) or [D, H V] (MLA) */                      \
+    /* KDA: f_b_proj [C, K]; g_b_proj [C, K] for Kimi Linear's low-rank output gate (NULL: full rank, in      \
+     * w_in); conv taps [W, 3C], dt_bias [C], decay rates exp(A_log) [H], o_norm [K]; `bounded`: the          \
+     * gate is lower * sigmoid (K3), else softplus (Kimi Linear); H heads of width K, conv width W */         \
+    FIELD(const uint16_t *, w_fb, )                                                                           \
+    FIELD(const uint16_t *, w_gb, )                                                                           \
+    FIELD(const float *, taps, )                                                                              \
+    FIELD(const float *, dt_bias, )                                                                           \
+    FIELD(const float *, rate, )                                                                              \
+    FIELD(const float *, o_norm, )                                                                            \
+    FIELD(double, lower, )                                                                                    \
+    FIELD(double, kda_scale, )                                                                                \
+    FIELD(int64_t, bounded, )                                                                                 \
+    FIELD(int64_t, H, )                                                                                       \
+    FIELD(int64_t, K, )                                                                                       \
+    FIELD(int64_t, W, )                                                                                       \
+    /* MLA: q_a_layernorm [q_rank] + q_b_proj (NULL: w_in holds the queries), kv_a_layernorm [L],             \
+     * kv_b_proj absorbed as keys [H, N, L] and values [H, L, V] (fp32); gated: w_in holds the output gate */ \
+    FIELD(const float *, q_norm, )                                                                            \
+    FIELD(const uint16_t *, w_qb, )                                                                           \
+    FIELD(int64_t, q_rank, )                                                                                  \
+    FIELD(const float *, kv_norm, )                                                                           \
+    FIELD(const float *, wk, )                                                                                \
+    FIELD(const float *, wv, )                                                                                \
+    FIELD(int64_t, N, )                                                                                       \
+    FIELD(int64_t, R, )                                                                                       \
+    FIELD(int64_t, L, )                                                                                       \
+    FIELD(int64_t, V, )                                                                                       \
+    FIELD(int64_t, gated, )                                                                                   \
+    FIELD(double, mla_scale, )                                                                                \
+    /* dense MLP, or the shared experts: gate|up [2 hidden, D], down [D, hidden] (NULL: none) */              \
+    FIELD(const uint16_t *, w_gu, )                                                                           \
+    FIELD(const uint16_t *, w_down, )                                                                         \
+    FIELD(int64_t, hidden, )                                                                                  \
+    /* MoE: router [E, D] + bias [E]; resident table [E, 6] (format as moeswap_moe_resident; NULL only with   \
+     * `stop`); K3's latent projections down [lat_dim, D], up [D, lat_dim] and norm [lat_dim] (NULL: the      \
+     * experts read x) */                                                                                     \
+    FIELD(const float *, router, )                                                                            \
+    FIELD(const float *, router_bias, )                                                                       \
+    FIELD(int64_t, E, )                                                                                       \
+    FIELD(int64_t, topk, )                                                                                    \
+    FIELD(int64_t, softmax, )                                                                                 \
+    FIELD(int64_t, renorm, )                                                                                  \
+    FIELD(double, route_scale, )                                                                              \
+    FIELD(const int64_t *, table, )                                                                           \
+    FIELD(int64_t, F, )                                                                                       \
+    FIELD(int64_t, format, )                                                                                  \
+    FIELD(const uint16_t *, lat_down, )                                                                       \
+    FIELD(const uint16_t *, lat_up, )                                                                         \
+    FIELD(const float *, lat_norm, )                                                                          \
+    FIELD(int64_t, lat_dim, )                                                                                 \
+    FIELD(int64_t, stop, )                 /* stop before this layer's FFN: the caller runs it (status 4) */
+
+#define MOESWAP_DECLARE_FIELD(type, name, dims) type name dims;
+typedef struct { MOESWAP_DECODE_LAYER_FIELDS(MOESWAP_DECLARE_FIELD) } decode_layer;
+#undef MOESWAP_DECLARE_FIELD
+
+int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t first, const int64_t *state,
+                          float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
+                          const float *score_out, const float *final_norm, const uint16_t *head, int64_t V,
+                          float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
+                          int64_t *used, int64_t *stopped, int bf16_in, int nt);
+/* The layout check: sizeof(decode_layer), and field i's name, offset, size and type as spelled above
+ * (e.g. "const float *", "int64_t[6]"); 0, or 1 past the last field. */
+int moeswap_decode_layer_size(void);
+int moeswap_decode_layer_field(int64_t i, const char **name, int64_t *offset, int64_t *size, const char **type);
+
+/* ---- mxfp4.c: MXFP4 weights straight from the packed bytes ---- */
+int moeswap_mxfp4_isa(void);
+int moeswap_mxfp4_linear(const float *x, int64_t T, int64_t I, int n_mats, const uint8_t *const *packed,
+                         const uint8_t *const *scale, const int64_t *O, float *const *y, int nthreads);
+int moeswap_mxfp4_expert(const float *x, int64_t T, int64_t I, int64_t F, const uint8_t *p1, const uint8_t *s1,
+                         const uint8_t *p3, const uint8_t *s3, const uint8_t *p2, const uint8_t *s2, int act,
+                         float b1, float b2, float *y, int nthreads);
+int moeswap_mxfp4_decode(const uint8_t *packed, const uint8_t *scale, int64_t O, int64_t I, void *out, int bf16,
+                         int nthreads);
+
+/* ---- q8.c: int8 activations for MXFP4 weights (AVX-512 VNNI builds) ---- */
+int moeswap_mxfp4_q8(void);
+int moeswap_q8_quantize(const float *x, int64_t T, int64_t I, uint8_t *dst, int plain);
+
+/* ---- linear_bf16.c: bf16 weights ---- */
+int moeswap_bf16_linear(const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, float *y,
+                        int nthreads);
+int moeswap_has_bf16_dot(void);
+int moeswap_bf16x_linear(const uint16_t *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, float *y,
+                         int nthreads);
+int moeswap_bf16_mlp(const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H, const uint16_t *w_down,
+                     int act, float b1, float b2, float *y, int nthreads);
+
+/* ---- moe.c: a layer step's routed experts ---- */
+int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint8_t *const *p1,
+                      const uint8_t *const *s1, const uint8_t *const *p3, const uint8_t *const *s3,
+                      const uint8_t *const *p2, const uint8_t *const *s2, const int64_t *off, const int64_t *tokens,
+                      const float *weight, int act, float b1, float b2, float *y, int nthreads, int q8);
+int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint16_t *const *w1,
+                     const uint16_t *const *w3, const uint16_t *const *w2, const int64_t *off, const int64_t *tokens,
+                     const float *weight, int act, float b1, float b2, float *y, int nthreads);
+int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64_t F, int64_t E_total,
+                         const int64_t *table, const int64_t *ids, const float *weight, int64_t K, int act,
+                         float b1, float b2, float *y, int nthreads, int64_t *used);
+int moeswap_latent_moe_resident(int format, const float *x, int64_t T, int64_t D, const uint16_t *w_down,
+                                int64_t I, const float *norm_w, float eps, const uint16_t *w_up, int64_t F,
+                                int64_t E_total, const int64_t *table, const int64_t *ids, const float *weight,
+                                int64_t K, int act, float b1, float b2, float *y, int nthreads, int64_t *used);
+
+/* ---- kda.c: Kimi Delta Attention ---- */
+int moeswap_kda_decode(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                       float *S, float *o, int64_t N, int64_t K, int64_t V, float scale, float eps, int nthreads);
+int moeswap_kda_layer(const float *qkv, float *conv, const float *taps, int64_t W, const float *z,
+                      const float *dt_bias, const float *A, float lower, int bounded, const float *b_in,
+                      float *S, const float *gate, const float *o_w, float norm_eps, float scale,
+                      float l2_eps, float *y, int64_t B, int64_t T, int64_t H, int64_t K, int nthreads);
+
+/* ---- mla.c: Multi-head Latent Attention ---- */
+int moeswap_mla_decode(const float *q, const float *latent, int64_t cap, const int64_t *lengths, const float *wk,
+                       const float *wv, float scale, float *out, int64_t B, int64_t H, int64_t N, int64_t R,
+                       int64_t L, int64_t V, int nthreads);
+
+/* ---- glue.c: norms, the AttnRes mix, the router, gated activations, the MLA output gate ---- */
+int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2, int nthreads);
+int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *y, int nthreads);
+int moeswap_res_mix(const float *const *src, int S, int64_t N, int64_t D, const float *score, float eps,
+                    float *out, int nthreads);
+int moeswap_route(const float *x, int64_t T, int64_t D, const float *W, int64_t E, const float *bias, int64_t K,
+                  int softmax, int renorm, float scale, int64_t *ids, float *w, int nthreads);
+int moeswap_sigmoid_gate(float *x, const float *g, int64_t rows, int64_t width, int64_t g_stride);
+
+#endif

@@ -1,0 +1,205 @@
+/* decode_step.c: a decode step's decoder layers in one call (moeswap_decode_layers; engine/native_step.py
+ * builds the table of decode_layer rows, cpu_kernels.h lists their fields). models/kimi_k3.py
+ * KimiModel.forward is the reference: this runs the kernels its eager CPU path calls, in the same order on
+ * the same values (so the same bits), in one call instead of ~12 Python-driven kernel calls per layer.
+ * One token per sequence, N rows.
+ */
+#include <stddef.h>
+
+#include "internal.h"
+
+/* Rows of width w from column `from` of src [N, stride] into dst [N, w]. */
+static void take_columns(const float *src, int64_t N, int64_t stride, int64_t from, int64_t w, float *dst) {
+    for (int64_t n = 0; n < N; n++) memcpy(dst + n * w, src + n * stride + from, (size_t)w * sizeof(float));
+}
+
+/* A KDA layer for one token per sequence: out [N, D] = o_proj(kda(...)). state: conv [N, W-1, 3C], S. */
+static int kda_block(int bf16_in, const decode_layer *l, float *conv, float *S, const float *proj, int64_t N,
+                     float eps, float l2_eps, float *out, int64_t D, int nt) {
+    const int64_t H = l->H, K = l->K, C = H * K, P = l->in_rows;
+    float *buf = (float *)malloc((size_t)(N * (3 * C + K + C + H + C + K + C)) * sizeof(float) + 64);
+    if (!buf) return 2;
+    float *qkv = buf, *fa = qkv + N * 3 * C, *z = fa + N * K, *b = z + N * C, *gate = b + N * H,
+          *ga = gate + N * C, *y = ga + N * K;
+    take_columns(proj, N, P, l->off[0], 3 * C, qkv); /* q, k, v are adjacent in w_in */
+    take_columns(proj, N, P, l->off[3], K, fa);
+    take_columns(proj, N, P, l->off[4], H, b);
+    int status = dense_linear(bf16_in, fa, N, K, l->w_fb, C, z, nt);
+    if (!status && l->w_gb) {
+        take_columns(proj, N, P, l->off[5], K, ga);
+        status = dense_linear(bf16_in, ga, N, K, l->w_gb, C, gate, nt);
+    } else if (!status) {
+        take_columns(proj, N, P, l->off[5], C, gate);
+    }
+    if (!status)
+        status = moeswap_kda_layer(qkv, conv, l->taps, l->W, z, l->dt_bias, l->rate, (float)l->lower,
+                                   (int)l->bounded, b, S, gate, l->o_norm, eps, (float)l->kda_scale, l2_eps, y, N,
+                                   1, H, K, nt);
+    if (!status) status = dense_linear(bf16_in, y, N, C, l->w_o, D, out, nt);
+    free(buf);
+    return status;
+}
+
+/* An MLA layer for one token per sequence: appends [kv_norm(c) | k_r] at lengths[n] (then lengths[n] += 1)
+ * in latent [N, cap, L + R], attends, gates, o_proj into out [N, D]. */
+static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t *lengths, int64_t cap,
+                     const float *proj, int64_t N, float eps, float *out, int64_t D, int nt) {
+    const int64_t H = l->H, X = l->L + l->R, Q = H * (l->N + l->R), P = l->in_rows, HV = H * l->V;
+    for (int64_t n = 0; n < N; n++)
+        if (lengths[n] < 0 || lengths[n] >= cap) return 1;
+    float *buf = (float *)malloc((size_t)(N * (l->q_rank + Q + X + l->L + HV)) * sizeof(float) + 64);
+    if (!buf) return 2;
+    float *qa = buf, *q = qa + N * l->q_rank, *kv = q + N * Q, *c = kv + N * X, *att = c + N * l->L;
+    int status = 0;
+    if (l->w_qb) {
+        take_columns(proj, N, P, l->off[0], l->q_rank, qa);
+        status = moeswap_rms_norm(qa, N, l->q_rank, l->q_norm, eps, qa, nt);
+        if (!status) status = dense_linear(bf16_in, qa, N, l->q_rank, l->w_qb, Q, q, nt);
+    } else {
+        take_columns(proj, N, P, l->off[0], Q, q);
+    }
+    take_columns(proj, N, P, l->off[1], X, kv);
+    /* the cache row: the normalised latent, then the shared key slice as it came */
+    take_columns(kv, N, X, 0, l->L, c);
+    if (!status) status = moeswap_rms_norm(c, N, l->L, l->kv_norm, eps, c, nt);
+    for (int64_t n = 0; !status && n < N; n++) {
+        float *row = latent + (n * cap + lengths[n]) * X;
+        memcpy(row, c + n * l->L, (size_t)l->L * sizeof(float));
+        memcpy(row + l->L, kv + n * X + l->L, (size_t)l->R * sizeof(float));
+        lengths[n]++;
+    }
+    if (!status)
+        status = moeswap_mla_decode(q, latent, cap, lengths, l->wk, l->wv, (float)l->mla_scale, att, N, H, l->N,
+                                    l->R, l->L, l->V, nt);
+    if (!status && l->gated) status = moeswap_sigmoid_gate(att, proj + l->off[2], N, HV, P);
+    if (!status) status = dense_linear(bf16_in, att, N, HV, l->w_o, D, out, nt);
+    free(buf);
+    return status;
+}
+
+/* The FFN of a layer on its normalised input xn [N, D] into out [N, D]: the dense MLP, or the MoE block (router,
+ * routed experts from the resident table, shared experts added). Returns 4, out untouched, when the layer is
+ * marked `stop` or a chosen expert is not in the table: the caller runs this FFN through the expert store. */
+static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_t N, int64_t D, float eps, int act,
+                     float b1, float b2, float *out, int nt, int64_t *used) {
+    *used = 0;
+    if (l->stop) return 4;
+    if (!l->moe) return gated_mlp(bf16_in, xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, out, nt);
+    int64_t *ids = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
+    float *w = (float *)malloc((size_t)(N * l->topk) * sizeof(float) + 64);
+    float *routed = (float *)calloc((size_t)(N * D), sizeof(float));
+    float *shared = (float *)malloc((size_t)(N * D) * sizeof(float) + 64);
+    int status = ids && w && routed && shared ? 0 : 2;
+    if (!status)
+        status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
+                               (float)l->route_scale, ids, w, nt);
+    if (!status && l->lat_down)
+        status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps, l->lat_up,
+                            l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed, nt, used);
+    else if (!status)
+        status = moeswap_moe_resident((int)l->format, xn, N, D, l->F, l->E, l->table, ids, w, l->topk, act, b1, b2,
+                                      routed, nt, used);
+    if (!status && l->w_gu)
+        status = gated_mlp(bf16_in, xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, shared, nt);
+    if (!status)
+        for (int64_t j = 0; j < N * D; j++) out[j] = l->w_gu ? routed[j] + shared[j] : routed[j];
+    free(ids); free(w); free(routed); free(shared);
+    return status;
+}
+
+/* AttnRes: the mix of the banked sums and the running one into out (models/layers/attn_res.py mix); with no
+ * score or an empty bank, the running sum itself. */
+static int mixed(const float *score, const float *bank, int64_t n_bank, const float *partial, int64_t N, int64_t D,
+                 float eps, float *out, int nt) {
+    if (!score || !n_bank) { memcpy(out, partial, (size_t)(N * D) * sizeof(float)); return 0; }
+    const float *src[64];
+    if (n_bank > 63) return 1;
+    for (int64_t s = 0; s < n_bank; s++) src[s] = bank + s * N * D;
+    src[n_bank] = partial;
+    return moeswap_res_mix(src, (int)n_bank + 1, N, D, score, eps, out, nt);
+}
+
+/* Layers [first, n_layers) of a decode step (KimiModel._forward's loop, then its final AttnRes mix when
+ * score_out is given) on the running sum partial [N, D] (in place), for N sequences of one token each.
+ * state [n_layers, 3]: KDA (conv, S, 0) or MLA (latent, lengths, capacity) base pointers of rows 0..N-1.
+ * bank [max_bank, N, D] with *n_bank of its rows in use (in and out). used[i]: the distinct experts layer i
+ * ran. With final_norm and head (bf16 [V, D]) given, once every layer has run the step ends as the model's
+ * does: logits [N, V] = rmsnorm(partial; final_norm, eps) @ head^T.
+ * Returns 0; 4 when layer *stopped is marked `stop` or its experts are not all resident: its attention is
+ * done, m_out [N, D] holds its FFN input before the norm, and the caller runs that FFN (and whatever the
+ * model does there, such as an expert lookahead) and resumes at *stopped + 1; else 1 bad
+ * sizes, 2 out of memory (the step's state is then not to be trusted). */
+int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t first, const int64_t *state,
+                          float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
+                          const float *score_out, const float *final_norm, const uint16_t *head, int64_t V,
+                          float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
+                          int64_t *used, int64_t *stopped, int bf16_in, int nt) {
+    if (N < 1 || D < 1 || first < 0 || first > n_layers || *n_bank < 0 || *n_bank > max_bank) return 1;
+    float *buf = (float *)malloc((size_t)(3 * N * D) * sizeof(float) + 64);
+    if (!buf) return 2;
+    float *h = buf, *xn = h + N * D, *y = xn + N * D;
+    float *proj = NULL;
+    int status = 0;
+    *stopped = -1;
+    for (int64_t i = first; !status && i < n_layers; i++) {
+        const decode_layer *l = layers + i;
+        const int64_t *st = state + 3 * i;
+        status = mixed(l->score_attn, bank, *n_bank, partial, N, D, eps, h, nt);
+        if (!status && l->bank_before) {
+            if (*n_bank >= max_bank) { status = 1; break; }
+            memcpy(bank + *n_bank * N * D, partial, (size_t)(N * D) * sizeof(float));
+            (*n_bank)++;
+            memset(partial, 0, (size_t)(N * D) * sizeof(float));
+        }
+        if (!status) status = moeswap_rms_norm(h, N, D, l->ln_in, eps, xn, nt);
+        free(proj);
+        proj = status ? NULL : (float *)malloc((size_t)(N * l->in_rows) * sizeof(float) + 64);
+        if (!status && !proj) status = 2;
+        if (!status) status = dense_linear(bf16_in, xn, N, D, l->w_in, l->in_rows, proj, nt);
+        if (!status)
+            status = l->mla ? mla_block(bf16_in, l, (float *)(intptr_t)st[0], (int64_t *)(intptr_t)st[1], st[2],
+                                        proj, N, eps, y, D, nt)
+                            : kda_block(bf16_in, l, (float *)(intptr_t)st[0], (float *)(intptr_t)st[1], proj, N,
+                                        eps, l2_eps, y, D, nt);
+        for (int64_t j = 0; !status && j < N * D; j++) partial[j] += y[j];
+        if (!status) status = mixed(l->score_ffn, bank, *n_bank, partial, N, D, eps, h, nt);
+        if (!status) status = moeswap_rms_norm(h, N, D, l->ln_post, eps, xn, nt);
+        if (!status) status = ffn_block(bf16_in, l, xn, N, D, eps, act, b1, b2, y, nt, used + i);
+        if (status == 4) {
+            memcpy(m_out, h, (size_t)(N * D) * sizeof(float));
+            *stopped = i;
+            break;
+        }
+        for (int64_t j = 0; !status && j < N * D; j++) partial[j] += y[j];
+    }
+    if (!status && score_out) {
+        status = mixed(score_out, bank, *n_bank, partial, N, D, eps, h, nt);
+        if (!status) memcpy(partial, h, (size_t)(N * D) * sizeof(float));
+    }
+    if (!status && final_norm && head) {
+        status = moeswap_rms_norm(partial, N, D, final_norm, eps, h, nt);
+        if (!status) status = dense_linear(bf16_in, h, N, D, head, V, logits, nt);
+    }
+    free(proj);
+    free(buf);
+    return status;
+}
+
+/* decode_layer as the compiler laid it out, for the caller's ctypes mirror (checked before the first call). */
+#define FIELD_ROW(type, name, dims) \
+    {#name, (int64_t)offsetof(decode_layer, name), (int64_t)sizeof(((decode_layer *)0)->name), #type #dims},
+static const struct { const char *name; int64_t offset, size; const char *type; } layer_fields[] = {
+    MOESWAP_DECODE_LAYER_FIELDS(FIELD_ROW)
+};
+#undef FIELD_ROW
+
+int moeswap_decode_layer_size(void) { return (int)sizeof(decode_layer); }
+
+int moeswap_decode_layer_field(int64_t i, const char **name, int64_t *offset, int64_t *size, const char **type) {
+    if (i < 0 || i >= (int64_t)(sizeof(layer_fields) / sizeof(layer_fields[0]))) return 1;
+    *name = layer_fields[i].name;
+    *offset = layer_fields[i].offset;
+    *size = layer_fields[i].size;
+    *type = layer_fields[i].type;
+    return 0;
+}

@@ -1,0 +1,56 @@
+"""tuning.py: OpenMP threads fitted to the machine's load, set only before torch starts its runtime."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moeswap.tuning import fit_threads_to_load
+
+
+@pytest.mark.parametrize("cores, load, threads", [
+    (2, 0.0, None), (2, 0.4, None), (8, 0.3, None),  # quiet: OpenMP's defaults
+    (2, 0.6, 1), (2, 1.4, 1), (2, 2.0, 1), (2, 5.3, 1), (8, 4.0, 4), (8, 7.4, 1), (16, 3.5, 12),
+])
+def test_threads_are_the_cores_left_free(cores, load, threads):
+    env = {}
+    fit = fit_threads_to_load(cores, load, env)
+    assert fit.threads == threads
+    if threads is None:
+        assert env == {} and not fit.passive
+    else:
+        assert env == {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"} and fit.passive
+        assert 1 <= threads <= max(1, cores - math.floor(load)) and threads < cores
+
+
+@pytest.mark.parametrize("var", ["OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"])
+def test_what_the_user_set_wins(var):
+    env = {var: "3"}
+    fit = fit_threads_to_load(2, 9.0, env)
+    assert env == {var: "3"} and fit.threads is None and var in fit.why
+
+
+def test_spin_mode_and_bad_values():
+    env = {"MOESWAP_THREADS": "spin"}
+    assert fit_threads_to_load(2, 9.0, env).threads is None and env == {"MOESWAP_THREADS": "spin"}
+    with pytest.raises(ValueError, match="MOESWAP_THREADS='many'"):
+        fit_threads_to_load(2, 0.0, {"MOESWAP_THREADS": "many"})
+    assert fit_threads_to_load(2, math.nan, {}).threads is None  # an unreadable load changes nothing
+
+
+@pytest.mark.slow
+def test_the_command_applies_it_before_torch_starts(tiny_k3_dir):
+    """A busy machine (load average patched to 9) reaches torch: one thread, and --json says why."""
+    code = ("import os, sys; os.getloadavg = lambda: (9.0, 9.0, 9.0); from moeswap.cli import main; "
+            f"sys.exit(main(['generate', {str(tiny_k3_dir)!r}, '--prompt', 'hi', '--max-tokens', '2', '--json']))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MOESWAP_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["threads"] == 1 and "passive wait" in result["openmp"] and "busy machine" in result["openmp"]
