@@ -148,6 +148,7 @@ def moeswap_argv(*argv) -> list:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_process_non_utf8_argv(tiny_k3_dir):
     res = subprocess.run(moeswap_argv("generate", str(tiny_k3_dir), "--prompt", b"\xff\xfeab"),
                          capture_output=True, timeout=120, env=ENV)
@@ -156,6 +157,7 @@ def test_process_non_utf8_argv(tiny_k3_dir):
         "moeswap: error: --prompt is not valid UTF-8 (bytes ff fe at character 0): pass UTF-8 text"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETPIPE_SZ"), reason="needs Linux pipe sizes")
 def test_process_reader_closing_the_pipe_after_5_bytes(tiny_k3_dir):
     """`moeswap generate ... | head -c 5`: the pipe holds 4 KiB and the prompt alone is longer, so the
