@@ -2,13 +2,17 @@
 
 Each subcommand parses its flags, calls one library entry point and prints the result. User errors
 (bad files, configs, flags, prompts) print one line `moeswap: error: ...` and exit 2 without a
-traceback unless --debug is given.
+traceback unless --debug is given. A closed output pipe (`moeswap ... | head`) ends any command quietly
+with exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import os
+import select
 import sys
 import time
 import warnings
@@ -93,6 +97,20 @@ def cmd_init_tiny(args) -> int:
     return 0
 
 
+def check_text(flag: str, text: str) -> None:
+    """Text from the command line must be UTF-8: Python hands other bytes over as lone surrogates
+    (surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        try:
+            raw = text[err.start:err.end].encode("utf-8", "surrogateescape")
+            bad = ("byte " if len(raw) == 1 else "bytes ") + raw.hex(" ")
+        except UnicodeEncodeError:
+            bad = f"lone surrogate {text[err.start]!r}"
+        raise ValueError(f"{flag} is not valid UTF-8 ({bad} at character {err.start}): pass UTF-8 text") from None
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -102,27 +120,33 @@ def cmd_generate(args) -> int:
     from moeswap.engine.tokenizer import StreamDecoder, load_tokenizer
     from moeswap.models.loader import load_model
 
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    check_text("--prompt", args.prompt)
+    # every flag is checked before the model loads
+    cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
+                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))
-    tok = load_tokenizer(args.model)
-    load_s = time.perf_counter() - t0
-    messages = [{"role": "user", "content": args.prompt}]
-    ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
-    cfg = GenerationConfig(
-        max_tokens=args.max_tokens, seed=args.seed,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-        stop_ids=() if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids),
-    )
-    stream = StreamDecoder(tok)
-    on_token = None
-    if not args.json:
-        print(args.prompt if not args.chat else "", end="", flush=True)
-        on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
-    engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
-    result = generate(model, ids, cfg, on_token=on_token, engine=engine)
-    store.close()
+    try:
+        tok = load_tokenizer(args.model)
+        load_s = time.perf_counter() - t0
+        messages = [{"role": "user", "content": args.prompt}]
+        ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
+        cfg = dataclasses.replace(
+            cfg, stop_ids=() if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids))
+        stream = StreamDecoder(tok)
+        on_token = None
+        if not args.json:
+            print(args.prompt if not args.chat else "", end="", flush=True)
+            on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
+        engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
+        try:
+            result = generate(model, ids, cfg, on_token=on_token, engine=engine)
+        except ValueError:
+            if not args.json:
+                print(flush=True)  # end the streamed line, so that the error starts on its own
+            raise
+    finally:
+        store.close()
     rate = result.decode_tokens_per_s  # None: nothing decoded after the first token
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
@@ -191,11 +215,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nmoeswap: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if args.debug or _reader_gone(sys.stdout) is False:
+            raise  # not our output's reader leaving (some other pipe): a failure
+        # As Python's docs advise (signal module, "Note on SIGPIPE"): stop quietly, point the closed streams
+        # at devnull so that the flush at exit cannot fail again, and exit 1, as Python itself does on EPIPE.
+        for stream in (sys.stdout, sys.stderr):
+            if _reader_gone(stream):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        return 1
     except USER_ERRORS as err:
         if args.debug:
             raise
         print(f"moeswap: error: {err}", file=sys.stderr)
         return 2
+
+
+def _reader_gone(stream) -> bool | None:
+    """Whether `stream` is a pipe whose reader has closed it (poll reports an error or hang-up on its write
+    end); None where that cannot be told (no file descriptor, as under a test's capture; no poll)."""
+    try:
+        fd = stream.fileno()
+        poll = select.poll()
+    except (AttributeError, OSError, ValueError):
+        return None
+    poll.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
 
 
 if __name__ == "__main__":

@@ -2,16 +2,22 @@
 the continuous-batching scheduler (engine.scheduler) with every request submitted at once.
 
 Tokenizer-free (token ids in, token ids out). Time to first token and per output token are measured
-inside the engine. Entry points: `generate(model, prompt_ids, config, on_token)`, `generate_batch(...)`.
+inside the engine. Logits that are not finite raise NonFiniteError (engine.nonfinite). Entry points:
+`generate(model, prompt_ids, config, on_token)`, `generate_batch(...)`.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from moeswap.engine.sampling import SamplingParams
-from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
+from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, check_seed
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,16 @@ class GenerationConfig:
     seed: int | None = None
     stop_ids: Sequence[int] | None = None  # None -> the model's eos ids; () -> never stop early
     max_prompt_tokens: int | None = None  # None -> config.max_position_embeddings
+
+    def __post_init__(self):
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
+        if self.seed is not None:
+            check_seed(self.seed)
+        if self.max_prompt_tokens is not None and (not _is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1):
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {self.max_prompt_tokens!r}")
 
 
 @dataclass
@@ -78,7 +94,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
     sched = Scheduler(model, engine)
     requests = [Request(list(p), cfg.max_tokens, cfg.sampling, stop, None if cfg.seed is None else cfg.seed + i, i)
                 for i, p in enumerate(prompts)]
-    results = sched.run(requests, (lambda ev: on_token(ev.id, ev.token)) if on_token else None)
+    # raises the first failed request's error (NonFiniteError) once the others are done
+    results = sched.run(requests, (lambda ev: on_token(ev.id, ev.token) if ev.token is not None else None)
+                        if on_token else None)
     st = sched.stats
     return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded,
                              st.native_steps, st.native_off) for r in results]

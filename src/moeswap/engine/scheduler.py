@@ -5,11 +5,15 @@ KDA in its chunked form, or its token recurrence in one C call on the CPU; MLA o
 cache) and then runs one batched decode step over every live sequence (on the CPU, its layers in one
 C call: engine/native_step.py). Finished sequences leave at once and their slot is reused. Greedy
 results equal running each request alone. Time to first token and time per output token are measured here.
+Every step's logits are checked for NaN and Inf (one reduction); a sequence whose logits are not finite
+fails alone (finish reason "error", with a NonFiniteError naming the step and the first non-finite layer)
+and the others go on: rows of a batch never mix, so their tokens are those they would get alone.
 Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`.
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,8 +22,15 @@ from typing import Callable, Sequence
 import torch
 
 from moeswap.engine.native_step import NativeDecode
+from moeswap.engine.nonfinite import NonFiniteError, all_finite, first_nonfinite
 from moeswap.engine.sampling import SamplingParams, sample
 from moeswap.engine.state import SlotStates
+
+
+def check_seed(seed: int, context: str = "") -> None:
+    """A seed torch.Generator takes (it reads it as 64 bits, signed or not)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(1 << 63) <= seed < 1 << 64:
+        raise ValueError(f"{context}seed must be an integer in [-2**63, 2**64), got {seed!r}")
 
 
 @dataclass(frozen=True)
@@ -45,8 +56,8 @@ class Request:
 @dataclass
 class TokenEvent:
     id: int | str
-    token: int
-    finish_reason: str | None  # None while the sequence goes on; "stop" | "length" on its last token
+    token: int | None  # None on an "error" event: the step gave the sequence no token
+    finish_reason: str | None  # None while the sequence goes on; "stop" | "length" on its last token; "error"
 
 
 @dataclass
@@ -55,9 +66,10 @@ class Result:
     tokens: list[int]
     finish_reason: str
     prompt_tokens: int
-    ttft_s: float  # submit -> first token (includes waiting for a slot)
+    ttft_s: float | None  # submit -> first token (includes waiting for a slot); None: failed before one
     decode_s: float  # first token -> last token
     queued_s: float = 0.0  # submit -> admitted
+    error: NonFiniteError | None = None  # why it failed (finish_reason "error"); tokens are those before
 
     @property
     def decoded(self) -> int:
@@ -100,6 +112,7 @@ class _Seq:
     t_last: float = 0.0
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    error: NonFiniteError | None = None
 
 
 def fuse_projections(model) -> None:
@@ -141,6 +154,8 @@ class Scheduler:
                              f"exceeds the engine's max_len {self.config.max_len}")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.id}: max_tokens must be >= 1, got {req.max_tokens}")
+        if req.seed is not None:
+            check_seed(req.seed, f"request {req.id}: ")
         gen = None
         if req.sampling.temperature > 0:
             gen = torch.Generator(device="cpu")
@@ -162,11 +177,12 @@ class Scheduler:
             slot = len(self.live)
             self.live.append(seq)
             seq.t_admit = time.perf_counter()
-            tok = self._prefill(slot, list(seq.req.prompt), seq)
-            self.pending[slot] = tok
-            self._emit(slot, int(tok), events)
+            tok = self._prefill(slot, list(seq.req.prompt), seq, events)
+            if tok is not None:
+                self.pending[slot] = tok
+                self._emit(slot, int(tok), events)
             self.stats.prefill_tokens += len(seq.req.prompt)
-            self.stats.prefill_s += seq.t_first - seq.t_admit
+            self.stats.prefill_s += seq.t_last - seq.t_admit
         if decoding:
             t0 = time.perf_counter()
             self._decode_step(decoding, events)
@@ -178,16 +194,23 @@ class Scheduler:
 
     def run(self, requests: Sequence[Request] = (),
             on_token: Callable[[TokenEvent], None] | None = None) -> list[Result]:
-        """Submit `requests` and step until everything is done; results in submission order."""
+        """Submit `requests` and step until everything is done; results in submission order. If one of them
+        failed, raises its error (the first in submission order) once the others are done; `step()` gives
+        each request's outcome instead."""
         ids = [self.submit(r) for r in requests]
         while self.busy:
             for ev in self.step():
                 if on_token:
                     on_token(ev)
-        return [self.finished.pop(i) for i in ids]
+        results = [self.finished.pop(i) for i in ids]
+        failed = next((r for r in results if r.error is not None), None)
+        if failed is not None:
+            raise failed.error
+        return results
 
     # -- internals --------------------------------------------------------------------------------
-    def _prefill(self, slot: int, prompt: list[int], seq: _Seq) -> torch.Tensor:
+    def _prefill(self, slot: int, prompt: list[int], seq: _Seq, events: list[TokenEvent]) -> torch.Tensor | None:
+        """The first token, or None when the prompt's logits are not finite (the sequence has failed)."""
         self.states.clear(slot)
         chunk = self.config.prefill_chunk
         logits = None
@@ -195,6 +218,9 @@ class Scheduler:
             piece = torch.tensor([prompt[start:start + chunk]], device=self.device)
             logits = self.model(piece, self.states.view(slot, slot + 1), last_only=True)[:, -1]
             self.states.advance(slot, slot + 1, piece.shape[1])
+        if not all_finite(logits):
+            self._fail(slot, events)
+            return None
         return self._sample(logits, [seq])[0]
 
     def _decode_step(self, n: int, events: list[TokenEvent]) -> None:
@@ -203,15 +229,47 @@ class Scheduler:
             self.stats.native_off = self._decode.reason
             self.stats.native_steps += self._decode.reason is None
         self.states.advance(0, n, 1)
-        next_B = self._sample(logits, self.live[:n])
+        bad: set[int] = set()
+        if not all_finite(logits):  # one reduction per step; rows only when it fails
+            bad = set((~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist())
+        next_B = self._sample(logits, self.live[:n], bad)
         self.pending[:n] = next_B  # the next step's input stays on the device
         for slot, tok in enumerate(next_B.tolist()):  # the one host read per step: stop checks, events
-            self._emit(slot, tok, events)
+            if slot in bad:
+                self._fail(slot, events)
+            else:
+                self._emit(slot, tok, events)
 
-    def _sample(self, logits_BV: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+    def _sample(self, logits_BV: torch.Tensor, seqs: list[_Seq], skip: set[int] = frozenset()) -> torch.Tensor:
+        """Each sequence's next token; rows in `skip` (failed) get 0 and draw nothing from their generator."""
         if all(s.generator is None for s in seqs):
             return logits_BV.argmax(dim=-1)  # one batched op, no host round trip
-        return torch.cat([sample(logits_BV[i:i + 1], s.req.sampling, s.generator) for i, s in enumerate(seqs)])
+        none = torch.zeros(1, dtype=torch.long, device=logits_BV.device)
+        return torch.cat([none if i in skip else sample(logits_BV[i:i + 1], s.req.sampling, s.generator)
+                          for i, s in enumerate(seqs)])
+
+    def _fail(self, slot: int, events: list[TokenEvent]) -> None:
+        """The sequence in `slot` produced logits that are not finite: it ends with a NonFiniteError that
+        names the step and (re-running it through the model's modules) the first non-finite layer. Its slot
+        is wiped, so that nothing non-finite stays behind for the slot's next occupant."""
+        seq = self.live[slot]
+        r, prompt = seq.req, list(seq.req.prompt)
+        # the step's input: the prompt (prefill), or the last token (decode step k makes token k + 1)
+        prefix, step = (prompt + seq.tokens[:-1], seq.tokens[-1:]) if seq.tokens else ([], prompt)
+        where = f"decode step {len(seq.tokens)}" if seq.tokens else "prefill"
+        origin = first_nonfinite(self.model, prefix, step, self.config.prefill_chunk, self.states.dtype, self.device)
+        seq.error = NonFiniteError(
+            f"request {r.id}: NaN or infinite logits at {where} (prompt of {len(prompt)} tokens, {len(seq.tokens)} "
+            f"generated); first non-finite output, re-running the step through the model's modules: {origin}; "
+            f"a weight or a config.json value is NaN, infinite or out of range")
+        self.states.wipe(slot)
+        seq.done = True
+        now = time.perf_counter()
+        seq.t_last, seq.t_first = now, seq.t_first or now
+        events.append(TokenEvent(r.id, None, "error"))
+        self.finished[r.id] = Result(r.id, seq.tokens, "error", len(prompt),
+                                     seq.t_first - seq.t_submit if seq.tokens else None,
+                                     seq.t_last - seq.t_first, seq.t_admit - seq.t_submit, seq.error)
 
     def _emit(self, slot: int, tok: int, events: list[TokenEvent]) -> None:
         seq = self.live[slot]

@@ -35,12 +35,20 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def check_device(name: str) -> torch.device:
+    """A device the model can run on: the CPU or an existing CUDA device (meta holds no values; other
+    backends lack the kernels the model calls)."""
     try:
         device = torch.device(name)
     except RuntimeError as err:
         raise ValueError(f"--device {name!r} is not a torch device ({err})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name!r}: no CUDA device is available here (use --device cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: moeswap runs on cpu or cuda devices, not {device.type}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name!r}: no CUDA device is available here (use --device cpu)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return device
 
 
