@@ -1,11 +1,9 @@
 """Chat templates: a checkpoint's own Jinja `chat_template`, rendered as transformers renders it.
 
-Owns: finding the template (`chat_template.jinja`, else tokenizer_config.json's `chat_template`), the
-sandboxed environment transformers gives templates, and `ChatTemplate.segments`, which splits a rendered
-prompt so that special-token strings the caller wrote (in contents, tool arguments, tools) stay text and
-only the template's own markup holds special tokens. engine/tokenizer.py encodes the segments and keeps
-the built-in template for checkpoints without one. Entry point: `find_chat_template(model_dir, tok_cfg)`.
-"""
+Owns: finding the template (`chat_template.jinja`, else tokenizer_config.json's), transformers' sandboxed
+environment, and `ChatTemplate.segments`, which keeps the caller's special-token strings (contents, tool
+calls, tools) text so only the template's markup holds special tokens; tokenizer.py encodes the segments
+and has the built-in template for checkpoints without one. Entry point: `find_chat_template`."""
 
 from __future__ import annotations
 
@@ -170,6 +168,7 @@ class ChatTemplate:
         self.origin = origin
         self.tokens = dict(tokens or {})
         self._tool_use = tool_use
+        self._scan: tuple[frozenset[str], _SpecialScan] | None = None  # the last vocabulary's, reused
         try:
             self._compiled = _ENV.from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
@@ -213,7 +212,10 @@ class ChatTemplate:
         template = self._pick(tools)
         msgs, tools, variables = normalize_messages(messages), _check_tools(tools), _check_variables(variables)
         real = template._render(msgs, tools, add_generation_prompt, variables)
-        scan = _SpecialScan(specials)
+        key = frozenset(specials)
+        if self._scan is None or self._scan[0] != key:
+            self._scan = key, _SpecialScan(key)
+        scan = self._scan[1]
         if scan.pattern is None:
             return [(real, True)]
         _refuse_specials_in_keys({"messages": msgs, "tools": tools, "variables": variables}, scan)
@@ -233,7 +235,7 @@ class ChatTemplate:
                 if m:
                     raise ChatTemplateError(
                         f"{path} contains the special token {m[0]!r}, and the chat template ({template.origin}) "
-                        "changes that string as it renders it, so moeswap cannot keep the token as text; "
+                        "changes or tests that string as it renders it, so moeswap cannot keep the token as text; "
                         "remove it from the message")
             return [(real, True)]
         return _split_at_caller_specials(real, spans, scan)

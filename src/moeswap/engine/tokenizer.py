@@ -153,8 +153,8 @@ class Tokenizer:
         vocabulary has those specials, else plain `role: content` lines, and an open assistant turn at the
         end by default; it knows no tools and ignores `variables`."""
         if self.chat_template is not None:
-            return self.chat_template.segments(messages, self.special_to_id, add_generation_prompt=add_generation_prompt,
-                                               tools=tools, variables=variables)
+            return self.chat_template.segments(messages, self.special_to_id, tools=tools, variables=variables,
+                                               add_generation_prompt=add_generation_prompt)
         if tools is not None:
             raise ValueError("tools need the checkpoint's chat template, and this checkpoint has none "
                              f"(no {CHAT_TEMPLATE_FILE} or chat_template in tokenizer_config.json)")
