@@ -440,3 +440,24 @@ def test_stream_decoder_sentencepiece_style(tmp_path):
     assert pieces.count("") > 3  # the emoji's and the unseen Han's byte tokens were held back
     held = _stream(tok, ids[:ids.index(tok.token_to_id("<0xF0>")) + 2])  # stop inside the emoji
     assert "".join(held) == tok.decode(ids[:ids.index(tok.token_to_id("<0xF0>")) + 2]) and held[-1].endswith("\ufffd")
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "generation_config.json",
+                                  "chat_template.jinja"])
+def test_tokenizer_files_linking_outside_the_model_are_refused(tmp_path, name):
+    model = tmp_path / "model"
+    build_tiny_tokenizer(model, VOCAB)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"chat_template": "stolen"}')
+    (model / name).unlink(missing_ok=True)
+    (model / name).symlink_to(secret)
+    with pytest.raises(ValueError, match=f"'{name}' is a link that resolves outside the model directory") as err:
+        load_tokenizer(model)
+    assert "stolen" not in str(err.value)
+
+
+def test_deeply_nested_tokenizer_config_is_one_line(tmp_path):
+    build_tiny_tokenizer(tmp_path, VOCAB)
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: not valid JSON for a model file"):
+        load_tokenizer(tmp_path)

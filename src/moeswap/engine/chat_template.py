@@ -21,6 +21,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from moeswap.formats.files import confined
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 # tokenizer_config.json's named special tokens, which transformers passes to every template as variables
@@ -121,7 +123,7 @@ def find_chat_template(model_dir: str | Path, tok_cfg: Mapping[str, Any]) -> Cha
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             tokens[key] = value
-    file = d / CHAT_TEMPLATE_FILE
+    file = confined(d, CHAT_TEMPLATE_FILE, ChatTemplateError, str(d))  # a link out of the model: refused
     if file.is_file():
         try:
             return ChatTemplate(file.read_text(encoding="utf-8"), origin=CHAT_TEMPLATE_FILE, tokens=tokens)

@@ -12,7 +12,6 @@ import base64
 import binascii
 import codecs
 import hashlib
-import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import tokenizers
 
 from moeswap.engine.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate, find_chat_template, normalize_messages
+from moeswap.formats.files import confined, read_json
 
 
 class TokenizerError(ValueError):
@@ -363,10 +363,10 @@ def load_tokenizer(model_dir: str | Path, *, eos_ids: Sequence[int] | None = Non
     if not d.is_dir():
         raise TokenizerError(f"{d}: no such directory; expected a model directory with one of "
                              f"{', '.join(TOKENIZER_FILES)}")
-    tok_cfg = _read_json(d / "tokenizer_config.json")
-    if (d / "tokenizer.json").is_file():
+    tok_cfg = _read_json(_in(d, "tokenizer_config.json"))
+    if _in(d, "tokenizer.json").is_file():
         tok: Tokenizer = _load_hf(d / "tokenizer.json")
-    elif (d / "tiktoken.model").is_file():
+    elif _in(d, "tiktoken.model").is_file():
         tok = _load_tiktoken(d / "tiktoken.model", tok_cfg)
     else:
         raise TokenizerError(f"{d}: no tokenizer found (looked for {', '.join(TOKENIZER_FILES)}); copy the "
@@ -381,14 +381,17 @@ def load_tokenizer(model_dir: str | Path, *, eos_ids: Sequence[int] | None = Non
     return tok
 
 
+def _in(model_dir: Path, name: str) -> Path:
+    """A tokenizer file of the model directory; one that links outside it is refused (a checkpoint is data
+    and never reaches other files)."""
+    return confined(model_dir, name, TokenizerError, str(model_dir))
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object file, {} when absent."""
-    if not path.is_file():
+    if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e}); the file is corrupt, replace it") from e
+    data = read_json(path, TokenizerError)
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
@@ -482,7 +485,7 @@ def _config_ids(d: Path, key: str) -> list[tuple[str, int]]:
     """(file name, id) for `key` in generation_config.json and config.json (K3 nests it in text_config)."""
     found = []
     for name in ("generation_config.json", "config.json"):
-        cfg = _read_json(d / name)
+        cfg = _read_json(_in(d, name))
         if key not in cfg and isinstance(cfg.get("text_config"), dict):
             cfg = cfg["text_config"]
         value = cfg.get(key)
