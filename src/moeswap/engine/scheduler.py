@@ -358,7 +358,6 @@ class Scheduler:
         """Aborted requests end: an "abort" event and Result each; running ones leave their slots."""
         ended = self._aborted + [seq for seq in self.live if seq.aborted]
         self._aborted = []
-        now = time.perf_counter()
         for seq in ended:
             seq.done = True
             r = seq.req
