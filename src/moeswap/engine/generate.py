@@ -1,4 +1,4 @@
-"""Generation over the model: prefill each prompt, then decode the batch one token per step, through
+"""Generation over the model: prefill each prompt, and decode the prompts done one token per step, through
 the continuous-batching scheduler (engine.scheduler) with every request submitted at once.
 
 Tokenizer-free (token ids in, token ids out). Time to first token and per output token are measured
@@ -49,6 +49,7 @@ class GenerationResult:
     decoded: int = field(default=0)  # tokens produced by decode steps (all but the first)
     native_steps: int = 0  # the batch's decode steps that ran in the native C call (engine/native_step.py)
     native_off: str | None = None  # why the last decode step did not, if it did not
+    state_bytes: int = 0  # the most sequence state the batch held at once (EngineStats.state_bytes_peak)
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -81,9 +82,9 @@ def generate(model, prompt_ids: Sequence[int], cfg: GenerationConfig = Generatio
 def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfig = GenerationConfig(),
                    on_token: Callable[[int, int], None] | None = None,
                    engine: EngineConfig | None = None) -> list[GenerationResult]:
-    """Greedy results equal running each prompt alone: each prompt is prefilled alone, then all are
-    decoded together (the scheduler with every request submitted at once). Sequence i of a seeded
-    sampled batch uses seed + i."""
+    """Greedy results equal running each prompt alone: each prompt is prefilled alone (in pieces, between
+    the decode steps of the prompts already done), and decoded with the others (the scheduler with every
+    request submitted at once). Sequence i of a seeded sampled batch uses seed + i."""
     for p in prompts:
         _check_prompt(model, p, cfg)
     stop = tuple(model.config.eos_token_ids if cfg.stop_ids is None else cfg.stop_ids)
@@ -99,4 +100,4 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
                         if on_token else None)
     st = sched.stats
     return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded,
-                             st.native_steps, st.native_off) for r in results]
+                             st.native_steps, st.native_off, st.state_bytes_peak) for r in results]
