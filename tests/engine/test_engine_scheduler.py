@@ -12,12 +12,6 @@ from moeswap.models.loader import LoadOptions, load_model
 from moeswap.tiny import write_tiny_model
 
 
-@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
-def model(request, tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, "tiny", seed=4)
-    return load_model(path, LoadOptions(dtype="float32"))[0]
-
-
 def _tokens(n, seed):
     return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

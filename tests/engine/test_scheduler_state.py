@@ -15,14 +15,7 @@ from moeswap.engine.state import MIN_CAPACITY
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
-from moeswap.tiny import write_tiny_model
 from moeswap.units import human_bytes
-
-
-@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
-def model(request, tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp(request.param) / "m", request.param, "tiny", seed=4)
-    return load_model(path, LoadOptions(dtype="float32"))[0]
 
 
 def _tokens(n, seed):

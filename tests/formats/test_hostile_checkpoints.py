@@ -5,8 +5,6 @@ is `moeswap: error: ...` and exit code 2."""
 
 from __future__ import annotations
 
-import builtins
-import io
 import json
 import os
 import struct
@@ -16,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from open_spy import opened_paths
 from moeswap.cli import main
 from moeswap.config import ConfigError, load_config
 from moeswap.formats import mxfp4
@@ -26,24 +25,10 @@ SECRET = b"secret-token-4242 (not a checkpoint)\n"  # what must never appear in 
 
 
 @pytest.fixture
-def opened(monkeypatch) -> list[Path]:
+def opened() -> list[Path]:
     """Every path opened through open / io.open / os.open while the test runs, resolved."""
-    seen: list[Path] = []
-    real_open, real_os_open = builtins.open, os.open
-
-    def spy_open(file, *args, **kwargs):
-        if isinstance(file, (str, bytes, os.PathLike)):
-            seen.append(Path(os.fsdecode(file)).resolve())
-        return real_open(file, *args, **kwargs)
-
-    def spy_os_open(path, *args, **kwargs):
-        seen.append(Path(os.fsdecode(path)).resolve())
-        return real_os_open(path, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", spy_open)
-    monkeypatch.setattr(io, "open", spy_open)
-    monkeypatch.setattr(os, "open", spy_os_open)
-    return seen
+    with opened_paths() as seen:
+        yield seen
 
 
 def tensors_a() -> dict[str, torch.Tensor]:

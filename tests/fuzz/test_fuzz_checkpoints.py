@@ -8,10 +8,8 @@ Derandomized, no example database, a few dozen examples per target: ~1 min on on
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import copy
-import io
 import json
 import math
 import os
@@ -27,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
 
+from open_spy import opened_paths
 from moeswap.cli import USER_ERRORS, main
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, CheckpointError
@@ -62,28 +61,6 @@ def alarm(seconds: int):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-@contextlib.contextmanager
-def opened_paths():
-    """Every path opened through open / io.open / os.open inside the block, resolved."""
-    seen: list[Path] = []
-    real_open, real_os_open = builtins.open, os.open
-
-    def spy_open(file, *args, **kwargs):
-        if isinstance(file, (str, bytes, os.PathLike)):
-            seen.append(Path(os.fsdecode(file)).resolve())
-        return real_open(file, *args, **kwargs)
-
-    def spy_os_open(path, *args, **kwargs):
-        seen.append(Path(os.fsdecode(path)).resolve())
-        return real_os_open(path, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(builtins, "open", spy_open)
-        mp.setattr(io, "open", spy_open)
-        mp.setattr(os, "open", spy_os_open)
-        yield seen
 
 
 @contextlib.contextmanager
