@@ -1,0 +1,73 @@
+"""A live `moeswap serve` app on loopback: uvicorn on a free port of 127.0.0.1 in a background thread, over
+the tiny K3 (tests/conftest.py), with the official `openai` client pointed at it.
+
+`start_server(**ServeOptions fields)` -> a running server; each is stopped when its module ends.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+
+from moeswap.engine.tokenizer import load_tokenizer  # noqa: E402
+from moeswap.models.loader import load_model  # noqa: E402
+from moeswap.server.app import build_app  # noqa: E402
+from moeswap.server.options import ServeOptions  # noqa: E402
+
+MODEL = "tiny-k3"
+
+
+@dataclass
+class LiveServer:
+    url: str  # http://127.0.0.1:PORT
+    app: object
+    model: object
+    tokenizer: object
+
+    @property
+    def engine(self):
+        return self.app.state.server.engine
+
+    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
+        # no retries: a 429 or 5xx must reach the test as it came
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_k3_dir):
+    model, store = load_model(tiny_k3_dir)
+    yield model, load_tokenizer(tiny_k3_dir), store
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def start_server(tiny_model):
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(**options) -> LiveServer:
+        model, tok, store = tiny_model
+        app = build_app(model, tok, ServeOptions(model_name=MODEL, **options), store)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        servers.append((server, thread))
+        return LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", app, model, tok)
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
