@@ -57,7 +57,8 @@ class Request:
 class TokenEvent:
     id: int | str
     token: int | None  # None on an "error" event: the step gave the sequence no token
-    finish_reason: str | None  # None while the sequence goes on; "stop" | "length" on its last token; "error"
+    # None while the sequence goes on; "stop" | "length" on its last token; "error"; "abort" (Scheduler.abort)
+    finish_reason: str | None
 
 
 @dataclass
@@ -112,6 +113,7 @@ class _Seq:
     t_last: float = 0.0
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    aborted: bool = False  # Scheduler.abort: ends at the next step
     error: NonFiniteError | None = None
 
 
@@ -136,6 +138,7 @@ class Scheduler:
         self.finished: dict = {}
         self.stats = EngineStats()
         self._next_id = 0
+        self._aborted: list[_Seq] = []  # aborted while waiting: their "abort" event comes with the next step
         self._decode = model
         if config.compile:
             from moeswap.engine.compile import compile_decode
@@ -163,14 +166,31 @@ class Scheduler:
         self.waiting.append(_Seq(req, gen, frozenset(req.stop_ids), time.perf_counter()))
         return req.id
 
+    def abort(self, request_id) -> bool:
+        """End a request: a waiting one leaves the queue now, a running one at the next step (its slot and
+        state are freed there). Either way the next `step()` gives its last event, (id, None, "abort"), and
+        `finished` its Result (finish reason "abort", the tokens it had). False: no such request waits or runs."""
+        for seq in self.waiting:
+            if seq.req.id == request_id:
+                self.waiting.remove(seq)
+                seq.t_admit = time.perf_counter()
+                self._aborted.append(seq)
+                return True
+        for seq in self.live:
+            if seq.req.id == request_id and not seq.aborted:
+                seq.aborted = True
+                return True
+        return False
+
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.live)
+        return bool(self.waiting or self.live or self._aborted)
 
     @torch.inference_mode()  # no autograd bookkeeping at all: ~5 % of a batch-1 decode step
     def step(self) -> list[TokenEvent]:
         """Admit what fits, then one decode step over the live sequences. Returns this step's tokens."""
         events: list[TokenEvent] = []
+        self._end_aborted(events)
         decoding = len(self.live)  # sequences admitted below get their first token from the prefill
         while self.waiting and len(self.live) < self.config.max_batch:
             seq = self.waiting.popleft()
@@ -285,6 +305,21 @@ class Scheduler:
             r = seq.req
             self.finished[r.id] = Result(r.id, seq.tokens, reason, len(r.prompt), seq.t_first - seq.t_submit,
                                          seq.t_last - seq.t_first, seq.t_admit - seq.t_submit)
+
+    def _end_aborted(self, events: list[TokenEvent]) -> None:
+        """Aborted requests end: an "abort" event and Result each; running ones leave their slots."""
+        ended = self._aborted + [seq for seq in self.live if seq.aborted]
+        self._aborted = []
+        now = time.perf_counter()
+        for seq in ended:
+            seq.done = True
+            r = seq.req
+            events.append(TokenEvent(r.id, None, "abort"))
+            self.finished[r.id] = Result(r.id, seq.tokens, "abort", len(r.prompt),
+                                         seq.t_first - seq.t_submit if seq.tokens else None,
+                                         seq.t_last - seq.t_first if seq.tokens else 0.0, seq.t_admit - seq.t_submit)
+        if ended:
+            self._retire()
 
     def _retire(self) -> None:
         """Finished sequences leave; the last live sequence moves into each freed slot."""
