@@ -1,7 +1,8 @@
 """A live `moeswap serve` app on loopback: uvicorn on a free port of 127.0.0.1 in a background thread, over
 the tiny K3 (tests/conftest.py), with the official `openai` client pointed at it.
 
-`start_server(**ServeOptions fields)` -> a running server; each is stopped when its module ends.
+`start_server(**ServeOptions fields)` -> a running server; each is stopped when its module ends;
+`run_app(app)` serves any app the same way.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from dataclasses import dataclass
 
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
+import openai
+import uvicorn
 
-from moeswap.engine.tokenizer import load_tokenizer  # noqa: E402
-from moeswap.models.loader import load_model  # noqa: E402
-from moeswap.server.app import build_app  # noqa: E402
-from moeswap.server.options import ServeOptions  # noqa: E402
+from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.models.loader import load_model
+from moeswap.server.app import build_app
+from moeswap.server.options import ServeOptions
 
 MODEL = "tiny-k3"
 
@@ -31,6 +31,10 @@ class LiveServer:
     app: object
     model: object
     tokenizer: object
+
+    @property
+    def name(self) -> str:
+        return self.app.state.server.name
 
     @property
     def engine(self):
@@ -49,13 +53,14 @@ def tiny_model(tiny_k3_dir):
 
 
 @pytest.fixture(scope="module")
-def start_server(tiny_model):
+def run_app():
+    """run_app(app) -> its URL: uvicorn serving `app` on a free port of 127.0.0.1 until the module ends."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(**options) -> LiveServer:
-        model, tok, store = tiny_model
-        app = build_app(model, tok, ServeOptions(model_name=MODEL, **options), store)
-        sock = socket.socket()
+    def run(app) -> str:
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets; without it every response waits
+        # ~40 ms for a delayed ACK (uvicorn binding host:port itself gets this right)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -65,9 +70,21 @@ def start_server(tiny_model):
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.01)
         servers.append((server, thread))
-        return LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", app, model, tok)
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
-    yield start
+    yield run
     for server, thread in servers:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def start_server(tiny_model, run_app):
+    """start_server(**ServeOptions fields) -> a LiveServer over the tiny K3."""
+
+    def start(**options) -> LiveServer:
+        model, tok, store = tiny_model
+        app = build_app(model, tok, ServeOptions(model_name=MODEL, **options), store)
+        return LiveServer(run_app(app), app, model, tok)
+
+    return start
