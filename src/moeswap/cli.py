@@ -22,6 +22,7 @@ from moeswap.atomic_dir import OutOfSpaceError
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tiny.sizes import SIZES
+from moeswap.units import human_bytes
 from moeswap import tuning
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
@@ -154,6 +155,7 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
+        "state_bytes": result.state_bytes,
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
     if args.json:
@@ -168,7 +170,8 @@ def cmd_generate(args) -> int:
         native = ("decode steps through the model's modules (--reference-step)" if args.reference_step else
                   f"decode steps in one C call: {result.native_steps} of {result.decoded}"
                   + (f" (otherwise: {result.native_off})" if result.native_off else ""))
-        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; torch threads {stats['threads']}"
+        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; "
+              f"sequence state {human_bytes(result.state_bytes)}; torch threads {stats['threads']}"
               + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)
     return 0
 

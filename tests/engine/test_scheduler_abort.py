@@ -65,3 +65,25 @@ def test_abort_from_run_callback_ends_the_run(model):
     assert res[1].finish_reason == "abort" and len(res[1].tokens) == 3
     assert [e.finish_reason for e in seen if e.id == 1] == [None, None, None, "abort"]
     assert res[1].tokens == _alone(model, _tokens(7, 2), 3)
+
+
+def test_abort_while_prefilling(model):
+    chunk = 8
+    a, long, late = _tokens(5, 3), _tokens(40, 4), _tokens(12, 5)
+    sched = Scheduler(model, EngineConfig(max_batch=2, max_len=128, prefill_chunk=chunk))
+    sched.submit(Request(a, 10, id="a"))
+    sched.step()
+    sched.submit(Request(long, 4, id="long"))
+    sched.step()
+    sched.step()  # long: 16 of its 40 tokens in the state
+    assert sched.stats.prefill_tokens == 5 + 16 and sched.abort("long")
+    events = sched.step()
+    assert [(e.id, e.token is None, e.finish_reason) for e in events] == [("long", True, "abort"), ("a", False, None)]
+    assert sched.stats.prefill_tokens == 5 + 16 and [s.req.id for s in sched.live] == ["a"]
+    assert sched.finished["long"].tokens == [] and sched.finished["long"].ttft_s is None
+    sched.submit(Request(late, 3, id="late"))  # into the slot long held, cleared
+    while sched.busy:
+        sched.step()
+    engine = EngineConfig(max_batch=1, max_len=128, prefill_chunk=chunk)
+    assert sched.finished["a"].tokens == Scheduler(model, engine).run([Request(a, 10)])[0].tokens
+    assert sched.finished["late"].tokens == Scheduler(model, engine).run([Request(late, 3)])[0].tokens

@@ -281,6 +281,11 @@ class NativeDecode:
         self.reason = None
         return plan
 
+    def forget_state(self) -> None:
+        """Drop the pointer table of the last step's state (and with it the buffers it keeps alive): its
+        owner reallocated them (engine/state.py SlotStates grows and shrinks its buffers)."""
+        self._states = None
+
     def _state_table(self, state: ModelState, B: int) -> ctypes.Array:
         """Per layer (conv, S, 0) or (latent, lengths, capacity) of the batch's rows; MLA caches grown to fit.
         Kept for the same state object (the scheduler's views) while its MLA caches keep their buffers."""

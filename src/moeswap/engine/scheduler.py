@@ -36,8 +36,10 @@ def check_seed(seed: int, context: str = "") -> None:
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 16  # sequences decoded together
-    max_len: int = 4096  # prompt + generated tokens per sequence (sizes the MLA caches)
-    prefill_chunk: int = 512  # prompt tokens per forward while prefilling (bounds activation memory)
+    max_len: int = 4096  # prompt + generated tokens per sequence (the most the MLA caches grow to)
+    # prompt tokens a step prefills, in one or more prompts' pieces, before its decode step (bounds activation
+    # memory and how long the decoding sequences wait for their next token)
+    prefill_chunk: int = 512
     compile: bool = False  # torch.compile the decode step's attention (eager stays the reference)
     fuse: bool = True  # one matmul for all projections of an attention layer's input (same values)
     native: bool = True  # decode steps' layers in one C call where it applies (engine/native_step.py)
@@ -93,9 +95,20 @@ class EngineStats:
     decode_s: float = 0.0
     native_steps: int = 0  # decode steps whose layers ran in one C call (engine/native_step.py)
     native_off: str | None = None  # why the last decode step did not, if it did not
+    # sequence state (KDA and MLA buffers, engine/state.py) at the end of the last step's work, before the
+    # sequences that finished left: bytes allocated, sequences holding them; and the most bytes at that point
+    state_bytes: int = 0
+    state_sequences: int = 0
+    state_bytes_peak: int = 0
+
+    @property
+    def state_bytes_per_sequence(self) -> float | None:
+        """Bytes of state per live sequence at the end of the last step's work; None with none."""
+        return self.state_bytes / self.state_sequences if self.state_sequences else None
 
     def as_dict(self) -> dict:
         d = dict(vars(self))
+        d["state_bytes_per_sequence"] = self.state_bytes_per_sequence
         # None (JSON null) with nothing prefilled or decoded
         d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_s if self.prefill_tokens else None
         d["decode_tokens_per_s"] = self.decode_tokens / self.decode_s if self.decode_tokens else None
@@ -111,6 +124,8 @@ class _Seq:
     t_admit: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
+    order: int = 0  # admission order (prefill goes first come, first served)
+    prefilled: int = 0  # prompt tokens in the state
     tokens: list[int] = field(default_factory=list)
     done: bool = False
     aborted: bool = False  # Scheduler.abort: ends at the next step
@@ -134,6 +149,9 @@ class Scheduler:
         self.states = SlotStates(model, config.max_batch, config.max_len, dtype, self.device)
         self.waiting: deque[_Seq] = deque()
         self.live: list[_Seq] = []  # live[i] occupies slot i
+        self.decoding = 0  # live[:decoding] are past their prefill (decoded each step); the rest prefill
+        self._admitted = 0  # admissions so far: the prefill order
+        self._generation = self.states.generation  # of the buffers the native step last saw
         self.pending = torch.zeros(config.max_batch, dtype=torch.long, device=self.device)  # next input per slot
         self.finished: dict = {}
         self.stats = EngineStats()
@@ -188,27 +206,27 @@ class Scheduler:
 
     @torch.inference_mode()  # no autograd bookkeeping at all: ~5 % of a batch-1 decode step
     def step(self) -> list[TokenEvent]:
-        """Admit what fits, then one decode step over the live sequences. Returns this step's tokens."""
+        """Admit what fits, prefill up to `prefill_chunk` prompt tokens, then one decode step over the
+        sequences that were past their prefill before. Returns this step's tokens."""
         events: list[TokenEvent] = []
         self._end_aborted(events)
-        decoding = len(self.live)  # sequences admitted below get their first token from the prefill
         while self.waiting and len(self.live) < self.config.max_batch:
             seq = self.waiting.popleft()
-            slot = len(self.live)
+            self.states.clear(len(self.live))
             self.live.append(seq)
-            seq.t_admit = time.perf_counter()
-            tok = self._prefill(slot, list(seq.req.prompt), seq, events)
-            if tok is not None:
-                self.pending[slot] = tok
-                self._emit(slot, int(tok), events)
-            self.stats.prefill_tokens += len(seq.req.prompt)
-            self.stats.prefill_s += seq.t_last - seq.t_admit
+            seq.t_admit, seq.order = time.perf_counter(), self._admitted
+            self._admitted += 1
+        decoding = self.decoding  # a prompt done below got its first token from the prefill: it decodes next step
+        self._prefill(events)
         if decoding:
             t0 = time.perf_counter()
             self._decode_step(decoding, events)
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.decode_steps += 1
             self.stats.decode_tokens += decoding
+        st = self.stats
+        st.state_bytes, st.state_sequences = self.states.nbytes(), len(self.live)
+        st.state_bytes_peak = max(st.state_bytes_peak, st.state_bytes)
         self._retire()
         return events
 
@@ -229,21 +247,51 @@ class Scheduler:
         return results
 
     # -- internals --------------------------------------------------------------------------------
-    def _prefill(self, slot: int, prompt: list[int], seq: _Seq, events: list[TokenEvent]) -> torch.Tensor | None:
-        """The first token, or None when the prompt's logits are not finite (the sequence has failed)."""
-        self.states.clear(slot)
-        chunk = self.config.prefill_chunk
-        logits = None
-        for start in range(0, len(prompt), chunk):
-            piece = torch.tensor([prompt[start:start + chunk]], device=self.device)
+    def _prefill(self, events: list[TokenEvent]) -> None:
+        """Up to `prefill_chunk` prompt tokens of the sequences still prefilling, in the order they were
+        admitted; a prompt is cut at multiples of `prefill_chunk` (so its pieces are those it has alone)
+        and one whose next piece does not fit the tokens left waits for the next step. A prompt whose last
+        piece is done gets its first token and joins the decoding rows."""
+        chunk = budget = self.config.prefill_chunk
+        for seq in sorted(self.live[self.decoding:], key=lambda s: s.order):
+            prompt = seq.req.prompt
+            n = min(chunk, len(prompt) - seq.prefilled)
+            if seq.done or n > budget:
+                continue
+            t0 = time.perf_counter()
+            slot = self.live.index(seq)
+            self._reserve(slot, slot + 1, n)
+            piece = torch.tensor([list(prompt[seq.prefilled:seq.prefilled + n])], device=self.device)
             logits = self.model(piece, self.states.view(slot, slot + 1), last_only=True)[:, -1]
-            self.states.advance(slot, slot + 1, piece.shape[1])
-        if not all_finite(logits):
-            self._fail(slot, events)
-            return None
-        return self._sample(logits, [seq])[0]
+            self.states.advance(slot, slot + 1, n)
+            seq.prefilled += n
+            budget -= n
+            self.stats.prefill_tokens += n
+            if seq.prefilled == len(prompt):
+                if not all_finite(logits):
+                    self._fail(slot, events)
+                else:
+                    tok = self._sample(logits, [seq])[0]
+                    self.pending[slot] = tok
+                    self._emit(slot, int(tok), events)
+                    if not seq.done:  # into the decoding rows 0..decoding-1
+                        self._swap(slot, self.decoding)
+                        self.decoding += 1
+            self.stats.prefill_s += time.perf_counter() - t0
+            if not budget:
+                break
+
+    def _reserve(self, start: int, stop: int, tokens: int) -> None:
+        """Room in the state for a forward; where the buffers were reallocated, the native step's table of
+        pointers into them is dropped (it would be rebuilt anyway: the views are new objects)."""
+        self.states.reserve(start, stop, tokens)
+        if self.states.generation != self._generation:
+            self._generation = self.states.generation
+            if isinstance(self._decode, NativeDecode):
+                self._decode.forget_state()
 
     def _decode_step(self, n: int, events: list[TokenEvent]) -> None:
+        self._reserve(0, n, 1)
         logits = self._decode(self.pending[:n, None], self.states.view(0, n))[:, -1]
         if isinstance(self._decode, NativeDecode):
             self.stats.native_off = self._decode.reason
@@ -310,7 +358,6 @@ class Scheduler:
         """Aborted requests end: an "abort" event and Result each; running ones leave their slots."""
         ended = self._aborted + [seq for seq in self.live if seq.aborted]
         self._aborted = []
-        now = time.perf_counter()
         for seq in ended:
             seq.done = True
             r = seq.req
@@ -322,15 +369,30 @@ class Scheduler:
             self._retire()
 
     def _retire(self) -> None:
-        """Finished sequences leave; the last live sequence moves into each freed slot."""
-        slot = 0
-        while slot < len(self.live):
-            if self.live[slot].done:
-                last = len(self.live) - 1
-                if slot != last:
-                    self.states.move(last, slot)
-                    self.pending[slot] = self.pending[last]
-                    self.live[slot] = self.live[last]
-                self.live.pop()  # the freed slot is cleared when the next request is admitted into it
+        """Finished sequences leave; the rows stay packed: the last decoding sequence moves into a freed
+        decoding slot (and the last prefilling one into its place), the last prefilling one into a freed
+        prefilling slot. Then the state shrinks to what is left, where that is far less."""
+        for i in reversed(range(len(self.live))):  # from the end: every sequence after i stays
+            if not self.live[i].done:
+                continue
+            last = len(self.live) - 1
+            if i < self.decoding:
+                self.decoding -= 1
+                self._move(self.decoding, i)
+                self._move(last, self.decoding)
             else:
-                slot += 1
+                self._move(last, i)
+            self.live.pop()
+        self.states.fit(len(self.live))
+
+    def _move(self, src: int, dst: int) -> None:
+        if src != dst:
+            self.states.move(src, dst)
+            self.pending[dst] = self.pending[src]
+            self.live[dst] = self.live[src]
+
+    def _swap(self, a: int, b: int) -> None:
+        if a != b:
+            self.states.swap(a, b)
+            self.pending[[a, b]] = self.pending[[b, a]]
+            self.live[a], self.live[b] = self.live[b], self.live[a]
