@@ -40,6 +40,19 @@ class LiveServer:
     def engine(self):
         return self.app.state.server.engine
 
+    def finished(self, reason: str) -> float:
+        """Requests that ended with `reason`, as /metrics counts them."""
+        return self.app.state.server.metrics.requests_finished.labels(reason)._value.get()
+
+    def settle(self, until=lambda: True, timeout: float = 10.0) -> bool:
+        """Wait until no request runs or waits (an abort takes effect at the engine's next step) and `until()`."""
+        deadline = time.monotonic() + timeout
+        while self.engine.in_flight or self.engine.running or not until():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
         # no retries: a 429 or 5xx must reach the test as it came
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30, **kw)

@@ -5,7 +5,6 @@ client that leaves mid-answer frees its sequence at the next step."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -110,19 +109,6 @@ def test_context_and_routes(http, server):
     assert r.status_code == 405 and error_of(r)
 
 
-def wait_until(cond, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
-def finished(server, reason: str) -> float:
-    return server.app.state.server.metrics.requests_finished.labels(reason)._value.get()
-
-
 LONG = {"prompt": "tell me everything", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
 
@@ -134,24 +120,22 @@ def one_slot(start_server):
 
 
 def test_disconnect_mid_stream_frees_sequence(one_slot):
-    engine = one_slot.engine
-    aborted, ran_out = finished(one_slot, "abort"), finished(one_slot, "length")
+    aborted, ran_out = one_slot.finished("abort"), one_slot.finished("length")
     with httpx.stream("POST", one_slot.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
         assert r.status_code == 200
         assert next(line for line in r.iter_lines() if line.startswith("data: "))  # it runs
     # the connection is closed: the sequence leaves at the next step, long before its 4000 tokens
-    assert wait_until(lambda: engine.in_flight == 0 and engine.running == 0)
-    assert finished(one_slot, "abort") == aborted + 1 and finished(one_slot, "length") == ran_out
+    assert one_slot.settle(until=lambda: one_slot.finished("abort") == aborted + 1)
+    assert one_slot.finished("length") == ran_out
 
 
 def test_disconnect_before_answer_frees_sequence(one_slot):
     """A non-streamed request whose client gives up (here: a timeout) is aborted too."""
-    engine = one_slot.engine
-    aborted, ran_out = finished(one_slot, "abort"), finished(one_slot, "length")
+    aborted, ran_out = one_slot.finished("abort"), one_slot.finished("length")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(one_slot.url + "/v1/completions", json=LONG, timeout=0.3)
-    assert wait_until(lambda: engine.in_flight == 0)
-    assert finished(one_slot, "abort") == aborted + 1 and finished(one_slot, "length") == ran_out
+    assert one_slot.settle(until=lambda: one_slot.finished("abort") == aborted + 1)
+    assert one_slot.finished("length") == ran_out
 
 
 def test_queue_full_is_429(one_slot):
@@ -167,7 +151,7 @@ def test_queue_full_is_429(one_slot):
     finally:
         running.close()
         queued.close()  # the waiting one leaves the queue
-    assert wait_until(lambda: one_slot.engine.in_flight == 0)
+    assert one_slot.settle()
     assert client.completions.create(model=one_slot.name, prompt="go on", max_tokens=2).usage.completion_tokens >= 1
 
 

@@ -117,12 +117,15 @@ def test_stop_strings(server, client):
     stop = full[at:at + 3]
     kw = dict(model=server.name, prompt=PROMPT, max_tokens=24, temperature=0, stop=["\x00never", stop],
               extra_body={"ignore_eos": True})
+    stopped, aborted = server.finished("stop"), server.finished("abort")
     r = client.completions.create(**kw)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (full[:at], "stop")
     # streamed, the text held back for a possible stop string never leaks: the deltas add up to exactly the text
     deltas = [c.choices[0].text for c in client.completions.create(**kw, stream=True)]
     assert "".join(deltas) == full[:at]
     assert not any(stop in d for d in deltas)
+    # the engine dropped both sequences at once; the metrics count them as stopped, not as clients leaving
+    assert server.settle() and (server.finished("stop"), server.finished("abort")) == (stopped + 2, aborted)
 
 
 def test_stop_token_ids(server, client):

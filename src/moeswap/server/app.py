@@ -190,7 +190,7 @@ def _completion_prompt(srv: _Server, prompt) -> list[int]:
     return list(prompt)
 
 
-def _sampling(req: P._Sampling) -> SamplingParams:
+def _sampling(req: P.GenerationFields) -> SamplingParams:
     """SamplingParams (which owns the checks); a refused value is named by its parameter."""
     top_k = 0 if req.top_k == -1 else req.top_k  # -1: off, as in vLLM
     try:
@@ -204,7 +204,7 @@ def _sampling(req: P._Sampling) -> SamplingParams:
         raise P.APIError(400, str(e)) from None
 
 
-def _gen_request(srv: _Server, req: P._Sampling, prompt: list[int], max_tokens: int | None, param: str,
+def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_tokens: int | None, param: str,
                  logprobs: int | None) -> tuple[GenRequest, list[str]]:
     """The engine's request and the stop strings; APIError (4xx) for anything the engine could not take."""
     if req.n != 1:
@@ -281,12 +281,14 @@ async def _pieces(srv: _Server, handle: Handle, out: TextOutput, token_ids: list
                         break
             if item.finish_reason is not None:
                 piece.finish_reason, piece.error = item.finish_reason, item.error
-        if piece.finish_reason is not None and not out.stopped:
-            piece.text += out.finish()
+        if piece.finish_reason is not None:
+            if not out.stopped:
+                piece.text += out.finish()
+            srv.metrics.requests_finished.labels(piece.finish_reason).inc()  # before the client can see it
         yield piece
 
 
-async def _generate(srv: _Server, request: Request, req: P._Sampling, prompt: list[int], max_tokens: int | None,
+async def _generate(srv: _Server, request: Request, req: P.GenerationFields, prompt: list[int], max_tokens: int | None,
                     param: str, logprobs: int | None, chat: bool):
     gen, stops = _gen_request(srv, req, prompt, max_tokens, param, logprobs)
     try:
@@ -302,14 +304,16 @@ async def _generate(srv: _Server, request: Request, req: P._Sampling, prompt: li
         return StreamingResponse(_stream(srv, handle, out, ids, rid, req, prompt, chat, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     watcher = asyncio.create_task(_abort_on_disconnect(request, srv.engine, handle))
+    text, lps, finish, error = "", [], None, None
     try:
-        text, lps, finish, error = "", [], None, None
         async for piece in _pieces(srv, handle, out, ids):
             text += piece.text
             lps += piece.logprobs
             finish, error = piece.finish_reason, piece.error
     finally:
         watcher.cancel()
+        if finish is None:
+            srv.metrics.requests_finished.labels("abort").inc()
         srv.engine.abort(handle)  # nothing if it ended; frees the sequence if this handler was cancelled
     if finish == "error":
         raise P.APIError(500, f"generation failed: {error}", code="generation_failed")
@@ -328,7 +332,7 @@ async def _generate(srv: _Server, request: Request, req: P._Sampling, prompt: li
     return JSONResponse(body)
 
 
-async def _stream(srv: _Server, handle: Handle, out: TextOutput, ids: list[int], rid: str, req: P._Sampling,
+async def _stream(srv: _Server, handle: Handle, out: TextOutput, ids: list[int], rid: str, req: P.GenerationFields,
                   prompt: list[int], chat: bool, include_usage: bool) -> AsyncIterator[str]:
     created = P.now()
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -340,10 +344,12 @@ async def _stream(srv: _Server, handle: Handle, out: TextOutput, ids: list[int],
             body.setdefault("usage", None)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    finish = None
     try:
         if chat:
             yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
         async for piece in _pieces(srv, handle, out, ids):
+            finish = piece.finish_reason
             if piece.finish_reason == "error":
                 yield f"data: {json.dumps(P.error_body(f'generation failed: {piece.error}', 'server_error'))}\n\n"
                 break
@@ -365,6 +371,8 @@ async def _stream(srv: _Server, handle: Handle, out: TextOutput, ids: list[int],
         yield "data: [DONE]\n\n"
     finally:
         # the client left (the response task was cancelled) or the stream ended: free the sequence
+        if finish is None:
+            srv.metrics.requests_finished.labels("abort").inc()
         srv.engine.abort(handle)
 
 

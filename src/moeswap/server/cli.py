@@ -41,6 +41,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import uvicorn
 
+    from moeswap.config import load_config
     from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
@@ -52,6 +53,7 @@ def run(args) -> int:
     options = ServeOptions(model_name=args.served_model_name or args.model, api_key=api_key,
                            max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
                            native=not args.reference_step)  # every flag is checked before the model loads
+    options.resolve_max_context(load_config(args.model).max_position_embeddings)
     if api_key is None and not _loopback(args.host):
         print(f"moeswap: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

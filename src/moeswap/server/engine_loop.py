@@ -152,7 +152,8 @@ class EngineLoop:
         return handle
 
     def abort(self, handle: Handle) -> None:
-        """End a request whose client left or has what it wants; its sequence is freed at the next step."""
+        """End a request whose client left or has what it wants (a stop string); its sequence is freed at the
+        next step."""
         if not handle.done:
             self._inbox.put(("abort", handle.id))
 
@@ -232,13 +233,13 @@ class EngineLoop:
                 result = self.sched.finished.pop(ev.id, None)
                 if ev.finish_reason == "error" and result is not None and result.error is not None:
                     item.error = str(result.error)
-                self._finish(live, ev.finish_reason, now)
+                self._finish(live, now)
             out.setdefault(ev.id, []).append(item)
         self._send([(self._live[rid].handle if rid in self._live else self._gone[rid], items)
                     for rid, items in out.items()])
         self._gone.clear()
 
-    def _finish(self, live: _Live, reason: str, now: float) -> None:
+    def _finish(self, live: _Live, now: float) -> None:
         rid = live.handle.id
         self._live.pop(rid)
         self._gone[rid] = live.handle
@@ -246,7 +247,7 @@ class EngineLoop:
         self.sched.recorded.pop(rid, None)
         self._ended()
         if self.metrics:
-            self.metrics.finished(reason, ttft=None if live.t_first is None else live.t_first - live.t_arrival,
+            self.metrics.latency(ttft=None if live.t_first is None else live.t_first - live.t_arrival,
                                   tpot=(live.t_last - live.t_first) / (live.tokens - 1) if live.tokens > 1 else None,
                                   e2e=now - live.t_arrival)
 
@@ -254,7 +255,7 @@ class EngineLoop:
         now = time.perf_counter()
         ended = list(self._live.values())
         for live in ended:
-            self._finish(live, reason, now)
+            self._finish(live, now)
         self._send([(live.handle, [TokenOut(None, reason, error=error)]) for live in ended])
         self._gone.clear()
 

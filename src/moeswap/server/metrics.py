@@ -23,8 +23,8 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.http_requests = Counter("moeswap_http_requests", "HTTP requests by endpoint and status code",
                                      ["endpoint", "status"], registry=r)
-        self.requests_finished = Counter("moeswap_requests_finished", "Generation requests by finish reason "
-                                         "(stop, length, abort: client left or a stop string matched, error)",
+        self.requests_finished = Counter("moeswap_requests_finished", "Generation requests by the finish reason "
+                                         "their client got (stop, length, error; abort: the client left)",
                                          ["finish_reason"], registry=r)
         self.ttft = Histogram("moeswap_time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY, registry=r)
@@ -44,8 +44,7 @@ class ServerMetrics:
         if store is not None:
             self.registry.register(_StoreCollector(store))
 
-    def finished(self, reason: str, ttft: float | None, tpot: float | None, e2e: float) -> None:
-        self.requests_finished.labels(reason).inc()
+    def latency(self, ttft: float | None, tpot: float | None, e2e: float) -> None:
         if ttft is not None:
             self.ttft.observe(ttft)
         if tpot is not None:

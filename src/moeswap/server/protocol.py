@@ -60,7 +60,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
 
 
-class _Sampling(_Strict):
+class GenerationFields(_Strict):
     """Fields both endpoints share. Parameters that exist in OpenAI's API but not here are accepted only at
     their neutral value (see NEUTRAL), so that clients which always send them keep working."""
 
@@ -83,7 +83,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -94,7 +94,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
