@@ -92,12 +92,11 @@ def test_refused_by_name(http, server, endpoint, body, status, param):
 
 
 def test_still_serving_after_bad_requests(http, server):
-    for endpoint, body, _, _ in BAD:
-        post(http, server, f"/v1/{endpoint}", body)
+    statuses = [post(http, server, f"/v1/{endpoint}", body).status_code for endpoint, body, _, _ in BAD]
+    assert all(400 <= s < 500 for s in statuses)
     assert post(http, server, "/v1/completions", TEXT).status_code == 200
     assert post(http, server, "/v1/chat/completions", CHAT).status_code == 200
-    metrics = http.get(server.url + "/metrics").text
-    assert 'status="500"' not in metrics
+    assert server.engine.alive and server.settle()
 
 
 def test_context_and_routes(http, server):

@@ -201,3 +201,22 @@ def test_metrics(server, client):
     assert values['moeswap_expert_bytes_read_total{tier="disk"}'] > 0
     assert values["moeswap_requests_running"] == 0 and values["moeswap_requests_waiting"] == 0
     assert sum(v for k, v in values.items() if k.startswith("moeswap_requests_finished_total")) >= 1
+
+
+def test_concurrent_requests_are_each_as_alone(server, client):
+    """Requests that share the batch (joining it at different steps) each get the tokens they get alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["the quick brown fox", "Hello world, this is a test", "a b c", "Once upon a time there was"]
+    lengths = [24, 9, 17, 30]
+
+    def ask(i):
+        r = client.completions.create(model=server.name, prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                                      stream=i % 2 == 1, extra_body={"ignore_eos": True, "return_token_ids": True})
+        if i % 2 == 0:
+            return r.choices[0].token_ids
+        return next(c.choices[0].token_ids for c in r if c.choices and c.choices[0].finish_reason)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(ask, range(len(prompts))))
+    assert got == [oracle(server, server.tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]

@@ -92,18 +92,18 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorize)])
+    v1 = APIRouter(dependencies=[Depends(_authorize)])
 
-    @v1.get("/models")
+    @v1.get("/v1/models")
     async def models():
         return {"object": "list", "data": [P.model_card(srv.name, srv.created, srv.max_context)]}
 
-    @v1.get("/models/{name:path}")
+    @v1.get("/v1/models/{name:path}")
     async def model_card(name: str):
         _check_model(srv, name)
         return P.model_card(srv.name, srv.created, srv.max_context)
 
-    @v1.post("/chat/completions")
+    @v1.post("/v1/chat/completions")
     async def chat(request: Request):
         req = P.parse_body(P.ChatCompletionRequest, await _body(request))
         _check_model(srv, req.model)
@@ -119,7 +119,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         logprobs = _check_top(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
         return await _generate(srv, request, req, prompt, max_tokens, param, logprobs, chat=True)
 
-    @v1.post("/completions")
+    @v1.post("/v1/completions")
     async def completions(request: Request):
         req = P.parse_body(P.CompletionRequest, await _body(request))
         _check_model(srv, req.model)
