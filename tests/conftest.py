@@ -75,3 +75,18 @@ def strict_json():
         raise AssertionError(f"invalid JSON: {constant}")
 
     return lambda text: json.loads(text, parse_constant=reject)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tiktoken_cache(tmp_path_factory):
+    """tiktoken copies every ranks file it loads into a cache (by default under the system temp
+    directory); the suite keeps its copies in its own temporary directory."""
+    import os
+
+    before = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("tiktoken-cache"))
+    yield
+    if before is None:
+        os.environ.pop("TIKTOKEN_CACHE_DIR", None)
+    else:
+        os.environ["TIKTOKEN_CACHE_DIR"] = before

@@ -3,6 +3,7 @@ detokenization, run on the tiny tokenizers (whose own invariants tests/test_tiny
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -172,7 +173,8 @@ def test_eos_sources_and_override(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [511, 7]}))
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": 8, "bos_token_id": 1}}))
     t = load_tokenizer(tmp_path)
-    assert t.eos_ids == (511, 7, 8, 507) and t.bos_id == 506
+    top = VOCAB - len(DEFAULT_SPECIALS)  # <|bos|>, then <|end_of_msg|>
+    assert t.eos_ids == (511, 7, 8, top + 1) and t.bos_id == top
     assert load_tokenizer(tmp_path, eos_ids=[3]).eos_ids == (3,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 99999}))
     with pytest.raises(TokenizerError, match="generation_config.json.*99999"):
@@ -255,3 +257,207 @@ def test_chat_content_cannot_inject_markup(tok):
     assert attack in tok.decode(ids)
     role_attack = tok.encode_chat([{"role": "user<|im_end|>", "content": "x"}])
     assert [tok.id_to_special[i] for i in role_attack if i in tok.id_to_special].count("<|im_end|>") == 1
+
+
+# -- Kimi's tiktoken format, against tiktoken with Kimi's published pattern -------------------------
+
+# TikTokenTokenizer.pat_str of moonshotai's tokenization_kimi.py (Kimi K2, Kimi-Linear, K3), written out
+# from the published file rather than imported from moeswap, so the oracle shares nothing with the code
+# under test.
+KIMI_PUBLISHED_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+KIMI_TEXTS = [
+    "HelloWorld", "iPhoneXR", "McDonald's", "I'M HERE, don'T", "CamelCaseHTTPServer",
+    "12345678", "3.14159", "1,000,000 and 2024-06-01",
+    "灯塔看守人说你好", "mixed中文text 東京Tokyo",
+    "a  \n\n\t b   ", "trailing spaces   ", "   ", "\n\n\n", " \t \r\n x",
+    "Élève CRÊPES Größe ǅungla", "Emoji 🙂😀 ZWJ 👩‍👩‍👧",
+    "hi<|im_end|>there <|open|>x<|sep|>",
+]
+# Whole tokens a pre-tokenizer that ignored case changes (moeswap's old pattern) would use
+CROSS_CASE_TOKENS = [b"HelloWorld", b"oW", b"PhoneXR", b"neX", b"McDonald", b"cD"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tiktoken_cache(tmp_path_factory):
+    # load_tiktoken_bpe copies every file it reads into a cache (the system temp directory by default)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tiktoken-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory):
+    """A Kimi-format tokenizer directory: the tiny ranks plus the cross-case tokens, specials after them."""
+    d = tmp_path_factory.mktemp("kimi")
+    build_tiny_tiktoken(d, VOCAB)
+    model = d / "tiktoken.model"
+    lines = model.read_text().splitlines()
+    lines += [f"{base64.b64encode(t).decode()} {len(lines) + k}" for k, t in enumerate(CROSS_CASE_TOKENS)]
+    model.write_text("\n".join(lines) + "\n")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    added = [cfg["added_tokens_decoder"][k] for k in sorted(cfg["added_tokens_decoder"], key=int)]
+    cfg["added_tokens_decoder"] = {str(len(lines) + k): e for k, e in enumerate(added)}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _kimi_oracle(d: Path):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    return tiktoken.Encoding(name="kimi", pat_str=KIMI_PUBLISHED_PAT_STR,
+                             mergeable_ranks=load_tiktoken_bpe(str(d / "tiktoken.model")),
+                             special_tokens={e["content"]: int(i) for i, e in cfg["added_tokens_decoder"].items()})
+
+
+@pytest.mark.parametrize("text", KIMI_TEXTS + TEXTS)
+def test_kimi_tokenizer_encodes_as_tiktoken_with_kimis_pattern(kimi_dir, text):
+    tok, enc = load_tokenizer(kimi_dir), _kimi_oracle(kimi_dir)
+    assert tok.vocab_size == enc.n_vocab
+    assert tok.encode(text) == enc.encode(text, disallowed_special=())  # user text: specials stay text
+    assert tok.encode(text, specials=True) == enc.encode(text, allowed_special="all")
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_kimi_pattern_splits_where_case_changes(kimi_dir):
+    tok = load_tokenizer(kimi_dir)
+    whole = {tok.token_to_id(t.decode()) for t in CROSS_CASE_TOKENS}
+    assert None not in whole
+    for text, pieces in (("HelloWorld", ["Hello", "World"]), ("iPhoneXR", ["i", "Phone", "XR"]),
+                         ("McDonald's", ["Mc", "Donald's"])):
+        ids = tok.encode(text)
+        assert not set(ids) & whole, text  # no token spans a case change
+        bounds, at = set(), 0
+        for i in ids:
+            at += len(tok.token_bytes(i))
+            bounds.add(at)
+        assert {sum(len(p) for p in pieces[:k + 1]) for k in range(len(pieces))} <= bounds, text
+
+
+def _kimi_split_runs(s: str, max_run: int) -> list[str]:
+    """tokenization_kimi.py's _split_whitespaces_or_nonwhitespaces, transcribed character by character."""
+    out, run, is_space, start = [], 0, s[0].isspace() if s else False, 0
+    for i, c in enumerate(s):
+        if c.isspace() != is_space:
+            run, is_space = 1, c.isspace()
+        else:
+            run += 1
+            if run > max_run:
+                out.append(s[start:i])
+                start, run = i, 1
+    return out + [s[start:]]
+
+
+def test_kimi_chunks_cut_long_runs_as_kimi_does(kimi_dir):
+    import random
+
+    from moeswap.engine.tokenizer import MAX_SAME_CLASS_RUN, TIKTOKEN_MAX_ENCODE_CHARS, kimi_chunks
+
+    rng = random.Random(0)
+    texts = ["", "x", "the" * 9000, " " * 60001 + "x", "a b" * 10 + "q" * 75_000 + "\u3000" * 26_000]
+    texts.append("".join(rng.choice(["word ", "z" * 30_000, "\t" * 25_001, "中"]) for _ in range(20)))
+    for text in texts:
+        expect = [p for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS)
+                  for p in _kimi_split_runs(text[i:i + TIKTOKEN_MAX_ENCODE_CHARS], MAX_SAME_CLASS_RUN)]
+        assert list(kimi_chunks(text)) == expect
+    # the cuts are pre-tokenization boundaries: a 27,001-character run encodes as its two pieces do (the
+    # cut falls inside an "he" that is one token elsewhere)
+    tok, enc = load_tokenizer(kimi_dir), _kimi_oracle(kimi_dir)
+    text = "t" + "he" * 13_500
+    assert tok.encode(text) == enc.encode(text[:25_000]) + enc.encode(text[25_000:]) != enc.encode(text)
+
+
+def test_tiktoken_model_rewritten_in_place_is_reread(tmp_path):
+    # load_tiktoken_bpe's cache is keyed by the path: a file changed in place must not come back stale
+    build_tiny_tiktoken(tmp_path, 300)
+    assert load_tokenizer(tmp_path).token_to_id("HelloWorld") is None
+    model = tmp_path / "tiktoken.model"
+    lines = model.read_text().splitlines()
+    model.write_text("\n".join(lines + [f"{base64.b64encode(b'HelloWorld').decode()} {len(lines)}"]) + "\n")
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {str(int(k) + 1): e for k, e in cfg["added_tokens_decoder"].items()}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert load_tokenizer(tmp_path).token_to_id("HelloWorld") == len(lines)
+
+
+def test_backends_agree_on_kimi_texts(tmp_path):
+    # The tiny tokenizer.json splits with the same pattern (tokenizers' Split on KIMI_PAT_STR)
+    build_tiny_tokenizer(tmp_path / "hf", VOCAB)
+    build_tiny_tiktoken(tmp_path / "tk", VOCAB)
+    hf, tk = load_tokenizer(tmp_path / "hf"), load_tokenizer(tmp_path / "tk")
+    for text in KIMI_TEXTS:
+        assert hf.encode(text) == tk.encode(text), text
+        assert hf.encode(text, specials=True) == tk.encode(text, specials=True), text
+
+
+# -- streaming through the libraries' decoders ------------------------------------------------------
+
+
+def test_hf_stream_is_tokenizers_decode_stream(tmp_path):
+    from tokenizers.decoders import DecodeStream
+
+    build_tiny_tokenizer(tmp_path, VOCAB)
+    tok = load_tokenizer(tmp_path)
+    ids = tok.encode("Emoji 🙂😀 灯塔看守人 café<|im_end|>", specials=True)
+    ds = DecodeStream(skip_special_tokens=False)
+    assert _stream(tok, ids)[:-1] == [ds.step(tok._tok, i) or "" for i in ids]
+
+
+def _sentencepiece_style(d: Path) -> None:
+    """A tokenizer.json in the SentencePiece style: Metaspace words, bytes only as <0xNN> fallback tokens."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    tok = HF(models.BPE(byte_fallback=True, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(["the lighthouse keeper café 灯塔"] * 5,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=byte_tokens, show_progress=False))
+    tok.save(str(d / "tokenizer.json"))
+
+
+def test_stream_decoder_sentencepiece_style(tmp_path):
+    _sentencepiece_style(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert not tok.byte_level
+    text = "the keeper 🙂 café 灯塔守"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert pieces.count("") > 3  # the emoji's and the unseen Han's byte tokens were held back
+    held = _stream(tok, ids[:ids.index(tok.token_to_id("<0xF0>")) + 2])  # stop inside the emoji
+    assert "".join(held) == tok.decode(ids[:ids.index(tok.token_to_id("<0xF0>")) + 2]) and held[-1].endswith("\ufffd")
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "generation_config.json",
+                                  "chat_template.jinja"])
+def test_tokenizer_files_linking_outside_the_model_are_refused(tmp_path, name):
+    model = tmp_path / "model"
+    build_tiny_tokenizer(model, VOCAB)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"chat_template": "stolen"}')
+    (model / name).unlink(missing_ok=True)
+    (model / name).symlink_to(secret)
+    with pytest.raises(ValueError, match=f"'{name}' is a link that resolves outside the model directory") as err:
+        load_tokenizer(model)
+    assert "stolen" not in str(err.value)
+
+
+def test_deeply_nested_tokenizer_config_is_one_line(tmp_path):
+    build_tiny_tokenizer(tmp_path, VOCAB)
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: not valid JSON for a model file"):
+        load_tokenizer(tmp_path)

@@ -1,9 +1,9 @@
 """Text <-> token ids for the CLI and server; the engine itself only ever sees ids.
 
-Owns: loading a checkpoint's tokenizer (HF `tokenizer.json`, or Kimi's `tiktoken.model` with specials
-from `tokenizer_config.json`), bos/eos discovery, a minimal Kimi-style chat template and streamed
-detokenization (`StreamDecoder`). The tiny tokenizers `moeswap init-tiny` writes live in tiny/tokenizer.py.
-Entry point: `load_tokenizer(model_dir)`.
+Owns: loading a checkpoint's tokenizer (HF `tokenizer.json`, or Kimi's `tiktoken.model` encoded as
+tokenization_kimi.py encodes it), bos/eos discovery, encoding chat prompts (the checkpoint's template from
+chat_template.py, else a built-in Kimi-style one) and streamed detokenization (`StreamDecoder`). The tiny
+tokenizers `moeswap init-tiny` writes live in tiny/tokenizer.py. Entry point: `load_tokenizer(model_dir)`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,16 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
-import json
-from collections.abc import Sequence
+import hashlib
+import re
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
+from moeswap.engine.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate, find_chat_template, normalize_messages
+from moeswap.formats.files import confined, read_json
 
 
 class TokenizerError(ValueError):
@@ -26,19 +29,32 @@ class TokenizerError(ValueError):
 
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
 
-# Pre-tokenization in the spirit of Kimi/cl100k: Han runs alone, words (other letters) with one leading
-# space or symbol and an English contraction tail, digits in threes, symbol runs, then whitespace rules
-# that leave a single space to lead the next word. Every character matches some branch, which matters:
-# tiktoken silently drops text no branch matches.
-PRETOKENIZE_PATTERN = "|".join([
-    r"\p{Han}+",
-    r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}&&[^\p{Han}]]+(?:'(?i:[sdmt]|ll|ve|re))?",
+# Kimi's pre-tokenization: `TikTokenTokenizer.pat_str` of the tokenization_kimi.py that moonshotai publishes
+# with its tiktoken checkpoints (Kimi K2, Kimi-Linear, K3; read from the copy in github.com/troy12x/quasar-kimi,
+# and the same branches llama.cpp's src/unicode.cpp transcribes as its "kimi-k2" pre-tokenizer). Han runs
+# stand alone; other letters split where case changes (an upper-case run may lead a lower-case run, so
+# "HelloWorld" is "Hello", "World"), with one leading non-letter and an English contraction tail; digits in
+# threes; symbol runs; whitespace that leaves one space to lead the next word. A fact of the format: ids
+# change if this does.
+KIMI_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
     r"\p{N}{1,3}",
     r" ?[^\s\p{L}\p{N}]+[\r\n]*",
     r"\s*[\r\n]+",
     r"\s+(?!\S)",
     r"\s+",
 ])
+
+# tokenization_kimi.py hands tiktoken at most this many characters at a time, and cuts any run of more than
+# MAX_SAME_CLASS_RUN whitespace or non-whitespace characters (tiktoken is quadratic on such runs). The cuts
+# are pre-tokenization boundaries, so they are part of the format too.
+TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+MAX_SAME_CLASS_RUN = 25_000
+_LONG_RUN = re.compile(rf"\s{{{MAX_SAME_CLASS_RUN + 1},}}|\S{{{MAX_SAME_CLASS_RUN + 1},}}")
 
 _CHAT_TOKENS = ("<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
 
@@ -112,20 +128,40 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.special_to_id.get(token)
 
+    def _stream_step(self) -> Callable[[int], str | None] | None:
+        """The library's incremental decoder as a fresh step function (the text a token completes, None
+        while a character is unfinished); None when the library has none."""
+        return None
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         for i in ids:
             if not 0 <= i < self.vocab_size:
                 raise TokenizerError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
 
-    def chat_segments(self, messages: list[dict[str, Any]],
-                      add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
-        """The chat template as (text, is_markup) pieces: Kimi-style `<|im_user|>user<|im_middle|>...<|im_end|>`
-        turns when the vocabulary has those specials, else plain `role: content` lines; an open assistant
-        turn at the end by default. Only markup may hold special tokens; roles and contents are text."""
+    # The checkpoint's own template (chat_template.py), set by load_tokenizer; None: the built-in one
+    chat_template: ChatTemplate | None = None
+
+    def chat_segments(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                      tools: list[dict[str, Any]] | None = None, **variables: Any) -> list[tuple[str, bool]]:
+        """The chat prompt as (text, specials_allowed) pieces, in order: encode each with
+        `encode(text, specials=specials_allowed)`. Only the template's own markup may hold special
+        tokens; roles, contents, tool calls and tools written by the caller are text.
+
+        With the checkpoint's template (`chat_template`): rendered as transformers renders it, `tools` and
+        `variables` (the template's own switches) passed through; see ChatTemplate.segments. Without one,
+        the built-in template: Kimi-style `<|im_user|>user<|im_middle|>...<|im_end|>` turns when the
+        vocabulary has those specials, else plain `role: content` lines, and an open assistant turn at the
+        end by default; it knows no tools and ignores `variables`."""
+        if self.chat_template is not None:
+            return self.chat_template.segments(messages, self.special_to_id, tools=tools, variables=variables,
+                                               add_generation_prompt=add_generation_prompt)
+        if tools is not None:
+            raise ValueError("tools need the checkpoint's chat template, and this checkpoint has none "
+                             f"(no {CHAT_TEMPLATE_FILE} or chat_template in tokenizer_config.json)")
         kimi = all(t in self.special_to_id for t in _CHAT_TOKENS)
         parts: list[tuple[str, bool]] = []
-        for n, m in enumerate(messages):
-            role, content = _message_role_text(m, n)
+        for n, m in enumerate(normalize_messages(messages)):
+            role, content = m["role"], _message_text(m, n)
             if kimi:
                 # Kimi marks system and tool turns with <|im_system|>; tiny vocabularies lack it, use user's
                 start = f"<|im_{role}|>"
@@ -138,29 +174,34 @@ class Tokenizer:
             parts += [("<|im_assistant|>assistant<|im_middle|>", True)] if kimi else [("assistant: ", True)]
         return [(text, markup) for text, markup in parts if text]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template as one string (for display: `encode_chat` keeps content from becoming markup)."""
-        return "".join(text for text, _ in self.chat_segments(messages, add_generation_prompt))
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            tools: list[dict[str, Any]] | None = None, **variables: Any) -> str:
+        """The chat prompt as one string, for display (`encode_chat` keeps the caller's text from becoming
+        special tokens)."""
+        if self.chat_template is not None:
+            return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             variables=variables)
+        return "".join(text for text, _ in self.chat_segments(messages, add_generation_prompt, tools=tools))
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the chat template: markup with its special tokens, roles and contents as text."""
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    tools: list[dict[str, Any]] | None = None, **variables: Any) -> list[int]:
+        """Token ids of the chat prompt: the template's markup with its special tokens, the rest as text."""
         ids: list[int] = []
-        for text, markup in self.chat_segments(messages, add_generation_prompt):
+        for text, markup in self.chat_segments(messages, add_generation_prompt, tools=tools, **variables):
             ids += self.encode(text, specials=markup)
         return ids
 
 
-def _message_role_text(m: Any, n: int) -> tuple[str, str]:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ValueError(f"messages[{n}]: expected an object with a string 'role', found {m!r:.80}")
+def _message_text(m: dict[str, Any], n: int) -> str:
+    """The built-in template's content of a message: a string, or the text of OpenAI-style parts."""
     content = m.get("content")
     if content is None:
-        return m["role"], ""
+        return ""
     if isinstance(content, str):
-        return m["role"], content
+        return content
     # OpenAI-style list of parts: only text parts carry meaning for a text model
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return m["role"], "".join(str(p.get("text", "")) for p in content)
+        return "".join(str(p.get("text", "")) for p in content)
     raise ValueError(f"messages[{n}].content: expected a string or a list of text parts, found {content!r:.80}")
 
 
@@ -202,6 +243,17 @@ class HFTokenizer(Tokenizer):
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def _stream_step(self) -> Callable[[int], str | None]:
+        stream = tokenizers.decoders.DecodeStream(skip_special_tokens=False)
+
+        def step(token_id: int) -> str | None:
+            self._check_ids([token_id])
+            try:
+                return stream.step(self._tok, token_id)
+            except Exception as e:  # the Rust side raises a bare Exception
+                raise TokenizerError(f"streaming decode failed at token {token_id}: {e}") from e
+        return step
+
 
 class TiktokenTokenizer(Tokenizer):
     """Kimi's format: tiktoken BPE ranks plus specials numbered right after them."""
@@ -214,7 +266,11 @@ class TiktokenTokenizer(Tokenizer):
         super().__init__(vocab_size=max([len(ranks) - 1, *id_to_special]) + 1, id_to_special=id_to_special)
 
     def _encode(self, text: str, specials: bool) -> list[int]:
-        return self._enc.encode(text, allowed_special="all" if specials else set(), disallowed_special=())
+        allowed = "all" if specials else set()
+        ids: list[int] = []
+        for piece in kimi_chunks(text):
+            ids += self._enc.encode(piece, allowed_special=allowed, disallowed_special=())
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
@@ -230,44 +286,68 @@ class TiktokenTokenizer(Tokenizer):
         return i if i is not None else self._ranks.get(token.encode())
 
 
+def kimi_chunks(text: str) -> Iterator[str]:
+    """`text` cut where tokenization_kimi.py cuts it before tiktoken sees it: every
+    TIKTOKEN_MAX_ENCODE_CHARS characters, and inside a run of whitespace or of non-whitespace (str.isspace,
+    which re's \\s matches) every MAX_SAME_CLASS_RUN characters from the run's start."""
+    for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
+        chunk, start = text[i:i + TIKTOKEN_MAX_ENCODE_CHARS], 0
+        for m in _LONG_RUN.finditer(chunk):
+            for cut in range(m.start() + MAX_SAME_CLASS_RUN, m.end(), MAX_SAME_CLASS_RUN):
+                yield chunk[start:cut]
+                start = cut
+        yield chunk[start:]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Streaming
 
 
 class StreamDecoder:
-    """Incremental detokenizer: `push(id)` returns only newly completed text, holding back the bytes of
-    a character split across tokens; the concatenation of pushes and `flush()` equals decode(all ids)."""
+    """Incremental detokenizer: `push(id)` returns only newly completed text, holding back a character
+    split across tokens; the concatenation of pushes and `flush()` equals decode(all ids).
+
+    A tokenizer.json tokenizer streams through its library's own incremental decoder (tokenizers'
+    DecodeStream); tiktoken has none, so a byte-level tokenizer's token bytes go through an incremental
+    UTF-8 decoder; any other tokenizer decodes a window of ids and emits what the newest token added,
+    as DecodeStream does."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # Text-diff state, for tokenizers that cannot give per-token bytes (SentencePiece-style vocabularies)
+        self._step = tokenizer._stream_step()
+        bytewise = self._step is None and tokenizer.byte_level
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if bytewise else None
+        # The ids since the text emitted before the last one, and where the last one ended: DecodeStream's
+        # own window, kept here so flush() can say what is held back
         self._ids: list[int] = []
-        self._prefix = 0
         self._read = 0
 
     def push(self, token_id: int) -> str:
-        if self._tok.byte_level:
+        if self._utf8 is not None:
             # The incremental decoder keeps an incomplete trailing UTF-8 sequence until it completes
             return self._utf8.decode(self._tok.token_bytes(token_id))
         self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        now = self._tok.decode(self._ids[self._prefix:])
-        # A trailing U+FFFD means the last token ended mid-character: wait for the next one
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return now[len(before):]
-        return ""
+        text = self._step(token_id) if self._step is not None else self._window_step()
+        if text is None:  # the window ends mid-character: wait for the next token
+            return ""
+        self._ids, self._read = self._ids[self._read:], len(self._ids) - self._read
+        return text
+
+    def _window_step(self) -> str | None:
+        before = self._tok.decode(self._ids[:self._read])
+        now = self._tok.decode(self._ids)
+        # A trailing U+FFFD means the last token ended mid-character
+        return now[len(before):] if len(now) > len(before) and not now.endswith("\ufffd") else None
 
     def flush(self) -> str:
-        """Whatever is still held back (an unfinished character decodes to U+FFFD, as decode() would)."""
-        if self._tok.byte_level:
+        """Whatever is still held back (an unfinished character decodes to U+FFFD, as decode() would),
+        and a fresh start."""
+        if self._utf8 is not None:
             out = self._utf8.decode(b"", final=True)
             self._utf8.reset()
             return out
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        out = self._tok.decode(self._ids[self._prefix:])[len(before):]
-        self._ids, self._prefix, self._read = [], 0, 0
+        out = self._tok.decode(self._ids)[len(self._tok.decode(self._ids[:self._read])):]
+        self._ids, self._read, self._step = [], 0, self._tok._stream_step()
         return out
 
 
@@ -276,17 +356,17 @@ class StreamDecoder:
 
 
 def load_tokenizer(model_dir: str | Path, *, eos_ids: Sequence[int] | None = None) -> Tokenizer:
-    """Tokenizer of a model directory: tokenizer.json if present, else tiktoken.model (Kimi).
-    eos ids: the `eos_ids` override, else the union of generation_config.json, config.json and
-    tokenizer_config.json's eos_token."""
+    """Tokenizer of a model directory: tokenizer.json if present, else tiktoken.model (Kimi), with the
+    directory's chat template if it has one. eos ids: the `eos_ids` override, else the union of
+    generation_config.json, config.json and tokenizer_config.json's eos_token."""
     d = Path(model_dir)
     if not d.is_dir():
         raise TokenizerError(f"{d}: no such directory; expected a model directory with one of "
                              f"{', '.join(TOKENIZER_FILES)}")
-    tok_cfg = _read_json(d / "tokenizer_config.json")
-    if (d / "tokenizer.json").is_file():
+    tok_cfg = _read_json(_in(d, "tokenizer_config.json"))
+    if _in(d, "tokenizer.json").is_file():
         tok: Tokenizer = _load_hf(d / "tokenizer.json")
-    elif (d / "tiktoken.model").is_file():
+    elif _in(d, "tiktoken.model").is_file():
         tok = _load_tiktoken(d / "tiktoken.model", tok_cfg)
     else:
         raise TokenizerError(f"{d}: no tokenizer found (looked for {', '.join(TOKENIZER_FILES)}); copy the "
@@ -297,17 +377,21 @@ def load_tokenizer(model_dir: str | Path, *, eos_ids: Sequence[int] | None = Non
         tok.eos_ids = tuple(eos_ids)
     else:
         tok.eos_ids = _find_eos(d, tok, tok_cfg)
+    tok.chat_template = find_chat_template(d, tok_cfg)
     return tok
+
+
+def _in(model_dir: Path, name: str) -> Path:
+    """A tokenizer file of the model directory; one that links outside it is refused (a checkpoint is data
+    and never reaches other files)."""
+    return confined(model_dir, name, TokenizerError, str(model_dir))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object file, {} when absent."""
-    if not path.is_file():
+    if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e}); the file is corrupt, replace it") from e
+    data = read_json(path, TokenizerError)
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
@@ -325,28 +409,47 @@ def _load_hf(path: Path) -> HFTokenizer:
     return HFTokenizer(tok, byte_level=any(p.get("type") == "ByteLevel" for p in parts))
 
 
+def _import_tiktoken(path: Path) -> Any:
+    try:
+        import tiktoken  # lazy: only Kimi-format checkpoints need it
+        import tiktoken.load
+    except ImportError as e:
+        raise TokenizerError(f"{path} needs the tiktoken package, which is not installed: pip install tiktoken") from e
+    return tiktoken
+
+
 def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    ranks: dict[bytes, int] = {}
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        fields = line.split()
-        try:
-            if len(fields) != 2:
-                raise ValueError(f"{len(fields)} fields")
-            token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
-        except (ValueError, binascii.Error) as e:
-            raise TokenizerError(f"{path}: line {n}: expected '<base64 token> <rank>', found {line[:60]!r} ({e}); "
-                                 "the file is corrupt, replace it") from e
-        if token in ranks:
-            raise TokenizerError(f"{path}: line {n}: token {token!r} already has rank {ranks[token]}")
-        ranks[token] = rank
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise TokenizerError(f"{path}: ranks must be 0..{len(ranks) - 1} with none missing or repeated")
+    """The BPE ranks as tokenization_kimi.py reads them (tiktoken's load_tiktoken_bpe), then checked."""
+    tiktoken = _import_tiktoken(path)
+    data = path.read_bytes()
+    try:
+        # load_tiktoken_bpe caches any file under a key made from its path alone and would hand back a
+        # stale copy of a file rewritten in place; the content's hash makes it check and refresh the copy
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=hashlib.sha256(data).hexdigest())
+    except ValueError as e:
+        n, line, why = _first_bad_rank_line(data)
+        raise TokenizerError(f"{path}: line {n}: expected '<base64 token> <rank>', found {line[:60]!r} ({why}); "
+                             "the file is corrupt, replace it") from e
+    if sorted(ranks.values()) != list(range(len(ranks))):  # also catches a token listed twice
+        raise TokenizerError(f"{path}: ranks must be 0..{len(ranks) - 1}, each once, one token each")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:  # without every single byte some text could not be encoded at all
         raise TokenizerError(f"{path}: {len(missing)} single-byte tokens are missing (first: {missing[0]:#04x})")
     return ranks
+
+
+def _first_bad_rank_line(data: bytes) -> tuple[int, bytes, str]:
+    """Which line load_tiktoken_bpe choked on, for the message (it names the line's text, not its number)."""
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            base64.b64decode(token)
+            int(rank)
+        except (ValueError, binascii.Error) as e:
+            return n, line, str(e)
+    return 0, b"", "unreadable"
 
 
 def _load_tiktoken(path: Path, tok_cfg: dict[str, Any]) -> TiktokenTokenizer:
@@ -361,16 +464,13 @@ def _load_tiktoken(path: Path, tok_cfg: dict[str, Any]) -> TiktokenTokenizer:
             raise TokenizerError(f"{cfg_path}: special token {content!r} has id {key}, inside the "
                                  f"{len(ranks)} BPE ranks of {path.name}; specials must come after them")
         specials[int(key)] = content
-    # Kimi numbers specials right after the ranks; name any hole so every id below vocab_size decodes
+    # Kimi numbers specials right after the ranks and names each id the config leaves out
+    # <|reserved_token_ID|>, as here; it also reserves ids up to 258 past the ranks, where this stops at the
+    # last id the config names (the model's vocabulary ends there)
     for i in range(len(ranks), max(specials, default=len(ranks) - 1)):
         specials.setdefault(i, f"<|reserved_token_{i}|>")
-    try:
-        import tiktoken  # lazy: only Kimi-format checkpoints need it
-    except ImportError as e:
-        raise TokenizerError(f"{path} needs the tiktoken package, which is not installed: "
-                             "pip install tiktoken (or pip install 'moeswap[tiktoken]')") from e
-    enc = tiktoken.Encoding(name=f"moeswap:{path.parent.name}", pat_str=PRETOKENIZE_PATTERN,
-                            mergeable_ranks=ranks, special_tokens={s: i for i, s in specials.items()})
+    enc = _import_tiktoken(path).Encoding(name=f"moeswap:{path.parent.name}", pat_str=KIMI_PAT_STR,
+                                          mergeable_ranks=ranks, special_tokens={s: i for i, s in specials.items()})
     return TiktokenTokenizer(enc, ranks, specials)
 
 
@@ -385,7 +485,7 @@ def _config_ids(d: Path, key: str) -> list[tuple[str, int]]:
     """(file name, id) for `key` in generation_config.json and config.json (K3 nests it in text_config)."""
     found = []
     for name in ("generation_config.json", "config.json"):
-        cfg = _read_json(d / name)
+        cfg = _read_json(_in(d, name))
         if key not in cfg and isinstance(cfg.get("text_config"), dict):
             cfg = cfg["text_config"]
         value = cfg.get(key)

@@ -17,9 +17,11 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
 from moeswap import jsonio
-from moeswap.engine.tokenizer import PRETOKENIZE_PATTERN, byte_level_token_bytes
+from moeswap.engine.tokenizer import KIMI_PAT_STR, byte_level_token_bytes
 
-DEFAULT_SPECIALS = ("<|bos|>", "<|end_of_msg|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
+# K2-style chat markers (the built-in chat template's) and K3's tag markers (its published template's)
+DEFAULT_SPECIALS = ("<|bos|>", "<|end_of_msg|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
+                    "<|open|>", "<|close|>", "<|sep|>")
 _BOS_NAMES = ("<|bos|>", "[BOS]", "<s>")
 _EOS_NAMES = ("<|end_of_msg|>", "[EOS]", "<|im_end|>", "</s>")
 
@@ -69,7 +71,7 @@ def _train_tiny(vocab_size: int, specials: dict[str, int] | None) -> tuple[token
     # ignore_merges: a piece that is itself a token is used whole, as tiktoken does, so both formats agree
     tok = tokenizers.Tokenizer(models.BPE(ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
