@@ -5,13 +5,18 @@ not, against the engine's own `generate` (greedy and seeded tokens), the model's
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.engine.sampling import SamplingParams
+from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.server.app import build_app
+from moeswap.server.options import ServeOptions
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a brown fox."}]
 PROMPT = "the quick brown fox"
@@ -93,19 +98,19 @@ def test_completion_greedy_stream_and_not(server, client):
     assert r_ids.choices[0].text == r.choices[0].text
 
 
-def test_eos_ends_with_stop(server, client):
-    """Without ignore_eos the model's eos ends the answer, counted in usage but not shown as text."""
+def test_eos_ends_with_stop(server, tiny_k3_dir, run_app):
+    """Without ignore_eos the tokenizer's eos ids end the answer, counted in usage but not shown as text. The
+    eos here is a token the tiny model's greedy text is known to reach (its own eos it may never say)."""
     tok = server.tokenizer
-    # a prompt after which the tiny model's greedy text reaches its eos within 100 tokens
-    for text in ("Hello world, this is a test", "the lazy dog", PROMPT):
-        long = oracle(server, tok.encode(text), 100)
-        eos = next((i for i, t in enumerate(long) if t in tok.eos_ids), None)
-        if eos is not None:
-            break
-    assert eos is not None, "no candidate prompt reaches eos: add one"
-    r = client.completions.create(model=server.name, prompt=text, max_tokens=100, temperature=0)
-    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == eos + 1
-    assert r.choices[0].text == text_of(tok, long[:eos])
+    long = oracle(server, tok.encode(PROMPT), 30)
+    eos = long[7]
+    first = long.index(eos)
+    eos_tok = load_tokenizer(tiny_k3_dir, eos_ids=[eos])
+    url = run_app(build_app(server.model, eos_tok, ServeOptions(model_name="eos")))
+    c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    r = c.completions.create(model="eos", prompt=PROMPT, max_tokens=30, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    assert r.choices[0].text == text_of(tok, long[:first])
 
 
 def test_stop_strings(server, client):
@@ -220,3 +225,29 @@ def test_concurrent_requests_are_each_as_alone(server, client):
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(ask, range(len(prompts))))
     assert got == [oracle(server, server.tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
+
+
+def test_checkpoint_template_with_tools(server, tiny_k3_dir, copy_model, run_app):
+    """The checkpoint's own chat template (Kimi K3's, as published) renders the request: tools, tool calls
+    and results, and the template's switches (chat_template_kwargs), exactly as encode_chat does."""
+    model_dir = copy_model(tiny_k3_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        (Path(__file__).parent.parent / "data" / "Kimi-K3.jinja").read_text(encoding="utf-8"), encoding="utf-8")
+    tok = load_tokenizer(model_dir)
+    assert tok.chat_template is not None
+    url = run_app(build_app(server.model, tok, ServeOptions(model_name="k3t")))
+    c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    r = c.chat.completions.create(model="k3t", messages=messages, tools=tools, max_tokens=3, temperature=0,
+                                  extra_body={"chat_template_kwargs": {"thinking": False}, "return_token_ids": True,
+                                              "ignore_eos": True})
+    assert r.prompt_token_ids == tok.encode_chat(messages, tools=tools, thinking=False)
+    assert r.prompt_token_ids != tok.encode_chat(messages, tools=tools)  # the switch reached the template
+    assert r.choices[0].token_ids == oracle(server, r.prompt_token_ids, 3)

@@ -46,7 +46,9 @@ def test_no_stop_is_the_whole_text(tok):
     assert "".join(released) == TEXT
 
 
-def test_special_tokens_are_not_text(tok):
+def test_special_tokens_are_not_text_unless_asked_for(tok):
     end = tok.special_to_id["<|im_end|>"]
     ids = tok.encode("hello") + [end] + tok.encode(" world")
     assert "".join(run(tok, ids, [])[0]) == "hello world"
+    out = TextOutput(tok, skip_specials=False)
+    assert "".join(out.push(t)[0] for t in ids) + out.finish() == "hello<|im_end|> world"

@@ -108,10 +108,14 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         req = P.parse_body(P.ChatCompletionRequest, await _body(request))
         _check_model(srv, req.model)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
+        if tools is not None and tokenizer.chat_template is None:
+            raise P.APIError(400, "'tools' need the checkpoint's chat template (chat_template.jinja or "
+                                  "tokenizer_config.json's chat_template), and this model has none", param="tools")
         try:
-            prompt = tokenizer.encode_chat(messages)
-        except ValueError as e:
-            raise P.APIError(400, str(e), param="messages") from None
+            prompt = tokenizer.encode_chat(messages, tools=tools, **(req.chat_template_kwargs or {}))
+        except ValueError as e:  # the template's own errors (its raise_exception, a reserved variable)
+            raise P.APIError(400, str(e), param=None if req.chat_template_kwargs else "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if req.top_logprobs is not None and not req.logprobs:
@@ -296,7 +300,7 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, pro
     except QueueFull as e:
         raise P.APIError(429, f"the server is busy: {e}", type="rate_limit_exceeded",
                          code="rate_limit_exceeded") from None
-    out = TextOutput(srv.tokenizer, stops)
+    out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
     ids: list[int] = []
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:

@@ -1,9 +1,9 @@
 """A request's generated tokens as the text a client may see: streamed detokenization, special tokens left
-out, and stop strings found on the decoded text.
+out (unless asked for), and stop strings found on the decoded text.
 
 Text that could still turn out to be the start of a stop string is held back (up to the longest stop
 string less one character), so a stream never shows a partial stop string that the next token completes.
-Entry point: `TextOutput(tokenizer, stop)`, `.push(token) -> (text, stopped)`, `.finish() -> text`.
+Entry point: `TextOutput(tokenizer, stop, skip_specials)`, `.push(token) -> (text, stopped)`, `.finish() -> text`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from moeswap.engine.tokenizer import StreamDecoder, Tokenizer
 
 
 class TextOutput:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_specials: bool = True) -> None:
         self._decoder = StreamDecoder(tokenizer)
-        self._specials = tokenizer.id_to_special  # control tokens are not text (as vLLM's skip_special_tokens)
+        # control tokens are not text, unless asked for (vLLM's skip_special_tokens)
+        self._specials = tokenizer.id_to_special if skip_specials else {}
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""  # decoded, not yet given out

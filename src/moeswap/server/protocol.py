@@ -60,6 +60,18 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
 
 
+class FunctionSpec(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class GenerationFields(_Strict):
     """Fields both endpoints share. Parameters that exist in OpenAI's API but not here are accepted only at
     their neutral value (see NEUTRAL), so that clients which always send them keep working."""
@@ -77,6 +89,7 @@ class GenerationFields(_Strict):
     ignore_eos: bool = False  # extension (vLLM)
     seed: int | None = None
     return_token_ids: bool = False  # extension (vLLM): token ids of the prompt and of each choice
+    skip_special_tokens: bool = True  # extension (vLLM): False keeps control tokens in the text
     user: str | None = None  # for the client's own records; not used
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -89,9 +102,10 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None  # rendered into the prompt by the checkpoint's chat template
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): the template's own switches
 
 
 class CompletionRequest(GenerationFields):
@@ -105,7 +119,7 @@ class CompletionRequest(GenerationFields):
 # Parameters accepted only at the value that leaves generation as it is: anything else is refused by name.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "echo": (False,),
-    "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "suffix": (None, ""), "best_of": (None, 1), "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
 }
 
