@@ -165,3 +165,18 @@ def test_api_key(start_server):
     ok = locked.client(api_key="s3cret").completions.create(model=locked.name, prompt="hi", max_tokens=2)
     assert ok.usage.completion_tokens >= 1
     assert httpx.get(locked.url + "/health").status_code == 200  # probes need no key
+
+
+def test_a_failing_step_fails_its_requests_not_the_server(http, server):
+    """A scheduler step that raises ends every request in flight with a server error naming it; the engine
+    starts over with a fresh scheduler and serves the next request."""
+    failing = server.engine.sched
+
+    def broken():
+        raise RuntimeError("simulated kernel failure")
+
+    failing.step = broken
+    r = post(http, server, "/v1/completions", TEXT)
+    assert r.status_code == 500 and "simulated kernel failure" in error_of(r)["message"]
+    assert server.engine.sched is not failing and server.settle()
+    assert post(http, server, "/v1/completions", TEXT).status_code == 200

@@ -231,7 +231,7 @@ def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_t
         try:
             check_seed(req.seed)
         except ValueError as e:
-            raise P.APIError(400, f"'seed': {e}", param="seed") from None
+            raise P.APIError(400, str(e), param="seed") from None  # "seed must be ..."
     stop = _stops(req.stop)
     ids = list(req.stop_token_ids or ())
     bad = next((t for t in ids if not 0 <= t < srv.vocab_size), None)

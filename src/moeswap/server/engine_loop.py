@@ -106,18 +106,14 @@ class _LogprobScheduler(Scheduler):
 
 class EngineLoop:
     def __init__(self, model, config: EngineConfig, max_queue: int, metrics=None) -> None:
-        if max_queue < 0:
-            raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
         self.model, self.config, self.max_queue, self.metrics = model, config, max_queue, metrics
         self.sched = _LogprobScheduler(model, config)
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Live] = {}  # engine thread only
-        self._gone: dict[int, Handle] = {}  # ended during this step, still to be told
         self._lock = threading.Lock()
         self._in_flight = 0  # accepted and not yet ended (under _lock)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self.failure: str | None = None  # the last step failure, for /health
 
     # -- event-loop side --------------------------------------------------------------------------
     @property
@@ -207,12 +203,11 @@ class EngineLoop:
             events = self.sched.step()
         except Exception as e:  # noqa: BLE001 - the server must outlive a failed step; every request hears why
             log.exception("engine step failed")
-            self.failure = f"{type(e).__name__}: {e}"
-            self._end_all("error", f"the engine failed: {self.failure}")
+            self._end_all("error", f"the engine failed: {type(e).__name__}: {e}")
             self.sched = _LogprobScheduler(self.model, self.config)  # its state may be half-updated
             return
         now = time.perf_counter()
-        out: dict[int, list[TokenOut]] = {}
+        out: dict[int, tuple[Handle, list[TokenOut]]] = {}
         for ev in events:
             live = self._live.get(ev.id)
             if live is None:
@@ -234,15 +229,12 @@ class EngineLoop:
                 if ev.finish_reason == "error" and result is not None and result.error is not None:
                     item.error = str(result.error)
                 self._finish(live, now)
-            out.setdefault(ev.id, []).append(item)
-        self._send([(self._live[rid].handle if rid in self._live else self._gone[rid], items)
-                    for rid, items in out.items()])
-        self._gone.clear()
+            out.setdefault(ev.id, (live.handle, []))[1].append(item)
+        self._send(list(out.values()))
 
     def _finish(self, live: _Live, now: float) -> None:
         rid = live.handle.id
         self._live.pop(rid)
-        self._gone[rid] = live.handle
         self.sched.wants.pop(rid, None)
         self.sched.recorded.pop(rid, None)
         self._ended()
@@ -257,7 +249,6 @@ class EngineLoop:
         for live in ended:
             self._finish(live, now)
         self._send([(live.handle, [TokenOut(None, reason, error=error)]) for live in ended])
-        self._gone.clear()
 
     def _ended(self) -> None:
         with self._lock:
