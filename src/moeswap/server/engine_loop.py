@@ -203,8 +203,8 @@ class EngineLoop:
             events = self.sched.step()
         except Exception as e:  # noqa: BLE001 - the server must outlive a failed step; every request hears why
             log.exception("engine step failed")
+            self.sched = _LogprobScheduler(self.model, self.config)  # the old one's state may be half-updated
             self._end_all("error", f"the engine failed: {type(e).__name__}: {e}")
-            self.sched = _LogprobScheduler(self.model, self.config)  # its state may be half-updated
             return
         now = time.perf_counter()
         out: dict[int, tuple[Handle, list[TokenOut]]] = {}
