@@ -95,3 +95,19 @@ def test_requests_arriving_every_step_match_their_runs_alone(model):
         assert len(sched.live) <= 3 and all(not s.done for s in sched.live)
     for r in reqs:
         assert sched.finished[r.id].tokens == _alone(model, r.prompt, r.max_tokens, chunk), r.id
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prefill_chunk=0), "EngineConfig.prefill_chunk must be an integer >= 1, got 0"),
+    (dict(max_batch=-1), "EngineConfig.max_batch must be an integer >= 1, got -1"),
+    (dict(max_len=2.5), "EngineConfig.max_len must be an integer >= 1, got 2.5"),
+])
+def test_engine_config_is_validated(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        EngineConfig(**kwargs)
+    assert str(info.value) == message
+
+
+def test_an_empty_prompt_is_refused(model):
+    with pytest.raises(ValueError, match="request 0: the prompt is empty"):
+        Scheduler(model, EngineConfig(max_batch=1, max_len=16)).submit(Request([], 2))

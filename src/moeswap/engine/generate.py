@@ -1,4 +1,4 @@
-"""Generation over the model: prefill each prompt, then decode the batch one token per step, through
+"""Generation over the model: prefill each prompt, and decode the prompts done one token per step, through
 the continuous-batching scheduler (engine.scheduler) with every request submitted at once.
 
 Tokenizer-free (token ids in, token ids out). Time to first token and per output token are measured
@@ -82,9 +82,9 @@ def generate(model, prompt_ids: Sequence[int], cfg: GenerationConfig = Generatio
 def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfig = GenerationConfig(),
                    on_token: Callable[[int, int], None] | None = None,
                    engine: EngineConfig | None = None) -> list[GenerationResult]:
-    """Greedy results equal running each prompt alone: each prompt is prefilled alone, then all are
-    decoded together (the scheduler with every request submitted at once). Sequence i of a seeded
-    sampled batch uses seed + i."""
+    """Greedy results equal running each prompt alone: each prompt is prefilled alone (in pieces, between
+    the decode steps of the prompts already done), and decoded with the others (the scheduler with every
+    request submitted at once). Sequence i of a seeded sampled batch uses seed + i."""
     for p in prompts:
         _check_prompt(model, p, cfg)
     stop = tuple(model.config.eos_token_ids if cfg.stop_ids is None else cfg.stop_ids)

@@ -1,14 +1,17 @@
-"""Continuous batching: sequences join and leave between steps over preallocated per-sequence state.
+"""Continuous batching: requests join at every step and leave between steps; prefill and decode interleave.
 
-Each `step()` first admits waiting requests into free slots (each prompt prefilled alone, in chunks:
-KDA in its chunked form, or its token recurrence in one C call on the CPU; MLA over the chunk plus the
-cache) and then runs one batched decode step over every live sequence (on the CPU, its layers in one
-C call: engine/native_step.py). Finished sequences leave at once and their slot is reused. Greedy
-results equal running each request alone. Time to first token and time per output token are measured here.
+Each `step()` admits waiting requests into free slots, prefills at most `prefill_chunk` prompt tokens (pieces
+of one or more prompts, each alone: KDA in its chunked form, or its token recurrence in one C call on the CPU;
+MLA over the piece plus the cache), and then runs one batched decode step over every sequence that had
+finished its prefill (on the CPU, its layers in one C call: engine/native_step.py), so a long prompt never
+stalls the running streams. A prompt's first token comes with its last piece. Finished and aborted
+sequences leave at once; the state (engine/state.py) grows and shrinks with the sequences. Greedy results
+equal running each request alone. Time to first token and time per output token are measured here.
 Every step's logits are checked for NaN and Inf (one reduction); a sequence whose logits are not finite
 fails alone (finish reason "error", with a NonFiniteError naming the step and the first non-finite layer)
 and the others go on: rows of a batch never mix, so their tokens are those they would get alone.
-Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`.
+Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`,
+`.abort(id)`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode step's attention (eager stays the reference)
     fuse: bool = True  # one matmul for all projections of an attention layer's input (same values)
     native: bool = True  # decode steps' layers in one C call where it applies (engine/native_step.py)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_len", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass
@@ -86,7 +95,7 @@ class Result:
 
 @dataclass
 class EngineStats:
-    """Wall time the engine spent prefilling and decoding, and the tokens it did it for."""
+    """Wall time the engine spent prefilling and decoding, the tokens it did it for, and its sequence state."""
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -173,6 +182,8 @@ class Scheduler:
         if len(req.prompt) + req.max_tokens > self.config.max_len:
             raise ValueError(f"request {req.id}: prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} "
                              f"exceeds the engine's max_len {self.config.max_len}")
+        if not len(req.prompt):
+            raise ValueError(f"request {req.id}: the prompt is empty: give at least one token")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.id}: max_tokens must be >= 1, got {req.max_tokens}")
         if req.seed is not None:
@@ -282,9 +293,13 @@ class Scheduler:
                 break
 
     def _reserve(self, start: int, stop: int, tokens: int) -> None:
-        """Room in the state for a forward; where the buffers were reallocated, the native step's table of
-        pointers into them is dropped (it would be rebuilt anyway: the views are new objects)."""
+        """Room in the state for a forward."""
         self.states.reserve(start, stop, tokens)
+        self._reallocated()
+
+    def _reallocated(self) -> None:
+        """Where the state's buffers were reallocated, the native step's table of pointers into the old ones
+        is dropped, and with it the old buffers (it would be rebuilt anyway: the views are new objects)."""
         if self.states.generation != self._generation:
             self._generation = self.states.generation
             if isinstance(self._decode, NativeDecode):
@@ -384,6 +399,7 @@ class Scheduler:
                 self._move(last, i)
             self.live.pop()
         self.states.fit(len(self.live))
+        self._reallocated()
 
     def _move(self, src: int, dst: int) -> None:
         if src != dst:
