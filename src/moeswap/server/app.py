@@ -1,0 +1,459 @@
+"""The HTTP side of `moeswap serve`: FastAPI routes for OpenAI's /v1/chat/completions, /v1/completions and
+/v1/models, plus /health and /metrics; request checks, streaming (server-sent events) and error bodies.
+
+Every request is checked here before the engine sees it (model name, types, context length, sampling
+values, stop strings, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx. Text comes
+from server.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer, ServeOptions)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moeswap.engine.sampling import SamplingParams
+from moeswap.engine.scheduler import EngineConfig, check_seed
+from moeswap.server import protocol as P
+from moeswap.server.engine_loop import EngineLoop, GenRequest, Handle, QueueFull, TokenOut
+from moeswap.server.metrics import CONTENT_TYPE, ServerMetrics
+from moeswap.server.options import ServeOptions
+from moeswap.server.output import TextOutput
+
+log = logging.getLogger("moeswap.server")
+
+MAX_BODY_BYTES = 64 << 20  # a request body past this is refused (413) before it is parsed
+
+
+@dataclass
+class _Server:
+    """What every route reads: built once per app."""
+
+    name: str
+    tokenizer: object
+    engine: EngineLoop
+    metrics: ServerMetrics
+    max_context: int
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    api_key: str | None
+    created: int = field(default_factory=P.now)
+    _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+
+    def token_text(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes, as logprobs show them."""
+        hit = self._token_text.get(token)
+        if hit is None:
+            tok = self.tokenizer
+            text = tok.decode([token])
+            raw = tok.token_bytes(token) if tok.byte_level else text.encode("utf-8")
+            hit = self._token_text[token] = (text, list(raw))
+        return hit
+
+
+def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and stops it."""
+    max_context = options.resolve_max_context(model.config.max_position_embeddings)
+    metrics = ServerMetrics()
+    engine = EngineLoop(model, EngineConfig(max_batch=options.max_batch, max_len=max_context, native=options.native),
+                        options.max_queue, metrics)
+    metrics.attach(engine, store)
+    srv = _Server(options.model_name, tokenizer, engine, metrics, max_context, model.config.vocab_size,
+                  tuple(tokenizer.eos_ids) or tuple(model.config.eos_token_ids), options.api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="moeswap", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.server = srv
+    _errors(app)
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse(P.error_body("the engine thread is not running", "server_error"), 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(dependencies=[Depends(_authorize)])
+
+    @v1.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [P.model_card(srv.name, srv.created, srv.max_context)]}
+
+    @v1.get("/v1/models/{name:path}")
+    async def model_card(name: str):
+        _check_model(srv, name)
+        return P.model_card(srv.name, srv.created, srv.max_context)
+
+    @v1.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = P.parse_body(P.ChatCompletionRequest, await _body(request))
+        _check_model(srv, req.model)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
+        if tools is not None and tokenizer.chat_template is None:
+            raise P.APIError(400, "'tools' need the checkpoint's chat template (chat_template.jinja or "
+                                  "tokenizer_config.json's chat_template), and this model has none", param="tools")
+        try:
+            prompt = tokenizer.encode_chat(messages, tools=tools, **(req.chat_template_kwargs or {}))
+        except ValueError as e:  # the template's own errors (its raise_exception, a reserved variable)
+            raise P.APIError(400, str(e), param=None if req.chat_template_kwargs else "messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise P.APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = _check_top(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
+        return await _generate(srv, request, req, prompt, max_tokens, param, logprobs, chat=True)
+
+    @v1.post("/v1/completions")
+    async def completions(request: Request):
+        req = P.parse_body(P.CompletionRequest, await _body(request))
+        _check_model(srv, req.model)
+        prompt = _completion_prompt(srv, req.prompt)
+        logprobs = None if req.logprobs is None else _check_top(req.logprobs, "logprobs")
+        return await _generate(srv, request, req, prompt, req.max_tokens, "max_tokens", logprobs, chat=False)
+
+    app.include_router(v1)
+    return app
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checks
+
+
+async def _authorize(request: Request) -> None:
+    key = request.app.state.server.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        what = "no API key was given" if not given else "the API key is not valid"
+        raise P.APIError(401, f"{what}: send the server's --api-key as 'Authorization: Bearer KEY'",
+                         code="invalid_api_key")
+
+
+async def _body(request: Request) -> bytes:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise P.APIError(413, f"the request body is {int(size)} bytes, more than the limit of {MAX_BODY_BYTES}",
+                         code="body_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY_BYTES:
+            raise P.APIError(413, f"the request body is more than the limit of {MAX_BODY_BYTES} bytes",
+                             code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_model(srv: _Server, name: str | None) -> None:
+    if name is not None and name != srv.name:
+        raise P.APIError(404, f"the model '{name}' does not exist; this server serves '{srv.name}'", param="model",
+                         code="model_not_found")
+
+
+def _check_top(k: int, param: str) -> int:
+    if not 0 <= k <= P.MAX_TOP_LOGPROBS:
+        raise P.APIError(400, f"'{param}' must be between 0 and {P.MAX_TOP_LOGPROBS}, got {k}", param=param)
+    return k
+
+
+def _completion_prompt(srv: _Server, prompt) -> list[int]:
+    """A single prompt: a string, or token ids (also each wrapped in a one-element list)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise P.APIError(400, f"'prompt' holds {len(prompt)} prompts; this server takes one per request",
+                             param="prompt", code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return srv.tokenizer.encode(prompt)
+    bad = next((i for i, t in enumerate(prompt) if not 0 <= t < srv.vocab_size), None)
+    if bad is not None:
+        raise P.APIError(400, f"'prompt[{bad}]': token id {prompt[bad]} is outside the vocabulary "
+                              f"0..{srv.vocab_size - 1}", param="prompt")
+    return list(prompt)
+
+
+def _sampling(req: P.GenerationFields) -> SamplingParams:
+    """SamplingParams (which owns the checks); a refused value is named by its parameter."""
+    top_k = 0 if req.top_k == -1 else req.top_k  # -1: off, as in vLLM
+    try:
+        return SamplingParams(req.temperature, top_k, req.top_p)
+    except ValueError as e:
+        for param, value in (("temperature", req.temperature), ("top_k", top_k), ("top_p", req.top_p)):
+            try:
+                SamplingParams(**{param: value})
+            except ValueError:
+                raise P.APIError(400, str(e), param=param) from None  # its message names the parameter
+        raise P.APIError(400, str(e)) from None
+
+
+def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_tokens: int | None, param: str,
+                 logprobs: int | None) -> tuple[GenRequest, list[str]]:
+    """The engine's request and the stop strings; APIError (4xx) for anything the engine could not take."""
+    if req.n != 1:
+        raise P.APIError(400, f"'n' must be 1 (one choice per request), got {req.n}", param="n",
+                         code="unsupported_parameter")
+    if not prompt:
+        raise P.APIError(400, "the prompt is empty: give at least one token", param="prompt")
+    room = srv.max_context - len(prompt)
+    if max_tokens is not None and max_tokens < 1:
+        raise P.APIError(400, f"'{param}' must be at least 1, got {max_tokens}", param=param)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        asked = f"{len(prompt)} in the prompt + " + (f"{max_tokens} to generate" if max_tokens is not None else
+                                                     "at least 1 to generate")
+        where = "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
+        raise P.APIError(400, f"this model's context is {srv.max_context} tokens, but {asked} were asked for; "
+                              f"shorten the prompt or lower '{param}'", param=param if room >= 1 else where,
+                         code="context_length_exceeded")
+    sampling = _sampling(req)
+    if req.seed is not None:
+        try:
+            check_seed(req.seed)
+        except ValueError as e:
+            raise P.APIError(400, str(e), param="seed") from None  # "seed must be ..."
+    stop = _stops(req.stop)
+    ids = list(req.stop_token_ids or ())
+    bad = next((t for t in ids if not 0 <= t < srv.vocab_size), None)
+    if bad is not None:
+        raise P.APIError(400, f"'stop_token_ids': {bad} is outside the vocabulary 0..{srv.vocab_size - 1}",
+                         param="stop_token_ids")
+    stop_ids = tuple(dict.fromkeys(ids + ([] if req.ignore_eos else list(srv.eos_ids))))
+    return GenRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids, req.seed,
+                      logprobs), stop
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if any(s == "" for s in stops):
+        raise P.APIError(400, "'stop': an empty string would stop before any text; leave it out", param="stop")
+    return stops
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generation
+
+
+@dataclass
+class _Piece:
+    """What arrived for a request since the last piece: text, logprobs of its tokens, and the end, if it came."""
+
+    text: str = ""
+    logprobs: list[TokenOut] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+async def _pieces(srv: _Server, handle: Handle, out: TextOutput, token_ids: list[int]) -> AsyncIterator[_Piece]:
+    """The request's output as it comes. A stop string ends it at once: the engine is told to drop the
+    sequence (it is freed at the next step) and what it still sends is not read."""
+    async for batch in handle.batches():
+        piece = _Piece()
+        for item in batch:
+            if item.token is not None:
+                token_ids.append(item.token)
+                # the token that ends a sequence by its id (eos, stop_token_ids) is not text
+                if item.finish_reason != "stop":
+                    text, stopped = out.push(item.token)
+                    piece.text += text
+                    if item.logprob is not None:
+                        piece.logprobs.append(item)
+                    if stopped:
+                        piece.finish_reason = "stop"
+                        srv.engine.abort(handle)
+                        handle.done = True
+                        break
+            if item.finish_reason is not None:
+                piece.finish_reason, piece.error = item.finish_reason, item.error
+        if piece.finish_reason is not None:
+            if not out.stopped:
+                piece.text += out.finish()
+            srv.metrics.requests_finished.labels(piece.finish_reason).inc()  # before the client can see it
+        yield piece
+
+
+async def _generate(srv: _Server, request: Request, req: P.GenerationFields, prompt: list[int], max_tokens: int | None,
+                    param: str, logprobs: int | None, chat: bool):
+    gen, stops = _gen_request(srv, req, prompt, max_tokens, param, logprobs)
+    try:
+        handle = srv.engine.submit(gen)
+    except QueueFull as e:
+        raise P.APIError(429, f"the server is busy: {e}", type="rate_limit_exceeded",
+                         code="rate_limit_exceeded") from None
+    out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
+    ids: list[int] = []
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return StreamingResponse(_stream(srv, handle, out, ids, rid, req, prompt, chat, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.create_task(_abort_on_disconnect(request, srv.engine, handle))
+    text, lps, finish, error = "", [], None, None
+    try:
+        async for piece in _pieces(srv, handle, out, ids):
+            text += piece.text
+            lps += piece.logprobs
+            finish, error = piece.finish_reason, piece.error
+    finally:
+        watcher.cancel()
+        if finish is None:
+            srv.metrics.requests_finished.labels("abort").inc()
+        srv.engine.abort(handle)  # nothing if it ended; frees the sequence if this handler was cancelled
+    if finish == "error":
+        raise P.APIError(500, f"generation failed: {error}", code="generation_failed")
+    choice: dict = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = None if logprobs is None else {"content": _chat_logprobs(srv, lps)}
+    else:
+        choice["text"] = text
+        choice["logprobs"] = None if logprobs is None else _completion_logprobs(srv, lps)
+    choice["finish_reason"] = finish
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": P.now(),
+            "model": srv.name, "choices": [choice], "usage": P.usage(len(prompt), len(ids))}
+    if req.return_token_ids:
+        _token_ids(body, choice, prompt, ids, chat)
+    return JSONResponse(body)
+
+
+async def _stream(srv: _Server, handle: Handle, out: TextOutput, ids: list[int], rid: str, req: P.GenerationFields,
+                  prompt: list[int], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    created = P.now()
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict | None, **extra) -> str:
+        body = {"id": rid, "object": kind, "created": created, "model": srv.name,
+                "choices": [] if choice is None else [{"index": 0, **choice}], **extra}
+        if include_usage:
+            body.setdefault("usage", None)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    finish = None
+    try:
+        if chat:
+            yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        async for piece in _pieces(srv, handle, out, ids):
+            finish = piece.finish_reason
+            if piece.finish_reason == "error":
+                yield f"data: {json.dumps(P.error_body(f'generation failed: {piece.error}', 'server_error'))}\n\n"
+                break
+            if not (piece.text or piece.logprobs or piece.finish_reason):
+                continue  # held back (a possible stop string, an unfinished character)
+            choice: dict = {}
+            if chat:
+                choice["delta"] = {"content": piece.text} if piece.text else {}
+                choice["logprobs"] = {"content": _chat_logprobs(srv, piece.logprobs)} if piece.logprobs else None
+            else:
+                choice["text"] = piece.text
+                choice["logprobs"] = _completion_logprobs(srv, piece.logprobs) if piece.logprobs else None
+            choice["finish_reason"] = piece.finish_reason
+            if req.return_token_ids and piece.finish_reason is not None:
+                choice["token_ids"] = ids
+            yield chunk(choice)
+        if include_usage:
+            yield chunk(None, usage=P.usage(len(prompt), len(ids)))
+        yield "data: [DONE]\n\n"
+    finally:
+        # the client left (the response task was cancelled) or the stream ended: free the sequence
+        if finish is None:
+            srv.metrics.requests_finished.labels("abort").inc()
+        srv.engine.abort(handle)
+
+
+async def _abort_on_disconnect(request: Request, engine: EngineLoop, handle: Handle) -> None:
+    """A client that goes away while its (non-streamed) answer is made frees its sequence at the next step."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            engine.abort(handle)
+            return
+
+
+def _token_ids(body: dict, choice: dict, prompt: list[int], ids: list[int], chat: bool) -> None:
+    """vLLM's return_token_ids: generated ids in the choice; the prompt's beside it (completions) or on top (chat)."""
+    choice["token_ids"] = ids
+    (body if chat else choice)["prompt_token_ids"] = prompt
+
+
+def _chat_logprobs(srv: _Server, items: list[TokenOut]) -> list[dict]:
+    def entry(token: int, lp: float) -> dict:
+        text, raw = srv.token_text(token)
+        return {"token": text, "logprob": lp, "bytes": raw}
+
+    return [{**entry(it.token, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top or ()]}
+            for it in items]
+
+
+def _completion_logprobs(srv: _Server, items: list[TokenOut]) -> dict:
+    tokens = [srv.token_text(it.token)[0] for it in items]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [it.logprob for it in items],
+            "top_logprobs": [{srv.token_text(t)[0]: lp for t, lp in it.top or ()} for it in items],
+            "text_offset": offsets}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors and request counts
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, exc: P.APIError):
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(P.error_body(f"{request.method} {request.url.path}: {exc.detail}",
+                                         "invalid_request_error"), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+
+
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class _CountRequests:
+    """Counts responses by endpoint and status (a pure ASGI middleware: it leaves streaming and disconnect
+    handling as they are)."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,78 @@
+"""`moeswap serve MODEL`: load the model once and serve it over HTTP with uvicorn (server.app).
+
+Binds to loopback unless --host says otherwise. The API key comes from --api-key or MOESWAP_API_KEY (a
+flag shows in the process list; the environment does not). Entry points: `add_parser(subparsers)`, `run(args)`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+
+from moeswap.options import LoadOptions, add_load_flags
+
+API_KEY_ENV = "MOESWAP_API_KEY"
+
+
+def add_parser(sub) -> None:
+    from moeswap.server.options import DEFAULT_MAX_CONTEXT, ServeOptions
+
+    d = ServeOptions()
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
+    p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1 requests (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the name clients give as `model` (default: MODEL as given)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"sequences decoded together (default {d.max_batch})")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help=f"requests waiting for a slot; more get HTTP 429 (default {d.max_queue})")
+    p.add_argument("--max-context", type=int, default=None,
+                   help=f"prompt + generated tokens per request (default: the model's, at most {DEFAULT_MAX_CONTEXT})")
+    p.add_argument("--reference-step", action="store_true",
+                   help="decode through the model's modules (the reference), not the native C step")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_load_flags(p)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from moeswap.config import load_config
+    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.models.loader import load_model
+    from moeswap.server.app import build_app
+    from moeswap.server.options import ServeOptions
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    options = ServeOptions(model_name=args.served_model_name or args.model, api_key=api_key,
+                           max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
+                           native=not args.reference_step)  # every flag is checked before the model loads
+    options.resolve_max_context(load_config(args.model).max_position_embeddings)
+    if api_key is None and not _loopback(args.host):
+        print(f"moeswap: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    model, store = load_model(args.model, LoadOptions.from_args(args))
+    try:
+        app = build_app(model, load_tokenizer(args.model), options, store)
+        srv = app.state.server
+        print(f"moeswap: serving {srv.name!r} on http://{args.host}:{args.port}/v1 (max batch {options.max_batch}, "
+              f"queue {options.max_queue}, context {srv.max_context} tokens)", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        store.close()
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

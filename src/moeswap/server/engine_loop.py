@@ -1,0 +1,273 @@
+"""The engine thread: the one owner of the Scheduler. It takes requests and aborts from the server's event
+loop, steps the scheduler while anything waits or runs, and hands each step's tokens to the requests'
+asyncio queues (one call into the event loop per step).
+
+Tokenizer-free: ids in, ids (with log-probabilities when asked) out. Admission control lives here too: at
+most max_batch running plus max_queue waiting, beyond that `QueueFull`. Entry point: `EngineLoop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from moeswap.engine.sampling import SamplingParams
+from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
+
+log = logging.getLogger("moeswap.server")
+
+
+class QueueFull(Exception):
+    """Every slot runs and the queue is full: the client should come back later (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the top k
+
+
+@dataclass
+class TokenOut:
+    """One generated token (token None: the request ended without one) as the engine thread hands it over."""
+
+    token: int | None
+    finish_reason: str | None  # None while it goes on; "stop" | "length" | "abort" | "error" on the last
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, log-probability), most likely first
+    error: str | None = None  # finish "error": why
+
+
+@dataclass
+class _Live:
+    handle: Handle
+    req: GenRequest
+    t_arrival: float
+    t_first: float | None = None
+    t_last: float | None = None
+    tokens: int = 0
+
+
+class Handle:
+    """A submitted request as its HTTP handler sees it: an id and the batches of tokens the engine gives it."""
+
+    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = rid
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenOut] = asyncio.Queue()
+        self.done = False  # set on the event loop when the last token has been taken
+
+    async def batches(self):
+        """Lists of TokenOut, each what arrived since the previous one; the last one ends with a finish reason."""
+        while not self.done:
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            self.done = batch[-1].finish_reason is not None
+            yield batch
+
+
+class _LogprobScheduler(Scheduler):
+    """The Scheduler, recording log-probabilities of the rows whose request asked for them.
+
+    Taken from the logits `_sample` receives (raw logits, before temperature, top-k and top-p, as vLLM and
+    OpenAI report them); every token a request gets passes through `_sample` exactly once."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.wants: dict[int, int] = {}  # request id -> top k
+        self.recorded: dict[int, deque[tuple[float, list[tuple[int, float]]]]] = {}
+
+    def _sample(self, logits_BV, seqs, skip=frozenset()):
+        tokens_B = super()._sample(logits_BV, seqs, skip)
+        rows = [i for i, s in enumerate(seqs) if s.req.id in self.wants and i not in skip]
+        if rows:
+            lp_RV = logits_BV[rows].float().log_softmax(-1)
+            chosen = lp_RV.gather(-1, tokens_B[rows].unsqueeze(-1)).squeeze(-1).tolist()
+            k = max(self.wants[seqs[i].req.id] for i in rows)
+            top_v, top_i = lp_RV.topk(min(k, lp_RV.shape[-1]), dim=-1) if k else (lp_RV[:, :0], lp_RV[:, :0])
+            top_v, top_i = top_v.tolist(), top_i.long().tolist()
+            for r, i in enumerate(rows):
+                rid = seqs[i].req.id
+                n = self.wants[rid]
+                self.recorded.setdefault(rid, deque()).append((chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))))
+        return tokens_B
+
+
+class EngineLoop:
+    def __init__(self, model, config: EngineConfig, max_queue: int, metrics=None) -> None:
+        self.model, self.config, self.max_queue, self.metrics = model, config, max_queue, metrics
+        self.sched = _LogprobScheduler(model, config)
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[int, _Live] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._in_flight = 0  # accepted and not yet ended (under _lock)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    # -- event-loop side --------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.config.max_batch + self.max_queue
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def running(self) -> int:
+        return len(self.sched.live)
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self._in_flight - self.running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, req: GenRequest) -> Handle:
+        """From the event loop: accept `req` (QueueFull when max_batch + max_queue requests are in flight)."""
+        with self._lock:
+            if self._in_flight >= self.capacity:
+                raise QueueFull(f"{self._in_flight} requests are running or waiting (--max-batch "
+                                f"{self.config.max_batch} + --max-queue {self.max_queue}); retry later")
+            self._in_flight += 1
+        handle = Handle(next(self._ids), asyncio.get_running_loop())
+        self._inbox.put(("submit", handle, req, time.perf_counter()))
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        """End a request whose client left or has what it wants (a stop string); its sequence is freed at the
+        next step."""
+        if not handle.done:
+            self._inbox.put(("abort", handle.id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="moeswap-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop",))
+            self._thread.join()
+            self._thread = None
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get(block=not self.sched.busy)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd[0] == "stop":
+                    self._end_all("abort", None)
+                    return
+                self._command(cmd)
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.sched.busy:
+                self._step()
+
+    def _command(self, cmd: tuple) -> None:
+        if cmd[0] == "submit":
+            _, handle, req, t_arrival = cmd
+            r = Request(req.prompt, req.max_tokens, req.sampling, req.stop_ids, req.seed, handle.id)
+            try:
+                self.sched.submit(r)
+            except ValueError as e:  # the server checked what it could; the engine has the last word
+                self._send([(handle, [TokenOut(None, "error", error=str(e))])])
+                self._ended()
+                return
+            if req.logprobs is not None:
+                self.sched.wants[handle.id] = req.logprobs
+            self._live[handle.id] = _Live(handle, req, t_arrival)
+        elif cmd[0] == "abort" and cmd[1] in self._live:
+            self.sched.abort(cmd[1])  # its last event comes with the next step
+
+    def _step(self) -> None:
+        try:
+            events = self.sched.step()
+        except Exception as e:  # noqa: BLE001 - the server must outlive a failed step; every request hears why
+            log.exception("engine step failed")
+            self.sched = _LogprobScheduler(self.model, self.config)  # the old one's state may be half-updated
+            self._end_all("error", f"the engine failed: {type(e).__name__}: {e}")
+            return
+        now = time.perf_counter()
+        out: dict[int, tuple[Handle, list[TokenOut]]] = {}
+        for ev in events:
+            live = self._live.get(ev.id)
+            if live is None:
+                continue
+            item = TokenOut(ev.token, ev.finish_reason)
+            if ev.token is not None:
+                if live.t_first is None:
+                    live.t_first = now
+                    if self.metrics:
+                        self.metrics.prompt_tokens.inc(len(live.req.prompt))
+                live.t_last, live.tokens = now, live.tokens + 1
+                rec = self.sched.recorded.get(ev.id)
+                if rec:
+                    item.logprob, item.top = rec.popleft()
+                if self.metrics:
+                    self.metrics.generation_tokens.inc()
+            if ev.finish_reason is not None:
+                result = self.sched.finished.pop(ev.id, None)
+                if ev.finish_reason == "error" and result is not None and result.error is not None:
+                    item.error = str(result.error)
+                self._finish(live, now)
+            out.setdefault(ev.id, (live.handle, []))[1].append(item)
+        self._send(list(out.values()))
+
+    def _finish(self, live: _Live, now: float) -> None:
+        rid = live.handle.id
+        self._live.pop(rid)
+        self.sched.wants.pop(rid, None)
+        self.sched.recorded.pop(rid, None)
+        self._ended()
+        if self.metrics:
+            self.metrics.latency(ttft=None if live.t_first is None else live.t_first - live.t_arrival,
+                                  tpot=(live.t_last - live.t_first) / (live.tokens - 1) if live.tokens > 1 else None,
+                                  e2e=now - live.t_arrival)
+
+    def _end_all(self, reason: str, error: str | None) -> None:
+        now = time.perf_counter()
+        ended = list(self._live.values())
+        for live in ended:
+            self._finish(live, now)
+        self._send([(live.handle, [TokenOut(None, reason, error=error)]) for live in ended])
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    @staticmethod
+    def _send(deliveries: list[tuple[Handle, list[TokenOut]]]) -> None:
+        """One wake-up of each event loop per step, however many requests it serves."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, items in deliveries:
+            by_loop.setdefault(handle.loop, []).append((handle.queue, items))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop has closed (shutdown): nobody is listening
+                pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, list[TokenOut]]]) -> None:
+    for q, items in batch:
+        for item in items:
+            q.put_nowait(item)

@@ -1,0 +1,46 @@
+"""ServeOptions: the knobs of `moeswap serve` that shape the server, one frozen dataclass mirrored by its
+flags (host and port stay with the CLI). Torch- and FastAPI-free, so the CLI builds its parser without them.
+Entry point: `ServeOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model_name: str = "model"  # the name clients send as `model` (the CLI: MODEL as given)
+    api_key: str | None = None  # Bearer token every /v1 request must carry; None: no check
+    max_batch: int = 16  # sequences decoded together
+    max_queue: int = 64  # accepted requests waiting for a slot beyond max_batch; more get 429
+    # prompt + generated tokens per request; None: the model's max_position_embeddings, at most
+    # DEFAULT_MAX_CONTEXT (per-sequence state is sized by it)
+    max_context: int | None = None
+    native: bool = True  # decode steps' layers in one C call where it applies (EngineConfig.native)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_context"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if not _is_int(self.max_queue) or self.max_queue < 0:
+            raise ValueError(f"--max-queue must be an integer >= 0, got {self.max_queue!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key is empty: give a key, or leave the flag out to accept every request")
+
+    def resolve_max_context(self, model_max: int) -> int:
+        """The context a request may fill, given the model's max_position_embeddings."""
+        if self.max_context is None:
+            return min(model_max, DEFAULT_MAX_CONTEXT)
+        if self.max_context > model_max:
+            raise ValueError(f"--max-context {self.max_context} is more than the model's max_position_embeddings "
+                             f"{model_max}")
+        return self.max_context
+
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

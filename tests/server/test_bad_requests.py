@@ -1,0 +1,182 @@
+"""What `moeswap serve` does with requests it cannot serve: OpenAI-style error JSON with a 4xx (never a 500)
+and the server keeps serving; 429 when every slot and the queue are taken; 401 without the --api-key; a
+client that leaves mid-answer frees its sequence at the next step."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(max_batch=2, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def http():
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+def post(http, server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return http.post(server.url + path, content=content, headers={"content-type": "application/json"})
+
+
+def error_of(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TEXT = {"prompt": "hi", "max_tokens": 4}
+
+# (endpoint, body, status, param): every one a request the server must refuse by name
+BAD = [
+    ("completions", b'{"prompt": "hi",', 400, None),  # malformed JSON
+    ("completions", b'{"prompt": "hi", "max_tokens": NaN}', 400, None),  # not JSON either
+    ("completions", b'["hi"]', 400, None),  # not an object
+    ("completions", b'{"prompt": "\xc3\x28"}', 400, None),  # invalid UTF-8
+    ("completions", {"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate, escaped
+    ("completions", {**TEXT, "max_tokens": "4"}, 400, "max_tokens"),  # wrong types
+    ("completions", {**TEXT, "temperature": "hot"}, 400, "temperature"),
+    ("completions", {**TEXT, "stream": "yes"}, 400, "stream"),
+    ("completions", {**TEXT, "stop": ["ok", 3]}, 400, "stop[1]"),
+    ("completions", {"max_tokens": 4}, 400, "prompt"),  # missing
+    ("chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].type"),
+    ("completions", {**TEXT, "model": "gpt-4o"}, 404, "model"),  # unknown model
+    ("chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "model"),
+    ("completions", {**TEXT, "prompt": "hi " * 300}, 400, "prompt"),  # prompt over the context (256)
+    ("completions", {**TEXT, "prompt": list(range(300))}, 400, "prompt"),
+    ("completions", {**TEXT, "n": 2}, 400, "n"),
+    ("chat/completions", {**CHAT, "n": 3}, 400, "n"),
+    ("completions", {**TEXT, "max_tokens": -1}, 400, "max_tokens"),  # negative max_tokens
+    ("completions", {**TEXT, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": -5}, 400, "max_completion_tokens"),
+    ("completions", {**TEXT, "max_tokens": 10 ** 12}, 400, "max_tokens"),  # huge max_tokens
+    ("completions", {**TEXT, "max_tokens": 10 ** 40}, 400, "max_tokens"),
+    ("completions", {**TEXT, "temperature": -1}, 400, "temperature"),
+    ("completions", {**TEXT, "top_p": 0}, 400, "top_p"),
+    ("completions", {**TEXT, "top_k": -2}, 400, "top_k"),
+    ("completions", {**TEXT, "seed": 2 ** 70}, 400, "seed"),
+    ("completions", {**TEXT, "stop": ""}, 400, "stop"),
+    ("completions", {**TEXT, "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
+    ("completions", {**TEXT, "prompt": [5, -1]}, 400, "prompt"),
+    ("completions", {**TEXT, "prompt": ""}, 400, "prompt"),
+    ("completions", {**TEXT, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {**TEXT, "logprobs": 21}, 400, "logprobs"),
+    ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs
+    ("completions", {**TEXT, "presence_penalty": 0.5}, 400, "presence_penalty"),  # not implemented: said so
+    ("completions", {**TEXT, "echo": True}, 400, "echo"),
+    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("completions", {**TEXT, "repetition_penalty": 1.1}, 400, "repetition_penalty"),  # unknown parameter
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_refused_by_name(http, server, endpoint, body, status, param):
+    r = post(http, server, f"/v1/{endpoint}", body)
+    assert r.status_code == status, r.text
+    err = error_of(r)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_still_serving_after_bad_requests(http, server):
+    statuses = [post(http, server, f"/v1/{endpoint}", body).status_code for endpoint, body, _, _ in BAD]
+    assert all(400 <= s < 500 for s in statuses)
+    assert post(http, server, "/v1/completions", TEXT).status_code == 200
+    assert post(http, server, "/v1/chat/completions", CHAT).status_code == 200
+    assert server.engine.alive and server.settle()
+
+
+def test_context_and_routes(http, server):
+    r = post(http, server, "/v1/completions", {**TEXT, "max_tokens": 257})
+    assert "context" in error_of(r)["message"] and error_of(r)["code"] == "context_length_exceeded"
+    r = http.get(server.url + "/v1/nowhere")
+    assert r.status_code == 404 and error_of(r)
+    r = http.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and error_of(r)
+
+
+LONG = {"prompt": "tell me everything", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def one_slot(start_server):
+    """One sequence at a time, one waiting, the default context (4096): a 4000-token answer takes the tiny model
+    over a second, so a client can leave long before it ends."""
+    return start_server(max_batch=1, max_queue=1)
+
+
+def test_disconnect_mid_stream_frees_sequence(one_slot):
+    aborted, ran_out = one_slot.finished("abort"), one_slot.finished("length")
+    with httpx.stream("POST", one_slot.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))  # it runs
+    # the connection is closed: the sequence leaves at the next step, long before its 4000 tokens
+    assert one_slot.settle(until=lambda: one_slot.finished("abort") == aborted + 1)
+    assert one_slot.finished("length") == ran_out
+
+
+def test_disconnect_before_answer_frees_sequence(one_slot):
+    """A non-streamed request whose client gives up (here: a timeout) is aborted too."""
+    aborted, ran_out = one_slot.finished("abort"), one_slot.finished("length")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(one_slot.url + "/v1/completions", json=LONG, timeout=0.3)
+    assert one_slot.settle(until=lambda: one_slot.finished("abort") == aborted + 1)
+    assert one_slot.finished("length") == ran_out
+
+
+def test_queue_full_is_429(one_slot):
+    client = one_slot.client()
+    long = dict(model=one_slot.name, prompt=LONG["prompt"], max_tokens=LONG["max_tokens"], temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+    running = client.completions.create(**long)  # takes the one slot
+    queued = client.completions.create(**long)  # waits for it
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(**{**long, "stream": False, "max_tokens": 2})
+        assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+    finally:
+        running.close()
+        queued.close()  # the waiting one leaves the queue
+    assert one_slot.settle()
+    assert client.completions.create(model=one_slot.name, prompt="go on", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_api_key(start_server):
+    locked = start_server(api_key="s3cret")
+    r = httpx.post(locked.url + "/v1/completions", json=TEXT)
+    assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        locked.client(api_key="wrong").completions.create(model=locked.name, prompt="hi", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        locked.client(api_key="wrong").models.list()
+    ok = locked.client(api_key="s3cret").completions.create(model=locked.name, prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+    assert httpx.get(locked.url + "/health").status_code == 200  # probes need no key
+
+
+def test_a_failing_step_fails_its_requests_not_the_server(http, server):
+    """A scheduler step that raises ends every request in flight with a server error naming it; the engine
+    starts over with a fresh scheduler and serves the next request."""
+    failing = server.engine.sched
+
+    def broken():
+        raise RuntimeError("simulated kernel failure")
+
+    failing.step = broken
+    r = post(http, server, "/v1/completions", TEXT)
+    assert r.status_code == 500 and "simulated kernel failure" in error_of(r)["message"]
+    assert server.engine.sched is not failing and server.settle()
+    assert post(http, server, "/v1/completions", TEXT).status_code == 200
