@@ -45,8 +45,8 @@ def test_spin_mode_and_bad_values():
 
 @pytest.mark.slow
 def test_the_command_applies_it_before_torch_starts(tiny_k3_dir):
-    """A busy machine (load average patched to 9) reaches torch: one thread, and --json says why."""
-    code = ("import os, sys; os.getloadavg = lambda: (9.0, 9.0, 9.0); from moeswap.cli import main; "
+    """A busy machine (other processes' load patched to 9) reaches torch: one thread, and --json says why."""
+    code = ("import sys; import moeswap.tuning as t; t.other_load = lambda: 9.0; from moeswap.cli import main; "
             f"sys.exit(main(['generate', {str(tiny_k3_dir)!r}, '--prompt', 'hi', '--max-tokens', '2', '--json']))")
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MOESWAP_THREADS")}
@@ -54,3 +54,22 @@ def test_the_command_applies_it_before_torch_starts(tiny_k3_dir):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["threads"] == 1 and "passive wait" in result["openmp"] and "busy machine" in result["openmp"]
+
+
+def test_other_load_counts_runnable_processes_now():
+    import subprocess as sp
+
+    quiet = fit_threads_to_load(2, None, {})  # whatever the machine does now: a decision, never an error
+    assert quiet.load >= 0
+    spinners = [sp.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        import time
+
+        time.sleep(0.5)
+        from moeswap.tuning import other_load
+
+        assert other_load() >= 2  # three spinners are runnable (at most one is between time slices)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()

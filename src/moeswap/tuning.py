@@ -83,25 +83,26 @@ def fit_threads_to_load(cores: int | None = None, load: float | None = None,
     return ThreadFit(cores, load, threads, True, f"load {load:.1f} on {cores} cores: busy machine")
 
 
-def other_load() -> float:
-    """Other processes' demand for CPUs: the larger of the 1-minute load average (a build that has been
-    running) and the tasks runnable right now besides this one (a load that just started; the median of
-    five looks 5 ms apart, from /proc/loadavg's running count, on Linux)."""
-    try:
-        average = os.getloadavg()[0]
-    except (AttributeError, OSError):  # not on this platform
-        average = 0.0
-    looks = []
-    for i in range(5):
+def other_load(looks: int = 10, gap_s: float = 0.005) -> float:
+    """Other processes' demand for CPUs now: the tasks runnable besides this one, the median of `looks`
+    readings of /proc/loadavg's running count `gap_s` apart (50 ms by default). Not the 1-minute load
+    average: it lags by a minute both ways, so it would take a load that just ended for a busy machine
+    (and the reverse); it is the fallback where /proc/loadavg is missing."""
+    seen = []
+    for i in range(looks):
         try:
             with open("/proc/loadavg") as f:
-                looks.append(int(f.read().split()[3].split("/")[0]) - 1)
+                seen.append(int(f.read().split()[3].split("/")[0]) - 1)
         except (OSError, ValueError, IndexError):
             break
-        if i < 4:
-            time.sleep(0.005)
-    now = sorted(looks)[len(looks) // 2] if looks else 0
-    return max(average, float(now))
+        if i < looks - 1:
+            time.sleep(gap_s)
+    if seen:
+        return float(sorted(seen)[len(seen) // 2])
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        return 0.0
 
 
 def _cores() -> int:
