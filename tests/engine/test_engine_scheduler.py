@@ -119,3 +119,23 @@ def test_int8_expert_activations_batch_like_single_sequences(tmp_path, monkeypat
     monkeypatch.setattr(kernel, "has_int8_activations", False)
     with pytest.raises(ValueError, match="without VNNI"):
         load_model(path, LoadOptions(expert_activations="int8"))
+
+
+def test_logprobs_are_the_raw_logits_log_softmax(model):
+    """Request.logprobs: each event carries the chosen token's log-probability and the top k, equal to the
+    log-softmax of the model's full forward at that position; requests without it get none."""
+    prompt = _tokens(9, 5)
+    events = []
+    Scheduler(model, EngineConfig(max_batch=2, max_len=64)).run(
+        [Request(prompt, 4, id="lp", logprobs=3), Request(_tokens(6, 6), 4, id="plain")], on_token=events.append)
+    mine = [e for e in events if e.id == "lp" and e.token is not None]
+    assert len(mine) == 4
+    assert all(e.logprob is None and e.top_logprobs is None for e in events if e.id == "plain")
+    with torch.no_grad():
+        lp_TV = model(torch.tensor([prompt + [e.token for e in mine]]))[0].float().log_softmax(-1)
+    for j, e in enumerate(mine):
+        row = lp_TV[len(prompt) - 1 + j]
+        assert e.logprob == pytest.approx(row[e.token].item(), abs=1e-4)
+        top_v, top_i = row.topk(3)
+        assert [t for t, _ in e.top_logprobs] == top_i.tolist()
+        assert [v for _, v in e.top_logprobs] == pytest.approx(top_v.tolist(), abs=1e-4)

@@ -62,6 +62,9 @@ class Request:
     stop_ids: Sequence[int] = ()
     seed: int | None = None
     id: int | str | None = None  # assigned by submit() when None
+    # None: no log-probabilities; k >= 0: each token's event carries its log-probability and the top k, from
+    # the raw logits (before temperature, top-k and top-p, as OpenAI and vLLM report them)
+    logprobs: int | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ class TokenEvent:
     token: int | None  # None on an "error" event: the step gave the sequence no token
     # None while the sequence goes on; "stop" | "length" on its last token; "error"; "abort" (Scheduler.abort)
     finish_reason: str | None
+    logprob: float | None = None  # Request.logprobs: the token's log-probability
+    top_logprobs: list[tuple[int, float]] | None = None  # ... and the k most likely (token, log-probability)
 
 
 @dataclass
@@ -139,6 +144,7 @@ class _Seq:
     done: bool = False
     aborted: bool = False  # Scheduler.abort: ends at the next step
     error: NonFiniteError | None = None
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None  # of the token _sample just chose
 
 
 def fuse_projections(model) -> None:
@@ -324,12 +330,25 @@ class Scheduler:
                 self._emit(slot, tok, events)
 
     def _sample(self, logits_BV: torch.Tensor, seqs: list[_Seq], skip: set[int] = frozenset()) -> torch.Tensor:
-        """Each sequence's next token; rows in `skip` (failed) get 0 and draw nothing from their generator."""
+        """Each sequence's next token; rows in `skip` (failed) get 0 and draw nothing from their generator.
+        Sequences whose request asks for log-probabilities get them (seq.logprobs, for _emit)."""
         if all(s.generator is None for s in seqs):
-            return logits_BV.argmax(dim=-1)  # one batched op, no host round trip
-        none = torch.zeros(1, dtype=torch.long, device=logits_BV.device)
-        return torch.cat([none if i in skip else sample(logits_BV[i:i + 1], s.req.sampling, s.generator)
-                          for i, s in enumerate(seqs)])
+            tokens_B = logits_BV.argmax(dim=-1)  # one batched op, no host round trip
+        else:
+            none = torch.zeros(1, dtype=torch.long, device=logits_BV.device)
+            tokens_B = torch.cat([none if i in skip else sample(logits_BV[i:i + 1], s.req.sampling, s.generator)
+                                  for i, s in enumerate(seqs)])
+        rows = [i for i, s in enumerate(seqs) if s.req.logprobs is not None and i not in skip]
+        if rows:
+            lp_RV = logits_BV[rows].float().log_softmax(-1)
+            chosen = lp_RV.gather(-1, tokens_B[rows].unsqueeze(-1)).squeeze(-1).tolist()
+            k = min(max(seqs[i].req.logprobs for i in rows), lp_RV.shape[-1])
+            top_v, top_i = lp_RV.topk(k, dim=-1) if k else (lp_RV[:, :0], lp_RV[:, :0].long())
+            top_v, top_i = top_v.tolist(), top_i.tolist()
+            for r, i in enumerate(rows):
+                n = seqs[i].req.logprobs
+                seqs[i].logprobs = chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))
+        return tokens_B
 
     def _fail(self, slot: int, events: list[TokenEvent]) -> None:
         """The sequence in `slot` produced logits that are not finite: it ends with a NonFiniteError that
@@ -362,7 +381,9 @@ class Scheduler:
         seq.t_last = now
         seq.tokens.append(tok)
         reason = "stop" if tok in seq.stop else "length" if len(seq.tokens) >= seq.req.max_tokens else None
-        events.append(TokenEvent(seq.req.id, tok, reason))
+        logprob, top = seq.logprobs if seq.logprobs is not None else (None, None)
+        seq.logprobs = None
+        events.append(TokenEvent(seq.req.id, tok, reason, logprob, top))
         if reason:
             seq.done = True
             r = seq.req

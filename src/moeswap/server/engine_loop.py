@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from moeswap.engine.sampling import SamplingParams
@@ -77,37 +76,10 @@ class Handle:
             yield batch
 
 
-class _LogprobScheduler(Scheduler):
-    """The Scheduler, recording log-probabilities of the rows whose request asked for them.
-
-    Taken from the logits `_sample` receives (raw logits, before temperature, top-k and top-p, as vLLM and
-    OpenAI report them); every token a request gets passes through `_sample` exactly once."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.wants: dict[int, int] = {}  # request id -> top k
-        self.recorded: dict[int, deque[tuple[float, list[tuple[int, float]]]]] = {}
-
-    def _sample(self, logits_BV, seqs, skip=frozenset()):
-        tokens_B = super()._sample(logits_BV, seqs, skip)
-        rows = [i for i, s in enumerate(seqs) if s.req.id in self.wants and i not in skip]
-        if rows:
-            lp_RV = logits_BV[rows].float().log_softmax(-1)
-            chosen = lp_RV.gather(-1, tokens_B[rows].unsqueeze(-1)).squeeze(-1).tolist()
-            k = max(self.wants[seqs[i].req.id] for i in rows)
-            top_v, top_i = lp_RV.topk(min(k, lp_RV.shape[-1]), dim=-1) if k else (lp_RV[:, :0], lp_RV[:, :0])
-            top_v, top_i = top_v.tolist(), top_i.long().tolist()
-            for r, i in enumerate(rows):
-                rid = seqs[i].req.id
-                n = self.wants[rid]
-                self.recorded.setdefault(rid, deque()).append((chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))))
-        return tokens_B
-
-
 class EngineLoop:
     def __init__(self, model, config: EngineConfig, max_queue: int, metrics=None) -> None:
         self.model, self.config, self.max_queue, self.metrics = model, config, max_queue, metrics
-        self.sched = _LogprobScheduler(model, config)
+        self.sched = Scheduler(model, config)
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
@@ -185,15 +157,13 @@ class EngineLoop:
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "submit":
             _, handle, req, t_arrival = cmd
-            r = Request(req.prompt, req.max_tokens, req.sampling, req.stop_ids, req.seed, handle.id)
+            r = Request(req.prompt, req.max_tokens, req.sampling, req.stop_ids, req.seed, handle.id, req.logprobs)
             try:
                 self.sched.submit(r)
             except ValueError as e:  # the server checked what it could; the engine has the last word
                 self._send([(handle, [TokenOut(None, "error", error=str(e))])])
                 self._ended()
                 return
-            if req.logprobs is not None:
-                self.sched.wants[handle.id] = req.logprobs
             self._live[handle.id] = _Live(handle, req, t_arrival)
         elif cmd[0] == "abort" and cmd[1] in self._live:
             self.sched.abort(cmd[1])  # its last event comes with the next step
@@ -203,7 +173,7 @@ class EngineLoop:
             events = self.sched.step()
         except Exception as e:  # noqa: BLE001 - the server must outlive a failed step; every request hears why
             log.exception("engine step failed")
-            self.sched = _LogprobScheduler(self.model, self.config)  # the old one's state may be half-updated
+            self.sched = Scheduler(self.model, self.config)  # the old one's state may be half-updated
             self._end_all("error", f"the engine failed: {type(e).__name__}: {e}")
             return
         now = time.perf_counter()
@@ -219,9 +189,7 @@ class EngineLoop:
                     if self.metrics:
                         self.metrics.prompt_tokens.inc(len(live.req.prompt))
                 live.t_last, live.tokens = now, live.tokens + 1
-                rec = self.sched.recorded.get(ev.id)
-                if rec:
-                    item.logprob, item.top = rec.popleft()
+                item.logprob, item.top = ev.logprob, ev.top_logprobs
                 if self.metrics:
                     self.metrics.generation_tokens.inc()
             if ev.finish_reason is not None:
@@ -235,8 +203,6 @@ class EngineLoop:
     def _finish(self, live: _Live, now: float) -> None:
         rid = live.handle.id
         self._live.pop(rid)
-        self.sched.wants.pop(rid, None)
-        self.sched.recorded.pop(rid, None)
         self._ended()
         if self.metrics:
             self.metrics.latency(ttft=None if live.t_first is None else live.t_first - live.t_arrival,
