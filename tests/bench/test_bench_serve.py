@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -40,6 +41,7 @@ def _invariants(report: dict, name: str, row: dict, pool: list[int] | None) -> N
     assert r["duration_s"] * 1e3 >= max(q["start_ms"] + q["e2e_ms"] for q in ok) - 1e-6
     assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration_s"], rel=1e-12)
     assert r["request_throughput"] == pytest.approx(r["completed"] / r["duration_s"], rel=1e-12)
+    assert 0 < r["client_cpu_s"] and r["load_average_end"] >= 0
 
 
 @pytest.mark.slow
@@ -189,7 +191,7 @@ def test_llama_server_is_found_or_skipped_with_a_reason(tmp_path, monkeypatch):
     path, why = llamaserver.find()
     assert path is None and "scripts/setup-peers.sh" in why
     built.parent.mkdir()
-    built.write_text("#!/bin/sh\necho 'version: 1 (abc)'\n")
+    built.write_text(f"#!{sys.executable}\nimport sys\nprint('version: 1 (abc)', file=sys.stderr)\n")
     built.chmod(0o755)
     assert llamaserver.find() == (str(built), "")
     assert llamaserver.version(str(built)) == "version: 1 (abc)"

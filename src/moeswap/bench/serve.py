@@ -693,9 +693,12 @@ def measure(s: Setup, log=print) -> dict:
             row = {**level.as_dict(), "results": {}}
             for t in targets:  # round-robin: load from other users of the machine hits all of them alike
                 log(f"{t.name}: {level}")
+                cpu = time.process_time()
                 outcomes, duration = asyncio.run(_run_level(t, prompts, w, level, s.api_key))
                 runs[t.name].append(outcomes)
                 r = row["results"][t.name] = summarize(outcomes, duration)
+                # what else ran: this client's own CPU time, and the machine's load when the level ended
+                r["client_cpu_s"], r["load_average_end"] = time.process_time() - cpu, os.getloadavg()[0]
                 log(f"  {r['completed']}/{r['sent']} done in {duration:.1f} s: {_fmt(r['output_throughput'])} "
                     f"output tok/s, TTFT p99 {_fmt(r['ttft_ms']['p99'])} ms")
             main = row["results"][targets[0].name]
@@ -777,6 +780,11 @@ def format_markdown(r: dict) -> str:
             lines.append(f"| {name} | {load} | {x['completed']} / {x['sent']} | {_fmt(x['request_throughput'], 2)} | "
                          f"{_fmt(x['output_throughput'])} | {_three(x['ttft_ms'])} | {_three(x['tpot_ms'])} | "
                          f"{_three(x['itl_ms'])} | {_fmt(x['e2e_ms']['p50'], 0)} / {_fmt(x['e2e_ms']['p99'], 0)} |")
+    for row in r["rows"]:
+        load = str(Level(row.get("concurrency"), row.get("request_rate")))
+        lines.append(f"\n{load}: " + "; ".join(
+            f"{name}: the client used {x['client_cpu_s'] / x['duration_s']:.0%} of a core, load average "
+            f"{x['load_average_end']:.1f} at the end" for name, x in row["results"].items() if x["duration_s"]))
     ratio_rows = [(row, peer, q) for row in r["rows"] for peer, q in row["ratios"].items()]
     if ratio_rows:
         lines += ["", f"| load | peer | {r['target']} / peer output tok/s | {r['target']} / peer p99 TTFT |",
