@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Set up the benchmark peers for `moeswap bench decode|prefill` (see docs/benchmarks.md).
+# Set up the benchmark peers for `moeswap bench decode|prefill|serve` (see docs/benchmarks.md).
 #   llama.cpp : llama-cpp-python 0.3.36 built from the PyPI sdist into the venv (CPU only, no
 #               tests/tools/examples/server/mtmd: the quickest build that can run a GGUF), and the
 #               sdist's own HF->GGUF converter extracted to .peers/llama.cpp/ (run with the venv's python).
+#   llama-server: llama.cpp's own HTTP server from the same sdist's sources (bench serve's peer), built
+#               alone into .peers/bin/llama-server (static, CPU only, no web UI).
 #   transformers: already a moeswap dependency (KimiLinearForCausalLM); nothing to do.
-# Usage: scripts/setup-peers.sh [--python PATH] [--jobs N] [--no-build]
-# Idempotent: the sdist and the extracted converter are cached in .peers/, the CMake build dir too.
+# Usage: scripts/setup-peers.sh [--python PATH] [--jobs N] [--no-build] [--no-server]
+# Idempotent: the sdist and the extracted converter are cached in .peers/, the CMake build dirs too.
 set -euo pipefail
 
 VERSION=0.3.36
@@ -14,12 +16,14 @@ PEERS="$ROOT/.peers"
 PY="$ROOT/.venv/bin/python"
 JOBS="$(nproc 2>/dev/null || echo 2)"
 BUILD=1
+SERVER=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --python) PY="$2"; shift 2 ;;
         --jobs) JOBS="$2"; shift 2 ;;
         --no-build) BUILD=0; shift ;;
-        -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+        --no-server) SERVER=0; shift ;;
+        -h|--help) sed -n 2,10p "$0"; exit 0 ;;
         *) echo "setup-peers.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -66,4 +70,25 @@ if [ "$BUILD" = 1 ]; then
             -C "build-dir=$PEERS/build" "$SDIST"
     fi
     "$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ok')"
+fi
+
+# 4. llama-server: a CMake build of the sdist's vendored llama.cpp of its own (step 3 leaves the server out);
+#    only the llama-server target and what it links are compiled (~200 compile steps). The web UI is off:
+#    its assets would be downloaded, and the benchmark never loads them.
+if [ "$BUILD" = 1 ] && [ "$SERVER" = 1 ]; then
+    if [ -x "$PEERS/bin/llama-server" ]; then
+        echo "llama-server already built"
+    else
+        GENERATOR=()
+        command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+        cmake -S "$SRC/vendor/llama.cpp" -B "$PEERS/server-build" ${GENERATOR[@]+"${GENERATOR[@]}"} -DCMAKE_BUILD_TYPE=Release \
+            -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
+            -DGGML_BLAS=OFF -DGGML_RPC=OFF -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+            -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+            -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+        cmake --build "$PEERS/server-build" --target llama-server -j "$JOBS"
+        mkdir -p "$PEERS/bin"
+        cp "$PEERS/server-build/bin/llama-server" "$PEERS/bin/llama-server"
+    fi
+    echo "llama-server: $("$PEERS/bin/llama-server" --version 2>&1 | grep '^version' || true)"
 fi
