@@ -552,9 +552,15 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
 # The greedy check
 
 
-def check_greedy(model_dir: str, load: LoadOptions, runs: dict[str, list[list[Outcome]]], per_target: int) -> dict:
+def check_greedy(model_dir: str, load: LoadOptions, runs: dict[str, list[list[Outcome]]], per_target: int,
+                 threads: int | None = None) -> dict:
     """Up to `per_target` completed requests of each moeswap target (spread over its run) against
-    `moeswap generate`'s greedy tokens for the same prompt and max_tokens (engine.generate, batch 1)."""
+    `moeswap generate`'s greedy tokens for the same prompt and max_tokens (engine.generate, batch 1), on
+    the servers' `threads`: torch's GEMM (prompts over 32 tokens) rounds differently at another thread
+    count, and a random model's near-tied logits then pick other tokens (1 vs 2 threads on bench-k3: all
+    of 10 prompts differed within 27 tokens; 2 vs 2: none)."""
+    import torch
+
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.engine.tokenizer import load_tokenizer
@@ -570,6 +576,9 @@ def check_greedy(model_dir: str, load: LoadOptions, runs: dict[str, list[list[Ou
         report["ok"] = False
         report["note"] = "no completed request returned its token ids"
         return report
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     model, store = load_model(model_dir, load)
     tok = load_tokenizer(model_dir)
     reference: dict[tuple, list[int]] = {}
@@ -590,6 +599,7 @@ def check_greedy(model_dir: str, load: LoadOptions, runs: dict[str, list[list[Ou
                                              "server_tokens": len(o.token_ids), "generate_tokens": len(ref)})
     finally:
         store.close()
+        torch.set_num_threads(before)
     report["ok"] = report["equal"] == report["checked"]
     return report
 
@@ -723,7 +733,7 @@ def measure(s: Setup, log=print) -> dict:
     if s.check_greedy:
         log(f"greedy check: up to {s.check_greedy} requests per moeswap server against `moeswap generate`")
         report["greedy_check"] = check_greedy(s.model_dir, s.load, {t.name: runs[t.name] for t in targets if t.moeswap},
-                                              s.check_greedy)
+                                              s.check_greedy, s.threads if s.launch else None)
     return report
 
 
