@@ -7,14 +7,12 @@ case, finding llama-server, flag errors."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
 
+from live_server import serve_in_thread
 from moeswap.bench import serve
 from moeswap.bench.peers import llamaserver
 from moeswap.cli import main
@@ -81,8 +79,6 @@ def test_launched_server_and_batch1_peer(tiny_k3_dir, tmp_path, capsys, strict_j
 
 def _serve_in_thread(model_dir):
     """A moeswap server in this process (uvicorn in a thread, on a free loopback port); returns (url, stop)."""
-    import uvicorn
-
     from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
@@ -90,22 +86,13 @@ def _serve_in_thread(model_dir):
 
     model, store = load_model(model_dir)
     app = build_app(model, load_tokenizer(model_dir), ServeOptions(model_name="tiny", max_batch=4), store)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, as uvicorn's own
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.01)
+    url, stop_server = serve_in_thread(app)
 
     def stop():
-        server.should_exit = True
-        thread.join(timeout=10)
+        stop_server()
         store.close()
 
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+    return url, stop
 
 
 @pytest.mark.slow

@@ -7,16 +7,14 @@ the tiny K3 (tests/conftest.py), with the official `openai` client pointed at it
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from dataclasses import dataclass
 
 import pytest
 
 import openai
-import uvicorn
 
+from live_server import serve_in_thread
 from moeswap.engine.tokenizer import load_tokenizer
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app
@@ -68,27 +66,16 @@ def tiny_model(tiny_k3_dir):
 @pytest.fixture(scope="module")
 def run_app():
     """run_app(app) -> its URL: uvicorn serving `app` on a free port of 127.0.0.1 until the module ends."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+    stops = []
 
     def run(app) -> str:
-        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets; without it every response waits
-        # ~40 ms for a delayed ACK (uvicorn binding host:port itself gets this right)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        servers.append((server, thread))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+        url, stop = serve_in_thread(app)
+        stops.append(stop)
+        return url
 
     yield run
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
+    for stop in stops:
+        stop()
 
 
 @pytest.fixture(scope="module")
