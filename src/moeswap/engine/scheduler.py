@@ -5,11 +5,13 @@ of one or more prompts, each alone: KDA in its chunked form, or its token recurr
 MLA over the piece plus the cache), and then runs one batched decode step over every sequence that had
 finished its prefill (on the CPU, its layers in one C call: engine/native_step.py), so a long prompt never
 stalls the running streams. A prompt's first token comes with its last piece. Finished and aborted
-sequences leave at once; the state (engine/state.py) grows and shrinks with the sequences. Greedy results
-equal running each request alone. Time to first token and time per output token are measured here.
-Every step's logits are checked for NaN and Inf (one reduction); a sequence whose logits are not finite
-fails alone (finish reason "error", with a NonFiniteError naming the step and the first non-finite layer)
-and the others go on: rows of a batch never mix, so their tokens are those they would get alone.
+sequences leave at once; the state (engine/state.py) grows and shrinks with the sequences. Rows of a batch
+never mix, but results are not bit-invariant to the batch: the bf16 linear kernel sums one token in another
+order than several (csrc/linear_bf16.c), so logits differ from a run alone by ~1e-6 relative and a near-tied
+greedy token can differ (seen on bench-k3; the tiny test models' greedy tokens equal their runs alone).
+Time to first token and time per output token are measured here. Every step's logits are checked for NaN
+and Inf (one reduction); a sequence whose logits are not finite fails alone (finish reason "error", with a
+NonFiniteError naming the step and the first non-finite layer) and the others go on.
 Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`,
 `.abort(id)`.
 """
