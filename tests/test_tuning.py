@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moeswap.tuning import fit_threads_to_load
+from moeswap.tuning import ENV_THREADS, OPENMP_VARIABLES, fit_threads_to_load
 
 
 @pytest.mark.parametrize("cores, load, threads", [
@@ -28,7 +28,7 @@ def test_threads_are_the_cores_left_free(cores, load, threads):
         assert 1 <= threads <= max(1, cores - math.floor(load)) and threads < cores
 
 
-@pytest.mark.parametrize("var", ["OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"])
+@pytest.mark.parametrize("var", OPENMP_VARIABLES)
 def test_what_the_user_set_wins(var):
     env = {var: "3"}
     fit = fit_threads_to_load(2, 9.0, env)
@@ -49,7 +49,7 @@ def test_the_command_applies_it_before_torch_starts(tiny_k3_dir):
     code = ("import sys; import moeswap.tuning as t; t.other_load = lambda: 9.0; from moeswap.cli import main; "
             f"sys.exit(main(['generate', {str(tiny_k3_dir)!r}, '--prompt', 'hi', '--max-tokens', '2', '--json']))")
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MOESWAP_THREADS")}
+           if k not in (*OPENMP_VARIABLES, ENV_THREADS)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 # defaults (one thread per core, spin-waiting), for A/B runs (bench load) and quiet dedicated machines.
 ENV_THREADS = "MOESWAP_THREADS"
 THREAD_MODES = ("auto", "spin")
+OPENMP_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's settings, which win
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def fit_threads_to_load(cores: int | None = None, load: float | None = None,
         raise ValueError(f"{ENV_THREADS}={mode!r}: expected one of {', '.join(THREAD_MODES)}")
     if mode == "spin":
         return ThreadFit(cores, load, None, False, f"{ENV_THREADS}=spin")
-    user_set = [v for v in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if v in env]
+    user_set = [v for v in OPENMP_VARIABLES if v in env]
     if user_set:
         return ThreadFit(cores, load, None, False, f"{', '.join(user_set)} set by the user")
     threads = max(1, round(cores - load)) if math.isfinite(load) else cores

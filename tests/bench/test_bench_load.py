@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import subprocess
 
 import pytest
 
@@ -11,23 +11,20 @@ from moeswap import cli
 from moeswap.bench import load
 
 
-def _spinners() -> set[int]:
-    pids = set()
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if load.BUSY_LOOP.encode() in cmdline.read_bytes():
-                pids.add(int(cmdline.parent.name))
-        except OSError:
-            pass
-    return pids
-
-
 @pytest.mark.slow
-def test_load_bench_fits_threads_under_load_and_leaves_no_spinner(tiny_k3_dir, tmp_path, capsys):
-    before = _spinners()
+def test_load_bench_fits_threads_under_load_and_leaves_no_spinner(tiny_k3_dir, tmp_path, capsys, monkeypatch):
+    started = []  # every process the bench starts: the spinners (generate runs through subprocess.run)
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
     assert cli.main(["bench", "load", str(tiny_k3_dir), "--busy", "1", "--reps", "1", "--prompt-words", "40",
                      "--max-tokens", "2", "--out-dir", str(tmp_path)]) == 0
-    assert _spinners() <= before  # every background spinner was stopped
+    spinners = [p for p in started if load.BUSY_LOOP in p.args]
+    assert len(spinners) == 2 and all(p.poll() is not None for p in spinners)  # one per busy run, all stopped
     report = json.loads(next(tmp_path.glob("load-*.json")).read_text(), parse_constant=pytest.fail)
     fitted, spin = report["rows"]
     assert fitted["settings"] == "fitted" and spin["settings"] == "OpenMP defaults"

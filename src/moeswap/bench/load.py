@@ -17,13 +17,15 @@ import subprocess
 import sys
 import time
 
+from moeswap.tuning import ENV_THREADS, OPENMP_VARIABLES
+
 MODES = {"fitted": "auto", "OpenMP defaults": "spin"}  # label -> MOESWAP_THREADS
 BUSY_LOOP = "while True: pass"
 
 
 def _generate(model: str, prompt: str, max_tokens: int, mode: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env["MOESWAP_THREADS"] = mode
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_VARIABLES}
+    env[ENV_THREADS] = mode
     cmd = [sys.executable, "-m", "moeswap.cli", "generate", model, "--prompt", prompt, "--max-tokens",
            str(max_tokens), "--ignore-eos", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
