@@ -17,13 +17,13 @@ import sys
 import time
 import warnings
 
-from moeswap.jsonio import dumps
+from moeswap import tuning
 from moeswap.atomic_dir import OutOfSpaceError
+from moeswap.jsonio import dumps
 from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tiny.sizes import SIZES
 from moeswap.units import human_bytes
-from moeswap import tuning
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
                                                 OutOfSpaceError)
