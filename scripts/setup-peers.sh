@@ -6,7 +6,8 @@
 #   llama-server: llama.cpp's own HTTP server from the same sdist's sources (bench serve's peer), built
 #               alone into .peers/bin/llama-server (static, CPU only, no web UI).
 #   transformers: already a moeswap dependency (KimiLinearForCausalLM); nothing to do.
-# Usage: scripts/setup-peers.sh [--python PATH] [--jobs N] [--no-build] [--no-server]
+# Usage: scripts/setup-peers.sh [--python PATH] [--jobs N] [--no-build] [--no-library] [--no-server]
+#   --no-library: skip llama-cpp-python (bench serve needs only llama-server and the converter)
 # Idempotent: the sdist and the extracted converter are cached in .peers/, the CMake build dirs too.
 set -euo pipefail
 
@@ -16,14 +17,16 @@ PEERS="$ROOT/.peers"
 PY="$ROOT/.venv/bin/python"
 JOBS="$(nproc 2>/dev/null || echo 2)"
 BUILD=1
+LIBRARY=1
 SERVER=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --python) PY="$2"; shift 2 ;;
         --jobs) JOBS="$2"; shift 2 ;;
         --no-build) BUILD=0; shift ;;
+        --no-library) LIBRARY=0; shift ;;
         --no-server) SERVER=0; shift ;;
-        -h|--help) sed -n 2,10p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,11p "$0"; exit 0 ;;
         *) echo "setup-peers.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -55,7 +58,7 @@ fi
 echo "converter: $PY $CONV/convert_hf_to_gguf.py"
 
 # 3. The library. GGML_NATIVE: tuned for this CPU like a local llama.cpp build would be.
-if [ "$BUILD" = 1 ]; then
+if [ "$BUILD" = 1 ] && [ "$LIBRARY" = 1 ]; then
     if "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.__version__ == '$VERSION' else 1)" 2>/dev/null; then
         echo "llama-cpp-python $VERSION already installed"
     else
