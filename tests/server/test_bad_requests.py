@@ -79,6 +79,9 @@ BAD = [
     ("completions", {**TEXT, "presence_penalty": 0.5}, 400, "presence_penalty"),  # not implemented: said so
     ("completions", {**TEXT, "echo": True}, 400, "echo"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),  # calls cannot be forced
+    ("chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400,
+     "tool_choice"),
     ("completions", {**TEXT, "repetition_penalty": 1.1}, 400, "repetition_penalty"),  # unknown parameter
 ]
 

@@ -2,8 +2,9 @@
 /v1/models, plus /health and /metrics; request checks, streaming (server-sent events) and error bodies.
 
 Every request is checked here before the engine sees it (model name, types, context length, sampling
-values, stop strings, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx. Text comes
-from server.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer, ServeOptions)`.
+values, stop strings, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx. Text and tool
+calls come from server.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer,
+ServeOptions)`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeswap.engine.sampling import SamplingParams
-from moeswap.engine.scheduler import EngineConfig, check_seed
+from moeswap.engine.scheduler import EngineConfig, Scheduler, check_seed
 from moeswap.server import protocol as P
 from moeswap.server.engine_loop import EngineLoop, GenRequest, Handle, QueueFull, TokenOut
 from moeswap.server.metrics import CONTENT_TYPE, ServerMetrics
 from moeswap.server.options import ServeOptions
-from moeswap.server.output import TextOutput
+from moeswap.server.output import TextOutput, ToolCallOutput
+from moeswap.server.tool_calls import ToolCallFormat, find_format
 
 log = logging.getLogger("moeswap.server")
 
@@ -45,6 +47,7 @@ class _Server:
     vocab_size: int
     eos_ids: tuple[int, ...]
     api_key: str | None
+    tool_format: ToolCallFormat | None = None  # how the checkpoint writes tool calls (None: not parsed)
     created: int = field(default_factory=P.now)
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
@@ -59,15 +62,18 @@ class _Server:
         return hit
 
 
-def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=None) -> FastAPI:
-    """The app; its lifespan starts the engine thread and stops it."""
+def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=None, *,
+              scheduler=Scheduler) -> FastAPI:
+    """The app; its lifespan starts the engine thread and stops it. `scheduler(model, EngineConfig)` makes the
+    engine thread's scheduler."""
     max_context = options.resolve_max_context(model.config.max_position_embeddings)
     metrics = ServerMetrics()
     engine = EngineLoop(model, EngineConfig(max_batch=options.max_batch, max_len=max_context, native=options.native),
-                        options.max_queue, metrics)
+                        options.max_queue, metrics, scheduler=scheduler)
     metrics.attach(engine, store)
     srv = _Server(options.model_name, tokenizer, engine, metrics, max_context, model.config.vocab_size,
-                  tuple(tokenizer.eos_ids) or tuple(model.config.eos_token_ids), options.api_key)
+                  tuple(tokenizer.eos_ids) or tuple(model.config.eos_token_ids), options.api_key,
+                  find_format(tokenizer))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -121,7 +127,10 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         if req.top_logprobs is not None and not req.logprobs:
             raise P.APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = _check_top(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
-        return await _generate(srv, request, req, prompt, max_tokens, param, logprobs, chat=True)
+        # tool calls are parsed when the request offers tools and does not rule them out (OpenAI's "auto")
+        tool_format = srv.tool_format if tools and req.tool_choice != "none" else None
+        return await _generate(srv, request, req, prompt, max_tokens, param, logprobs, chat=True,
+                               tool_format=tool_format)
 
     @v1.post("/v1/completions")
     async def completions(request: Request):
@@ -260,13 +269,16 @@ class _Piece:
 
     text: str = ""
     logprobs: list[TokenOut] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI's stream deltas
     finish_reason: str | None = None
     error: str | None = None
 
 
-async def _pieces(srv: _Server, handle: Handle, out: TextOutput, token_ids: list[int]) -> AsyncIterator[_Piece]:
+async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ToolCallOutput, token_ids: list[int]
+                  ) -> AsyncIterator[_Piece]:
     """The request's output as it comes. A stop string ends it at once: the engine is told to drop the
-    sequence (it is freed at the next step) and what it still sends is not read."""
+    sequence (it is freed at the next step) and what it still sends is not read. An answer that called tools
+    ends with finish reason "tool_calls"."""
     async for batch in handle.batches():
         piece = _Piece()
         for item in batch:
@@ -285,22 +297,32 @@ async def _pieces(srv: _Server, handle: Handle, out: TextOutput, token_ids: list
                         break
             if item.finish_reason is not None:
                 piece.finish_reason, piece.error = item.finish_reason, item.error
+        if piece.finish_reason is not None and not out.stopped:
+            piece.text += out.finish()
+            if out.stopped and piece.finish_reason == "length":  # in the text of calls that broke off
+                piece.finish_reason = "stop"
+        if isinstance(out, ToolCallOutput):
+            piece.tool_calls = out.take_deltas()
+            if out.called and piece.finish_reason in ("stop", "length"):
+                piece.finish_reason = "tool_calls"
         if piece.finish_reason is not None:
-            if not out.stopped:
-                piece.text += out.finish()
             srv.metrics.requests_finished.labels(piece.finish_reason).inc()  # before the client can see it
         yield piece
 
 
 async def _generate(srv: _Server, request: Request, req: P.GenerationFields, prompt: list[int], max_tokens: int | None,
-                    param: str, logprobs: int | None, chat: bool):
+                    param: str, logprobs: int | None, chat: bool, tool_format: ToolCallFormat | None = None):
     gen, stops = _gen_request(srv, req, prompt, max_tokens, param, logprobs)
     try:
         handle = srv.engine.submit(gen)
     except QueueFull as e:
         raise P.APIError(429, f"the server is busy: {e}", type="rate_limit_exceeded",
                          code="rate_limit_exceeded") from None
-    out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
+    if tool_format is None:
+        out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
+    else:
+        out = ToolCallOutput(srv.tokenizer, tool_format, stops, skip_specials=req.skip_special_tokens,
+                             parallel=req.parallel_tool_calls is not False)
     ids: list[int] = []
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
@@ -324,6 +346,8 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, pro
     choice: dict = {"index": 0}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if isinstance(out, ToolCallOutput) and out.called:
+            choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": out.tool_calls}
         choice["logprobs"] = None if logprobs is None else {"content": _chat_logprobs(srv, lps)}
     else:
         choice["text"] = text
@@ -336,8 +360,8 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, pro
     return JSONResponse(body)
 
 
-async def _stream(srv: _Server, handle: Handle, out: TextOutput, ids: list[int], rid: str, req: P.GenerationFields,
-                  prompt: list[int], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(srv: _Server, handle: Handle, out: TextOutput | ToolCallOutput, ids: list[int], rid: str,
+                  req: P.GenerationFields, prompt: list[int], chat: bool, include_usage: bool) -> AsyncIterator[str]:
     created = P.now()
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -357,11 +381,13 @@ async def _stream(srv: _Server, handle: Handle, out: TextOutput, ids: list[int],
             if piece.finish_reason == "error":
                 yield f"data: {json.dumps(P.error_body(f'generation failed: {piece.error}', 'server_error'))}\n\n"
                 break
-            if not (piece.text or piece.logprobs or piece.finish_reason):
-                continue  # held back (a possible stop string, an unfinished character)
+            if not (piece.text or piece.logprobs or piece.tool_calls or piece.finish_reason):
+                continue  # held back (a possible stop string, an unfinished character, a possible tool call)
             choice: dict = {}
             if chat:
                 choice["delta"] = {"content": piece.text} if piece.text else {}
+                if piece.tool_calls:
+                    choice["delta"]["tool_calls"] = piece.tool_calls
                 choice["logprobs"] = {"content": _chat_logprobs(srv, piece.logprobs)} if piece.logprobs else None
             else:
                 choice["text"] = piece.text

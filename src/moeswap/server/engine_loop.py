@@ -77,9 +77,10 @@ class Handle:
 
 
 class EngineLoop:
-    def __init__(self, model, config: EngineConfig, max_queue: int, metrics=None) -> None:
+    def __init__(self, model, config: EngineConfig, max_queue: int, metrics=None, *, scheduler=Scheduler) -> None:
         self.model, self.config, self.max_queue, self.metrics = model, config, max_queue, metrics
-        self.sched = Scheduler(model, config)
+        self._new_scheduler = scheduler  # (model, config) -> a Scheduler
+        self.sched = scheduler(model, config)
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
@@ -173,7 +174,7 @@ class EngineLoop:
             events = self.sched.step()
         except Exception as e:  # noqa: BLE001 - the server must outlive a failed step; every request hears why
             log.exception("engine step failed")
-            self.sched = Scheduler(self.model, self.config)  # the old one's state may be half-updated
+            self.sched = self._new_scheduler(self.model, self.config)  # the old one's state may be half-updated
             self._end_all("error", f"the engine failed: {type(e).__name__}: {e}")
             return
         now = time.perf_counter()
