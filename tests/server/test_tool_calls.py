@@ -1,4 +1,4 @@
-"""Tool-call parsing (server/tool_calls.py, server/output.py's ToolCallOutput) with the checkpoints' own chat
+"""Tool-call parsing (server/tool_calls.py, server/output.py's ChatOutput) with the checkpoints' own chat
 templates as the oracle: a conversation whose assistant calls tools is rendered (Kimi K3's and Kimi K2's
 published templates), the tokens after the prompt are what the model says when it calls them, and parsing
 them must give back the calls and the text before them. Streamed token by token, or split at every
@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from moeswap.engine.tokenizer import load_tokenizer
-from moeswap.server.output import TextOutput, ToolCallOutput
+from moeswap.server.output import ChatOutput, prompt_tail
+from moeswap.server.reasoning import find_layout, start_state
 from moeswap.server.tool_calls import KIMI_K2, KIMI_K3, Piece, find_format, parse, pieces_of
 
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n}.", "parameters": {"type": "object"}}}
@@ -31,6 +32,7 @@ CALLS = [
 ]
 CONTENT = "Let me look."
 FORMATS = {"k3": (KIMI_K3, {"thinking": False}, CONTENT), "k2": (KIMI_K2, {}, "<think></think>" + CONTENT)}
+USER = [{"role": "user", "content": "Weather in Paris, and news?"}]
 
 
 def counter_ids():
@@ -41,8 +43,7 @@ def counter_ids():
 def answer_of(tok, fmt, calls, switches) -> list[int]:
     """What the model says when it makes `calls`: the template's rendering of the conversation with the
     assistant's turn, after the prompt it renders without (the caller's strings stay text, as in a prompt)."""
-    messages = [{"role": "user", "content": "Weather in Paris, and news?"},
-                {"role": "assistant", "content": CONTENT, "tool_calls": calls}]
+    messages = USER + [{"role": "assistant", "content": CONTENT, "tool_calls": calls}]
     prompt = tok.encode_chat(messages[:1], tools=TOOLS, **switches)
     whole = tok.encode_chat(messages, add_generation_prompt=False, tools=TOOLS, **switches)
     assert whole[:len(prompt)] == prompt
@@ -72,9 +73,19 @@ def case(request, k3_tokenizer, k2_tokenizer):
     return tok, fmt, answer_of(tok, fmt, CALLS, switches), content, parsed(fmt, CALLS)
 
 
+def chat_output(tok, fmt, tools=True, **kw) -> ChatOutput:
+    """The server's output for an answer to USER: the turn's layout read as the server reads it (K3's: the
+    generation prompt opened the response, thinking being off), calls parsed unless `tools` is False."""
+    layout = find_layout(tok)
+    switches = next(sw for f, sw, _ in FORMATS.values() if f is fmt)
+    state = None if layout is None else start_state(layout, prompt_tail(tok, tok.encode_chat(USER, tools=TOOLS,
+                                                                                             **switches)))
+    return ChatOutput(tok, layout, state, fmt if tools else None, new_id=counter_ids(), **kw)
+
+
 def run(tok, fmt, ids, **kw):
-    """(content pieces, tool-call deltas per push, final tool_calls, content) of a ToolCallOutput fed `ids`."""
-    out = ToolCallOutput(tok, fmt, new_id=counter_ids(), **kw)
+    """(content pieces, tool-call deltas per push, final tool_calls, content) of a ChatOutput fed `ids`."""
+    out = chat_output(tok, fmt, **kw)
     texts, deltas = [], []
     for t in ids:
         texts.append(out.push(t)[0])
@@ -86,9 +97,9 @@ def run(tok, fmt, ids, **kw):
     return texts, deltas, out.tool_calls, "".join(texts)
 
 
-def plain_text(tok, ids, **kw) -> str:
+def plain_text(tok, fmt, ids, **kw) -> str:
     """What the same tokens give without tools."""
-    out = TextOutput(tok, **kw)
+    out = chat_output(tok, fmt, tools=False, **kw)
     text = "".join(out.push(t)[0] for t in ids if not out.stopped)
     return text + out.finish()
 
@@ -162,7 +173,7 @@ def test_cut_anywhere(case):
         if k >= closed:
             assert (text, calls) == (content, want), k
         else:
-            assert (text, calls) == (plain_text(tok, answer[:k]), []), k
+            assert (text, calls) == (plain_text(tok, fmt, answer[:k]), []), k
 
 
 def test_stop_strings_and_parallel(case):
@@ -174,7 +185,7 @@ def test_stop_strings_and_parallel(case):
     # calls break off and their text is content after all
     assert run(tok, fmt, answer, stop=["Paris"])[2:] == (want, content)
     cut = answer[:len(answer) // 2]
-    whole = plain_text(tok, cut)
+    whole = plain_text(tok, fmt, cut)
     assert "Paris" in whole
     assert run(tok, fmt, cut, stop=["Paris"])[2:] == ([], whole[:whole.index("Paris")])
     # parallel_tool_calls false: the first call only, in the deltas too
@@ -187,7 +198,7 @@ def test_skip_special_tokens_false(case):
     tok, fmt, answer, content, want = case
     assert run(tok, fmt, answer, skip_specials=False)[2:] == (want, content)
     cut = answer[:len(answer) // 2]  # inside the calls
-    assert run(tok, fmt, cut, skip_specials=False)[2:] == ([], plain_text(tok, cut, skip_specials=False))
+    assert run(tok, fmt, cut, skip_specials=False)[2:] == ([], plain_text(tok, fmt, cut, skip_specials=False))
 
 
 K3_CALL = '<|open|>call tool="f" index="1"<|sep|>'
@@ -287,7 +298,7 @@ def live(request, servers):
     server = servers[request.param]
     fmt, switches, content = FORMATS[request.param]
     answer = answer_of(server.tokenizer, fmt, CALLS, switches)
-    kw = dict(model=request.param, messages=[{"role": "user", "content": "Weather in Paris, and news?"}],
+    kw = dict(model=request.param, messages=USER,
               tools=TOOLS, temperature=0, extra_body={"chat_template_kwargs": switches, "return_token_ids": True})
     return server, server.client(), fmt, answer, content, parsed(fmt, CALLS), kw
 
@@ -332,7 +343,7 @@ def test_api_cut_inside_a_call_is_text(live):
     without tools, streamed or not."""
     server, client, fmt, answer, content, want, kw = live
     n = len(answer) // 2
-    text = plain_text(server.tokenizer, answer[:n])
+    text = plain_text(server.tokenizer, fmt, answer[:n])
     server.say(answer)
     r = client.chat.completions.create(**kw, max_tokens=n)
     assert (r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason) == (
@@ -349,7 +360,7 @@ def test_api_cut_inside_a_call_is_text(live):
 
 def test_api_tool_choice_none_and_no_tools_is_text(live):
     server, client, fmt, answer, content, want, kw = live
-    text = plain_text(server.tokenizer, answer[:-1])  # the last token is the eos
+    text = plain_text(server.tokenizer, fmt, answer[:-1])  # the last token is the eos
     for change in ({"tool_choice": "none"}, {"tools": openai.NOT_GIVEN}):
         server.say(answer)
         r = client.chat.completions.create(**{**kw, **change})

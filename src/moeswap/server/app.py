@@ -2,8 +2,8 @@
 /v1/models, plus /health and /metrics; request checks, streaming (server-sent events) and error bodies.
 
 Every request is checked here before the engine sees it (model name, types, context length, sampling
-values, stop strings, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx. Text and tool
-calls come from server.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer,
+values, stop strings, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx. Text, reasoning
+and tool calls come from server.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer,
 ServeOptions)`.
 """
 
@@ -27,7 +27,8 @@ from moeswap.server import protocol as P
 from moeswap.server.engine_loop import EngineLoop, GenRequest, Handle, QueueFull, TokenOut
 from moeswap.server.metrics import CONTENT_TYPE, ServerMetrics
 from moeswap.server.options import ServeOptions
-from moeswap.server.output import TextOutput, ToolCallOutput
+from moeswap.server.output import ChatOutput, TextOutput, prompt_tail
+from moeswap.server.reasoning import Layout, find_layout, start_state
 from moeswap.server.tool_calls import ToolCallFormat, find_format
 
 log = logging.getLogger("moeswap.server")
@@ -48,6 +49,7 @@ class _Server:
     eos_ids: tuple[int, ...]
     api_key: str | None
     tool_format: ToolCallFormat | None = None  # how the checkpoint writes tool calls (None: not parsed)
+    layout: Layout | None = None  # how it lays out an assistant turn: reasoning, content (None: all content)
     created: int = field(default_factory=P.now)
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
@@ -73,7 +75,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
     metrics.attach(engine, store)
     srv = _Server(options.model_name, tokenizer, engine, metrics, max_context, model.config.vocab_size,
                   tuple(tokenizer.eos_ids) or tuple(model.config.eos_token_ids), options.api_key,
-                  find_format(tokenizer))
+                  find_format(tokenizer), find_layout(tokenizer))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -119,7 +121,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
             raise P.APIError(400, "'tools' need the checkpoint's chat template (chat_template.jinja or "
                                   "tokenizer_config.json's chat_template), and this model has none", param="tools")
         try:
-            prompt = tokenizer.encode_chat(messages, tools=tools, **(req.chat_template_kwargs or {}))
+            prompt = tokenizer.encode_chat(messages, tools=tools, **_template_variables(req))
         except ValueError as e:  # the template's own errors (its raise_exception, a reserved variable)
             raise P.APIError(400, str(e), param=None if req.chat_template_kwargs else "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -129,8 +131,10 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         logprobs = _check_top(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
         # tool calls are parsed when the request offers tools and does not rule them out (OpenAI's "auto")
         tool_format = srv.tool_format if tools and req.tool_choice != "none" else None
+        # the generation prompt may have opened the turn's reasoning (K3 with thinking on) or its response
+        state = None if srv.layout is None else start_state(srv.layout, prompt_tail(tokenizer, prompt))
         return await _generate(srv, request, req, prompt, max_tokens, param, logprobs, chat=True,
-                               tool_format=tool_format)
+                               tool_format=tool_format, state=state)
 
     @v1.post("/v1/completions")
     async def completions(request: Request):
@@ -173,6 +177,19 @@ async def _body(request: Request) -> bytes:
                              code="body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _template_variables(req: P.ChatCompletionRequest) -> dict:
+    """What the chat template gets besides messages and tools: `tool_choice` (templates such as K3's tell
+    the model what it may do) and the caller's `chat_template_kwargs`, which may not say it differently."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tool_choice is not None:
+        if "tool_choice" in kwargs and kwargs["tool_choice"] != req.tool_choice:
+            raise P.APIError(400, f"'chat_template_kwargs.tool_choice' ({json.dumps(kwargs['tool_choice'])}) differs "
+                                  f"from 'tool_choice' ({json.dumps(req.tool_choice)}); give it once",
+                             param="chat_template_kwargs")
+        kwargs["tool_choice"] = req.tool_choice
+    return kwargs
 
 
 def _check_model(srv: _Server, name: str | None) -> None:
@@ -269,12 +286,13 @@ class _Piece:
 
     text: str = ""
     logprobs: list[TokenOut] = field(default_factory=list)
+    reasoning: str = ""  # chat: the reasoning that arrived
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI's stream deltas
     finish_reason: str | None = None
     error: str | None = None
 
 
-async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ToolCallOutput, token_ids: list[int]
+async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, token_ids: list[int]
                   ) -> AsyncIterator[_Piece]:
     """The request's output as it comes. A stop string ends it at once: the engine is told to drop the
     sequence (it is freed at the next step) and what it still sends is not read. An answer that called tools
@@ -301,7 +319,8 @@ async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ToolCallOutput
             piece.text += out.finish()
             if out.stopped and piece.finish_reason == "length":  # in the text of calls that broke off
                 piece.finish_reason = "stop"
-        if isinstance(out, ToolCallOutput):
+        if isinstance(out, ChatOutput):
+            piece.reasoning = out.take_reasoning()
             piece.tool_calls = out.take_deltas()
             if out.called and piece.finish_reason in ("stop", "length"):
                 piece.finish_reason = "tool_calls"
@@ -311,18 +330,19 @@ async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ToolCallOutput
 
 
 async def _generate(srv: _Server, request: Request, req: P.GenerationFields, prompt: list[int], max_tokens: int | None,
-                    param: str, logprobs: int | None, chat: bool, tool_format: ToolCallFormat | None = None):
+                    param: str, logprobs: int | None, chat: bool, tool_format: ToolCallFormat | None = None,
+                    state: str | None = None):
     gen, stops = _gen_request(srv, req, prompt, max_tokens, param, logprobs)
     try:
         handle = srv.engine.submit(gen)
     except QueueFull as e:
         raise P.APIError(429, f"the server is busy: {e}", type="rate_limit_exceeded",
                          code="rate_limit_exceeded") from None
-    if tool_format is None:
-        out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
+    if chat:
+        out = ChatOutput(srv.tokenizer, srv.layout, state, tool_format, stops, skip_specials=req.skip_special_tokens,
+                         parallel=req.parallel_tool_calls is not False)
     else:
-        out = ToolCallOutput(srv.tokenizer, tool_format, stops, skip_specials=req.skip_special_tokens,
-                             parallel=req.parallel_tool_calls is not False)
+        out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
     ids: list[int] = []
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
@@ -345,9 +365,7 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, pro
         raise P.APIError(500, f"generation failed: {error}", code="generation_failed")
     choice: dict = {"index": 0}
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-        if isinstance(out, ToolCallOutput) and out.called:
-            choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": out.tool_calls}
+        choice["message"] = _message(text, out)
         choice["logprobs"] = None if logprobs is None else {"content": _chat_logprobs(srv, lps)}
     else:
         choice["text"] = text
@@ -360,7 +378,21 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, pro
     return JSONResponse(body)
 
 
-async def _stream(srv: _Server, handle: Handle, out: TextOutput | ToolCallOutput, ids: list[int], rid: str,
+def _message(content: str, out: ChatOutput) -> dict:
+    """The answer's message. Reasoning under both names clients read (vLLM's `reasoning_content`, and
+    `reasoning`, which newer vLLM and OpenAI's guidance use); content null when reasoning or calls came
+    without any, as vLLM gives it."""
+    message: dict = {"role": "assistant", "content": content}
+    if out.reasoning:
+        message["reasoning_content"] = message["reasoning"] = out.reasoning
+    if out.called:
+        message["tool_calls"] = out.tool_calls
+    if not content and (out.reasoning or out.called):
+        message["content"] = None
+    return message
+
+
+async def _stream(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, ids: list[int], rid: str,
                   req: P.GenerationFields, prompt: list[int], chat: bool, include_usage: bool) -> AsyncIterator[str]:
     created = P.now()
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -381,11 +413,15 @@ async def _stream(srv: _Server, handle: Handle, out: TextOutput | ToolCallOutput
             if piece.finish_reason == "error":
                 yield f"data: {json.dumps(P.error_body(f'generation failed: {piece.error}', 'server_error'))}\n\n"
                 break
-            if not (piece.text or piece.logprobs or piece.tool_calls or piece.finish_reason):
+            if not (piece.text or piece.reasoning or piece.logprobs or piece.tool_calls or piece.finish_reason):
                 continue  # held back (a possible stop string, an unfinished character, a possible tool call)
             choice: dict = {}
             if chat:
-                choice["delta"] = {"content": piece.text} if piece.text else {}
+                choice["delta"] = {}
+                if piece.reasoning:
+                    choice["delta"]["reasoning_content"] = choice["delta"]["reasoning"] = piece.reasoning
+                if piece.text:
+                    choice["delta"]["content"] = piece.text
                 if piece.tool_calls:
                     choice["delta"]["tool_calls"] = piece.tool_calls
                 choice["logprobs"] = {"content": _chat_logprobs(srv, piece.logprobs)} if piece.logprobs else None

@@ -63,7 +63,8 @@ def run(args) -> int:
         srv = app.state.server
         print(f"moeswap: serving {srv.name!r} on http://{args.host}:{args.port}/v1 (max batch {options.max_batch}, "
               f"queue {options.max_queue}, context {srv.max_context} tokens, tool calls: "
-              f"{srv.tool_format.name if srv.tool_format else 'not parsed'})", file=sys.stderr, flush=True)
+              f"{srv.tool_format.name if srv.tool_format else 'not parsed'}, reasoning: "
+              f"{srv.layout.name if srv.layout else 'not parsed'})", file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         store.close()

@@ -338,12 +338,12 @@ class ToolCallParser:
             self._held.append(piece)
         out: list[Event] = []
         while self._held:
-            match = max((_match(self._held, o) for o in self.fmt.openings), default=0)
-            if match == _FULL:
+            match = max((match_markup(self._held, o) for o in self.fmt.openings), default=NO_MATCH)
+            if match == FULL:
                 self.state, self._seen, self._held = "section", self._held, []
                 self._section = self.fmt.section(self._new_id)
                 break
-            if match == _PREFIX:
+            if match == PREFIX:
                 break
             out.append(self._held.pop(0))
         return out
@@ -364,20 +364,21 @@ class ToolCallParser:
                 self._calls[ev.index][2] += ev.text
 
 
-_NO, _PREFIX, _FULL = 0, 1, 2
+NO_MATCH, PREFIX, FULL = 0, 1, 2
 
 
-def _match(held: list[Piece], opening: tuple[Piece, ...]) -> int:
-    """Whether `held` is `opening`, may still become it, or cannot. Text in `held` comes merged."""
+def match_markup(held: list[Piece], opening: tuple[Piece, ...]) -> int:
+    """Whether `held` is `opening` (FULL), may still become it (PREFIX), or cannot (NO_MATCH). Text in
+    `held` comes merged. Also server.reasoning's matcher of channel markup."""
     if len(held) > len(opening):
-        return _NO
+        return NO_MATCH
     for k, (h, o) in enumerate(zip(held, opening)):
         if h.special != o.special:
-            return _NO
+            return NO_MATCH
         if h.text != o.text:
             last = k == len(held) - 1
-            return _PREFIX if last and not h.special and o.text.startswith(h.text) else _NO
-    return _FULL if len(held) == len(opening) else _PREFIX
+            return PREFIX if last and not h.special and o.text.startswith(h.text) else NO_MATCH
+    return FULL if len(held) == len(opening) else PREFIX
 
 
 # ----------------------------------------------------------------------------------------------------
