@@ -64,3 +64,16 @@ def small_run(tiny_k3_dir, chains, tmp_path):
         return TrainConfig(**{**base, **changes})
 
     return make
+
+
+@pytest.fixture(scope="session")
+def learned(tiny_k3_dir, k3_tok, tmp_path_factory):
+    """One full-mode run on the chain task (20 steps), shared by the learning and manifest tests."""
+    from moeswap.train.loop import train
+
+    d = tmp_path_factory.mktemp("learned")
+    data = write_chains(d / "chains.jsonl", k3_tok, samples=80, words=8, length=8)
+    cfg = TrainConfig(model=str(tiny_k3_dir), train_data=str(data), eval_split=0.2, mode="full", lr=1e-2,
+                      warmup_steps=2, max_steps=20, micro_batch=4, seq_len=32, eval_interval=10,
+                      output=str(d / "out"))
+    return train(cfg, progress=False)

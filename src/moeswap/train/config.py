@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -172,8 +173,23 @@ def valid_keys() -> list[str]:
     return [*_FIELDS, *_LOAD_FIELDS]
 
 
+# Other trainers' names for these settings (transformers TrainingArguments, PEFT, LLaMA-Factory), for the
+# hint only: each setting has one name here.
+KNOWN_ELSEWHERE = {
+    "learning_rate": "lr", "model_name_or_path": "model", "output_dir": "output", "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "micro_batch", "gradient_accumulation_steps": "grad_accum",
+    "lr_scheduler_type": "schedule", "max_grad_norm": "max_grad_norm", "lora_r": "rank", "r": "rank",
+    "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "lora_target": "target_modules",
+    "cutoff_len": "seq_len", "max_seq_length": "seq_len", "max_length": "seq_len", "adam_beta1": "betas",
+    "adam_beta2": "betas", "eval_steps": "eval_interval", "save_steps": "save_interval",
+    "save_total_limit": "keep_checkpoints", "dataset": "train_data", "train_file": "train_data",
+    "validation_file": "eval_data", "val_size": "eval_split", "bf16": "precision",
+}
+
+
 def _unknown(key: Any, where: str) -> ValueError:
-    close = difflib.get_close_matches(str(key), valid_keys(), n=1, cutoff=0.0)
+    close = ([KNOWN_ELSEWHERE[key]] if key in KNOWN_ELSEWHERE else
+             difflib.get_close_matches(str(key), valid_keys(), n=1, cutoff=0.0))
     hint = f" (closest valid key: {close[0]!r})" if close else ""
     return ValueError(f"{where}: unknown key {key!r}{hint}")
 
@@ -192,7 +208,7 @@ def _coerce(name: str, value: Any, where: str, base: Path | None) -> Any:
             raise ValueError(f"{here}: expected a non-empty string, found {value!r}")
         if kind == "path":
             path = Path(value).expanduser()
-            return str((base / path) if base is not None and not path.is_absolute() else path.absolute())
+            return os.path.abspath(base / path if base is not None else path)  # abspath also drops "..", "."
         return value
     if kind == "bool":
         if not isinstance(value, bool):

@@ -94,6 +94,23 @@ def _loss_sum(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device) 
     return loss, sum(len(ids) for ids, _ in rows)
 
 
+def step_gradients(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, step: int) -> tuple[float, int]:
+    """Accumulates into .grad the gradient of one optimizer step's mean loss over all its rows' target
+    tokens, grad_accum forward passes of micro_batch rows; returns (that mean, real tokens)."""
+    targets = sum(sum(mask[1:]) for _, mask in rows)
+    total, tokens = 0.0, 0
+    for k in range(cfg.grad_accum):
+        loss, n = _loss_sum(model, rows[k * cfg.micro_batch:(k + 1) * cfg.micro_batch], pad_id, cfg, device)
+        value = loss.item()
+        if not math.isfinite(value):
+            raise NonFiniteError(f"step {step + 1}: the loss is {value}; stopping without saving "
+                                 f"(lower --lr, or check the data and the base model)")
+        (loss / targets).backward()
+        total += value
+        tokens += n
+    return total / targets, tokens
+
+
 @torch.no_grad()
 def evaluate(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device) -> float | None:
     """Mean loss per target token over the eval rows (None without eval rows); dropout off."""
@@ -205,17 +222,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = stream.rows(history["rows"], cfg.rows_per_step)
-            targets = sum(sum(mask[1:]) for _, mask in rows)
-            loss_total, tokens = 0.0, 0
-            for k in range(cfg.grad_accum):
-                loss, n = _loss_sum(model, rows[k * cfg.micro_batch:(k + 1) * cfg.micro_batch], pad_id, cfg, device)
-                value = loss.item()
-                if not math.isfinite(value):
-                    raise NonFiniteError(f"step {step + 1}: the loss is {value}; stopping without saving "
-                                         f"(lower --lr, or check the data and the base model)")
-                (loss / targets).backward()
-                loss_total += value
-                tokens += n
+            loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step)
             if history["no_gradient"] is None:
                 history["no_gradient"] = _warn_no_gradient(params)
             norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.grad is not None],
@@ -229,9 +236,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             segment_tokens, segment_s = segment_tokens + tokens, segment_s + elapsed
             history.update(step=step + 1, rows=history["rows"] + len(rows), tokens=history["tokens"] + tokens,
                            train_s=history["train_s"] + elapsed)
-            history["curve"].append({"step": step + 1, "loss": loss_total / targets, "lr": lr, "tokens": tokens,
+            history["curve"].append({"step": step + 1, "loss": loss_mean, "lr": lr, "tokens": tokens,
                                      "grad_norm": norm})
-            bar.set_postfix(loss=f"{loss_total / targets:.4f}", tok_s=f"{segment_tokens / segment_s:.0f}",
+            bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{segment_tokens / segment_s:.0f}",
                             hit=f"{store.stats.hit_rate:.0%}", lr=f"{lr:.2e}", refresh=False)
             bar.update(1)
             last = step + 1 == total

@@ -71,8 +71,8 @@ def _full_parameters(model: nn.Module, patterns: tuple[str, ...] | None) -> list
     for _, p in named:
         if not p.dtype.is_floating_point:
             continue
-        # the optimizer updates fp32 weights (bf16 ones would lose small updates to rounding)
-        if p.dtype != torch.float32:
+        # the optimizer updates fp32 (or wider) weights: bf16 ones would lose small updates to rounding
+        if p.dtype.itemsize < 4:
             p.data = p.data.float()
         p.requires_grad_(True)
     return named
@@ -93,14 +93,16 @@ def matches(name: str, pattern: str) -> bool:
 
 
 def _stop_gradient_into_routed_experts(model: nn.Module) -> None:
-    """Routed experts run on kernels without a backward until the expert autograd lands (xfmt); their
-    input is detached so the forward runs, and their contribution counts as a constant in the gradient.
-    INTEGRATION: drop this once MoE.run_experts is differentiable."""
+    """Routed experts run on kernels without a backward until the expert autograd lands (xfmt): some paths
+    (the grouped C kernel) drop the gradient, others (many tokens per expert) fail under autograd. Their
+    inputs and routing weights are detached, so the forward runs on every path and their contribution
+    counts as a constant in the gradient, the same whichever path ran (the router and the latent down
+    projection then get no gradient). INTEGRATION: drop this once MoE.run_experts is differentiable."""
     for block in model.moe_blocks():
         if "run_experts" in block.__dict__:
             continue
         run = block.run_experts
-        block.run_experts = lambda h, ids, w, _run=run: _run(h.detach(), ids, w)
+        block.run_experts = lambda h, ids, w, _run=run: _run(h.detach(), ids, w.detach())
 
 
 def _lora_parameters(model: nn.Module, cfg) -> list[tuple[str, nn.Parameter]]:
@@ -147,9 +149,11 @@ def save_trained(model: nn.Module, cfg, params: list[tuple[str, nn.Parameter]], 
         return list(lora_module().save_adapter(model, out_dir, base_model=cfg.model, metadata=metadata) or [])
     from safetensors.torch import save
 
+    from moeswap import jsonio
     from moeswap.atomic_dir import atomic_file
 
-    data = save(trained_tensors(params), metadata={k: str(v) for k, v in metadata.items()})
+    # one metadata entry: safetensors writes several in hash-map order, and equal runs must give equal bytes
+    data = save(trained_tensors(params), metadata={"moeswap": jsonio.dumps(metadata, sort_keys=True)})
     with atomic_file(out_dir / FULL_WEIGHTS_FILE) as f:
         f.write(data)
     return [FULL_WEIGHTS_FILE]
