@@ -143,3 +143,28 @@ def test_lora_mode_without_the_lora_package_is_a_clear_error(small_run):
     with pytest.raises(ValueError, match="LoRA support is not installed in this build") as e:
         train(small_run(mode="lora"), progress=False)
     assert str(e.value) == LORA_MISSING
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_kda_backpropagates_when_its_state_is_written_back_in_place(form):
+    """What a training forward does (models/layers/kda.py): run the core from state S0, then copy the final
+    state into S0. The gradient must be the one of the same math without the write (it failed with 'modified
+    by an inplace operation' when the core kept S0 itself for backward)."""
+    from moeswap.ops.kda import kda_chunked, kda_recurrent
+
+    run = kda_chunked if form == "chunked" else kda_recurrent
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, 5, 2, 8
+    q, k, v = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1) for _ in range(3))
+    decay, beta = -torch.rand(B, T, H, K, generator=g), torch.rand(B, T, H, generator=g)
+    grads = []
+    for write_back in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, decay, beta)]
+        state = torch.randn(B, H, K, K, generator=torch.Generator().manual_seed(1))
+        out, final = run(*leaves, state)
+        if write_back:
+            state.copy_(final.detach())
+        (out.square().sum() + final.square().sum()).backward()
+        grads.append([t.grad for t in leaves])
+    for with_write, without in zip(*grads[::-1]):
+        torch.testing.assert_close(with_write, without, rtol=0, atol=0)

@@ -100,11 +100,13 @@ def read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: Path, params: list[tuple[str, torch.nn.Parameter]], optimizer) -> dict[str, Any]:
-    """Restores the parameters, optimizer and RNG states of checkpoint `path`; returns its state.json."""
+def load_checkpoint(path: Path, params: list[tuple[str, torch.nn.Parameter]], optimizer,
+                    state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Restores the parameters, optimizer and RNG states of checkpoint `path`; returns its state.json
+    (`state`: read_state's answer when the caller has it already)."""
     from safetensors.torch import load_file
 
-    state = read_state(path)
+    state = read_state(path) if state is None else state
     tensors = load_file(str(path / PARAMS))
     names = [n for n, _ in params]
     if sorted(tensors) != sorted(names):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moeswap.train import manifest as record
-from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, save_checkpoint
+from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import IGNORE, Data, RowStream, batch, eval_rows, load_data
 from moeswap.train.targets import prepare_model, save_trained
@@ -133,8 +133,9 @@ def evaluate(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device) -
     return value
 
 
-def _check_output(out: Path, resume: bool) -> Path | None:
-    """The checkpoint to resume from (None: a fresh run, whose output directory is made empty)."""
+def _check_output(out: Path, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from and its checked state.json, before anything loads (None: a fresh
+    run, whose output directory is made empty)."""
     if resume:
         if (out / record.MANIFEST).exists():
             raise ValueError(f"{out}: this run has finished ({record.MANIFEST} exists); nothing to resume")
@@ -142,7 +143,7 @@ def _check_output(out: Path, resume: bool) -> Path | None:
         if found is None:
             raise ValueError(f"--resume: no checkpoint in {out / CHECKPOINTS} to resume from "
                              "(--save-interval N writes one every N steps)")
-        return found
+        return found, read_state(found)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue the run it holds, "
                               "or choose another --output")
@@ -150,7 +151,7 @@ def _check_output(out: Path, resume: bool) -> Path | None:
     return None
 
 
-def _check_resumable(state: dict[str, Any], cfg: TrainConfig, data_sha: list[str], base_sha: str, path: Path):
+def _check_same_settings(state: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
     then, now = state["config"], cfg.as_dict()
     for key in now:
         if key == "load":
@@ -161,6 +162,9 @@ def _check_resumable(state: dict[str, Any], cfg: TrainConfig, data_sha: list[str
         elif key not in RESUME_MAY_CHANGE and then.get(key) != now[key]:
             raise ValueError(f"--resume: checkpoint {path} was made with {key}={then.get(key)!r}, this run has "
                              f"{now[key]!r}; resume with the same settings")
+
+
+def _check_same_inputs(state: dict[str, Any], cfg: TrainConfig, data_sha: list[str], base_sha: str, path: Path):
     if state["data_sha256"] != data_sha:
         raise ValueError(f"--resume: the data files changed since checkpoint {path} was written "
                          "(their SHA-256 differ)")
@@ -186,6 +190,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     cfg.require_inputs()
     out = Path(cfg.output)
     resume_from = _check_output(out, resume)
+    if resume_from is not None:
+        _check_same_settings(resume_from[1], cfg, resume_from[0])
     seed_everything(cfg.seed)
     # full mode trains the dense weights themselves: they load in the compute dtype, not kept as stored bf16
     options = cfg.load if cfg.mode == "lora" else cfg.load.replace(dense_weights="compute")
@@ -206,8 +212,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         history: dict[str, Any] = {"step": 0, "rows": 0, "tokens": 0, "train_s": 0.0, "wall_s": 0.0,
                                    "curve": [], "eval": [], "no_gradient": None, "segments": []}
         if resume_from is not None:
-            state = load_checkpoint(resume_from, params, optimizer)
-            _check_resumable(state, cfg, data_sha, base["sha256"], resume_from)
+            path, state = resume_from
+            _check_same_inputs(state, cfg, data_sha, base["sha256"], path)
+            load_checkpoint(path, params, optimizer, state)
             history = state["history"]
         else:
             history["eval"].append({"step": 0, "loss": evaluate(model, held_out, pad_id, cfg, device)})
@@ -307,7 +314,7 @@ def reproduce(manifest_path: str | Path, output: str | Path, *, tolerance: float
               progress: bool | None = None) -> tuple[bool, str, TrainResult]:
     """Runs a manifest's config again into `output` (at its thread count) and compares the loss curves.
     The data files and the base model must be the recorded ones (checked first)."""
-    from moeswap.train.checkpoint import _sha256
+    from moeswap.train.checkpoint import file_sha256
 
     old = record.read_manifest(manifest_path)
     cfg = TrainConfig.from_dict(old["config"], where=f"{manifest_path}: config").replace(output=str(Path(output)))
