@@ -5,6 +5,7 @@ naming the step and writes nothing; what trains is what was asked for."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions
+from moeswap.train.config import TrainConfig
 from moeswap.train.data import Sample, eval_rows
 from moeswap.train.loop import NonFiniteError, _loss_sum, lr_factor, step_gradients, train
 from moeswap.train.targets import FULL_WEIGHTS_FILE, LORA_MISSING, matches, prepare_model
@@ -168,3 +170,43 @@ def test_kda_backpropagates_when_its_state_is_written_back_in_place(form):
         grads.append([t.grad for t in leaves])
     for with_write, without in zip(*grads[::-1]):
         torch.testing.assert_close(with_write, without, rtol=0, atol=0)
+
+
+def test_epochs_set_the_step_count(small_run):
+    samples = [Sample((1, 2, 3), (False, True, True), str(i)) for i in range(10)]
+    from moeswap.train.data import RowStream
+    from moeswap.train.loop import total_steps
+
+    stream = RowStream(samples, 0, 8, "off")
+    assert total_steps(small_run(max_steps=0, epochs=1.5, micro_batch=2, grad_accum=2), stream) == 4  # 15 rows / 4
+    assert total_steps(small_run(max_steps=0, epochs=2, micro_batch=5), stream) == 4
+    assert total_steps(small_run(max_steps=7, epochs=2), stream) == 7
+    packed = RowStream(samples, 0, 8, "concat")  # two samples a row
+    assert total_steps(small_run(max_steps=0, epochs=1, micro_batch=1, packing="concat"), packed) == 5
+
+
+def test_cli_trains_chat_data_from_a_yaml_config_with_a_progress_bar(tiny_k3_dir, k3_tok, tmp_path, capsys):
+    from moeswap import cli
+    from moeswap.train.data import Encoder
+
+    convo = [{"role": "user", "content": "Is the lamp lit?"}, {"role": "assistant", "content": "Yes."}]
+    lines = [json.dumps({"messages": convo}), json.dumps({"messages": convo[:1] + [{"role": "assistant",
+                                                                                   "content": "No, not yet."}]})]
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines * 3) + "\n")
+    (tmp_path / "run.yaml").write_text(f"model: {tiny_k3_dir}\ntrain_data: chat.jsonl\nmode: full\nlr: 1.0e-3\n"
+                                       "max_steps: 2\nmicro_batch: 2\nseq_len: 64\noutput: out\n")
+    assert cli.main(["train", str(tmp_path / "run.yaml"), "--eval-data", str(tmp_path / "chat.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("trained 2 steps, ") and f"wrote {tmp_path / 'out'}" in out
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    encoder = Encoder(k3_tok, 64, False)
+    masks = [encoder.chat(json.loads(line)["messages"])[1] for line in lines * 3]
+    assert m["data"]["files"][0]["formats"] == {"text": 0, "chat": 6}
+    assert m["data"]["train_target_tokens"] == sum(sum(mask) for mask in masks)
+    assert m["data"]["eval_from"] == "file" and m["eval_loss_before"] is not None
+
+    cfg = TrainConfig(model=str(tiny_k3_dir), train_data=str(tmp_path / "chat.jsonl"), mode="full", max_steps=1,
+                      output=str(tmp_path / "bar"))
+    train(cfg, progress=True)
+    err = capsys.readouterr().err
+    assert "train: 100%" in err and all(f"{key}=" in err for key in ("loss", "tok_s", "hit", "lr"))

@@ -64,6 +64,12 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def total_steps(cfg: TrainConfig, stream: RowStream) -> int:
+    """--max-steps, else the optimizer steps that cover --epochs passes over the rows (the last step may
+    reach into the next pass: the row stream runs on across epochs)."""
+    return cfg.max_steps or math.ceil(stream.total_rows(cfg.epochs) / cfg.rows_per_step)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -208,7 +214,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         optimizer = make_optimizer(params, cfg)
         stream = RowStream(data.train, cfg.seed, cfg.seq_len, cfg.packing)
         held_out = eval_rows(data.eval)
-        total = cfg.max_steps or math.ceil(stream.total_rows(cfg.epochs) / cfg.rows_per_step)
+        total = total_steps(cfg, stream)
         history: dict[str, Any] = {"step": 0, "rows": 0, "tokens": 0, "train_s": 0.0, "wall_s": 0.0,
                                    "curve": [], "eval": [], "no_gradient": None, "segments": []}
         if resume_from is not None:
