@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import shutil
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from moeswap import cli
 from moeswap.experts.stats import StoreStats, TierStats
 from moeswap.train.loop import train
-from moeswap.train.manifest import LOSS_CSV, LOSS_PNG, MANIFEST, check_reproduction, own_fingerprint
+from moeswap.train.manifest import (LOSS_CSV, LOSS_PNG, MANIFEST, check_reproduction, own_fingerprint,
+                                    peak_rss_bytes)
 from moeswap.train.targets import FULL_WEIGHTS_FILE
 
 
@@ -29,11 +31,12 @@ def test_manifest_records_inputs_environment_and_results(learned, strict_json):
     assert m["base"]["fingerprint"] == own_fingerprint(cfg["model"]) or "moeswap.lora" in str(m["base"])
     assert m["seed"] == cfg["seed"] == 0 and cfg["max_steps"] == 20 and cfg["load"]["expert_memory"] == 1 << 30
     assert m["environment"]["packages"]["torch"] == __import__("torch").__version__
-    assert m["environment"]["hardware"]["torch_threads"] == 1 and m["environment"]["hardware"]["cores"]
+    assert m["environment"]["hardware"]["torch_threads"] == 1
+    assert m["environment"]["hardware"]["cores"] == os.cpu_count()
     assert [p["step"] for p in m["curve"]] == list(range(1, 21))
     assert m["tokens"] == sum(p["tokens"] for p in m["curve"])
     assert m["tokens_per_s"] == pytest.approx(m["tokens"] / m["train_s"]) and m["train_s"] <= m["wall_s"]
-    assert 50 << 20 < m["peak_rss_bytes"] < 64 << 30
+    assert 50 << 20 < m["peak_rss_bytes"] <= peak_rss_bytes()  # this process's high-water mark, read earlier
     assert m["expert_store"].keys() == StoreStats({"fast": TierStats()}).as_dict().keys()
     fast = next(iter(m["expert_store"]["tiers"].values()))
     assert m["expert_store"]["hit_rate"] == pytest.approx(fast["hits"] / max(1, fast["hits"] + fast["misses"]))
