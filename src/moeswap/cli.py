@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "trace": "moeswap.trace_cmd",
-               "serve": "moeswap.server.cli"}
+               "serve": "moeswap.server.cli", "train": "moeswap.train.cli"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
            "load": "moeswap.bench.load", "serve": "moeswap.bench.serve"}

@@ -57,7 +57,7 @@ def kda_recurrent(
     state_BHKV: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token: S <- diag(exp g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q."""
-    S = state_BHKV.float()
+    S = state_BHKV.to(torch.float32, copy=True)  # a copy: callers write the result back into state_BHKV
     q, k, v, g, beta = (t.float() for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
     outs = []
     for t in range(q.shape[1]):
@@ -106,7 +106,8 @@ def _chunked(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g
              intra: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked delta rule with the intra-chunk products from `intra(q, k, G64) -> (kk, qk)`."""
-    S = state_BHKV.float()
+    # a copy: callers write the result back into state_BHKV in place, and autograd keeps S for backward
+    S = state_BHKV.to(torch.float32, copy=True)
     # work per head: [B, H, T, .]
     q, k, v, g = (t.float().transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
     beta = beta_BTH.float().transpose(1, 2)

@@ -1,0 +1,339 @@
+"""The training loop: AdamW over the trainable parameters, linear warm-up then cosine (or constant)
+learning rate, gradient accumulation and clipping, eval before / every N steps / after, checkpoints,
+and the run's record. Losses are summed over an optimizer step's target tokens and divided by their
+count (so accumulation and padding change nothing). Everything random comes from the seed: two CPU runs
+with one config give the same losses bit for bit, and a resumed run continues as the uninterrupted one.
+Entry points: `train(cfg, resume=...)`, `reproduce(manifest, output)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moeswap.train import manifest as record
+from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from moeswap.train.config import TrainConfig
+from moeswap.train.data import IGNORE, Data, RowStream, batch, eval_rows, load_data
+from moeswap.train.targets import prepare_model, save_trained
+
+# Settings a resumed run may change: when and what it writes, where experts are kept. Anything else
+# changes the math, and the run would no longer be the one its checkpoint continues.
+RESUME_MAY_CHANGE = {"eval_interval", "save_interval", "keep_checkpoints"}
+LOAD_MAY_CHANGE = {"expert_memory", "host_memory", "expert_policy", "prefetch", "expert_profile", "drop_page_cache"}
+
+
+class NonFiniteError(ValueError):
+    """The loss or the gradient became NaN or infinite; the run stops before writing anything from it."""
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def curve(self) -> list[dict[str, Any]]:
+        return self.manifest["curve"]
+
+    @property
+    def losses(self) -> list[float]:
+        return [p["loss"] for p in self.manifest["curve"]]
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate of optimizer step `step` (0-based) as a fraction of the peak: (step+1)/warmup
+    during warm-up, then 1 (constant) or a cosine from 1 down to min_ratio at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def total_steps(cfg: TrainConfig, stream: RowStream) -> int:
+    """--max-steps, else the optimizer steps that cover --epochs passes over the rows (the last step may
+    reach into the next pass: the row stream runs on across epochs)."""
+    return cfg.max_steps or math.ceil(stream.total_rows(cfg.epochs) / cfg.rows_per_step)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def make_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (norm weights, biases and gate vectors are left alone)."""
+    decay = [p for _, p in params if p.ndim >= 2]
+    rest = [p for _, p in params if p.ndim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": rest, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8, foreach=False)
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    if cfg.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _loss_sum(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the rows' target tokens, and their real (unpadded) token count."""
+    tokens, labels = batch(rows, pad_id)
+    with _autocast(cfg, device):
+        logits = model(tokens.to(device))
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.to(device).flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+    return loss, sum(len(ids) for ids, _ in rows)
+
+
+def step_gradients(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, step: int) -> tuple[float, int]:
+    """Accumulates into .grad the gradient of one optimizer step's mean loss over all its rows' target
+    tokens, grad_accum forward passes of micro_batch rows; returns (that mean, real tokens)."""
+    targets = sum(sum(mask[1:]) for _, mask in rows)
+    total, tokens = 0.0, 0
+    for k in range(cfg.grad_accum):
+        loss, n = _loss_sum(model, rows[k * cfg.micro_batch:(k + 1) * cfg.micro_batch], pad_id, cfg, device)
+        value = loss.item()
+        if not math.isfinite(value):
+            raise NonFiniteError(f"step {step + 1}: the loss is {value}; stopping without saving "
+                                 f"(lower --lr, or check the data and the base model)")
+        (loss / targets).backward()
+        total += value
+        tokens += n
+    return total / targets, tokens
+
+
+@torch.no_grad()
+def evaluate(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device) -> float | None:
+    """Mean loss per target token over the eval rows (None without eval rows); dropout off."""
+    if not rows:
+        return None
+    was_training = model.training
+    model.eval()
+    total, targets = 0.0, 0
+    try:
+        for i in range(0, len(rows), cfg.micro_batch):
+            part = rows[i:i + cfg.micro_batch]
+            loss, _ = _loss_sum(model, part, pad_id, cfg, device)
+            total += loss.item()
+            targets += sum(sum(mask[1:]) for _, mask in part)
+    finally:
+        model.train(was_training)
+    value = total / targets
+    if not math.isfinite(value):
+        raise NonFiniteError(f"the eval loss is {value}: the model computes non-finite values")
+    return value
+
+
+def _check_output(out: Path, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from and its checked state.json, before anything loads (None: a fresh
+    run, whose output directory is made empty)."""
+    if resume:
+        if (out / record.MANIFEST).exists():
+            raise ValueError(f"{out}: this run has finished ({record.MANIFEST} exists); nothing to resume")
+        found = latest_checkpoint(out)
+        if found is None:
+            raise ValueError(f"--resume: no checkpoint in {out / CHECKPOINTS} to resume from "
+                             "(--save-interval N writes one every N steps)")
+        return found, read_state(found)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue the run it holds, "
+                              "or choose another --output")
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _check_same_settings(state: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
+    then, now = state["config"], cfg.as_dict()
+    for key in now:
+        if key == "load":
+            for k in now["load"]:
+                if k not in LOAD_MAY_CHANGE and then["load"].get(k) != now["load"][k]:
+                    raise ValueError(f"--resume: checkpoint {path} was made with {k}={then['load'].get(k)!r}, "
+                                     f"this run has {now['load'][k]!r}; resume with the same settings")
+        elif key not in RESUME_MAY_CHANGE and then.get(key) != now[key]:
+            raise ValueError(f"--resume: checkpoint {path} was made with {key}={then.get(key)!r}, this run has "
+                             f"{now[key]!r}; resume with the same settings")
+
+
+def _check_same_inputs(state: dict[str, Any], cfg: TrainConfig, data_sha: list[str], base_sha: str, path: Path):
+    if state["data_sha256"] != data_sha:
+        raise ValueError(f"--resume: the data files changed since checkpoint {path} was written "
+                         "(their SHA-256 differ)")
+    if state["base_sha256"] != base_sha:
+        raise ValueError(f"--resume: the base model {cfg.model} is not the one checkpoint {path} was trained on "
+                         "(its fingerprint differs)")
+
+
+def _no_gradient(params) -> list[str]:
+    return [name for name, p in params if p.grad is None]
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = None,
+          on_checkpoint: Callable[[int, Path], None] | None = None) -> TrainResult:
+    """Runs `cfg` to the end (or continues its output's run with resume=True) and writes the trained
+    weights or adapter, manifest.json, loss.csv and loss.png into cfg.output."""
+    from tqdm import tqdm
+
+    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.models.loader import load_model
+
+    started = time.perf_counter()
+    cfg.require_inputs()
+    out = Path(cfg.output)
+    resume_from = _check_output(out, resume)
+    if resume_from is not None:
+        _check_same_settings(resume_from[1], cfg, resume_from[0])
+    seed_everything(cfg.seed)
+    # full mode trains the dense weights themselves: they load in the compute dtype, not kept as stored bf16
+    options = cfg.load if cfg.mode == "lora" else cfg.load.replace(dense_weights="compute")
+    model, store = load_model(cfg.model, options)
+    try:
+        tok = load_tokenizer(cfg.model)
+        data = load_data(cfg, tok)
+        pad_id = tok.eos_ids[0]
+        data_sha = [f.sha256 for f in data.files]
+        base = record.fingerprint(cfg.model)
+        device = torch.device(options.device)
+        params = prepare_model(model, cfg)
+        model.train()
+        optimizer = make_optimizer(params, cfg)
+        stream = RowStream(data.train, cfg.seed, cfg.seq_len, cfg.packing)
+        held_out = eval_rows(data.eval)
+        total = total_steps(cfg, stream)
+        history: dict[str, Any] = {"step": 0, "rows": 0, "tokens": 0, "train_s": 0.0, "wall_s": 0.0,
+                                   "curve": [], "eval": [], "no_gradient": None, "segments": []}
+        if resume_from is not None:
+            path, state = resume_from
+            _check_same_inputs(state, cfg, data_sha, base["sha256"], path)
+            load_checkpoint(path, params, optimizer, state)
+            history = state["history"]
+        else:
+            history["eval"].append({"step": 0, "loss": evaluate(model, held_out, pad_id, cfg, device)})
+        history["segments"].append({"from_step": history["step"]})
+        show = sys.stderr.isatty() if progress is None else progress
+        bar = tqdm(total=total, initial=history["step"], disable=not show, unit="step", dynamic_ncols=True,
+                   desc="train", file=sys.stderr)
+        segment_tokens, segment_s = 0, 0.0
+        for step in range(history["step"], total):
+            t0 = time.perf_counter()
+            lr = cfg.lr * lr_factor(step, total, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            rows = stream.rows(history["rows"], cfg.rows_per_step)
+            loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step)
+            if history["no_gradient"] is None:
+                history["no_gradient"] = _warn_no_gradient(params)
+            norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.grad is not None],
+                                                  cfg.max_grad_norm or math.inf).item()
+            if not math.isfinite(norm):
+                raise NonFiniteError(f"step {step + 1}: the gradient norm is {norm}; stopping without saving "
+                                     f"(lower --lr or set --max-grad-norm)")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - t0
+            segment_tokens, segment_s = segment_tokens + tokens, segment_s + elapsed
+            history.update(step=step + 1, rows=history["rows"] + len(rows), tokens=history["tokens"] + tokens,
+                           train_s=history["train_s"] + elapsed)
+            history["curve"].append({"step": step + 1, "loss": loss_mean, "lr": lr, "tokens": tokens,
+                                     "grad_norm": norm})
+            bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{segment_tokens / segment_s:.0f}",
+                            hit=f"{store.stats.hit_rate:.0%}", lr=f"{lr:.2e}", refresh=False)
+            bar.update(1)
+            last = step + 1 == total
+            if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and not last:
+                loss_eval = evaluate(model, held_out, pad_id, cfg, device)
+                history["eval"].append({"step": step + 1, "loss": loss_eval})
+                if loss_eval is not None:
+                    bar.write(f"step {step + 1}: eval loss {loss_eval:.4f}", file=sys.stderr)
+            if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last:
+                history["wall_s"] += time.perf_counter() - started
+                started = time.perf_counter()
+                path = save_checkpoint(out, step + 1, params, optimizer,
+                                       {"history": history, "config": cfg.as_dict(), "data_sha256": data_sha,
+                                        "base_sha256": base["sha256"]}, cfg.keep_checkpoints)
+                if on_checkpoint is not None:
+                    on_checkpoint(step + 1, path)
+        bar.close()
+        if not history["eval"] or history["eval"][-1]["step"] != total:
+            history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device)})
+        history["wall_s"] += time.perf_counter() - started
+        manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s)
+        files = save_trained(model, cfg, params, out, {"base_sha256": base["sha256"], "steps": total})
+        manifest["files"] = files
+        record.write_record(out, manifest)
+        return TrainResult(out, record.read_manifest(out))
+    finally:
+        store.close()
+
+
+def _warn_no_gradient(params) -> list[str]:
+    """Trainable tensors the first backward left without a gradient (they would stay as loaded): an error
+    when that is all of them, else a warning naming them."""
+    missing = _no_gradient(params)
+    if len(missing) == len(params):
+        raise ValueError("no trainable parameter received a gradient: the targets are not on the loss's path")
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        warnings.warn(f"{len(missing)} of {len(params)} trainable tensors receive no gradient and stay as loaded: "
+                      f"{shown}", stacklevel=3)
+    return missing
+
+
+def _manifest(cfg: TrainConfig, data: Data, base: dict[str, Any], params, history: dict[str, Any], store,
+              segment_tokens: int, segment_s: float) -> dict[str, Any]:
+    evals = [e for e in history["eval"] if e["loss"] is not None]
+    return {
+        "format": record.FORMAT, "kind": "moeswap train", "mode": cfg.mode,
+        "base": {"model": cfg.model, "fingerprint": base},
+        "data": data.summary(), "config": cfg.as_dict(), "seed": cfg.seed,
+        "environment": record.environment(),
+        "trainable": {"tensors": len(params), "parameters": sum(p.numel() for _, p in params),
+                      "without_gradient": history["no_gradient"] or []},
+        "steps": history["step"], "tokens": history["tokens"], "wall_s": history["wall_s"],
+        "train_s": history["train_s"],
+        "tokens_per_s": history["tokens"] / history["train_s"] if history["train_s"] else None,
+        "last_segment_tokens_per_s": segment_tokens / segment_s if segment_s else None,
+        "segments": history["segments"], "peak_rss_bytes": record.peak_rss_bytes(),
+        "expert_store": store.stats.as_dict(),  # of the last segment (a resumed run starts a fresh store)
+        "curve": history["curve"], "eval": evals,
+        "eval_loss_before": evals[0]["loss"] if evals and evals[0]["step"] == 0 else None,
+        "eval_loss_after": evals[-1]["loss"] if evals else None,
+    }
+
+
+def reproduce(manifest_path: str | Path, output: str | Path, *, tolerance: float = 0.0,
+              progress: bool | None = None) -> tuple[bool, str, TrainResult]:
+    """Runs a manifest's config again into `output` (at its thread count) and compares the loss curves.
+    The data files and the base model must be the recorded ones (checked first)."""
+    from moeswap.train.checkpoint import file_sha256
+
+    old = record.read_manifest(manifest_path)
+    cfg = TrainConfig.from_dict(old["config"], where=f"{manifest_path}: config").replace(output=str(Path(output)))
+    for f in old["data"]["files"]:
+        if not Path(f["path"]).is_file():
+            raise FileNotFoundError(f"--reproduce: the recorded data file {f['path']} is not there")
+        if file_sha256(Path(f["path"])) != f["sha256"]:
+            raise ValueError(f"--reproduce: {f['path']} is not the recorded data (its SHA-256 differs)")
+    if record.fingerprint(cfg.model)["sha256"] != old["base"]["fingerprint"]["sha256"]:
+        raise ValueError(f"--reproduce: the base model {cfg.model} is not the recorded one (its fingerprint differs)")
+    threads = old.get("environment", {}).get("hardware", {}).get("torch_threads")
+    if isinstance(threads, int) and threads > 0:
+        torch.set_num_threads(threads)  # GEMMs sum in another order at another thread count
+    result = train(cfg, progress=progress)
+    ok, message = record.check_reproduction(old, result.manifest, tolerance)
+    return ok, message, result

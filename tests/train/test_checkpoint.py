@@ -1,0 +1,103 @@
+"""train/checkpoint.py and --resume: a run SIGKILLed after a checkpoint and resumed ends with the same
+losses and the same weight bytes as one never stopped; damaged checkpoints, changed settings and
+misplaced resumes are clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from moeswap import cli
+from moeswap.train.checkpoint import CheckpointError, all_checkpoints
+from moeswap.train.loop import train
+from moeswap.train.targets import FULL_WEIGHTS_FILE
+
+KILLER = textwrap.dedent("""
+    import json, os, signal, sys
+    import torch
+    torch.set_num_threads(1)  # as the test process runs (tests/conftest.py): the same arithmetic
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.loop import train
+
+    def die(step, path):
+        if step == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    train(TrainConfig.from_dict(json.loads(sys.argv[1])), progress=False, on_checkpoint=die)
+""")
+
+
+class Stop(Exception):
+    pass
+
+
+def stop_at(step: int):
+    def hook(at, path):
+        if at == step:
+            raise Stop(path)
+    return hook
+
+
+def as_yaml(cfg, path):
+    data = cfg.as_dict()
+    data.update(data.pop("load"))
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(small_run, tmp_path):
+    whole = train(small_run(output=str(tmp_path / "whole"), max_steps=6, eval_interval=3), progress=False)
+    cfg = small_run(output=str(tmp_path / "killed"), max_steps=6, eval_interval=3, save_interval=2)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", KILLER, json.dumps(cfg.as_dict()), "4"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    out = tmp_path / "killed"
+    assert [p.name for p in all_checkpoints(out)] == ["step-00000002", "step-00000004"]
+    assert not (out / FULL_WEIGHTS_FILE).exists()
+
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed.losses == whole.losses and len(whole.losses) == 6
+    assert resumed.manifest["eval"] == whole.manifest["eval"]
+    assert (out / FULL_WEIGHTS_FILE).read_bytes() == (whole.out_dir / FULL_WEIGHTS_FILE).read_bytes()
+    assert [s["from_step"] for s in resumed.manifest["segments"]] == [0, 4]
+    with pytest.raises(ValueError, match="this run has finished"):
+        train(cfg, resume=True, progress=False)
+
+
+def test_damaged_or_mismatched_checkpoints_are_refused(small_run, tmp_path, capsys):
+    cfg = small_run(save_interval=1, keep_checkpoints=2)
+    with pytest.raises(Stop):
+        train(cfg, progress=False, on_checkpoint=stop_at(3))
+    out = tmp_path / "out"
+    assert [p.name for p in all_checkpoints(out)] == ["step-00000002", "step-00000003"]  # the older one removed
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # no staging left
+
+    with pytest.raises(ValueError, match=r"checkpoint .*step-00000003 was made with lr=0\.01, this run has 0\.02"):
+        train(cfg.replace(lr=0.02), resume=True, progress=False)
+    newest = all_checkpoints(out)[-1]
+    data = bytearray((newest / "params.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (newest / "params.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step-00000003 is damaged: params.safetensors does not match the "
+                                              r"SHA-256 .*delete it to resume from an earlier checkpoint"):
+        train(cfg, resume=True, progress=False)
+    (newest / "state.json").write_text("{not json")
+    capsys.readouterr()
+    assert cli.main(["train", as_yaml(cfg, tmp_path / "c.yaml"), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeswap: error: checkpoint ") and "state.json is not valid JSON" in err
+    assert "\n" not in err
+
+    with pytest.raises(FileExistsError, match="exists and is not empty; pass --resume"):
+        train(cfg, progress=False)
+    with pytest.raises(ValueError, match="--resume: no checkpoint in"):
+        train(cfg.replace(output=str(tmp_path / "fresh")), resume=True, progress=False)
