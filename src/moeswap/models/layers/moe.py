@@ -16,8 +16,7 @@ from torch import nn
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import GatedMLP, RMSNorm, derived
 from moeswap.ops import cpu_kernels, expert_mxfp4
-from moeswap.ops.cpu_kernels import is_bf16_expert
-from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.ops.cpu_kernels import grouped_kind
 from moeswap.ops.linear import StoredWeightLinear, gemm_in_bf16
 
 
@@ -194,7 +193,7 @@ class _ResidentTable:
         for e, w in zip(ids, experts):
             if e in self.experts:
                 continue
-            kind = _kind(w)
+            kind = grouped_kind(w)
             if kind is None or self.kind not in (None, kind):
                 continue
             row = cpu_kernels.resident_row(w, I, kind == "bf16")
@@ -265,7 +264,7 @@ class _Group:
 
     def add(self, expert, start: int, n: int) -> bool:
         """Takes the expert's n pairs from `start` into the group; False when it must run on its own."""
-        kind = _kind(expert)
+        kind = grouped_kind(expert)
         if self.run is None or kind is None or n >= expert_mxfp4.GEMM_MIN_TOKENS:  # prefill: the expert's GEMM
             self.flush()
             return False
@@ -276,7 +275,7 @@ class _Group:
         self.experts.append(expert)
         self.offsets.append(self.offsets[-1] + n)
         self.nbytes += expert.nbytes
-        width = expert.w1_packed.shape[0] if kind == "mxfp4" else expert.w1_FI.shape[0]
+        width = expert.fmt.width(expert)
         pairs_bytes = self.offsets[-1] * 4 * 2 * (self.h_TI.shape[-1] + width)
         if self.nbytes >= self.GROUP_BYTES or pairs_bytes >= self.GROUP_SCRATCH:
             self.flush()
@@ -290,10 +289,3 @@ class _Group:
                  self.weights[self.start : end], self.act, self.situ_betas, self.out_TI,
                  self.int8 and self.kind == "mxfp4")
         self.experts, self.offsets, self.nbytes = [], [0], 0
-
-
-def _kind(expert) -> str | None:
-    """"mxfp4" or "bf16" for experts the grouped CPU kernel runs, else None."""
-    if isinstance(expert, MXFP4ExpertWeights):
-        return "mxfp4" if expert.w1_packed.device.type == "cpu" else None
-    return "bf16" if is_bf16_expert(expert) else None
