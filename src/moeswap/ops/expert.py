@@ -18,6 +18,24 @@ def tensors(w) -> dict[str, torch.Tensor]:
     return {f.name: getattr(w, f.name) for f in fields(w) if f.init}
 
 
+class _Format:
+    """`cls.fmt`: the ops.expert_format object that computes this form, looked up at first use (that module
+    builds on these classes) and then a plain class attribute."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __set_name__(self, owner, attr: str):
+        self.attr = attr
+
+    def __get__(self, obj, owner):
+        from moeswap.ops import expert_format
+
+        value = getattr(expert_format, self.name)
+        setattr(owner, self.attr, value)  # replaces this descriptor: later lookups cost nothing extra
+        return value
+
+
 @dataclass
 class ExpertWeights:
     w1_FI: torch.Tensor  # gate
@@ -28,11 +46,7 @@ class ExpertWeights:
     def __post_init__(self):
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.w1_FI, self.w3_FI, self.w2_IF))
 
-    @property
-    def fmt(self):
-        from moeswap.ops import expert_format  # (it builds on these classes)
-
-        return expert_format.FLOAT
+    fmt = _Format("FLOAT")
 
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
         return self.fmt.forward(self, x_TI, act, situ_betas)
@@ -79,11 +93,7 @@ class MXFP4ExpertWeights:
         w.nbytes = sum(t.numel() for t in parts.values())  # all uint8
         return w
 
-    @property
-    def fmt(self):
-        from moeswap.ops import expert_format
-
-        return expert_format.MXFP4
+    fmt = _Format("MXFP4")
 
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
         return self.fmt.forward(self, x_TI, act, situ_betas)
