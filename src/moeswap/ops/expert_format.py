@@ -403,11 +403,6 @@ def for_suffixes(suffixes) -> ExpertFormat | None:
     return _BY_SUFFIXES.get(frozenset(suffixes))
 
 
-def of(w) -> ExpertFormat:
-    """The format that computes a kept expert (its `fmt`)."""
-    return w.fmt
-
-
 def _expect(info: TensorInfo, shape, dtype, what: str) -> None:
     if tuple(info.shape) != tuple(shape):
         raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected shape {list(shape)} "
