@@ -33,6 +33,8 @@ from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.formats.files import confined, read_json
 from moeswap.formats.weights import Declared, StoredWeight, group_modules, storage_of
 from moeswap.formats.writer import layout, write_index, write_shard
+from moeswap.ops import expert_format
+from moeswap.ops.expert_format import ExpertFormat
 
 # Routed experts (K3 / Kimi Linear w1-w3, DeepSeek gate/up/down_proj); `shared_experts.*` never matches.
 EXPERT_PATTERN = r"(?:.*\.)?experts\.\d+\.(?:w[123]|gate_proj|up_proj|down_proj)"
@@ -91,6 +93,7 @@ class _Plan:
     def __init__(self, ckpt: Checkpoint, declared: Declared, fmt: str, shards: dict[str, list[_Unit]],
                  ignore: list[str], experts: int):
         self.ckpt, self.declared, self.fmt, self.shards, self.ignore = ckpt, declared, fmt, shards, ignore
+        self.target = expert_format.FORMATS[fmt]  # what the experts are written as
         self.expert_count = experts
 
     @classmethod
@@ -112,14 +115,14 @@ class _Plan:
             units = shards.setdefault(file.name, [])
             for name in sorted(by_file[file], key=lambda n: ckpt.info(n).offset):
                 module = owner.get(name)
-                if module is None or (module not in experts and weights[module].kind == "float"):
+                if module is None or (module not in experts and weights[module].format is expert_format.FLOAT):
                     info = ckpt.info(name)
                     units.append(_Unit({name: (info.dtype, info.shape)}, "copy"))
                     continue
                 if module in placed:
                     continue
                 placed.add(module)
-                units.append(cls._module_unit(ckpt, weights[module], module in experts, fmt))
+                units.append(cls._module_unit(ckpt, weights[module], module in experts, expert_format.FORMATS[fmt]))
         dense_2d = [m for m, w in weights.items() if m not in experts and len(w.shape(ckpt)) == 2]
         ignore = ct.ignore_patterns(dense_2d)
         caught = sorted(m for m in experts if ct.matches(m, ignore))
@@ -129,13 +132,13 @@ class _Plan:
         return cls(ckpt, declared, fmt, shards, ignore, len(experts))
 
     @staticmethod
-    def _module_unit(ckpt: Checkpoint, weight: StoredWeight, is_expert: bool, fmt: str) -> _Unit:
+    def _module_unit(ckpt: Checkpoint, weight: StoredWeight, is_expert: bool, target: ExpertFormat) -> _Unit:
         if not is_expert:  # a quantised dense weight: written dequantised (the new config leaves it unquantised)
             return _Unit({f"{weight.module}.weight": (DENSE_DTYPE, weight.shape(ckpt))}, "dequantize", weight)
-        if weight.kind == fmt:  # already in the target format: keep the shipped codes
+        if weight.format is target:  # already in the target format: keep the shipped codes
             return _Unit({n: (ckpt.info(n).dtype, ckpt.info(n).shape) for n in weight.tensors.values()}, "copy", weight)
-        _check_expert_shape(ckpt, weight, fmt)
-        specs = ct.stored_specs(fmt, weight.shape(ckpt))
+        _check_expert_shape(ckpt, weight, target)
+        specs = target.stored_specs(weight.shape(ckpt))
         return _Unit({f"{weight.module}.{s}": spec for s, spec in specs.items()}, "encode", weight)
 
     def write(self, out: Path, options: QuantizeOptions) -> dict:
@@ -182,8 +185,8 @@ class _Plan:
                          "action": "copied", "rel_error": 0.0, "max_abs_error": 0.0})
             bar.update()
             tensors = {n: self.ckpt.read(n) for n in unit.outputs}
-            self._check_finite(ct.decode_weight(weight.kind, {n.rpartition(".")[2]: t for n, t in tensors.items()},
-                                                torch.float32), decoded)
+            self._check_finite(weight.format.decode({n.rpartition(".")[2]: t for n, t in tensors.items()},
+                                                    torch.float32), decoded)
             return tensors
         if unit.action == "dequantize":
             w = weight.read_float(self.ckpt, DENSE_DTYPE, self.declared)
@@ -191,14 +194,14 @@ class _Plan:
             return {f"{weight.module}.weight": w}
         # Float sources are encoded in their own dtype (bit-identical to compressed-tensors for bf16 inputs);
         # quantised ones from their exact fp32 decoding.
-        if weight.kind == "float":
+        if weight.format is expert_format.FLOAT:
             w = self.ckpt.read(weight.tensors["weight"])
             self._check_finite(w, repr(weight.tensors["weight"]))
         else:
             w = weight.read_float(self.ckpt, torch.float32, self.declared)
             self._check_finite(w, decoded)
-        stored = ct.encode_weight(self.fmt, w, options.mode)
-        back = ct.decode_weight(self.fmt, stored, torch.float32)
+        stored = self.target.encode(w, options.mode)
+        back = self.target.decode(stored, torch.float32)
         rows.append({"name": weight.module, "shape": list(w.shape), "source": weight.kind, "action": "encoded",
                      **_errors(w.float(), back)})
         bar.update()
@@ -222,11 +225,11 @@ class _Plan:
                               f"source checkpoint is damaged: re-download or re-convert it (nothing was written)")
 
 
-def _check_expert_shape(ckpt: Checkpoint, weight: StoredWeight, fmt: str) -> None:
+def _check_expert_shape(ckpt: Checkpoint, weight: StoredWeight, target: ExpertFormat) -> None:
     shape = weight.shape(ckpt)
     if len(shape) != 2 or shape[1] % mx.BLOCK:
         raise ValueError(f"routed expert {weight.module}: shape {list(shape)} cannot be stored as "
-                         f"{ct.FORMATS[fmt]}: the input (last) dim must be a multiple of {mx.BLOCK}")
+                         f"{target.ct_format}: the input (last) dim must be a multiple of {mx.BLOCK}")
 
 
 def _errors(w: torch.Tensor, q: torch.Tensor) -> dict:

@@ -101,6 +101,33 @@ def test_no_cache_reads_every_time():
     assert len(source.reads) == 6 and len(store.fast) == 0 and store.stats.hits == 0
 
 
+def test_graph_holds_keep_an_expert_only_while_the_fast_tier_does():
+    """What an autograd graph keeps for backward (store.hold): the expert itself while resident, counted in
+    the tier's bytes; nothing once evicted (the backward fetches it again); nothing without a cache."""
+    import gc
+
+    store, source = make_store(slots=2)
+    first = store.fetch(1, [0])[0]
+    held = store.hold(1, 0, first)
+    assert held.w is first and held.get() is first and store.graph_bytes() == SIZE
+    assert store.stats.graph.held == 1
+    fetch(store, 2, [0, 1])  # evicts (1, 0): the hold lets go, so the graph keeps no bytes outside the budget
+    assert Key(1, 0) not in store.fast and held.w is None and store.stats.graph.released == 1
+    assert store.graph_bytes() == 0 and store.fast.used <= store.fast.capacity
+    again = held.get()  # the backward's fetch: a demand read, held again while resident
+    assert again.key == Key(1, 0) and held.w is again and len(source.reads) == 4
+    assert store.stats.graph.refetched == 1 and store.stats.graph.held == 2
+    del held, again, first
+    gc.collect()
+    assert store.graph_bytes() == 0  # a freed graph holds nothing
+    store.reset_stats()
+    assert store.stats.as_dict()["graph"] == {"held": 0, "released": 0, "refetched": 0}
+    nocache, source = make_store(slots=0)
+    w = nocache.fetch(1, [3])[0]
+    held = nocache.hold(1, 3, w)
+    assert held.w is None and held.get().key == Key(1, 3) and len(source.reads) == 2
+
+
 def test_source_errors_reach_the_caller_and_the_store_recovers():
     store, _ = make_store(slots=4, bad=Key(1, 3))
     experts = store.fetch(1, [2, 3])

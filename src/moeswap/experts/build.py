@@ -23,26 +23,17 @@ from moeswap.options import LoadOptions
 from moeswap.units import human_bytes
 
 
-def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int, bool]:
-    """(stored bytes, decoded bytes at `itemsize`, is MXFP4) of one expert, from the checkpoint header."""
-    stored = decoded = 0
-    packed = True
-    for kinds in index.names(*key).values():
-        for kind, name in kinds.items():
-            info = ckpt.info(name)
-            stored += info.nbytes
-            if kind == "weight":
-                decoded += info.nbytes // info.dtype.itemsize * itemsize
-                packed = False
-            elif kind == "weight_packed":
-                decoded += info.nbytes * 2 * itemsize
-    return stored, decoded, packed
+def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int]:
+    """(stored bytes, decoded bytes at `itemsize`) of one expert, from the checkpoint header and its format."""
+    fmt = index.format
+    infos = [{kind: ckpt.info(name) for kind, name in kinds.items()} for kinds in index.names(*key).values()]
+    return sum(fmt.stored_bytes(i) for i in infos), sum(fmt.decoded_bytes(i, itemsize) for i in infos)
 
 
 def _stored_bf16(ckpt: Checkpoint, index: ExpertIndex, key: Key) -> bool:
-    """Whether the expert's weights are plain bf16 tensors (not MX-quantised) in the checkpoint."""
-    kinds = [k for names in index.names(*key).values() for k in names.items()]
-    return all(kind == "weight" and ckpt.info(name).dtype == torch.bfloat16 for kind, name in kinds)
+    """Whether the expert's weights are plain bf16 tensors (not quantised) in the checkpoint."""
+    return index.format.name == "float" and all(
+        ckpt.info(kinds["weight"]).dtype == torch.bfloat16 for kinds in index.names(*key).values())
 
 
 def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
@@ -51,23 +42,24 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     device = torch.device(device)
     accelerator = device.type != "cpu"
     caching = options.caching
-    sizes: dict[Key, tuple[int, int, bool]] = {}
-    first = min(index.entries)  # every expert has the same shapes (ExpertIndex.validate)
+    sizes: dict[Key, tuple[int, int]] = {}
+    first = min(index.entries)  # every expert has the same shapes and format (ExpertIndex.validate)
+    packed = index.format.keeps_bytes  # kept as the stored bytes (else decoded when read)
     # bf16-stored float experts stay bf16 where a CPU kernel runs them under fp32 math (as dense weights do)
     expert_dtype = torch.bfloat16 if options.keep_bf16 and _stored_bf16(ckpt, index, first) and can_keep_stored(
         torch.bfloat16, dtype, device) else dtype
 
-    def size(key: Key) -> tuple[int, int, bool]:
+    def size(key: Key) -> tuple[int, int]:
         if key not in sizes:
             sizes[key] = _expert_sizes(ckpt, index, key, expert_dtype.itemsize)
         return sizes[key]
 
     def fast_cost(key: Key) -> int:
-        stored, decoded, packed = size(key)
+        stored, decoded = size(key)
         return stored if packed and not options.decoded_experts else decoded
 
     def host_cost(key: Key) -> int:
-        stored, decoded, packed = size(key)
+        stored, decoded = size(key)
         return stored if packed else decoded
 
     # spare read buffers: two layer steps' worth of misses, so a miss reuses an evicted expert's buffer
@@ -86,7 +78,7 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     top_k = config.moe.top_k
     slots = 0
     if caching:
-        form = "decoded" if options.decoded_experts or not size(Key(*first))[2] else "MXFP4"
+        form = "decoded" if options.decoded_experts or not packed else index.format.label
         need = top_k * fast_cost(Key(*first))
         if options.expert_memory < need:
             raise ValueError(

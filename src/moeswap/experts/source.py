@@ -1,25 +1,24 @@
 """Where each routed expert's tensors sit in a checkpoint, and how to turn them into weights.
 
 `ExpertIndex` is built by the loader from CHECKPOINT_MAP matches and validated against the config
-(every expert of every MoE layer present, with the right shapes and dtypes). `load_expert` reads one
-expert's tensors (MXFP4 packed+scale, MXFP8 float8+scale, or float) and decodes them; nothing else is read.
-`check_expert` refuses bytes that cannot decode to finite weights, naming the tensor.
+(every expert of every MoE layer present, with the right shapes and dtypes, all in one format: its
+`format`, an ops.expert_format object chosen here once). `load_expert` reads one expert's tensors through
+that format (MXFP4 kept as bytes if asked, else decoded); nothing else is read. `check_expert` refuses
+bytes that cannot decode to finite weights, naming the tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from moeswap.config import ModelConfig
-from moeswap.formats import mxfp4, mxfp8
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import routed_expert_shapes
+from moeswap.ops import expert_format
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
-
-PROJS = ("w1", "w2", "w3")  # gate, down, up
+from moeswap.ops.expert_format import PROJS, ExpertFormat
 
 
 @dataclass
@@ -27,12 +26,26 @@ class ExpertIndex:
     """(layer, expert) -> {proj: {kind: checkpoint tensor name}}, kind in weight / weight_packed / weight_scale."""
 
     entries: dict[tuple[int, int], dict[str, dict[str, str]]] = field(default_factory=dict)
+    _format: ExpertFormat | None = field(default=None, repr=False)
 
     def add(self, layer: int, expert: int, proj: str, kind: str, name: str) -> None:
         self.entries.setdefault((layer, expert), {}).setdefault(proj, {})[kind] = name
 
+    @property
+    def format(self) -> ExpertFormat:
+        """The format every routed expert is stored in (validate checks they agree; before that, the
+        first expert's)."""
+        if self._format is None:
+            first = self.entries[min(self.entries)]
+            fmt = expert_format.for_suffixes(next(iter(first.values())))
+            if fmt is None:
+                raise CheckpointError(f"routed expert {min(self.entries)}: tensors {sorted(first)} fit no expert format")
+            self._format = fmt
+        return self._format
+
     def validate(self, ckpt: Checkpoint, cfg: ModelConfig) -> None:
-        """Every MoE layer has all experts with consistent shapes; fails naming the first bad tensor."""
+        """Every MoE layer has all experts with consistent shapes, all in one format; fails naming the first
+        bad tensor."""
         moe_layers = [i for i, k in enumerate(cfg.mlp_kinds) if k == "moe"]
         stray = sorted({layer for layer, _ in self.entries} - set(moe_layers))
         if stray:
@@ -56,39 +69,19 @@ class ExpertIndex:
 
     def _check_proj(self, ckpt, cfg, layer, e, proj, kinds, shape) -> None:
         base = f"layer {layer} expert {e} {proj}"
-        out_dim, in_dim = shape
-        if "weight" in kinds and "weight_scale" in kinds:  # MXFP8: float8 weight + E8M0 scale bytes
-            self._check_format(cfg, kinds["weight"], "mxfp8-quantized", "MXFP8")
-            info = ckpt.info(kinds["weight"])
-            _expect(info, shape, None, base)
-            if info.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-                raise CheckpointError(f"{info.name} in {info.file.name} ({base}): MXFP8 weight must be float8_e4m3fn "
-                                      f"or float8_e5m2, found {info.dtype}")
-            _expect(ckpt.info(kinds["weight_scale"]), (out_dim, in_dim // 32), torch.uint8, base)
-            return
-        if "weight" in kinds:
-            info = ckpt.info(kinds["weight"])
-            _expect(info, shape, None, base)
-            if not info.dtype.is_floating_point:
-                raise CheckpointError(f"{info.name} in {info.file.name}: expected a float tensor, found {info.dtype}")
-            if info.dtype.itemsize == 1:
-                raise CheckpointError(f"{info.name} in {info.file.name} ({base}): float8 weight without a "
-                                      f"weight_scale: expected bf16/fp16/fp32, or MXFP8 weight + weight_scale")
-            return
-        if "weight_packed" not in kinds or "weight_scale" not in kinds:
+        fmt = expert_format.for_suffixes(kinds)
+        if fmt is None:
             raise CheckpointError(f"missing tensor for {base}: need weight, or weight_packed + weight_scale (MXFP4), "
                                   f"or weight + weight_scale (MXFP8)")
-        self._check_format(cfg, kinds["weight_packed"], "mxfp4-pack-quantized", "MXFP4")
-        _expect(ckpt.info(kinds["weight_packed"]), (out_dim, in_dim // 2), torch.uint8, base)
-        _expect(ckpt.info(kinds["weight_scale"]), (out_dim, in_dim // 32), torch.uint8, base)
-
-    @staticmethod
-    def _check_format(cfg, name: str, fmt: str, short: str) -> None:
-        if cfg.quant is None:
-            raise CheckpointError(f"{name}: packed {short} expert but config.json has no quantization_config")
-        if cfg.quant.format != fmt:
-            raise CheckpointError(f"{name}: stored as {short} ({fmt}) but config.json's quantization_config "
-                                  f"says format {cfg.quant.format}")
+        first = kinds[fmt.main]
+        fmt.check_declared(first, cfg.quant.format if cfg.quant is not None else None)
+        fmt.check_expert_tensors(ckpt, kinds, shape, base)
+        if self._format is None:
+            self._format = fmt
+        elif fmt is not self._format:
+            raise CheckpointError(f"{first} in {ckpt.info(first).file.name} ({base}) is stored as {fmt.label}, but "
+                                  f"the routed experts before it as {self._format.label}: moeswap keeps all routed "
+                                  f"experts of a model in one format (re-store them with `moeswap quantize`)")
 
     def names(self, layer: int, expert: int) -> dict[str, dict[str, str]]:
         return self.entries[(layer, expert)]
@@ -97,43 +90,14 @@ class ExpertIndex:
         return sum(ckpt.info(n).nbytes for kinds in self.entries[(layer, expert)].values() for n in kinds.values())
 
 
-def _expect(info, shape, dtype, what: str) -> None:
-    if tuple(info.shape) != tuple(shape):
-        raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected shape {list(shape)} "
-                              f"from config.json, found {list(info.shape)}")
-    if dtype is not None and info.dtype != dtype:
-        raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected dtype {dtype}, found {info.dtype}")
-
-
 def check_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int,
                  w: ExpertWeights | MXFP4ExpertWeights) -> None:
-    """Fails naming the tensor when an expert's bytes cannot decode to finite weights: an MXFP4 scale byte
-    above mxfp4.MAX_SCALE_BYTE (its block can decode to ±Inf; 0xFF is NaN), or a non-finite value in a
-    float or decoded MXFP8 weight. MXFP4 elements are always finite, so for MXFP4 the scales (1/16 of the
-    bytes) are all there is to check."""
-    names = index.names(layer, expert)
-    if isinstance(w, MXFP4ExpertWeights):
-        for proj in PROJS:
-            scale = getattr(w, f"{proj}_scale").numpy()  # numpy: a third of torch's per-call overhead on 16 KB
-            top = int(scale.max()) if scale.size else 0
-            if top > mxfp4.MAX_SCALE_BYTE:
-                row, block = (int(i) for i in np.unravel_index(np.argmax(scale > mxfp4.MAX_SCALE_BYTE), scale.shape))
-                what = ("NaN scale bytes (E8M0 0xFF)" if top == mxfp4.SCALE_NAN else
-                        f"scale bytes above {mxfp4.MAX_SCALE_BYTE} (2^{mxfp4.MAX_SCALE_BYTE - 127}), whose blocks "
-                        f"decode to ±Inf")
-                raise CheckpointError(_corrupt(ckpt, names[proj]["weight_scale"], layer, expert, proj,
-                                               f"{what}, first at row {row} block {block}; expected E8M0 bytes of at "
-                                               f"most {mxfp4.MAX_SCALE_BYTE}"))
-        return
-    for proj, t in (("w1", w.w1_FI), ("w3", w.w3_FI), ("w2", w.w2_IF)):
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            at = [int(i) for i in (~finite).nonzero()[0]]
-            kinds = names[proj]
-            what = "decodes to" if "weight_scale" in kinds else "holds"
-            raise CheckpointError(_corrupt(ckpt, kinds["weight"], layer, expert, proj,
-                                           f"{what} non-finite weights (NaN or Inf), first at {at}; expected "
-                                           f"finite values"))
+    """Fails naming the tensor when an expert's bytes cannot decode to finite weights (what that means is
+    the format's: ExpertFormat.check_finite)."""
+    problem = index.format.check_finite(w, index.names(layer, expert))
+    if problem is not None:
+        name, proj, what = problem
+        raise CheckpointError(_corrupt(ckpt, name, layer, expert, proj, what))
 
 
 def _corrupt(ckpt: Checkpoint, name: str, layer: int, expert: int, proj: str, what: str) -> str:
@@ -151,21 +115,8 @@ def load_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int, d
     read = ckpt.get if use_mmap else ckpt.read
     names = index.names(layer, expert)
     try:
-        if not decode and all("weight_packed" in kinds for kinds in names.values()):
-            parts = {f"{proj}_{kind.removeprefix('weight_')}": read(n).to(device)
-                     for proj, kinds in names.items() for kind, n in kinds.items()}
-            return MXFP4ExpertWeights(**parts)
-        mats = {}
-        for proj, kinds in names.items():
-            if "weight" in kinds and "weight_scale" in kinds:
-                w = mxfp8.decode(read(kinds["weight"]), read(kinds["weight_scale"]), torch.float32).to(dtype)
-            elif "weight" in kinds:
-                w = read(kinds["weight"]).to(dtype)
-            else:
-                w = mxfp4.decode(read(kinds["weight_packed"]), read(kinds["weight_scale"]), torch.float32).to(dtype)
-            mats[proj] = w.to(device)
+        return index.format.read_expert(read, names, dtype, device, keep_bytes=not decode)
     except (OSError, ValueError) as err:
         files = sorted({str(ckpt.info(n).file) for kinds in names.values() for n in kinds.values()})
         raise CheckpointError(f"layer {layer} expert {expert}: cannot read or decode its tensors from "
                               f"{', '.join(files)}: {err}") from err
-    return ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])

@@ -1,4 +1,5 @@
-"""Counters of the expert store: hits and misses per tier, bytes moved, time stalled, prefetch accuracy.
+"""Counters of the expert store: hits and misses per tier, bytes moved, time stalled, prefetch accuracy,
+experts kept for backward passes.
 
 Plain dataclasses filled by ExpertStore under its lock; `as_dict()` is what the API, `generate --stats`
 and (later) the server export, `summary()` the one line the CLI prints.
@@ -43,6 +44,15 @@ class PrefetchStats:
 
 
 @dataclass
+class GraphStats:
+    """Experts kept by autograd graphs for their backward (ExpertStore.hold)."""
+
+    held: int = 0  # holds taken on an expert the fast tier had (the graph keeps it while the tier does)
+    released: int = 0  # holds let go because the store evicted their expert
+    refetched: int = 0  # backward passes that fetched a let-go expert again
+
+
+@dataclass
 class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)  # fastest first
     disk_reads: int = 0  # experts read from the checkpoint
@@ -50,6 +60,7 @@ class StoreStats:
     stall_s: float = 0.0  # time fetch waited for experts that were not in the fast tier
     load_s: float = 0.0  # time the model's thread spent reading (demand misses) and taking in experts
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
+    graph: GraphStats = field(default_factory=GraphStats)
 
     @property
     def fast(self) -> TierStats:

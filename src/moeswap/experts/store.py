@@ -6,14 +6,17 @@ promoted into every cache tier above, each evicting by its own CachePolicy withi
 Experts of the layer step being computed and those hinted for the next layer are pinned: a prefetch
 never evicts them (a demand may, so nothing waits forever). With a prefetcher, reads run on background
 threads that only move bytes; the rest of a load (checks, the books, the copy up) happens on the model's
-thread, at its next fetch or when it needs that expert. Knows nothing of models: the loader builds it
-with `experts.build.build_store`.
+thread, at its next fetch or when it needs that expert. An autograd graph keeps an expert for its
+backward only through `hold`, and only while the fast tier holds it: evicting it lets the graph's hold
+go, and the backward fetches it again, so graphs never keep bytes outside the budget. Knows nothing of
+models: the loader builds it with `experts.build.build_store`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +54,21 @@ class _Pinned:
             return True
         hint = s._hints.get(key[0])
         return hint is not None and key in hint[2]
+
+
+class Held:
+    """An expert kept by an autograd graph for its backward (what ops.expert_format.Held is for a store):
+    `w` while the fast tier holds the same expert, None once the store has evicted it; `get()` fetches it
+    again then."""
+
+    __slots__ = ("_store", "key", "w", "__weakref__")
+
+    def __init__(self, store: ExpertStore, key: Key):
+        self._store, self.key, self.w = store, key, None
+
+    def get(self) -> Weights:
+        w = self.w
+        return w if w is not None else self._store._refetch(self)
 
 
 class Fetched(Sequence):
@@ -96,6 +114,7 @@ class ExpertStore:
         self._unused: set[Key] = set()  # loaded by prefetch, not yet used
         self._events: dict[Key, object] = {}  # CUDA: copy-done events of prefetched experts
         self._pins = _Pinned(self)
+        self._holds: dict[Key, weakref.WeakSet] = {}  # experts that live graphs keep, and their holds
 
     # -- the API --------------------------------------------------------------------------------------
 
@@ -138,6 +157,37 @@ class ExpertStore:
         if self.prefetcher is not None and missing:
             self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
         return Fetched(self, keys)
+
+    def hold(self, layer: int, expert: int, w: Weights) -> Held:
+        """What an autograd graph keeps of expert `w` (just fetched) for its backward: `w` itself while the
+        fast tier holds it (its bytes are counted there), nothing once evicted (the backward fetches it
+        again). Outside the fast tier (capacity 0) it keeps nothing from the start."""
+        held = Held(self, Key(layer, expert))
+        with self._lock:
+            self._attach(held, w)
+        return held
+
+    def graph_bytes(self) -> int:
+        """Bytes of the experts live graphs keep (all of them in the fast tier, counted in its `used`)."""
+        with self._lock:
+            return sum(self.fast.cost(k) for k, holds in self._holds.items() if len(holds))
+
+    def _attach(self, held: Held, w: Weights) -> None:
+        """Under the lock: let `held` keep `w` if the fast tier holds this very expert."""
+        if self.fast.get(held.key) is w:
+            held.w = w
+            self._holds.setdefault(held.key, weakref.WeakSet()).add(held)
+            self.stats.graph.held += 1
+
+    def _refetch(self, held: Held) -> Weights:
+        """A backward pass needs an expert its graph let go: fetch it as a demand (pinned while it loads)."""
+        with self._lock:
+            self._active = {held.key}  # the forward's layer step is over
+            self.stats.graph.refetched += 1
+        w = self._get(held.key)
+        with self._lock:
+            self._attach(held, w)
+        return w
 
     def count_resident_hits(self, n: int) -> None:
         """n fast-tier hits served without a fetch: a decode step through a layer's table of resident
@@ -378,6 +428,10 @@ class ExpertStore:
             if victim is None:
                 return strict
             dropped = tier.drop(victim)
+            if i == 0:
+                for held in self._holds.pop(victim, ()):  # graphs let go of it too: its bytes leave the budget
+                    held.w = None
+                    self.stats.graph.released += 1
             if dropped is not None:
                 self.source.evicted(dropped)  # its read buffer is likely free for the next read
             self.stats.tiers[tier.name].evictions += 1

@@ -21,7 +21,6 @@ from moeswap.experts.buffers import BufferPool
 from moeswap.experts.keys import Key
 from moeswap.experts.reads import Pending, Reads, pread_exactly
 from moeswap.experts.source import ExpertIndex, check_expert, load_expert
-from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
 
@@ -51,24 +50,9 @@ def tensors_of(w: Weights) -> list[torch.Tensor]:
 
 
 def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
-    """`w` in a tier's form: MXFP4 bytes or decoded `dtype` weights, on `device` (pinned if asked)."""
-    if isinstance(w, MXFP4ExpertWeights) and decoded:
-        mats = {p: mxfp4.decode(getattr(w, f"{p}_packed"), getattr(w, f"{p}_scale"), torch.float32).to(dtype)
-                for p in ("w1", "w2", "w3")}
-        w = ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])
-    elif isinstance(w, ExpertWeights):
-        w = ExpertWeights(*(t.to(dtype) for t in (w.w1_FI, w.w3_FI, w.w2_IF)))
-    parts = tensors(w)
-    if all(t.device == device and (not pin or t.is_pinned()) for t in parts.values()):
-        return w  # already in this form (the CPU fast tier keeps what the disk read gave)
-    moved = {k: _place(t, device, pin) for k, t in parts.items()}
-    return type(w)(**moved)
-
-
-def _place(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    if pin and device.type == "cpu" and not t.is_pinned():
-        return t.pin_memory()
-    return t.to(device, non_blocking=device.type == "cuda")
+    """`w` in a tier's form: its stored MXFP4 bytes or decoded `dtype` weights, on `device` (pinned if asked);
+    the format of its form does it (ops.expert_format)."""
+    return w.fmt.convert(w, decoded, dtype, device, pin)
 
 
 class MemoryTier(Tier):
@@ -143,8 +127,8 @@ class CheckpointTier(Tier):
         return w
 
     def start(self, key: Key, reads: Reads, urgent: bool = False) -> Pending:
-        """An MXFP4 expert in one span is read by the reader threads straight into a pooled buffer; its
-        views and checks are made by whoever takes the result. Anything else loads whole on a thread."""
+        """An expert kept as its bytes (MXFP4) in one span is read by the reader threads straight into a pooled
+        buffer; its views and checks are made by whoever takes the result. Anything else loads whole on a thread."""
         span = self._span(key)
         if span is None:
             return super().start(key, reads, urgent)
@@ -156,7 +140,7 @@ class CheckpointTier(Tier):
         n = end - start
         buf = torch.empty(n, dtype=torch.uint8, pin_memory=True) if self.pin_background else self.buffers.take(n)
 
-        def finish(error: OSError | None) -> MXFP4ExpertWeights:
+        def finish(error: OSError | None) -> Weights:
             if error is not None:
                 raise CheckpointError(f"{key}: cannot read its tensors from {file}: {error}") from error
             w = self._views(buf, parts)
@@ -170,8 +154,9 @@ class CheckpointTier(Tier):
 
     def evicted(self, w: Weights) -> None:
         """A cache tier dropped w: if it lives in one of our read buffers, the next read may reuse it."""
-        if isinstance(w, MXFP4ExpertWeights) and w.w1_packed.device.type == "cpu":
-            self.buffers.released(w.w1_packed)
+        first = tensors_of(w)[0]
+        if first.device.type == "cpu":
+            self.buffers.released(first)  # (nothing, for tensors that are not views of a read buffer)
 
     def stored_bytes(self, key: Key) -> int:
         return self.index.stored_bytes(self.ckpt, key.layer, key.expert)
@@ -180,14 +165,15 @@ class CheckpointTier(Tier):
         check_expert(self.ckpt, self.index, key.layer, key.expert, w)
 
     def _span(self, key: Key):
-        """(file, start, end, parts) when the expert is MXFP4 and its tensors sit together in one file (as
-        published checkpoints store them): one pread into one buffer, which eviction returns whole."""
+        """(file, start, end, parts) when the expert is kept as its stored bytes (MXFP4) and its tensors sit
+        together in one file (as published checkpoints store them): one pread into one buffer, which
+        eviction returns whole."""
         if key in self._spans:
             return self._spans[key]
         infos = {(proj, kind): self.ckpt.info(name) for proj, kinds in self.index.names(*key).items()
                  for kind, name in kinds.items()}
         span = None
-        if all(kind in ("weight_packed", "weight_scale") for _, kind in infos) and len({i.file for i in infos.values()}) == 1:
+        if self.index.format.keeps_bytes and len({i.file for i in infos.values()}) == 1:
             start = min(i.offset for i in infos.values())
             end = max(i.offset + i.nbytes for i in infos.values())
             if end - start <= sum(i.nbytes for i in infos.values()) + (64 << 10):  # at most a little padding read
@@ -197,7 +183,7 @@ class CheckpointTier(Tier):
         self._spans[key] = span
         return span
 
-    def _read_span(self, key: Key, file, start: int, end: int, parts) -> MXFP4ExpertWeights:
+    def _read_span(self, key: Key, file, start: int, end: int, parts) -> Weights:
         buf = self.buffers.take(end - start)
         try:
             pread_exactly(self._fd(file), buf, start)
@@ -205,12 +191,11 @@ class CheckpointTier(Tier):
             raise CheckpointError(f"{key}: cannot read its tensors from {file}: {err}") from err
         return self._views(buf, parts)
 
-    def _views(self, buf: torch.Tensor, parts) -> MXFP4ExpertWeights:
+    def _views(self, buf: torch.Tensor, parts) -> Weights:
         views = {name: buf[o : o + n].view(shape) for name, (o, n, shape) in parts.items()}
         layout = tuple((name, o, tuple(shape)) for name, (o, _, shape) in parts.items())
-        if layout in self._checked_layouts:  # every expert has the same: check the first one fully
-            return MXFP4ExpertWeights.unchecked(**views)
-        w = MXFP4ExpertWeights(**views)
+        # every expert has the same layout: check the first one fully
+        w = self.index.format.from_bytes(views, checked=layout in self._checked_layouts)
         self._checked_layouts.add(layout)
         return w
 

@@ -23,6 +23,7 @@ import torch
 
 from moeswap.formats import mx
 from moeswap.ops import native_build
+from moeswap.ops.expert import tensors
 
 CSRC = Path(__file__).with_name("csrc")
 HEADER = CSRC / "cpu_kernels.h"
@@ -197,7 +198,9 @@ class CpuKernels:
     def expert(self, x_TI: torch.Tensor, w, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
         """MXFP4 expert: x fp32 contiguous [T, I] -> w2 · act(w1 x, w3 x), fp32 [T, I]."""
         T, I = x_TI.shape
-        mats = _expert_mats(w, I)
+        if grouped_kind(w) != "mxfp4":
+            raise ValueError(f"mxfp4_expert: got a {type(w).__name__}, not an MXFP4 expert on the CPU")
+        mats = w.fmt.kernel_mats(w, I)
         y = torch.empty(T, I, dtype=torch.float32)
         status = self.lib.moeswap_mxfp4_expert(
             x_TI.data_ptr(), T, I, mats[0].shape[0], *[m.data_ptr() for m in mats], _act(act),
@@ -222,7 +225,7 @@ class CpuKernels:
             raise ValueError(f"moe: {E} experts, offsets {list(offsets)[:4]}..., tokens "
                              f"{tuple(tokens.shape)} {tokens.dtype}, weights {tuple(weights.shape)} {weights.dtype}, "
                              f"y {tuple(y_TI.shape)} {y_TI.dtype} do not fit x {tuple(x_TI.shape)}")
-        bf16 = not hasattr(experts[0], "w1_packed")  # one kind per call (the caller groups them so)
+        bf16 = grouped_kind(experts[0]) == "bf16"  # one kind per call (the caller groups them so)
         if int8_activations and bf16:
             raise ValueError("moe: int8 activations are for MXFP4 experts, not bf16 ones")
         held: list[torch.Tensor] = []  # contiguous copies that must outlive the call
@@ -540,30 +543,11 @@ def _act(act: str) -> int:
     return ACTS[act]
 
 
-def is_bf16_expert(w) -> bool:
-    """A decoded expert (ExpertWeights) kept in bf16 on the CPU: what moeswap_bf16_moe runs."""
-    mats = [getattr(w, n, None) for n in ("w1_FI", "w3_FI", "w2_IF")]
-    return all(m is not None and m.dtype == torch.bfloat16 and m.is_cpu for m in mats)
-
-
-def _bf16_expert_mats(w, I: int) -> list[torch.Tensor]:
-    """[w1, w3, w2] of a bf16 expert of input width I, contiguous."""
-    mats = [w.w1_FI, w.w3_FI, w.w2_IF]
-    F = mats[0].shape[0]
-    if mats[0].shape[1] != I or tuple(mats[1].shape) != (F, I) or tuple(mats[2].shape) != (I, F):
-        raise ValueError(f"bf16 expert: w1 {tuple(mats[0].shape)}, w3 {tuple(mats[1].shape)}, w2 "
-                         f"{tuple(mats[2].shape)} do not form an expert of input width {I}")
-    return [t if t.is_contiguous() else t.contiguous() for t in mats]
-
-
-def _expert_mats(w, I: int) -> list[torch.Tensor]:
-    """[p1, s1, p3, s3, p2, s2] of an MXFP4 expert (shapes were checked when it was made) of input width I."""
-    mats = [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, w.w2_packed, w.w2_scale]
-    if mats[0].shape[1] * 2 != I:
-        raise ValueError(f"MXFP4 expert of input width {mats[0].shape[1] * 2} given inputs of width {I}")
-    if not all(t.device.type == "cpu" for t in mats):
-        raise ValueError("MXFP4 expert: the CPU kernel needs CPU tensors")
-    return [t if t.is_contiguous() else t.contiguous() for t in mats]
+def grouped_kind(w) -> str | None:
+    """"mxfp4" or "bf16": which of the grouped kernels (`moe`, the *_resident tables) runs expert w, as its
+    format says (ops.expert_format); None: neither (another kind of expert, or not on the CPU)."""
+    fmt = getattr(w, "fmt", None)
+    return None if fmt is None else fmt.group_kind(w)
 
 
 def _kernel_pointers(w, I: int, bf16: bool, held: list) -> tuple[int, tuple[int, ...]]:
@@ -574,16 +558,11 @@ def _kernel_pointers(w, I: int, bf16: bool, held: list) -> tuple[int, tuple[int,
     kept = w.__dict__.get("_kernel_pointers")
     if kept is not None and kept[0] == I and kept[1] == bf16:
         return kept[2], kept[3]
-    try:
-        originals = [w.w1_FI, w.w3_FI, w.w2_IF] if bf16 else [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale,
-                                                               w.w2_packed, w.w2_scale]
-    except AttributeError:
-        raise ValueError(f"moe: experts of one call must be all MXFP4 or all bf16, got a {type(w).__name__} "
-                         f"among {'bf16' if bf16 else 'MXFP4'} ones") from None
-    if bf16 and not is_bf16_expert(w):
-        raise ValueError(f"moe: a bf16 expert call got {type(w).__name__} with "
-                         f"{w.w1_FI.dtype} weights on {w.w1_FI.device}")
-    mats = _bf16_expert_mats(w, I) if bf16 else _expert_mats(w, I)
+    if grouped_kind(w) != ("bf16" if bf16 else "mxfp4"):
+        raise ValueError(f"moe: experts of one call must be all MXFP4 or all bf16 (on the CPU), got a "
+                         f"{type(w).__name__} ({grouped_kind(w) or 'neither'}) among {'bf16' if bf16 else 'MXFP4'} ones")
+    originals = list(tensors(w).values())
+    mats = w.fmt.kernel_mats(w, I)
     F, ptrs = mats[0].shape[0], tuple(t.data_ptr() for t in mats)
     if all(m is o for m, o in zip(mats, originals)):
         w.__dict__["_kernel_pointers"] = (I, bf16, F, ptrs)

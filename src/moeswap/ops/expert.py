@@ -1,7 +1,6 @@
-"""Routed-expert math on already-decoded weights: y = w2 (act(w1 x) * w3 x).
-
-`ExpertWeights` is what an expert store hands to the MoE block; `MXFP4ExpertWeights` has the same
-`__call__` and computes straight from MXFP4 bytes (ops/expert_mxfp4.py).
+"""The two forms an expert is kept in: `ExpertWeights` (decoded matrices) and `MXFP4ExpertWeights` (the
+stored MXFP4 bytes). Both compute y = w2 (act(w1 x) * w3 x) when called, through `fmt`, the format
+object of their form (ops/expert_format.py: FLOAT and MXFP4), which owns the kernels.
 Shapes: T tokens, I expert input width (latent or model width), F expert width.
 """
 
@@ -12,13 +11,29 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from moeswap.formats import mx
-from moeswap.ops.activation import glu
-from moeswap.ops.linear import linear
 
 
 def tensors(w) -> dict[str, torch.Tensor]:
     """The weight tensors of an expert by field name (what a tier moves, pins or frees)."""
     return {f.name: getattr(w, f.name) for f in fields(w) if f.init}
+
+
+class _Format:
+    """`cls.fmt`: the ops.expert_format object that computes this form, looked up at first use (that module
+    builds on these classes) and then a plain class attribute."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __set_name__(self, owner, attr: str):
+        self.attr = attr
+
+    def __get__(self, obj, owner):
+        from moeswap.ops import expert_format
+
+        value = getattr(expert_format, self.name)
+        setattr(owner, self.attr, value)  # replaces this descriptor: later lookups cost nothing extra
+        return value
 
 
 @dataclass
@@ -31,10 +46,10 @@ class ExpertWeights:
     def __post_init__(self):
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.w1_FI, self.w3_FI, self.w2_IF))
 
+    fmt = _Format("FLOAT")
+
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
-        # ops.linear: weights may be bf16 under fp32 math (kept as stored on the CPU)
-        h_TF = glu(act, linear(x_TI, self.w1_FI), linear(x_TI, self.w3_FI), situ_betas)
-        return linear(h_TF, self.w2_IF)
+        return self.fmt.forward(self, x_TI, act, situ_betas)
 
 
 @dataclass
@@ -78,7 +93,7 @@ class MXFP4ExpertWeights:
         w.nbytes = sum(t.numel() for t in parts.values())  # all uint8
         return w
 
-    def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
-        from moeswap.ops import expert_mxfp4
+    fmt = _Format("MXFP4")
 
-        return expert_mxfp4.select()(self, x_TI, act, situ_betas)
+    def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+        return self.fmt.forward(self, x_TI, act, situ_betas)

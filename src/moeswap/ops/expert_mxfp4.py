@@ -69,28 +69,32 @@ def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float])
     rows (exact in bf16: E2M1 times a power of two) multiply in bf16, as the dense layers' GEMMs then do."""
     rows = x_TI.numel() // x_TI.shape[-1] if x_TI.shape[-1] else 0
     bf16 = rows >= GEMM_MIN_TOKENS and x_TI.dtype == torch.float32 and x_TI.device.type == "cpu" and gemm_in_bf16()
+    h_TF = glu(act, rows_linear(x_TI, w.w1_packed, w.w1_scale, bf16), rows_linear(x_TI, w.w3_packed, w.w3_scale, bf16),
+               situ_betas)
+    return rows_linear(h_TF, w.w2_packed, w.w2_scale, bf16)
 
-    def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype, device=x.device)
-        rows = max(1, ROW_CHUNK_BYTES // (packed.shape[1] * (4 if bf16 else 8)))
-        xb = x.to(torch.bfloat16) if bf16 else x
-        for r in range(0, packed.shape[0], rows):
-            chunk = _decode(packed[r : r + rows], scale[r : r + rows], rows, xb.dtype)
-            if bf16:
-                out[..., r : r + rows] = torch.matmul(xb, chunk.T)
-            else:
-                torch.matmul(x, chunk.T, out=out[..., r : r + rows])
-        return out
 
-    h_TF = glu(act, linear(x_TI, w.w1_packed, w.w1_scale), linear(x_TI, w.w3_packed, w.w3_scale), situ_betas)
-    return linear(h_TF, w.w2_packed, w.w2_scale)
+def rows_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """x @ W^T for one MXFP4 matrix, decoding ~1 MB of W's rows at a time into the output's columns (x fp32
+    or bf16; bf16: an fp32 x multiplies in bf16, see torch_rows)."""
+    out = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype, device=x.device)
+    rows = max(1, ROW_CHUNK_BYTES // (packed.shape[1] * (4 if bf16 else 8)))
+    xb = x.to(torch.bfloat16) if bf16 else x
+    for r in range(0, packed.shape[0], rows):
+        chunk = decode_rows(packed[r : r + rows], scale[r : r + rows], rows, xb.dtype)
+        if bf16:
+            out[..., r : r + rows] = torch.matmul(xb, chunk.T)
+        else:
+            torch.matmul(x, chunk.T, out=out[..., r : r + rows])
+    return out
 
 
 _scratch = threading.local()  # per thread: a chunk buffer reused across calls (fresh ones page-fault)
 
 
-def _decode(packed: torch.Tensor, scale: torch.Tensor, max_rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows of an MXFP4 matrix in `dtype` (fp32, or bf16: exact too), in a per-thread scratch buffer."""
+def decode_rows(packed: torch.Tensor, scale: torch.Tensor, max_rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows of an MXFP4 matrix in `dtype` (fp32, or bf16: exact too), in a per-thread scratch buffer (valid
+    until this thread's next call)."""
     kernel = cpu_kernels.kernel() if packed.device.type == "cpu" else None
     if kernel is None:
         return mxfp4.decode(packed, scale, torch.float32).to(dtype)

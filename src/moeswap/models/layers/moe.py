@@ -3,7 +3,10 @@ projection (K3), routed experts fetched from an expert store, optional latent no
 
 Routed experts are not parameters of this module: `store.fetch(layer, ids)` returns callables
 (see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
-Shapes: T tokens, D model width, I expert input width, E experts, K top-k.
+Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
+LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
+through ops.expert_format.train_forward instead, still fetched from the store one at a time.
+Shapes: T tokens, D model width, I expert input width, E experts, K top-k, P (token, expert) pairs.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import torch
 from torch import nn
 
 from moeswap.config import ModelConfig
+from moeswap.models import routed_expert_shapes
 from moeswap.models.layers.basic import GatedMLP, RMSNorm, derived
-from moeswap.ops import cpu_kernels, expert_mxfp4
-from moeswap.ops.cpu_kernels import is_bf16_expert
-from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA
+from moeswap.ops import cpu_kernels, expert_format, expert_mxfp4
+from moeswap.ops.cpu_kernels import grouped_kind
 from moeswap.ops.linear import StoredWeightLinear, gemm_in_bf16
 
 
@@ -83,6 +87,7 @@ class MoE(nn.Module):
         if m.num_shared_experts:
             self.shared_experts = GatedMLP(d, m.num_shared_experts * m.expert_dim, self.act, self.situ_betas, device)
         self.num_experts = m.num_experts
+        self.expert_shapes = routed_expert_shapes(cfg)  # one routed expert's [out, in] per projection
         self.store: ExpertProvider | None = None  # attached by the loader; never part of state_dict
         self.int8_activations = False  # LoadOptions.expert_activations: int8 activations in the grouped kernel
 
@@ -101,9 +106,45 @@ class MoE(nn.Module):
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.reshape(shape)
 
+    # -- routed-expert LoRA ---------------------------------------------------------------------------
+
+    def attach_expert_lora(self, rank: int, alpha: float, dropout: float = 0.0, projections: Sequence[str] = PROJS,
+                           shared_a: bool = False, generator: torch.Generator | None = None) -> ExpertLoRA:
+        """Adds LoRA adapters to every routed expert's projections (the `expert_lora` submodule, fp32, on
+        the router's device; B zero, so the block computes what it did until trained). Replaces one that
+        was attached before."""
+        self.expert_lora = ExpertLoRA(self.num_experts, self.expert_shapes, rank, alpha, dropout, projections,
+                                      shared_a, device=self.gate.weight.device, generator=generator)
+        return self.expert_lora
+
+    def detach_expert_lora(self) -> ExpertLoRA | None:
+        """Removes the expert LoRA (returned); the block computes its base experts again, on the fast paths."""
+        return self._modules.pop("expert_lora", None)
+
+    def expert_lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """The expert LoRA's weights under PEFT's names (ExpertLoRA.peft_state_dict); {} when none is attached."""
+        lora = self._modules.get("expert_lora")
+        return {} if lora is None else lora.peft_state_dict(self.layer_idx)
+
+    def load_expert_lora_state_dict(self, sd) -> list[str]:
+        """Loads this layer's expert LoRA weights from PEFT-named `sd` (attach first); returns the keys taken."""
+        lora = self._modules.get("expert_lora")
+        if lora is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no expert LoRA attached to load into "
+                               f"(call attach_expert_lora with the adapter's rank and projections first)")
+        return lora.load_peft_state_dict(self.layer_idx, sd)
+
+    # -- routed experts -----------------------------------------------------------------------------
+
+    def _experts_in_torch(self, h_TI: torch.Tensor, w_TK: torch.Tensor) -> bool:
+        """Whether the experts must run as torch ops: autograd wants them, or an adapter changes them."""
+        return "expert_lora" in self._modules or (torch.is_grad_enabled() and (h_TI.requires_grad or w_TK.requires_grad))
+
     def run_experts(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         if self.store is None:
             raise RuntimeError(f"layer {self.layer_idx}: MoE block has no expert store attached")
+        if self._experts_in_torch(h_TI, w_TK):
+            return self._run_experts_torch(h_TI, ids_TK, w_TK)
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         table = self._resident_table(h_TI, ids_TK)
         if table is not None and table.run(h_TI, ids_TK, w_TK, out_TI, self):
@@ -129,6 +170,31 @@ class MoE(nn.Module):
             del expert  # the store may evict it while the next one loads; do not keep it alive here
             start += n
         group.flush()
+        return out_TI.to(h_TI.dtype)
+
+    def _run_experts_torch(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        """The experts as torch ops autograd follows: each expert's three projections (ops.expert_format.project:
+        the fast kernel forward, backward from the same bytes), the activation and the LoRA deltas, then
+        the weighted sum, all out of place. Experts come from the store as at inference, one at a time;
+        what the graph keeps of them for backward the store hands out and counts (`store.hold`)."""
+        unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
+        token_of = token_of.to(h_TI.device)
+        x_PI = h_TI.index_select(0, token_of).split(counts)  # one gather (and one scatter in backward)
+        lora = self._modules.get("expert_lora")
+        adapters = lora.adapters(unique_ids) if lora is not None else [None] * len(unique_ids)
+        experts = self.store.fetch(self.layer_idx, unique_ids)
+        hold = getattr(self.store, "hold", None)
+        ys = []
+        for i, e in enumerate(unique_ids):
+            expert = experts[i]
+            held = hold(self.layer_idx, e, expert) if hold is not None else expert_format.Held(expert)
+            del expert  # the store may evict it while the next one loads; only `held` may keep it
+            ys.append(expert_format.train_forward(held, x_PI[i], self.act, self.situ_betas, adapters[i]))
+            del held
+        y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
+        acc = torch.promote_types(h_TI.dtype, torch.float32)  # fp32 sums, as at inference (float64 stays)
+        contrib_PI = y_PI.to(acc) * weights.to(device=h_TI.device, dtype=acc)[:, None]
+        out_TI = torch.zeros(h_TI.shape, dtype=acc, device=h_TI.device).index_add(0, token_of, contrib_PI)
         return out_TI.to(h_TI.dtype)
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
@@ -158,7 +224,8 @@ class MoE(nn.Module):
     def _resident_table(self, h_TI: torch.Tensor, ids_TK: torch.Tensor) -> _ResidentTable | None:
         """`resident_table` for this step: eager CPU inference with too few tokens for any expert to take
         the GEMM path."""
-        if ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None:
+        if (ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None
+                or "expert_lora" in self._modules):
             return None
         return self.resident_table()
 
@@ -194,7 +261,7 @@ class _ResidentTable:
         for e, w in zip(ids, experts):
             if e in self.experts:
                 continue
-            kind = _kind(w)
+            kind = grouped_kind(w)
             if kind is None or self.kind not in (None, kind):
                 continue
             row = cpu_kernels.resident_row(w, I, kind == "bf16")
@@ -265,7 +332,7 @@ class _Group:
 
     def add(self, expert, start: int, n: int) -> bool:
         """Takes the expert's n pairs from `start` into the group; False when it must run on its own."""
-        kind = _kind(expert)
+        kind = grouped_kind(expert)
         if self.run is None or kind is None or n >= expert_mxfp4.GEMM_MIN_TOKENS:  # prefill: the expert's GEMM
             self.flush()
             return False
@@ -276,7 +343,7 @@ class _Group:
         self.experts.append(expert)
         self.offsets.append(self.offsets[-1] + n)
         self.nbytes += expert.nbytes
-        width = expert.w1_packed.shape[0] if kind == "mxfp4" else expert.w1_FI.shape[0]
+        width = expert.fmt.width(expert)
         pairs_bytes = self.offsets[-1] * 4 * 2 * (self.h_TI.shape[-1] + width)
         if self.nbytes >= self.GROUP_BYTES or pairs_bytes >= self.GROUP_SCRATCH:
             self.flush()
@@ -290,10 +357,3 @@ class _Group:
                  self.weights[self.start : end], self.act, self.situ_betas, self.out_TI,
                  self.int8 and self.kind == "mxfp4")
         self.experts, self.offsets, self.nbytes = [], [0], 0
-
-
-def _kind(expert) -> str | None:
-    """"mxfp4" or "bf16" for experts the grouped CPU kernel runs, else None."""
-    if isinstance(expert, MXFP4ExpertWeights):
-        return "mxfp4" if expert.w1_packed.device.type == "cpu" else None
-    return "bf16" if is_bf16_expert(expert) else None

@@ -1,0 +1,175 @@
+"""Routed-expert LoRA: low-rank adapters on the w1 / w2 / w3 projections of every routed expert of one MoE
+block, with PEFT's math (y += B A dropout(x) * alpha / r; B starts at zero, A uniform in +-1/sqrt(in) as
+PEFT's kaiming_uniform(a=sqrt(5)) draws it) and one A per projection shared by all experts as an option.
+
+Holds only the adapter parameters (lora_A[proj] [E or 1, r, N], lora_B[proj] [E, O, r]); the MoE block adds
+`adapters(ids)` to its experts' projections (ops.expert_format.train_forward). `peft_state_dict` /
+`load_peft_state_dict` read and write PEFT's per-expert key names. Shapes: E experts, r rank, O/N one
+projection's output/input width, P the (token, expert) pairs of a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PROJS = ("w1", "w2", "w3")  # gate, down, up: the checkpoint's names, and PEFT's module names under experts.{e}
+
+
+def peft_key(layer: int, expert: int, proj: str, part: str) -> str:
+    """PEFT's name of one expert's lora_A / lora_B weight (without the `base_model.model.` prefix)."""
+    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.{part}.weight"
+
+
+class ExpertLoRA(nn.Module):
+    def __init__(self, num_experts: int, shapes: Mapping[str, tuple[int, int]], rank: int, alpha: float,
+                 dropout: float = 0.0, projections: Sequence[str] = PROJS, shared_a: bool = False,
+                 device=None, dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None):
+        """shapes: each projection's [O, N] (w1, w3 [F, I], w2 [I, F])."""
+        super().__init__()
+        projections = tuple(projections)
+        if not projections or len(set(projections)) != len(projections) or not set(projections) <= set(PROJS):
+            raise ValueError(f"expert LoRA projections {list(projections)}: expected distinct names among "
+                             f"{', '.join(PROJS)}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"expert LoRA rank must be a positive integer, got {rank!r}")
+        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"expert LoRA alpha must be a finite positive number, got {alpha!r}")
+        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
+            raise ValueError(f"expert LoRA dropout must be in [0, 1), got {dropout!r}")
+        self.num_experts, self.rank, self.alpha, self.dropout = num_experts, rank, float(alpha), float(dropout)
+        self.scaling = self.alpha / rank
+        self.shared_a, self.projections = shared_a, projections
+        self.shapes = {p: tuple(shapes[p]) for p in projections}
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        for p in projections:
+            O, N = self.shapes[p]
+            bound = 1.0 / math.sqrt(N)  # kaiming_uniform_(a=sqrt(5)) on an [r, N] weight: U(-1/sqrt(N), 1/sqrt(N))
+            A = torch.empty(1 if shared_a else num_experts, rank, N, device=device, dtype=dtype)
+            with torch.no_grad():
+                A.uniform_(-bound, bound, generator=generator)
+            self.lora_A[p] = nn.Parameter(A)
+            self.lora_B[p] = nn.Parameter(torch.zeros(num_experts, O, rank, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, "
+                f"projections={list(self.projections)}, shared_a={self.shared_a}")
+
+    def adapters(self, expert_ids: Sequence[int]) -> list:
+        """One adapter per expert of a step, `adapter(proj, x) -> delta or None` (ops.expert_format.Adapter).
+        The experts' A and B are taken with one gather and split per parameter, so backward scatters their
+        gradients once per step instead of once per expert."""
+        if not len(expert_ids):
+            return []
+        first = next(iter(self.lora_B.values()))
+        idx = torch.as_tensor(list(expert_ids), dtype=torch.int64, device=first.device)
+        pairs: dict[str, tuple] = {}
+        for p in self.projections:
+            A, B = self.lora_A[p], self.lora_B[p]
+            As = [A[0]] * len(idx) if self.shared_a else A.index_select(0, idx).unbind(0)
+            pairs[p] = (As, B.index_select(0, idx).unbind(0))
+        return [_Adapter(self, {p: (As[i], Bs[i]) for p, (As, Bs) in pairs.items()}) for i in range(len(idx))]
+
+    def delta(self, proj: str, expert: int, x: torch.Tensor) -> torch.Tensor | None:
+        """What the adapter adds to `proj`'s output for expert `expert` on input x (None: not adapted)."""
+        if proj not in self.lora_A:
+            return None
+        A = self.lora_A[proj][0 if self.shared_a else expert]
+        return self._apply(x, A, self.lora_B[proj][expert])
+
+    def _apply(self, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(x.to(A.dtype), self.dropout, self.training) if self.dropout else x.to(A.dtype)
+        return F.linear(F.linear(x, A), B) * self.scaling
+
+    def merged_delta(self, proj: str, expert: int) -> torch.Tensor:
+        """The adapter as a change of the expert's weight, scaling B A [O, N] (for merging into the base)."""
+        with torch.no_grad():
+            return self.lora_B[proj][expert] @ self.lora_A[proj][0 if self.shared_a else expert] * self.scaling
+
+    # -- PEFT names ------------------------------------------------------------------------------------
+
+    def peft_state_dict(self, layer: int) -> dict[str, torch.Tensor]:
+        """{peft_key: tensor}, lora_A [r, N] and lora_B [O, r] per expert and projection, each its own
+        contiguous copy (safetensors refuses shared storage). PEFT has no shared-A form: with shared_a the
+        one A is written under every expert's key (and load_peft_state_dict requires them to be equal)."""
+        out = {}
+        for p in self.projections:
+            A, B = self.lora_A[p].detach(), self.lora_B[p].detach()
+            for e in range(self.num_experts):
+                out[peft_key(layer, e, p, "lora_A")] = A[0 if self.shared_a else e].clone()
+                out[peft_key(layer, e, p, "lora_B")] = B[e].clone()
+        return out
+
+    def load_peft_state_dict(self, layer: int, sd: Mapping[str, torch.Tensor]) -> list[str]:
+        """Copies this layer's adapter weights from PEFT-named `sd` (keys as peft_key makes them); returns the
+        keys it took. Every expert's A and B of every adapted projection must be there with the right
+        shapes, and none for a projection this adapter does not have."""
+        prefix = f"model.layers.{layer}.block_sparse_moe.experts."
+        mine = [k for k in sd if k.startswith(prefix)]
+        stray = sorted({k[len(prefix):].split(".")[1] for k in mine} - set(self.projections))
+        if stray:
+            raise ValueError(f"adapter has routed-expert weights for layer {layer} {stray[0]}, which this model's "
+                             f"expert LoRA does not adapt (projections {', '.join(self.projections)})")
+        taken = []
+        with torch.no_grad():
+            for p in self.projections:
+                O, N = self.shapes[p]
+                for part, shape, param in (("lora_A", (self.rank, N), self.lora_A[p]),
+                                           ("lora_B", (O, self.rank), self.lora_B[p])):
+                    values = []
+                    for e in range(self.num_experts):
+                        key = peft_key(layer, e, p, part)
+                        if key not in sd:
+                            raise ValueError(f"adapter is missing {key} (expert LoRA on layer {layer} has "
+                                             f"{self.num_experts} experts, projections {', '.join(self.projections)})")
+                        t = sd[key]
+                        if tuple(t.shape) != shape:
+                            raise ValueError(f"adapter tensor {key}: expected shape {list(shape)} (rank {self.rank}), "
+                                             f"found {list(t.shape)}")
+                        values.append(t)
+                        taken.append(key)
+                    if part == "lora_A" and self.shared_a:
+                        if any(not torch.equal(v, values[0]) for v in values[1:]):
+                            raise ValueError(f"adapter has different {part} weights per expert for layer {layer} {p}; "
+                                             f"this model's expert LoRA shares one A (attach it with shared_a=False)")
+                        values = values[:1]
+                    param.copy_(torch.stack([v.to(param.dtype) for v in values]))
+        return taken
+
+
+class _Adapter:
+    """ExpertLoRA's delta for one expert of a step, its A and B already split out."""
+
+    __slots__ = ("lora", "mats")
+
+    def __init__(self, lora: ExpertLoRA, mats: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        self.lora, self.mats = lora, mats
+
+    def __call__(self, proj: str, x: torch.Tensor) -> torch.Tensor | None:
+        ab = self.mats.get(proj)
+        return None if ab is None else self.lora._apply(x, *ab)
+
+
+def model_peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every MoE block's expert LoRA weights under PEFT names (without `base_model.model.`)."""
+    out: dict[str, torch.Tensor] = {}
+    for block in model.moe_blocks():
+        lora = block._modules.get("expert_lora")
+        if lora is not None:
+            out.update(lora.peft_state_dict(block.layer_idx))
+    return out
+
+
+def load_model_peft_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> list[str]:
+    """Loads every MoE block's expert LoRA from PEFT-named `sd`; returns the keys taken."""
+    taken: list[str] = []
+    for block in model.moe_blocks():
+        lora = block._modules.get("expert_lora")
+        if lora is not None:
+            taken += lora.load_peft_state_dict(block.layer_idx, sd)
+    return taken

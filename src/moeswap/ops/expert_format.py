@@ -1,0 +1,479 @@
+"""Expert formats: one strategy object per way a checkpoint stores a linear weight (FLOAT bf16/fp16/fp32
+`weight`; MXFP4 `weight_packed` + `weight_scale`; MXFP8 float8 `weight` + `weight_scale`; FP8_BLOCK
+`weight` + `weight_scale_inv`), chosen once at load from the tensors' suffixes (`for_suffixes`) and used
+instead of per-call checks (vLLM's quantization methods). Each owns its facts: what the tensors must
+look like, bytes stored and decoded, decoding and encoding, how an expert is read and kept (MXFP4 stays
+its bytes, ops.expert.MXFP4ExpertWeights; the others are decoded, ExpertWeights), and the compute of a
+kept expert through `w.fmt` (the format of its kept form): `forward` (the kernel choice), `reference`
+(plain torch), `project` (x W^T under autograd: the fast kernel forward, backward dx = dy W decoded in
+row chunks, no weight gradient) and `train_forward` (an expert from three `project`s, plus adapters).
+In ops/, not formats/, because kernels and backward are ops; formats/weights.py imports it lazily.
+Shapes: T tokens, I expert input width, F expert width, O/N one projection's output/input width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from moeswap.formats import compressed_tensors as ct
+from moeswap.formats import fp8_block, mxfp4, mxfp8
+from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from moeswap.ops import cpu_kernels, expert_mxfp4
+from moeswap.ops.activation import glu, glu_reference
+from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
+from moeswap.ops.linear import linear
+
+PROJS = ("w1", "w2", "w3")  # gate, down, up
+DENSE_FIELDS = {"w1": "w1_FI", "w3": "w3_FI", "w2": "w2_IF"}  # ExpertWeights' field of each projection
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+ROW_CHUNK_BYTES = 1 << 20  # decoded bytes per chunk in a backward product: stays in L2
+
+Adapter = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # (projection, its input) -> added output
+
+
+class ExpertFormat:
+    name = ""  # "float" | "mxfp4" | "mxfp8" | "fp8_block" (formats.weights.StoredWeight.kind)
+    label = ""  # in messages
+    suffixes: frozenset[str] = frozenset()  # the tensors one weight is stored as, by name suffix
+    main = "weight"  # the one that holds the weights (named in messages)
+    ct_format: str | None = None  # compressed-tensors' name for it (MX formats)
+    keeps_bytes = False  # an expert may be kept as its stored bytes (else decoded at read)
+
+    def __repr__(self) -> str:
+        return f"<{self.label} expert format>"
+
+    # -- the checkpoint side ------------------------------------------------------------------------
+
+    def dtypes_fit(self, dtypes: Mapping[str, torch.dtype]) -> bool:
+        """Whether tensors of these dtypes (by suffix) can be this format (the dense-module classifier's
+        second question, after the suffixes)."""
+        raise NotImplementedError
+
+    def check_declared(self, where: str, declared: str | None, fp8_block_size: tuple[int, int] | None = None) -> None:
+        """Fails when config.json's quantization_config (its compressed-tensors format name, or the block
+        FP8 block size) does not declare this format."""
+        if self.ct_format is None:
+            return
+        if declared is None:
+            raise CheckpointError(f"{where}: stored as {self.label} ({self.ct_format}) but config.json has no "
+                                  f"compressed-tensors quantization_config")
+        if declared != self.ct_format:
+            raise CheckpointError(f"{where}: stored as {self.label} ({self.ct_format}) but config.json's "
+                                  f"quantization_config says format {declared}")
+
+    def check_dtypes(self, dtypes: Mapping[str, torch.dtype], where: str) -> None:
+        """A dense module's tensors (by suffix) beyond `dtypes_fit`."""
+
+    def check_expert_tensors(self, ckpt: Checkpoint, names: Mapping[str, str], shape: tuple[int, int],
+                             where: str) -> None:
+        """One expert projection's tensors against its [out, in] shape from config.json."""
+        raise NotImplementedError
+
+    def logical_shape(self, infos: Mapping[str, TensorInfo]) -> tuple[int, ...]:
+        return tuple(infos["weight"].shape)
+
+    def stored_bytes(self, infos: Mapping[str, TensorInfo]) -> int:
+        return sum(i.nbytes for i in infos.values())
+
+    def decoded_bytes(self, infos: Mapping[str, TensorInfo], itemsize: int) -> int:
+        return math.prod(self.logical_shape(infos)) * itemsize
+
+    def decode(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype,
+               block: tuple[int, int] | None = None) -> torch.Tensor:
+        """The weight as `dtype` from its stored tensors (by suffix)."""
+        raise NotImplementedError
+
+    def stored_specs(self, shape: tuple[int, int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        raise NotImplementedError(f"moeswap does not write {self.label} weights")
+
+    def encode(self, w: torch.Tensor, mode: str = "even") -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"moeswap does not write {self.label} weights")
+
+    # -- reading an expert ------------------------------------------------------------------------------
+
+    def read_expert(self, read: Callable[[str], torch.Tensor], names: Mapping[str, Mapping[str, str]],
+                    dtype: torch.dtype, device, keep_bytes: bool):
+        """An expert's three projections (names: proj -> suffix -> checkpoint name), decoded to `dtype`
+        (or kept as bytes where the format keeps them and `keep_bytes`), on `device`."""
+        mats = {p: self.decode({s: read(n) for s, n in names[p].items()}, dtype).to(device) for p in PROJS}
+        return ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"])
+
+    def check_finite(self, w, names: Mapping[str, Mapping[str, str]]) -> tuple[str, str, str] | None:
+        """(checkpoint tensor, projection, what is wrong) for the first projection of a just-read expert
+        whose bytes cannot give finite weights, else None."""
+        for proj in ("w1", "w3", "w2"):
+            t = getattr(w, DENSE_FIELDS[proj])
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                at = [int(i) for i in (~finite).nonzero()[0]]
+                verb = "holds" if self.name == "float" else "decodes to"
+                return names[proj]["weight"], proj, (f"{verb} non-finite weights (NaN or Inf), first at {at}; "
+                                                     f"expected finite values")
+        return None
+
+    # -- a kept expert (the format of its kept form: FLOAT or MXFP4) -------------------------------------
+
+    def forward(self, w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+        """w2 act(w1 x, w3 x) by the fastest path for this kept form (inference: no autograd graph)."""
+        raise NotImplementedError
+
+    def reference(self, w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+        """The same in plain torch on the decoded weights (the oracle every path matches)."""
+        h = glu_reference(act, x_TI @ self.weight(w, "w1", x_TI.dtype).T, x_TI @ self.weight(w, "w3", x_TI.dtype).T,
+                          situ_betas)
+        return h @ self.weight(w, "w2", x_TI.dtype).T
+
+    def weight(self, w, proj: str, dtype: torch.dtype) -> torch.Tensor:
+        """One projection's whole matrix [O, N] as `dtype` (references, merges; never on a hot path)."""
+        raise NotImplementedError
+
+    def shape(self, w, proj: str) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def project_forward(self, w, proj: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T by this form's fast kernel, without autograd."""
+        raise NotImplementedError
+
+    def project_backward(self, w, proj: str, dy: torch.Tensor) -> torch.Tensor:
+        """dy @ W (the input gradient of x @ W^T), W never whole in a wider dtype than it is kept in."""
+        raise NotImplementedError
+
+    def group_kind(self, w) -> str | None:
+        """"mxfp4" or "bf16" where the grouped CPU kernel (cpu_kernels.moe) runs this expert, else None."""
+        return None
+
+    def width(self, w) -> int:
+        """F, the expert's hidden width."""
+        return self.shape(w, "w1")[0]
+
+    def kernel_mats(self, w, I: int) -> list[torch.Tensor]:
+        """The matrices the CPU kernels read, in their order, contiguous, for input width I."""
+        raise NotImplementedError
+
+    def convert(self, w, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False):
+        """`w` in a tier's form: decoded `dtype` weights (or kept bytes), on `device`, pinned if asked."""
+        return _placed(w, device, pin)
+
+
+class FloatFormat(ExpertFormat):
+    name, label = "float", "float"
+    suffixes = frozenset({"weight"})
+
+    def dtypes_fit(self, dtypes):
+        return dtypes["weight"].is_floating_point and dtypes["weight"] not in FP8_DTYPES
+
+    def check_expert_tensors(self, ckpt, names, shape, where):
+        info = ckpt.info(names["weight"])
+        _expect(info, shape, None, where)
+        if not info.dtype.is_floating_point:
+            raise CheckpointError(f"{info.name} in {info.file.name}: expected a float tensor, found {info.dtype}")
+        if info.dtype.itemsize == 1:
+            raise CheckpointError(f"{info.name} in {info.file.name} ({where}): float8 weight without a "
+                                  f"weight_scale: expected bf16/fp16/fp32, or MXFP8 weight + weight_scale")
+
+    def decode(self, stored, dtype, block=None):
+        return stored["weight"].to(dtype)
+
+    # the kept form of every decoded expert (ops.expert.ExpertWeights)
+
+    def forward(self, w, x_TI, act, situ_betas):
+        # ops.linear: weights may be bf16 under fp32 math (kept as stored on the CPU)
+        h_TF = glu(act, linear(x_TI, w.w1_FI), linear(x_TI, w.w3_FI), situ_betas)
+        return linear(h_TF, w.w2_IF)
+
+    def weight(self, w, proj, dtype):
+        return getattr(w, DENSE_FIELDS[proj]).to(dtype)
+
+    def shape(self, w, proj):
+        return tuple(getattr(w, DENSE_FIELDS[proj]).shape)
+
+    def project_forward(self, w, proj, x):
+        return linear(x, getattr(w, DENSE_FIELDS[proj]))
+
+    def project_backward(self, w, proj, dy):
+        W = getattr(w, DENSE_FIELDS[proj])
+        if W.dtype == dy.dtype:
+            return dy @ W
+        dy_PO = dy.reshape(-1, W.shape[0])
+        dx = torch.zeros(dy_PO.shape[0], W.shape[1], dtype=dy.dtype, device=dy.device)
+        rows = max(1, ROW_CHUNK_BYTES // (W.shape[1] * dy.element_size()))
+        for r in range(0, W.shape[0], rows):  # widen a chunk of rows at a time
+            dx.addmm_(dy_PO[:, r : r + rows], W[r : r + rows].to(dy.dtype))
+        return dx.reshape(*dy.shape[:-1], W.shape[1])
+
+    def group_kind(self, w):
+        mats = [getattr(w, f, None) for f in ("w1_FI", "w3_FI", "w2_IF")]
+        return "bf16" if all(m is not None and m.dtype == torch.bfloat16 and m.is_cpu for m in mats) else None
+
+    def kernel_mats(self, w, I):
+        mats = [w.w1_FI, w.w3_FI, w.w2_IF]
+        F = mats[0].shape[0]
+        if mats[0].shape[1] != I or tuple(mats[1].shape) != (F, I) or tuple(mats[2].shape) != (I, F):
+            raise ValueError(f"bf16 expert: w1 {tuple(mats[0].shape)}, w3 {tuple(mats[1].shape)}, w2 "
+                             f"{tuple(mats[2].shape)} do not form an expert of input width {I}")
+        return [t if t.is_contiguous() else t.contiguous() for t in mats]
+
+    def convert(self, w, decoded, dtype, device, pin=False):
+        return _placed(ExpertWeights(*(t.to(dtype) for t in (w.w1_FI, w.w3_FI, w.w2_IF))), device, pin)
+
+
+class _MXFormat(FloatFormat):
+    """The compressed-tensors MX formats: E8M0 scale bytes per 32 weights, declared in config.json."""
+
+    def check_dtypes(self, dtypes, where):
+        if dtypes["weight_scale"] not in SCALE_DTYPES:
+            raise CheckpointError(f"{where}: weight_scale must be uint8 E8M0 bytes, found {dtypes['weight_scale']}")
+
+    def _check_scale(self, ckpt, names, shape, where) -> None:
+        _expect(ckpt.info(names["weight_scale"]), (shape[0], shape[1] // 32), torch.uint8, where)
+
+    def stored_specs(self, shape):
+        return ct.stored_specs(self.name, shape)
+
+    def encode(self, w, mode="even"):
+        return ct.encode_weight(self.name, w, mode)
+
+
+class MXFP8Format(_MXFormat):
+    """Read and decoded to float (kept as FLOAT experts)."""
+
+    name, label, ct_format = "mxfp8", "MXFP8", ct.FORMATS["mxfp8"]
+    suffixes = frozenset({"weight", "weight_scale"})
+
+    def dtypes_fit(self, dtypes):
+        return dtypes["weight"] in FP8_DTYPES
+
+    def check_expert_tensors(self, ckpt, names, shape, where):
+        info = ckpt.info(names["weight"])
+        _expect(info, shape, None, where)
+        if info.dtype not in FP8_DTYPES:
+            raise CheckpointError(f"{info.name} in {info.file.name} ({where}): MXFP8 weight must be float8_e4m3fn "
+                                  f"or float8_e5m2, found {info.dtype}")
+        self._check_scale(ckpt, names, shape, where)
+
+    def decode(self, stored, dtype, block=None):
+        # exact in fp32, then cast: the same bits as decoding straight to `dtype`
+        return mxfp8.decode(stored["weight"], stored["weight_scale"], torch.float32).to(dtype)
+
+
+class FP8BlockFormat(FloatFormat):
+    """DeepSeek block FP8 (`weight_scale_inv` per 128 x 128 block): dense modules, decoded to float."""
+
+    name, label = "fp8_block", "block FP8"
+    suffixes = frozenset({"weight", "weight_scale_inv"})
+
+    def dtypes_fit(self, dtypes):
+        return True  # fp8_block.decode names a wrong dtype
+
+    def check_declared(self, where, declared, fp8_block_size=None):
+        if fp8_block_size is None:
+            raise CheckpointError(f"{where}: has weight_scale_inv (block FP8) but config.json has no "
+                                  f"quant_method 'fp8' quantization_config with weight_block_size")
+
+    def check_expert_tensors(self, ckpt, names, shape, where):
+        raise CheckpointError(f"{names['weight']} ({where}): block FP8 routed experts are not supported; convert "
+                              f"them with `moeswap quantize --experts mxfp4`")
+
+    def decode(self, stored, dtype, block=None):
+        return fp8_block.decode(stored["weight"], stored["weight_scale_inv"], block or fp8_block.BLOCK, dtype)
+
+
+class MXFP4Format(_MXFormat):
+    """Kept as its stored bytes (4.25 bits per weight) unless decoded copies are asked for; computes
+    straight from them (ops.expert_mxfp4)."""
+
+    name, label, ct_format = "mxfp4", "MXFP4", ct.FORMATS["mxfp4"]
+    suffixes = frozenset({"weight_packed", "weight_scale"})
+    main = "weight_packed"
+    keeps_bytes = True
+
+    def dtypes_fit(self, dtypes):
+        return True
+
+    def check_expert_tensors(self, ckpt, names, shape, where):
+        _expect(ckpt.info(names["weight_packed"]), (shape[0], shape[1] // 2), torch.uint8, where)
+        self._check_scale(ckpt, names, shape, where)
+
+    def logical_shape(self, infos):
+        out_dim, half = infos["weight_packed"].shape
+        return out_dim, half * 2
+
+    def decode(self, stored, dtype, block=None):
+        return mxfp4.decode(stored["weight_packed"], stored["weight_scale"], torch.float32).to(dtype)
+
+    def read_expert(self, read, names, dtype, device, keep_bytes):
+        if not keep_bytes:
+            return super().read_expert(read, names, dtype, device, keep_bytes)
+        parts = {f"{proj}_{kind.removeprefix('weight_')}": read(n).to(device)
+                 for proj, kinds in names.items() for kind, n in kinds.items()}
+        return MXFP4ExpertWeights(**parts)
+
+    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool) -> MXFP4ExpertWeights:
+        """An expert from views of one read buffer ({proj}_packed / {proj}_scale); `checked`: laid out
+        exactly like one that passed MXFP4ExpertWeights' checks."""
+        return MXFP4ExpertWeights.unchecked(**views) if checked else MXFP4ExpertWeights(**views)
+
+    def check_finite(self, w, names):
+        """MXFP4 elements are always finite: a scale byte above mxfp4.MAX_SCALE_BYTE (its block can decode
+        to ±Inf; 0xFF is NaN) is all there is to find, in 1/16 of the bytes."""
+        if not isinstance(w, MXFP4ExpertWeights):
+            return super().check_finite(w, names)
+        for proj in PROJS:
+            scale = getattr(w, f"{proj}_scale").numpy()  # numpy: a third of torch's per-call overhead on 16 KB
+            top = int(scale.max()) if scale.size else 0
+            if top > mxfp4.MAX_SCALE_BYTE:
+                row, block = (int(i) for i in np.unravel_index(np.argmax(scale > mxfp4.MAX_SCALE_BYTE), scale.shape))
+                what = ("NaN scale bytes (E8M0 0xFF)" if top == mxfp4.SCALE_NAN else
+                        f"scale bytes above {mxfp4.MAX_SCALE_BYTE} (2^{mxfp4.MAX_SCALE_BYTE - 127}), whose blocks "
+                        f"decode to ±Inf")
+                return names[proj]["weight_scale"], proj, (f"{what}, first at row {row} block {block}; expected "
+                                                           f"E8M0 bytes of at most {mxfp4.MAX_SCALE_BYTE}")
+        return None
+
+    # the kept form MXFP4ExpertWeights
+
+    def forward(self, w, x_TI, act, situ_betas):
+        return expert_mxfp4.select()(w, x_TI, act, situ_betas)
+
+    def reference(self, w, x_TI, act, situ_betas):
+        return expert_mxfp4.reference(w, x_TI, act, situ_betas)
+
+    def weight(self, w, proj, dtype):
+        return mxfp4.decode(getattr(w, f"{proj}_packed"), getattr(w, f"{proj}_scale"), torch.float32).to(dtype)
+
+    def shape(self, w, proj):
+        packed = getattr(w, f"{proj}_packed")
+        return packed.shape[0], packed.shape[1] * 2
+
+    def project_forward(self, w, proj, x):
+        packed, scale = getattr(w, f"{proj}_packed"), getattr(w, f"{proj}_scale")
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        kernel = cpu_kernels.kernel() if x.is_cpu and packed.is_cpu else None
+        if 0 < rows < expert_mxfp4.GEMM_MIN_TOKENS and kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
+            (y,) = kernel.linear(x.reshape(rows, x.shape[-1]).float().contiguous(), [(packed, scale)])
+            return y.to(x.dtype).reshape(*x.shape[:-1], packed.shape[0])
+        if x.dtype in (torch.float32, torch.bfloat16):
+            return expert_mxfp4.rows_linear(x, packed, scale)
+        return x @ self.weight(w, proj, x.dtype).T  # float64 (gradient checks): decoding is exact in any float
+
+    def project_backward(self, w, proj, dy):
+        packed, scale = getattr(w, f"{proj}_packed"), getattr(w, f"{proj}_scale")
+        O, N = packed.shape[0], packed.shape[1] * 2
+        dy_PO = dy.reshape(-1, O)
+        dx = torch.zeros(dy_PO.shape[0], N, dtype=dy.dtype, device=dy.device)
+        rows = max(1, ROW_CHUNK_BYTES // (N * 4))
+        for r in range(0, O, rows):
+            chunk = expert_mxfp4.decode_rows(packed[r : r + rows], scale[r : r + rows], rows, torch.float32)
+            dx.addmm_(dy_PO[:, r : r + rows], chunk if dy.dtype == torch.float32 else chunk.to(dy.dtype))
+        return dx.reshape(*dy.shape[:-1], N)
+
+    def group_kind(self, w):
+        return "mxfp4" if w.w1_packed.device.type == "cpu" else None
+
+    def width(self, w):
+        return w.w1_packed.shape[0]
+
+    def kernel_mats(self, w, I):
+        mats = [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, w.w2_packed, w.w2_scale]
+        if mats[0].shape[1] * 2 != I:
+            raise ValueError(f"MXFP4 expert of input width {mats[0].shape[1] * 2} given inputs of width {I}")
+        if not all(t.device.type == "cpu" for t in mats):
+            raise ValueError("MXFP4 expert: the CPU kernel needs CPU tensors")
+        return [t if t.is_contiguous() else t.contiguous() for t in mats]
+
+    def convert(self, w, decoded, dtype, device, pin=False):
+        if decoded:
+            mats = {p: self.weight(w, p, dtype) for p in PROJS}
+            return _placed(ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"]), device, pin)
+        return _placed(w, device, pin)
+
+
+FLOAT, MXFP4, MXFP8, FP8_BLOCK = FloatFormat(), MXFP4Format(), MXFP8Format(), FP8BlockFormat()
+FORMATS = {f.name: f for f in (FLOAT, MXFP4, MXFP8, FP8_BLOCK)}
+_BY_SUFFIXES = {f.suffixes: f for f in FORMATS.values()}
+
+
+def for_suffixes(suffixes) -> ExpertFormat | None:
+    """The format whose tensors are exactly these suffixes (weight, weight_packed, ...), or None."""
+    return _BY_SUFFIXES.get(frozenset(suffixes))
+
+
+def _expect(info: TensorInfo, shape, dtype, what: str) -> None:
+    if tuple(info.shape) != tuple(shape):
+        raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected shape {list(shape)} "
+                              f"from config.json, found {list(info.shape)}")
+    if dtype is not None and info.dtype != dtype:
+        raise CheckpointError(f"{info.name} in {info.file.name} ({what}): expected dtype {dtype}, found {info.dtype}")
+
+
+def _placed(w, device: torch.device, pin: bool):
+    parts = tensors(w)
+    if all(t.device == device and (not pin or t.is_pinned()) for t in parts.values()):
+        return w  # already in this form (the CPU fast tier keeps what the disk read gave)
+    return type(w)(**{k: _place(t, device, pin) for k, t in parts.items()})
+
+
+def _place(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if pin and device.type == "cpu" and not t.is_pinned():
+        return t.pin_memory()
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
+# -- autograd through a frozen expert ----------------------------------------------------------------
+
+
+class Held:
+    """An expert as an autograd graph keeps it for its backward: `get()` gives the weights. This one holds
+    them; an expert store hands out its own kind (experts.store), which lets go when the store evicts the
+    expert and fetches it again for the backward, so a graph never holds bytes the store's budget does not
+    count."""
+
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+    def get(self):
+        return self.w
+
+
+class _Project(torch.autograd.Function):
+    """y = x W^T for one projection of a frozen expert: no gradient for W, which only `held` keeps."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, held, proj: str) -> torch.Tensor:
+        ctx.held, ctx.proj = held, proj
+        w = held.get()
+        return w.fmt.project_forward(w, proj, x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        w = ctx.held.get()
+        return w.fmt.project_backward(w, ctx.proj, dy.contiguous()), None, None
+
+
+def project(held, proj: str, x: torch.Tensor) -> torch.Tensor:
+    """x W_proj^T for a held expert (see Held), differentiable in x."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Project.apply(x, held, proj)
+    w = held.get()
+    return w.fmt.project_forward(w, proj, x)
+
+
+def train_forward(held, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float],
+                  adapter: Adapter | None = None) -> torch.Tensor:
+    """w2 act(w1 x, w3 x) as three `project`s and the activation in torch ops, so autograd sees it all;
+    `adapter(proj, input)` (LoRA) returns what to add to that projection's output, or None."""
+
+    def proj(name: str, inp: torch.Tensor) -> torch.Tensor:
+        y = project(held, name, inp)
+        delta = adapter(name, inp) if adapter is not None else None
+        return y if delta is None else y + delta.to(y.dtype)
+
+    h_TF = glu(act, proj("w1", x_TI), proj("w3", x_TI), situ_betas)
+    return proj("w2", h_TF)

@@ -1,0 +1,131 @@
+"""ops.expert_format: the format objects classify stored tensors and decode as the codecs do; one projection
+x W^T through autograd (`project`) gives the decoded product forward and dy W backward for MXFP4 bytes
+(both kernel paths) and dense fp32 / bf16 weights, passes gradcheck in float64, and leaves the frozen
+weights without gradients; `train_forward` with an adapter is the plain-torch expert plus the adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeswap.formats import fp8_block, mxfp4, mxfp8
+from moeswap.ops import expert_format as ef
+from moeswap.ops import expert_mxfp4 as em
+from moeswap.ops.activation import glu_reference
+from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
+
+BETAS = (4.0, 25.0)
+
+
+def mxfp4_expert(in_dim: int, width: int, seed: int = 0) -> MXFP4ExpertWeights:
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(out_dim, n):
+        return (torch.randint(0, 256, (out_dim, n // 2), dtype=torch.uint8, generator=gen),
+                torch.randint(119, 127, (out_dim, n // 32), dtype=torch.uint8, generator=gen))
+
+    (a, b), (c, d), (e, f) = matrix(width, in_dim), matrix(width, in_dim), matrix(in_dim, width)
+    return MXFP4ExpertWeights(a, b, c, d, e, f)
+
+
+def dense_expert(in_dim: int, width: int, dtype: torch.dtype, seed: int = 0) -> ExpertWeights:
+    gen = torch.Generator().manual_seed(seed)
+    mats = [torch.randn(o, n, generator=gen) * 0.1 for o, n in ((width, in_dim), (width, in_dim), (in_dim, width))]
+    return ExpertWeights(*(m.to(dtype) for m in mats))
+
+
+EXPERTS = {
+    "mxfp4": lambda: mxfp4_expert(64, 96),
+    "fp32": lambda: dense_expert(64, 96, torch.float32),
+    "bf16": lambda: dense_expert(64, 96, torch.bfloat16),
+}
+
+
+def test_formats_are_classified_by_their_tensors_once():
+    assert ef.for_suffixes({"weight"}) is ef.FLOAT
+    assert ef.for_suffixes(["weight_packed", "weight_scale"]) is ef.MXFP4
+    assert ef.for_suffixes({"weight": 0, "weight_scale": 0}) is ef.MXFP8
+    assert ef.for_suffixes({"weight", "weight_scale_inv"}) is ef.FP8_BLOCK
+    assert ef.for_suffixes({"weight_packed"}) is None and ef.for_suffixes({"weight", "weight_packed"}) is None
+    assert MXFP4ExpertWeights.fmt is not None and mxfp4_expert(64, 32).fmt is ef.MXFP4
+    assert dense_expert(32, 32, torch.float32).fmt is ef.FLOAT  # every decoded expert computes as FLOAT
+    assert [f.keeps_bytes for f in (ef.FLOAT, ef.MXFP4, ef.MXFP8, ef.FP8_BLOCK)] == [False, True, False, False]
+
+
+def test_each_format_decodes_as_its_codec():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 64, generator=gen)
+    packed, scale = mxfp4.encode(w)
+    assert torch.equal(ef.MXFP4.decode({"weight_packed": packed, "weight_scale": scale}, torch.bfloat16),
+                       mxfp4.decode(packed, scale, torch.bfloat16))
+    data, scale8 = mxfp8.encode(w)
+    assert torch.equal(ef.MXFP8.decode({"weight": data, "weight_scale": scale8}, torch.float32),
+                       mxfp8.decode(data, scale8, torch.float32))
+    q, inv = fp8_block.encode(w)
+    assert torch.equal(ef.FP8_BLOCK.decode({"weight": q, "weight_scale_inv": inv}, torch.float32),
+                       fp8_block.decode(q, inv, fp8_block.BLOCK, torch.float32))
+    for fmt in (ef.MXFP4, ef.MXFP8):  # what quantize writes reads back through the same object
+        stored = fmt.encode(w)
+        assert {s: (t.dtype, tuple(t.shape)) for s, t in stored.items()} == fmt.stored_specs((8, 64))
+        assert torch.equal(fmt.decode(stored, torch.float32), fmt.decode(stored, torch.float64).float())
+
+
+@pytest.mark.parametrize("kind", list(EXPERTS))
+@pytest.mark.parametrize("tokens", [1, 5, em.GEMM_MIN_TOKENS + 8])  # kernel rows and decoded-rows GEMM
+def test_project_forward_and_backward_match_the_decoded_matrix(kind, tokens):
+    w = EXPERTS[kind]()
+    gen = torch.Generator().manual_seed(tokens)
+    for proj in ("w1", "w3", "w2"):
+        W = w.fmt.weight(w, proj, torch.float64)
+        x = torch.randn(tokens, W.shape[1], generator=gen, requires_grad=True)
+        y = ef.project(ef.Held(w), proj, x)
+        want = x.detach().double() @ W.T
+        assert y.dtype == torch.float32 and y.shape == want.shape
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        dy = torch.randn(y.shape, generator=gen)
+        y.backward(dy)
+        want_dx = dy.double() @ W
+        torch.testing.assert_close(x.grad.double(), want_dx, rtol=1e-5, atol=1e-5 * want_dx.abs().max().item())
+    assert all(t.grad is None and not t.requires_grad for t in vars(w).values() if torch.is_tensor(t))
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "fp32"])
+def test_project_passes_gradcheck_in_float64(kind):
+    w = mxfp4_expert(32, 32, seed=2) if kind == "mxfp4" else dense_expert(32, 32, torch.float64, seed=2)
+    x = torch.randn(3, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    for proj in ("w1", "w2"):
+        assert torch.autograd.gradcheck(lambda x: ef.project(ef.Held(w), proj, x), (x,))
+
+
+def test_backward_uses_the_held_weights_not_a_saved_copy():
+    """The graph keeps the expert only through its Held: whatever get() returns at backward is used."""
+    w, other = mxfp4_expert(64, 32, seed=4), mxfp4_expert(64, 32, seed=5)
+
+    class Swapping(ef.Held):
+        def get(self):
+            return self.w
+
+    held = Swapping(w)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    y = ef.project(held, "w1", x)
+    held.w = other  # as a store's hold fetches the same bytes again after an eviction
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, torch.ones(2, 32) @ other.fmt.weight(other, "w1", torch.float32))
+
+
+@pytest.mark.parametrize("kind", list(EXPERTS))
+def test_train_forward_is_the_expert_plus_its_adapter(kind):
+    w = EXPERTS[kind]()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 64, generator=gen)
+    assert_close = lambda got, want: torch.testing.assert_close(got.double(), want, rtol=2e-5,
+                                                                atol=2e-5 * want.abs().max().item())
+    want = w.fmt.reference(w, x.double(), "situ", BETAS)
+    assert_close(ef.train_forward(ef.Held(w), x, "situ", BETAS), want)
+    assert_close(w(x, "situ", BETAS), want)  # the inference kernels agree
+    lora = {p: torch.randn(*w.fmt.shape(w, p)[:1], w.fmt.shape(w, p)[1], generator=gen) * 0.01 for p in ef.PROJS}
+    adapter = lambda proj, inp: inp @ lora[proj].T if proj != "w3" else None
+    W = {p: w.fmt.weight(w, p, torch.float64) for p in ef.PROJS}
+    x64 = x.double()
+    h = glu_reference("situ", x64 @ (W["w1"] + lora["w1"].double()).T, x64 @ W["w3"].T, BETAS)
+    assert_close(ef.train_forward(ef.Held(w), x, "situ", BETAS, adapter), h @ (W["w2"] + lora["w2"].double()).T)
