@@ -47,6 +47,15 @@ def derived(owner: nn.Module, name: str, make: Callable[[], object], *sources: t
     return value
 
 
+def records_graph(module: nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether autograd records this call: grad mode is on and one of `tensors` or of `module`'s parameters
+    (a LoRA wrapped around a projection included) requires grad. The C kernels and the in-place updates
+    of inference then step aside for their torch forms, which autograd can follow."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters())
+
+
 FUSABLE = (nn.Linear, StoredWeightLinear)
 
 
