@@ -4,7 +4,7 @@ The wrapper takes the place of the Linear in the model (same module name) and ke
 `bias`) under the same names, so the model's state_dict keeps its checkpoint names and the adapter's
 tensors are `<module>.lora_A.weight` [r, in] and `<module>.lora_B.weight` [out, r]. A starts as PEFT's
 kaiming-uniform(a=sqrt 5), B as zeros; s = alpha / r (rsLoRA: alpha / sqrt r). The LoRA tensors are fp32
-whatever the base dtype (bf16 weights kept as stored included), as PEFT keeps them by default.
+over bf16, fp16 and fp32 weights (bf16 kept as stored included), as PEFT keeps them by default.
 Fusion: the engine's fused projections (models/layers/basic.py `fuse_linears`) only take plain Linears, so a
 module with a wrapped projection is not fused, and a fusion made earlier stops applying once a child is
 wrapped (`fused_weight`); the C decode step then declines and the model's modules run.
@@ -56,7 +56,8 @@ class LoRALinear(nn.Module):
         """A wrapper around `base` with PEFT's initialisation (B = 0: the model's outputs are unchanged)."""
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRA wraps nn.Linear layers, not {type(base).__name__}")
-        module = cls(base, r, alpha, dropout, use_rslora)
+        # fp32 LoRA tensors over bf16/fp16/fp32 weights (PEFT's default), fp64 over fp64 ones
+        module = cls(base, r, alpha, dropout, use_rslora, torch.promote_types(base.weight.dtype, torch.float32))
         module.reset_parameters(generator)
         return module
 

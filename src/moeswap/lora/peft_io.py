@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,8 +113,11 @@ class _Plan:
     experts: dict[str, dict[str, torch.Tensor]]
 
 
-def plan_adapter(model: nn.Module, adapter: Adapter) -> _Plan:
-    """Maps every tensor of `adapter` onto `model`; one ValueError listing what does not fit."""
+def plan_adapter(model: nn.Module, adapter: Adapter,
+                 base_weight: Callable[[str], torch.Tensor | None] | None = None) -> _Plan:
+    """Maps every tensor of `adapter` onto `model` (its modules and shapes only: a model built on `meta`
+    will do); one ValueError listing what does not fit. base_weight(param name) gives a base weight's values
+    (default: the model's parameter), to compare with copies of base weights PEFT saves in adapters."""
     prefix = weight_prefix(model)
     modules = dict(model.named_modules())
     blocks = moe_blocks(model)
@@ -122,8 +125,16 @@ def plan_adapter(model: nn.Module, adapter: Adapter) -> _Plan:
     problems: list[str] = []
     linears: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[str, dict[str, torch.Tensor]] = {}
+    if base_weight is None:
+        base_weight = dict(model.named_parameters()).get
     for key, tensor in adapter.tensors.items():
         m = _KEY.fullmatch(key[len(PEFT_PREFIX):]) if key.startswith(PEFT_PREFIX) else None
+        if m is None and key.startswith(PEFT_PREFIX):
+            base = _base_copy(key[len(PEFT_PREFIX):].removeprefix(prefix), tensor, base_weight, aliases)
+            if base is not None:  # PEFT saves targeted embedding layers' base weights; ours match: nothing to do
+                if base:
+                    problems.append(f"{key}: {base}")
+                continue
         if m is None:
             problems.append(f"{key}: not a LoRA tensor name (expected {PEFT_PREFIX}<module>.lora_A.weight or "
                             f".lora_B.weight)")
@@ -150,12 +161,12 @@ def plan_adapter(model: nn.Module, adapter: Adapter) -> _Plan:
     return _Plan(linears, experts)
 
 
-def load_adapter(model: nn.Module, directory: str | os.PathLike, base_dir: str | os.PathLike | None = None,
+def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_dir: str | os.PathLike | None = None,
                  trainable: bool = False) -> LoRAConfig:
-    """Applies the adapter in `directory` to `model` (unmerged LoRALinear wrappers, expert LoRA through the
+    """Applies the adapter in `directory` (or one read_adapter read) to `model` (unmerged LoRALinear wrappers, expert LoRA through the
     MoE hook). With `base_dir`, an adapter that records a base fingerprint must match it. The LoRA tensors
     require grad only with `trainable` (PEFT's is_trainable); everything else is frozen either way."""
-    adapter = read_adapter(directory)
+    adapter = directory if isinstance(directory, Adapter) else read_adapter(directory)
     recorded = base_fingerprint(adapter.raw)
     if base_dir is not None and recorded is not None:
         check_same_base(recorded, base_dir, f"adapter {adapter.directory}")
@@ -207,6 +218,27 @@ def _resolve(name: str, modules: Mapping[str, nn.Module], aliases) -> str | None
     for c in candidates:
         if isinstance(modules.get(c), nn.Linear) and ".lora_" not in c:
             return c
+    return None
+
+
+def _base_copy(name: str, tensor: torch.Tensor, base_weight: Callable[[str], torch.Tensor | None],
+               aliases) -> str | None:
+    """For a copy of a base weight in an adapter (PEFT's `<module>.base_layer.weight` or `<embedding>.weight`,
+    saved with embedding-layer targets): "" when it equals the model's weight, a problem when it differs,
+    None when `name` is no base weight of the model."""
+    if name.endswith(".base_layer.weight"):
+        module, attr = name.removesuffix(".base_layer.weight"), "weight"
+    else:
+        module, _, attr = name.rpartition(".")
+    candidates = [module] + [re.fullmatch(p, module).expand(t) for p, t in aliases if re.fullmatch(p, module)]
+    for c in candidates:
+        param = base_weight(f"{c}.{attr}")
+        if param is None:
+            continue
+        if tuple(param.shape) == tuple(tensor.shape) and torch.equal(param.detach().to(tensor.dtype), tensor):
+            return ""
+        return (f"replaces the base weight {c}.{attr} with other values; moeswap applies LoRA tensors only "
+                f"(was the adapter made on another base?)")
     return None
 
 

@@ -48,10 +48,16 @@ class MLACache:
 
     def append(self, new_BTX: torch.Tensor) -> None:
         """Writes in place (latent rows and lengths) unless capacity must grow: the cache may be a
-        view into an engine's preallocated buffers, which are sized so that it never grows."""
+        view into an engine's preallocated buffers, which are sized so that it never grows. Under autograd
+        the latent rows go into a new tensor instead (lengths still in place)."""
         B, T, _ = new_BTX.shape
         need = self.reserve(T)
-        if B == 1 and self.max_length is not None:  # one sequence whose length the host knows: a slice
+        if torch.is_grad_enabled() and (new_BTX.requires_grad or self.latent_BSX.requires_grad):
+            # autograd may keep earlier rows of the cache for a backward pass: a new tensor, not a write
+            pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
+            rows_B1 = torch.arange(B, device=new_BTX.device)[:, None]
+            self.latent_BSX = self.latent_BSX.index_put((rows_B1, pos_BT), new_BTX.to(self.latent_BSX.dtype))
+        elif B == 1 and self.max_length is not None:  # one sequence whose length the host knows: a slice
             self.latent_BSX[0, need - T:need] = new_BTX[0]
         else:
             pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
