@@ -61,7 +61,7 @@ class LoRAConfig:
             targets = tuple(targets)
             if not targets or not all(isinstance(t, str) and t for t in targets):
                 raise ValueError(f"target_modules must be a regex or a non-empty list of names, got {targets!r}")
-            object.__setattr__(self, "target_modules", targets)
+            object.__setattr__(self, "target_modules", tuple(sorted(set(targets))))  # a set, as PEFT's
 
     def scaling(self) -> float:
         return lora_scaling(self.r, self.alpha, self.use_rslora)
@@ -69,12 +69,13 @@ class LoRAConfig:
     def rank_alpha(self, module: str) -> tuple[int, float]:
         """The rank and alpha of one module under rank_pattern / alpha_pattern (PEFT's rule: a pattern
         matches a name that is it or ends in `.` + it, read as a regex)."""
-        return (_pattern_value(self.rank_pattern, module, self.r), _pattern_value(self.alpha_pattern, module, self.alpha))
+        return (_pattern_value(self.rank_pattern, module, self.r),
+                _pattern_value(self.alpha_pattern, module, self.alpha))
 
     # -- PEFT's adapter_config.json ------------------------------------------------------------------
 
     def to_peft(self, base_model: str | None = None, fingerprint: dict | None = None) -> dict:
-        targets = self.target_modules if isinstance(self.target_modules, str) else sorted(set(self.target_modules))
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
         return {
             **_PEFT_DEFAULTS,
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,

@@ -65,7 +65,8 @@ def write_adapter(model: nn.Module, directory: str | os.PathLike, base_model: st
     with writing(path):
         write_shard(path, specs, ((name, tensors[name]) for name, _, _ in layout(specs)))
     with writing(directory / CONFIG_NAME):
-        (directory / CONFIG_NAME).write_text(jsonio.dumps(config.to_peft(base_model, base_fingerprint), indent=2) + "\n")
+        raw = config.to_peft(base_model, base_fingerprint)
+        (directory / CONFIG_NAME).write_text(jsonio.dumps(raw, indent=2) + "\n")
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str | None = None,
@@ -163,9 +164,9 @@ def plan_adapter(model: nn.Module, adapter: Adapter,
 
 def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_dir: str | os.PathLike | None = None,
                  trainable: bool = False) -> LoRAConfig:
-    """Applies the adapter in `directory` (or one read_adapter read) to `model` (unmerged LoRALinear wrappers, expert LoRA through the
-    MoE hook). With `base_dir`, an adapter that records a base fingerprint must match it. The LoRA tensors
-    require grad only with `trainable` (PEFT's is_trainable); everything else is frozen either way."""
+    """Applies the adapter in `directory` (or one read_adapter read) to `model`: unmerged LoRALinear wrappers,
+    expert LoRA through the MoE hook. With `base_dir`, an adapter that records a base fingerprint must match
+    it. The LoRA tensors require grad only with `trainable` (PEFT's is_trainable); all else stays frozen."""
     adapter = directory if isinstance(directory, Adapter) else read_adapter(directory)
     recorded = base_fingerprint(adapter.raw)
     if base_dir is not None and recorded is not None:

@@ -43,7 +43,8 @@ def matches(targets: tuple[str, ...] | str, name: str, prefix: str = "") -> bool
     """PEFT's rule: a regex full-matches the name (here also the name with the checkpoint's prefix);
     a list entry equals the name or is a suffix of it after a dot."""
     if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None or (bool(prefix) and re.fullmatch(targets, prefix + name) is not None)
+        return re.fullmatch(targets, name) is not None or (
+            bool(prefix) and re.fullmatch(targets, prefix + name) is not None)
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
@@ -125,7 +126,8 @@ def wrap(model: nn.Module, name: str, r: int, alpha: float, dropout: float, use_
          generator: torch.Generator | None = None) -> LoRALinear:
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    lora = LoRALinear.from_base(getattr(parent, attr), r, alpha, dropout, use_rslora, generator)
+    base = getattr(parent, attr)
+    lora = LoRALinear.from_base(base, r, alpha, dropout, use_rslora, generator).train(base.training)
     setattr(parent, attr, lora)
     return lora
 

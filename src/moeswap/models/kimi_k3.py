@@ -144,7 +144,8 @@ class KimiModel(nn.Module):
                 bank.append(partial)  # the raw partial sum is banked and the layer restarted it
             partial = out
         if block:
-            partial = mix(partial, bank, score_vector(self.model.output_attn_res_norm, self.model.output_attn_res_proj), eps)
+            score = score_vector(self.model.output_attn_res_norm, self.model.output_attn_res_proj)
+            partial = mix(partial, bank, score, eps)
         if last_only:
             partial = partial[:, -1:]
         hidden = self.model.norm(partial)
@@ -154,11 +155,15 @@ class KimiModel(nn.Module):
             return linear(hidden, self.lm_head.weight)
         return self.lm_head(hidden)  # a wrapper (LoRA)
 
-    def _layer(self, i: int, layer: DecoderLayer, layer_state, partial: torch.Tensor, *bank: torch.Tensor) -> torch.Tensor:
+    def _layer(self, i: int, layer: DecoderLayer, layer_state, partial: torch.Tensor,
+               *bank: torch.Tensor) -> torch.Tensor:
         """Decoder layer i: the new partial sum from the one before it and the bank of earlier blocks' sums.
         A layer that starts a block banks `partial` (the caller appends it) and restarts the sum from zero."""
         eps, block = self.config.rms_norm_eps, self.config.attn_res_block_size
-        h = mix(partial, list(bank), score_vector(layer.self_attention_res_norm, layer.self_attention_res_proj), eps) if block else partial
+        h = partial
+        if block:
+            score = score_vector(layer.self_attention_res_norm, layer.self_attention_res_proj)
+            h = mix(partial, list(bank), score, eps)
         if block and i % block == 0:
             bank = (*bank, partial)
             partial = torch.zeros_like(partial)
