@@ -63,10 +63,12 @@ def test_generate_with_an_adapter(capsys, tiny_k3_dir, k3_adapter, greedy_oracle
 
 
 @pytest.mark.parametrize("flags, fragments", [
-    (["--lora", "/nonexistent/adapter"], ["/nonexistent/adapter: expected an adapter directory"]),
+    (["--lora", "{tmp}/nothing"], ["{tmp}/nothing: expected an adapter directory"]),
     (["--lora", "a=x", "--lora", "b=y"], ["--lora: generate applies one adapter, got 2"]),
 ])
-def test_generate_bad_lora(capsys, tiny_k3_dir, flags, fragments):
+def test_generate_bad_lora(capsys, tiny_k3_dir, tmp_path, flags, fragments):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    fragments = [f.format(tmp=tmp_path) for f in fragments]
     code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, *flags)
     assert_one_line_error(code, err, *fragments)
 

@@ -117,3 +117,17 @@ def test_fusion_respects_lora(load, tiny_k3_dir, tokens, randomize_b):
     assert fused_weight(kda0, kda0.input_projections()) is None
     with torch.no_grad():
         torch.testing.assert_close(fused(tokens), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_weight_being_trained_is_not_read_fused(load, tiny_k3_dir):
+    """The fused tensor is a detached copy: under autograd a trained projection weight goes through its module."""
+    model = load(tiny_k3_dir)
+    fuse_projections(model)
+    kda = model.model.layers[1].self_attn
+    kda.k_proj.weight.requires_grad_(True)
+    with torch.no_grad():
+        assert fused_weight(kda, kda.input_projections()) is not None
+    assert fused_weight(kda, kda.input_projections()) is None
+    x = torch.randn(1, 5, model.config.hidden_size)
+    kda(x).sum().backward()
+    assert kda.k_proj.weight.grad is not None and kda.k_proj.weight.grad.abs().sum() > 0
