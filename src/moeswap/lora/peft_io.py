@@ -27,15 +27,11 @@ from moeswap.formats.files import read_json
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
-from moeswap.lora.targets import EXPERT_HOOK, lora_modules, moe_blocks, wrap
+from moeswap.lora.targets import EXPERT_HOOK, attach_experts, freeze, lora_modules, moe_blocks, weight_prefix, wrap
 
 PEFT_PREFIX = "base_model.model."
 _KEY = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight")
 _EXPERT = re.compile(r"(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])")
-
-
-def weight_prefix(model: nn.Module) -> str:
-    return getattr(getattr(model, "config", None), "weight_prefix", "") or ""
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -182,8 +178,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
                              f"(MoE.{EXPERT_HOOK}), which this build of moeswap lacks; the adapter has "
                              f"routed-expert tensors for {lacking[0]}")
     cfg = adapter.config
-    for p in model.parameters():
-        p.requires_grad_(False)
+    base = freeze(model)
     for name, pair in plan.linears.items():
         r, alpha = pair["lora_A"].shape[0], cfg.rank_alpha(name)[1]
         lora = wrap(model, name, r, alpha, cfg.dropout, cfg.use_rslora)
@@ -194,12 +189,10 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
         projections = tuple(sorted({_EXPERT.fullmatch(_KEY.fullmatch(k)["module"])["proj"] for k in tensors}))
         first = next(k for k in tensors if k.endswith("lora_A.weight"))
         r, alpha = tensors[first].shape[0], cfg.rank_alpha(_KEY.fullmatch(first)["module"])[1]
-        hook_alpha = alpha * r ** 0.5 if cfg.use_rslora else alpha  # the hook scales by alpha / r
-        block = blocks[block_name]
-        getattr(block, EXPERT_HOOK)(r, hook_alpha, cfg.dropout, projections=projections, shared_a=cfg.expert_shared_a)
-        block.load_expert_lora_state_dict(tensors)
-    for name, p in model.named_parameters():
-        p.requires_grad_(trainable and ".lora_" in name)
+        attach_experts(blocks[block_name], r, alpha, cfg, projections)
+        blocks[block_name].load_expert_lora_state_dict(tensors)
+    for p in model.parameters():
+        p.requires_grad_(trainable and id(p) not in base)
     model.lora_config = cfg
     return cfg
 

@@ -35,6 +35,11 @@ def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if hasattr(m, "num_experts") and hasattr(m, "gate")}
 
 
+def weight_prefix(model: nn.Module) -> str:
+    """The prefix the model's checkpoint puts before its module names (K3: `language_model.`)."""
+    return getattr(getattr(model, "config", None), "weight_prefix", "") or ""
+
+
 def expert_name(block: str, expert: int, projection: str) -> str:
     return f"{block}.experts.{expert}.{projection}"
 
@@ -48,9 +53,11 @@ def matches(targets: tuple[str, ...] | str, name: str, prefix: str = "") -> bool
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def resolve_targets(model: nn.Module, targets: tuple[str, ...] | str, prefix: str = "") -> Targets:
+def resolve_targets(model: nn.Module, targets: tuple[str, ...] | str, prefix: str | None = None) -> Targets:
     """The Linear modules and routed-expert projections `targets` selects; a ValueError when a pattern
-    selects nothing, selects a module that is not a Linear, or some but not all experts of a projection."""
+    selects nothing, selects a module that is not a Linear, or some but not all experts of a projection.
+    prefix: the checkpoint's weight prefix, which a regex may include (default: the model's)."""
+    prefix = weight_prefix(model) if prefix is None else prefix
     found = Targets()
     used: set[str] = set()
     entries = (targets,) if isinstance(targets, str) else tuple(targets)
@@ -91,14 +98,13 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...] | str, prefix: st
     return found
 
 
-def attach_lora(model: nn.Module, config: LoRAConfig, prefix: str = "",
-                generator: torch.Generator | None = None) -> Targets:
+def attach_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator | None = None) -> Targets:
     """Freezes every parameter of `model`, then wraps each targeted Linear in a LoRALinear (PEFT's init:
     A kaiming-uniform from `generator`, B zeros) and gives each targeted MoE block its expert LoRA.
-    Only the LoRA parameters require grad afterwards. Returns what was targeted."""
+    Only the adapter's parameters require grad afterwards. Returns what was targeted."""
     if lora_modules(model) or getattr(model, "lora_config", None) is not None:
         raise ValueError("this model already carries a LoRA adapter; detach_lora(model) first")
-    targets = resolve_targets(model, config.target_modules, prefix)
+    targets = resolve_targets(model, config.target_modules)
     blocks = moe_blocks(model)
     if targets.experts:
         missing = [name for name in targets.experts if not hasattr(blocks[name], EXPERT_HOOK)]
@@ -107,19 +113,31 @@ def attach_lora(model: nn.Module, config: LoRAConfig, prefix: str = "",
                 f"routed-expert LoRA needs the MoE expert hook (MoE.{EXPERT_HOOK}), which this build of moeswap "
                 f"lacks; the targets select routed experts in {missing[0]} (e.g. {expert_name(missing[0], 0, 'w1')}): "
                 f"target dense modules only (attention projections, shared_experts, mlp)")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    base = freeze(model)
     for name in targets.linears:
         r, alpha = config.rank_alpha(name)
         wrap(model, name, r, alpha, config.dropout, config.use_rslora, generator)
     for name, projections in targets.experts.items():
         r, alpha = config.rank_alpha(expert_name(name, 0, projections[0]))
-        # the hook's scaling is alpha / r; rsLoRA's alpha / sqrt(r) is the same with alpha * sqrt(r)
-        hook_alpha = alpha * r ** 0.5 if config.use_rslora else alpha
-        getattr(blocks[name], EXPERT_HOOK)(r, hook_alpha, config.dropout, projections=projections,
-                                          shared_a=config.expert_shared_a)
+        attach_experts(blocks[name], r, alpha, config, projections)
+    for p in model.parameters():
+        p.requires_grad_(id(p) not in base)
     model.lora_config = config
     return targets
+
+
+def freeze(model: nn.Module) -> set[int]:
+    """Every parameter of `model` stops requiring grad; returns their ids (what an adapter adds is the rest)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return {id(p) for p in model.parameters()}
+
+
+def attach_experts(block: nn.Module, r: int, alpha: float, config: LoRAConfig, projections: tuple[str, ...]) -> None:
+    # the hook's scaling is alpha / r; rsLoRA's alpha / sqrt(r) is the same with alpha * sqrt(r)
+    hook_alpha = alpha * r ** 0.5 if config.use_rslora else alpha
+    getattr(block, EXPERT_HOOK)(r, hook_alpha, config.dropout, projections=projections,
+                                shared_a=config.expert_shared_a)
 
 
 def wrap(model: nn.Module, name: str, r: int, alpha: float, dropout: float, use_rslora: bool,
@@ -135,18 +153,18 @@ def wrap(model: nn.Module, name: str, r: int, alpha: float, dropout: float, use_
 def detach_lora(model: nn.Module, merge: bool = False) -> None:
     """Puts the original Linears back (with the update added into their weights when `merge`) and removes
     the routed-expert LoRA. Parameters stay frozen."""
+    experts = [block for block in moe_blocks(model).values() if _has_expert_lora(block)]
+    if experts and merge:
+        raise ValueError("merging routed-expert LoRA into a loaded model is not supported yet (it needs the "
+                         "experts re-quantised)")
     for name, lora in lora_modules(model).items():
         if merge:
             lora.merge()
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, lora.unwrap())
-    for block in moe_blocks(model).values():
-        if _has_expert_lora(block):
-            if merge:
-                raise ValueError("merging routed-expert LoRA into a loaded model is not supported; "
-                                 "use `moeswap merge`, which re-quantises the experts")
-            block.detach_expert_lora()
+    for block in experts:
+        block.detach_expert_lora()
     model.lora_config = None
 
 
@@ -166,7 +184,7 @@ def _has_expert_lora(block: nn.Module) -> bool:
 
 def _inside_lora(name: str, model: nn.Module) -> bool:
     """lora_A / lora_B of an existing wrapper are Linears too, never targets."""
-    return ".lora_A" in name or ".lora_B" in name or name.endswith(("lora_A", "lora_B"))
+    return ".lora_" in name
 
 
 def _candidates(model: nn.Module, wanted: str, n: int = 8) -> list[str]:
