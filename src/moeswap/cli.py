@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "trace": "moeswap.trace_cmd",
-               "serve": "moeswap.server.cli", "train": "moeswap.train.cli"}
+               "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
            "load": "moeswap.bench.load", "serve": "moeswap.bench.serve"}
@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-step", action="store_true",
                    help="decode through the model's modules (the reference), not the native C step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
+                   help="apply a LoRA adapter in PEFT format (adapter_config.json + adapter_model.safetensors); "
+                        "generate takes one")
     add_load_flags(p)
 
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
@@ -113,6 +116,26 @@ def check_text(flag: str, text: str) -> None:
         raise ValueError(f"{flag} is not valid UTF-8 ({bad} at character {err.start}): pass UTF-8 text") from None
 
 
+def parse_lora(value: str) -> tuple[str | None, str]:
+    """--lora [NAME=]PATH -> (name or None, path). NAME is a plain identifier; a PATH holding `=` is taken
+    whole when it exists as it is."""
+    name, sep, path = value.partition("=")
+    if sep and name and name.replace("-", "_").replace(".", "_").isidentifier() and not os.path.exists(value):
+        return name, path
+    return None, value
+
+
+def read_lora_flag(values: list[str]):
+    """The one adapter `generate --lora` names, read and checked (before the model loads), or None."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ValueError(f"--lora: generate applies one adapter, got {len(values)}")
+    from moeswap.lora import read_adapter
+
+    return read_adapter(parse_lora(values[0])[1])
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -126,9 +149,14 @@ def cmd_generate(args) -> int:
     # every flag is checked before the model loads
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+    adapter = read_lora_flag(args.lora)
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))
     try:
+        if adapter is not None:
+            from moeswap.lora import load_adapter
+
+            load_adapter(model, adapter, base_dir=args.model)
         tok = load_tokenizer(args.model)
         load_s = time.perf_counter() - t0
         messages = [{"role": "user", "content": args.prompt}]
@@ -155,7 +183,7 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
-        "state_bytes": result.state_bytes,
+        "state_bytes": result.state_bytes, "lora": None if adapter is None else str(adapter.directory),
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
     if args.json:

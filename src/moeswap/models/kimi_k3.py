@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.attn_res import mix, score_vector
-from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
+from moeswap.models.layers.basic import FUSABLE, GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
@@ -36,6 +37,13 @@ CHECKPOINT_MAP: tuple[tuple[str, str], ...] = (
     # transformers writes the dense layer's MLP under block_sparse_moe; the original files say mlp
     (r"model\.layers\.(\d+)\.block_sparse_moe\.(gate|up|down)_proj\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
     (r"(.*)", r"\1"),
+)
+
+# transformers' KimiLinearForCausalLM names some modules otherwise than the checkpoint does (its loader renames
+# the tensors); adapters PEFT saves from that model carry its names. Its name -> ours, first match wins.
+MODULE_ALIASES: tuple[tuple[str, str], ...] = (
+    (r"model\.layers\.(\d+)\.self_attn\.forget_gate\.(f_a_proj|f_b_proj)", r"model.layers.\1.self_attn.\2"),
+    (r"model\.layers\.(\d+)\.mlp\.(shared_experts\..*)", r"model.layers.\1.block_sparse_moe.\2"),
 )
 
 
@@ -96,6 +104,9 @@ class KimiModel(nn.Module):
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
         self.expert_lookahead = None  # hook(layer, hidden) set by the loader for next-layer prefetch; not a module
         self.gemm_precision = "fp32"  # LoadOptions.gemm_precision: "bf16" rounds bf16-weight CPU matmuls' inputs
+        # training: each decoder layer's activations are recomputed in backward instead of kept
+        # (torch.utils.checkpoint, non-reentrant); applies to forwards without state under grad
+        self.gradient_checkpointing = False
 
     def moe_blocks(self) -> list[MoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
@@ -122,23 +133,45 @@ class KimiModel(nn.Module):
         block = c.attn_res_block_size
         partial = self.model.embed_tokens(tokens_BT)
         bank: list[torch.Tensor] = []
+        # recomputing a layer in backward is only sound without state, which a forward updates in place
+        recompute = self.gradient_checkpointing and state is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            h = mix(partial, bank, score_vector(layer.self_attention_res_norm, layer.self_attention_res_proj), eps) if block else partial
+            if recompute:
+                out = checkpoint(self._layer, i, layer, None, partial, *bank, use_reentrant=False)
+            else:
+                out = self._layer(i, layer, state.layers[i] if state else None, partial, *bank)
             if block and i % block == 0:
-                bank.append(partial)  # bank the raw partial sum, then restart it
-                partial = torch.zeros_like(partial)
-            partial = partial + layer.self_attn(layer.input_layernorm(h), state.layers[i] if state else None)
-            m = mix(partial, bank, score_vector(layer.mlp_res_norm, layer.mlp_res_proj), eps) if block else partial
-            if self.expert_lookahead is not None:  # guess the next MoE layer's experts while this one computes
-                self.expert_lookahead(i, m)
-            partial = partial + layer.feed_forward(layer.post_attention_layernorm(m))
+                bank.append(partial)  # the raw partial sum is banked and the layer restarted it
+            partial = out
         if block:
-            partial = mix(partial, bank, score_vector(self.model.output_attn_res_norm, self.model.output_attn_res_proj), eps)
+            score = score_vector(self.model.output_attn_res_norm, self.model.output_attn_res_proj)
+            partial = mix(partial, bank, score, eps)
         if last_only:
             partial = partial[:, -1:]
         hidden = self.model.norm(partial)
-        head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, head)
+        if c.tie_word_embeddings:
+            return linear(hidden, self.model.embed_tokens.weight)
+        if type(self.lm_head) in FUSABLE:
+            return linear(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)  # a wrapper (LoRA)
+
+    def _layer(self, i: int, layer: DecoderLayer, layer_state, partial: torch.Tensor,
+               *bank: torch.Tensor) -> torch.Tensor:
+        """Decoder layer i: the new partial sum from the one before it and the bank of earlier blocks' sums.
+        A layer that starts a block banks `partial` (the caller appends it) and restarts the sum from zero."""
+        eps, block = self.config.rms_norm_eps, self.config.attn_res_block_size
+        h = partial
+        if block:
+            score = score_vector(layer.self_attention_res_norm, layer.self_attention_res_proj)
+            h = mix(partial, list(bank), score, eps)
+        if block and i % block == 0:
+            bank = (*bank, partial)
+            partial = torch.zeros_like(partial)
+        partial = partial + layer.self_attn(layer.input_layernorm(h), layer_state)
+        m = mix(partial, list(bank), score_vector(layer.mlp_res_norm, layer.mlp_res_proj), eps) if block else partial
+        if self.expert_lookahead is not None:  # guess the next MoE layer's experts while this one computes
+            self.expert_lookahead(i, m)
+        return partial + layer.feed_forward(layer.post_attention_layernorm(m))
 
 
 def classify(name: str) -> tuple[str, re.Match]:

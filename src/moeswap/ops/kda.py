@@ -30,8 +30,10 @@ def kda_decode_step(q_B1HK: torch.Tensor, k_B1HK: torch.Tensor, v_B1HV: torch.Te
     B, _, H, K = q_B1HK.shape
     V = v_B1HV.shape[-1]
     run = None
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q_B1HK, k_B1HK, v_B1HV, g_B1HK, beta_B1H, state_BHKV))
     if (state_BHKV.device.type == "cpu" and state_BHKV.dtype == torch.float32 and state_BHKV.is_contiguous()
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q_B1HK, k_B1HK, v_B1HV, g_B1HK)))):
+            and not grad):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
             run = torch.ops.moeswap.kda_decode if cpu_kernels.kernel_ready() else None
         else:
@@ -43,7 +45,7 @@ def kda_decode_step(q_B1HK: torch.Tensor, k_B1HK: torch.Tensor, v_B1HV: torch.Te
                 state_BHKV.view(B * H, K, V), scale, L2_EPS)
         return o.view(B, 1, H, V)
     o, S = kda_recurrent(l2_normalize(q_B1HK.float()) * scale, l2_normalize(k_B1HK.float()), v_B1HV, g_B1HK,
-                         beta_B1H, state_BHKV)
+                         beta_B1H, state_BHKV)  # which starts from a copy: autograd may keep the state
     state_BHKV.copy_(S)
     return o
 

@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu):
         return F.linear(x, weight.to(x.dtype))
-    if 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad):
+    if 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
             run = torch.ops.moeswap.bf16_linear  # fp32 (see gemm_precision above)
         else:

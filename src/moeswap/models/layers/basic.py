@@ -47,6 +47,15 @@ def derived(owner: nn.Module, name: str, make: Callable[[], object], *sources: t
     return value
 
 
+def records_graph(module: nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether autograd records this call: grad mode is on and one of `tensors` or of `module`'s parameters
+    (a LoRA wrapped around a projection included) requires grad. The C kernels and the in-place updates
+    of inference then step aside for their torch forms, which autograd can follow."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters())
+
+
 FUSABLE = (nn.Linear, StoredWeightLinear)
 
 
@@ -70,11 +79,14 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
 
 def fused_weight(module: nn.Module, names: Sequence[str]) -> torch.Tensor | None:
     """The one [sum of outputs, in] weight of the named Linears while their fusion (`fuse_linears`) still
-    holds: no child replaced by a wrapper, no weight re-materialised by .to() or a loader. Else None."""
+    holds: no child replaced by a wrapper (a LoRA), no weight re-materialised by .to() or a loader, none
+    being trained. Else None."""
     fused = module.__dict__.get("_fused_input")
     if fused is None or fused[1] != tuple(names):
         return None
     mods = [getattr(module, n) for n in names]
+    if torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods):
+        return None  # the fused tensor is a detached copy: weights being trained go through their own modules
     # data pointers cannot be compared while compiling: the compiled decode is made after fusion
     if all(type(m) in FUSABLE for m in mods) and (
             torch.compiler.is_compiling() or [m.weight.data_ptr() for m in mods] == fused[2]):

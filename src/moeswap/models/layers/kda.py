@@ -14,7 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from moeswap.config import ModelConfig
-from moeswap.models.layers.basic import WeightOnly, derived, fuse_linears, project, rms_norm
+from moeswap.models.layers.basic import WeightOnly, derived, fuse_linears, project, records_graph, rms_norm
 from moeswap.ops import cpu_kernels
 from moeswap.ops.kda import L2_EPS, kda_chunked, kda_decode_step, l2_normalize
 
@@ -140,7 +140,10 @@ class KDA(nn.Module):
             state = KDAState.zeros(B, self.H, self.K, self.W, x_BTD.dtype, x_BTD.device)
         q_in, k_in, v_in, f_a, b_in, g_in = project(self, x_BTD, self.input_projections())
         qkv_BTC = torch.cat([q_in, k_in, v_in], dim=-1)
-        kernel = cpu_kernels.for_inference(x_BTD, state.recurrent_BHKK, state.conv_BWC)
+        # under autograd (a LoRA in this layer, an input that requires grad) the fused C call would cut the
+        # graph, even where x itself needs no grad: the torch path below then runs instead
+        grad = records_graph(self, x_BTD, state.recurrent_BHKK, state.conv_BWC)
+        kernel = None if grad else cpu_kernels.for_inference(x_BTD, state.recurrent_BHKK, state.conv_BWC)
         if kernel is not None and self._fits_fused_kernel(x_BTD, state):
             return self._fused(kernel, x_BTD, state, qkv_BTC, f_a, b_in, g_in)
         conv_BTC, full_BTC = conv_taps_silu(qkv_BTC, state.conv_BWC, self.conv_taps())
@@ -153,7 +156,9 @@ class KDA(nn.Module):
             o_BTHK = kda_decode_step(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK, self.K**-0.5)
         else:
             q, k = l2_normalize(q) * self.K**-0.5, l2_normalize(k)
-            o_BTHK, S_BHKK = kda_chunked(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK)
+            # autograd keeps the initial state for backward, and the state is overwritten below: a copy
+            S0_BHKK = state.recurrent_BHKK.clone() if grad else state.recurrent_BHKK
+            o_BTHK, S_BHKK = kda_chunked(q, k, v, g_BTHK, beta_BTH, S0_BHKK)
             state.recurrent_BHKK.copy_(S_BHKK)
         gate = self.output_gate(x_BTD, g_in).unflatten(-1, (self.H, self.K)).float()
         y = rms_norm(o_BTHK, self.o_norm.weight, self.eps) * torch.sigmoid(gate)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moeswap.config import ModelConfig
-from moeswap.models.layers.basic import RMSNorm, derived, fuse_linears, project
+from moeswap.models.layers.basic import RMSNorm, derived, fuse_linears, project, records_graph
 from moeswap.ops import cpu_kernels
 
 
@@ -48,10 +48,16 @@ class MLACache:
 
     def append(self, new_BTX: torch.Tensor) -> None:
         """Writes in place (latent rows and lengths) unless capacity must grow: the cache may be a
-        view into an engine's preallocated buffers, which are sized so that it never grows."""
+        view into an engine's preallocated buffers, which are sized so that it never grows. Under autograd
+        the latent rows go into a new tensor instead (lengths still in place)."""
         B, T, _ = new_BTX.shape
         need = self.reserve(T)
-        if B == 1 and self.max_length is not None:  # one sequence whose length the host knows: a slice
+        if torch.is_grad_enabled() and (new_BTX.requires_grad or self.latent_BSX.requires_grad):
+            # autograd may keep earlier rows of the cache for a backward pass: a new tensor, not a write
+            pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
+            rows_B1 = torch.arange(B, device=new_BTX.device)[:, None]
+            self.latent_BSX = self.latent_BSX.index_put((rows_B1, pos_BT), new_BTX.to(self.latent_BSX.dtype))
+        elif B == 1 and self.max_length is not None:  # one sequence whose length the host knows: a slice
             self.latent_BSX[0, need - T:need] = new_BTX[0]
         else:
             pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
@@ -101,13 +107,17 @@ class MLA(nn.Module):
 
     def absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head for the absorbed form, in `dtype`: keys [H, N, L], values [H, L, V]."""
-        w = self.kv_b_proj.weight
+        kv_b = self.kv_b_proj
+        if hasattr(kv_b, "folded_weight"):  # a LoRA wrapper (moeswap.lora): its update folded into the matrix
+            weight, sources = kv_b.folded_weight, kv_b.fold_sources()
+        else:
+            weight, sources = (lambda: kv_b.weight), (kv_b.weight,)
 
         def split():
-            w_HXL = w.to(dtype).unflatten(0, (self.H, self.N + self.V))
+            w_HXL = weight().to(dtype).unflatten(0, (self.H, self.N + self.V))
             return w_HXL[:, : self.N].contiguous(), w_HXL[:, self.N:].transpose(1, 2).contiguous()
 
-        return derived(self, f"absorbed_{dtype}", split, w)
+        return derived(self, f"absorbed_{dtype}", split, *sources)
 
     def forward(self, x_BTD: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -117,8 +127,10 @@ class MLA(nn.Module):
         q_BTHX = self.queries(x_BTD, q_in).unflatten(-1, (self.H, self.N + self.R))
         q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
         c_kv, k_r = kv_in.split([self.L, self.R], dim=-1)
-        # one decode token on the CPU: the attention core in one C call (below)
-        kernel = cpu_kernels.for_inference(x_BTD, cache.latent_BSX) if T == 1 else None
+        # one decode token on the CPU: the attention core in one C call (below); never under autograd, which
+        # the call would cut (a LoRA in this layer, an input that requires grad)
+        grad = records_graph(self, x_BTD, cache.latent_BSX)
+        kernel = cpu_kernels.for_inference(x_BTD, cache.latent_BSX) if T == 1 and not grad else None
         if kernel is not None and not (x_BTD.dtype == cache.latent_BSX.dtype == torch.float32
                                        and cache.latent_BSX.is_contiguous()):
             kernel = None
@@ -126,6 +138,8 @@ class MLA(nn.Module):
         past_B = cache.lengths_B.clone() if masked else None  # append updates lengths_B in place
         cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
         S = cache.longest()
+        if not getattr(self.kv_b_proj, "foldable", True):
+            return self._output(self._expanded(q_nope_BTHN, q_r_BTHR, cache, S, past_B), gate_in)
 
         # absorbed form: queries mapped into the latent space score [c | k_r] rows in one product
         w_k_HNL, w_v_HLV = self.absorbed_weights(x_BTD.dtype)
@@ -147,6 +161,25 @@ class MLA(nn.Module):
         ctx_HML = (probs_BQS @ latent_BSX[..., :self.L]).view(B * T, self.H, self.L).transpose(0, 1)
         out_BTHV = (ctx_HML @ w_v_HLV).transpose(0, 1).reshape(B, T, self.H * self.V)
         return self._output(out_BTHV, gate_in)
+
+    def _expanded(self, q_nope_BTHN: torch.Tensor, q_r_BTHR: torch.Tensor, cache: MLACache, S: int,
+                  past_B: torch.Tensor | None) -> torch.Tensor:
+        """The attention with per-head keys and values formed from every cached latent (kv_b_proj applied
+        to each token), for a kv_b_proj whose output cannot be folded into one matrix: a LoRA with dropout
+        on its input while training. The same result as the absorbed form otherwise (to rounding)."""
+        B, T = q_nope_BTHN.shape[:2]
+        dtype = q_nope_BTHN.dtype
+        latent_BSX = cache.latent_BSX[:, :S].to(dtype)
+        kv_BSHX = self.kv_b_proj(latent_BSX[..., :self.L]).unflatten(-1, (self.H, self.N + self.V))
+        k_BSHN, v_BSHV = kv_BSHX.split([self.N, self.V], dim=-1)
+        scores_BTHS = (torch.einsum("bthn,bshn->bths", q_nope_BTHN, k_BSHN)
+                       + torch.einsum("bthr,bsr->bths", q_r_BTHR, latent_BSX[..., self.L:])).float() * self.scale
+        if past_B is not None:  # query t of sequence b sees keys 0..past_b + t
+            visible_BTS = (torch.arange(S, device=q_nope_BTHN.device)
+                           <= (past_B[:, None] + torch.arange(T, device=q_nope_BTHN.device))[..., None])
+            scores_BTHS = scores_BTHS.masked_fill(~visible_BTS[:, :, None], float("-inf"))
+        probs_BTHS = scores_BTHS.softmax(dim=-1).to(dtype)
+        return torch.einsum("bths,bshv->bthv", probs_BTHS, v_BSHV).reshape(B, T, self.H * self.V)
 
     def _output(self, out_BTHV: torch.Tensor, gate_in: list[torch.Tensor]) -> torch.Tensor:
         if gate_in:

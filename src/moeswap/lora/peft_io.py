@@ -1,0 +1,251 @@
+"""Adapters on disk in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`.
+
+Tensor names are PEFT's, `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
+where <module> is the checkpoint name (weight prefix included, e.g. K3's `language_model.`). Loading also
+takes the module names of transformers' port of the architecture (the model file's MODULE_ALIASES), which
+adapters PEFT saved from that port carry. An adapter is checked whole before anything is applied: every
+key must name a Linear of the model (or a routed-expert projection) with shapes that fit, else one
+ValueError lists the problems; a recorded base fingerprint must match the base directory when given.
+Entry points: `save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`, `adapter_state_dict`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moeswap import jsonio
+from moeswap.atomic_dir import atomic_directory, writing
+from moeswap.formats.checkpoint import Checkpoint
+from moeswap.formats.files import read_json
+from moeswap.formats.writer import layout, write_shard
+from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint
+from moeswap.lora.fingerprint import check_same_base
+from moeswap.lora.targets import EXPERT_HOOK, attach_experts, freeze, lora_modules, moe_blocks, weight_prefix, wrap
+
+PEFT_PREFIX = "base_model.model."
+_KEY = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight")
+_EXPERT = re.compile(r"(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])")
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's names (dense LoRA, then the MoE blocks' expert LoRA)."""
+    prefix = PEFT_PREFIX + weight_prefix(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, lora in lora_modules(model).items():
+        out[f"{prefix}{name}.lora_A.weight"] = lora.lora_A.weight.detach()
+        out[f"{prefix}{name}.lora_B.weight"] = lora.lora_B.weight.detach()
+    for block in moe_blocks(model).values():
+        experts = getattr(block, "expert_lora_state_dict", None)
+        for key, tensor in (experts() if experts is not None else {}).items():
+            out[prefix + key] = tensor.detach()
+    return out
+
+
+def write_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str | None = None,
+                  base_fingerprint: dict | None = None) -> None:
+    """Writes the two files into `directory` (which must exist; a staging directory: see save_adapter)."""
+    config = getattr(model, "lora_config", None)
+    tensors = adapter_state_dict(model)
+    if config is None or not tensors:
+        raise ValueError("this model carries no LoRA adapter to save (attach_lora or load_adapter first)")
+    directory = Path(directory)
+    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    path = directory / WEIGHTS_NAME
+    with writing(path):
+        write_shard(path, specs, ((name, tensors[name]) for name, _, _ in layout(specs)))
+    with writing(directory / CONFIG_NAME):
+        raw = config.to_peft(base_model, base_fingerprint)
+        (directory / CONFIG_NAME).write_text(jsonio.dumps(raw, indent=2) + "\n")
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str | None = None,
+                 base_fingerprint: dict | None = None) -> Path:
+    """`write_adapter` into a new directory, all at once (atomic_dir): `directory` must be absent or empty.
+    base_model: written as base_model_name_or_path; base_fingerprint: lora.fingerprint(base_dir)."""
+    with atomic_directory(directory) as tmp:
+        write_adapter(model, tmp, base_model, base_fingerprint)
+    return Path(directory)
+
+
+@dataclass
+class Adapter:
+    """An adapter read from disk: its parsed config, the raw JSON and the tensors by PEFT name."""
+
+    config: LoRAConfig
+    raw: dict
+    tensors: dict[str, torch.Tensor]
+    directory: Path
+
+
+def read_adapter(directory: str | os.PathLike) -> Adapter:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: expected an adapter directory ({CONFIG_NAME} + {WEIGHTS_NAME}), "
+                                f"found {'a file' if directory.exists() else 'nothing'}")
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory / name}: missing; an adapter directory holds {CONFIG_NAME} and "
+                                    f"{WEIGHTS_NAME}")
+    raw = read_json(directory / CONFIG_NAME, ValueError)
+    config = LoRAConfig.from_peft(raw, str(directory / CONFIG_NAME))
+    with Checkpoint.open(directory / WEIGHTS_NAME) as ckpt:
+        tensors = {name: ckpt.read(name) for name in ckpt.names()}
+    if not tensors:
+        raise ValueError(f"{directory / WEIGHTS_NAME}: holds no tensors")
+    return Adapter(config, raw, tensors, directory)
+
+
+@dataclass
+class _Plan:
+    """Where an adapter's tensors go in one model: Linear module -> (A, B), MoE block -> its expert keys."""
+
+    linears: dict[str, dict[str, torch.Tensor]]
+    experts: dict[str, dict[str, torch.Tensor]]
+
+
+def plan_adapter(model: nn.Module, adapter: Adapter,
+                 base_weight: Callable[[str], torch.Tensor | None] | None = None) -> _Plan:
+    """Maps every tensor of `adapter` onto `model` (its modules and shapes only: a model built on `meta`
+    will do); one ValueError listing what does not fit. base_weight(param name) gives a base weight's values
+    (default: the model's parameter), to compare with copies of base weights PEFT saves in adapters."""
+    prefix = weight_prefix(model)
+    modules = dict(model.named_modules())
+    blocks = moe_blocks(model)
+    aliases = _aliases(model)
+    problems: list[str] = []
+    linears: dict[str, dict[str, torch.Tensor]] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    if base_weight is None:
+        base_weight = dict(model.named_parameters()).get
+    for key, tensor in adapter.tensors.items():
+        m = _KEY.fullmatch(key[len(PEFT_PREFIX):]) if key.startswith(PEFT_PREFIX) else None
+        if m is None and key.startswith(PEFT_PREFIX):
+            base = _base_copy(key[len(PEFT_PREFIX):].removeprefix(prefix), tensor, base_weight, aliases)
+            if base is not None:  # PEFT saves targeted embedding layers' base weights; ours match: nothing to do
+                if base:
+                    problems.append(f"{key}: {base}")
+                continue
+        if m is None:
+            problems.append(f"{key}: not a LoRA tensor name (expected {PEFT_PREFIX}<module>.lora_A.weight or "
+                            f".lora_B.weight)")
+            continue
+        name = m["module"].removeprefix(prefix) if prefix else m["module"]
+        e = _EXPERT.fullmatch(name)
+        if e is not None and e["block"] in blocks:
+            if int(e["expert"]) >= blocks[e["block"]].num_experts:
+                problems.append(f"{key}: expert {e['expert']} does not exist ({e['block']} has "
+                                f"{blocks[e['block']].num_experts})")
+            experts.setdefault(e["block"], {})[f"{name}.{m['part']}.weight"] = tensor
+            continue
+        target = _resolve(name, modules, aliases)
+        if target is None:
+            problems.append(f"{key}: the model has no Linear module {name!r}")
+            continue
+        linears.setdefault(target, {})[m["part"]] = tensor
+    for name, pair in linears.items():
+        problems += _pair_problems(name, pair, modules[name], adapter.config)
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ValueError(f"{adapter.directory}: the adapter does not fit this model "
+                         f"({len(problems)} problem{'s' if len(problems) > 1 else ''}): {shown}")
+    return _Plan(linears, experts)
+
+
+def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_dir: str | os.PathLike | None = None,
+                 trainable: bool = False) -> LoRAConfig:
+    """Applies the adapter in `directory` (or one read_adapter read) to `model`: unmerged LoRALinear wrappers,
+    expert LoRA through the MoE hook. With `base_dir`, an adapter that records a base fingerprint must match
+    it. The LoRA tensors require grad only with `trainable` (PEFT's is_trainable); all else stays frozen."""
+    adapter = directory if isinstance(directory, Adapter) else read_adapter(directory)
+    recorded = base_fingerprint(adapter.raw)
+    if base_dir is not None and recorded is not None:
+        check_same_base(recorded, base_dir, f"adapter {adapter.directory}")
+    if lora_modules(model) or getattr(model, "lora_config", None) is not None:
+        raise ValueError("this model already carries a LoRA adapter; detach_lora(model) first")
+    plan = plan_adapter(model, adapter)
+    blocks = moe_blocks(model)
+    if plan.experts:
+        lacking = [b for b in plan.experts if not hasattr(blocks[b], EXPERT_HOOK)]
+        if lacking:
+            raise ValueError(f"{adapter.directory}: routed-expert LoRA needs the MoE expert hook "
+                             f"(MoE.{EXPERT_HOOK}), which this build of moeswap lacks; the adapter has "
+                             f"routed-expert tensors for {lacking[0]}")
+    cfg = adapter.config
+    base = freeze(model)
+    for name, pair in plan.linears.items():
+        r, alpha = pair["lora_A"].shape[0], cfg.rank_alpha(name)[1]
+        lora = wrap(model, name, r, alpha, cfg.dropout, cfg.use_rslora)
+        with torch.no_grad():
+            lora.lora_A.weight.copy_(pair["lora_A"])
+            lora.lora_B.weight.copy_(pair["lora_B"])
+    for block_name, tensors in plan.experts.items():
+        projections = tuple(sorted({_EXPERT.fullmatch(_KEY.fullmatch(k)["module"])["proj"] for k in tensors}))
+        first = next(k for k in tensors if k.endswith("lora_A.weight"))
+        r, alpha = tensors[first].shape[0], cfg.rank_alpha(_KEY.fullmatch(first)["module"])[1]
+        attach_experts(blocks[block_name], r, alpha, cfg, projections)
+        blocks[block_name].load_expert_lora_state_dict(tensors)
+    for p in model.parameters():
+        p.requires_grad_(trainable and id(p) not in base)
+    model.lora_config = cfg
+    return cfg
+
+
+def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "arch"):
+        return ()
+    from moeswap.models.loader import checkpoint_map_module
+
+    return getattr(checkpoint_map_module(config), "MODULE_ALIASES", ())
+
+
+def _resolve(name: str, modules: Mapping[str, nn.Module], aliases) -> str | None:
+    """The model's Linear that `name` (ours, or transformers' name for it) refers to."""
+    candidates = [name] + [re.fullmatch(p, name).expand(t) for p, t in aliases if re.fullmatch(p, name)]
+    for c in candidates:
+        if isinstance(modules.get(c), nn.Linear) and ".lora_" not in c:
+            return c
+    return None
+
+
+def _base_copy(name: str, tensor: torch.Tensor, base_weight: Callable[[str], torch.Tensor | None],
+               aliases) -> str | None:
+    """For a copy of a base weight in an adapter (PEFT's `<module>.base_layer.weight` or `<embedding>.weight`,
+    saved with embedding-layer targets): "" when it equals the model's weight, a problem when it differs,
+    None when `name` is no base weight of the model."""
+    if name.endswith(".base_layer.weight"):
+        module, attr = name.removesuffix(".base_layer.weight"), "weight"
+    else:
+        module, _, attr = name.rpartition(".")
+    candidates = [module] + [re.fullmatch(p, module).expand(t) for p, t in aliases if re.fullmatch(p, module)]
+    for c in candidates:
+        param = base_weight(f"{c}.{attr}")
+        if param is None:
+            continue
+        if tuple(param.shape) == tuple(tensor.shape) and torch.equal(param.detach().to(tensor.dtype), tensor):
+            return ""
+        return (f"replaces the base weight {c}.{attr} with other values; moeswap applies LoRA tensors only "
+                f"(was the adapter made on another base?)")
+    return None
+
+
+def _pair_problems(name: str, pair: dict[str, torch.Tensor], module: nn.Linear, config: LoRAConfig) -> list[str]:
+    A, B = pair.get("lora_A"), pair.get("lora_B")
+    if A is None or B is None:
+        return [f"{name}: has {'lora_A' if A is not None else 'lora_B'} without "
+                f"{'lora_B' if A is not None else 'lora_A'}"]
+    if not (A.dtype.is_floating_point and B.dtype.is_floating_point):
+        return [f"{name}: LoRA tensors must be floating point, found {A.dtype} and {B.dtype}"]
+    r = config.rank_alpha(name)[0]
+    want_A, want_B = (r, module.in_features), (module.out_features, r)
+    if tuple(A.shape) != want_A or tuple(B.shape) != want_B:
+        return [f"{name}: lora_A {list(A.shape)} / lora_B {list(B.shape)} do not fit a rank-{r} LoRA of a "
+                f"{module.in_features} -> {module.out_features} Linear (expected {list(want_A)} / {list(want_B)})"]
+    return []

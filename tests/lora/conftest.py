@@ -1,0 +1,38 @@
+"""LoRA tests' helpers: a loaded tiny model and an adapter with non-zero B (PEFT starts B at zero, which
+would make every comparison trivially equal)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeswap.lora import lora_modules
+from moeswap.models.loader import LoadOptions, load_model
+
+
+def _randomize_b(model, seed: int = 1, scale: float = 0.1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lora in lora_modules(model).values():
+            lora.lora_B.weight.copy_(torch.randn(lora.lora_B.weight.shape, generator=gen) * scale)
+
+
+@pytest.fixture
+def randomize_b():
+    """randomize_b(model, seed=1, scale=0.1): every LoRA B of `model` drawn from N(0, scale^2), in module order."""
+    return _randomize_b
+
+
+@pytest.fixture
+def load():
+    """load(path, **options) -> the model (fp32 compute; dense weights as the loader keeps them by default)."""
+
+    def make(path, **options):
+        return load_model(path, LoadOptions(dtype="float32", **options))[0]
+
+    return make
+
+
+@pytest.fixture
+def tokens():
+    return torch.randint(3, 500, (2, 21), generator=torch.Generator().manual_seed(7))

@@ -1,0 +1,161 @@
+"""`moeswap generate --lora` and `moeswap merge`: the adapter's tokens and logits, and bad input as one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moeswap.cli import main
+from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.lora import LoRAConfig, attach_lora, detach_lora, fingerprint, load_adapter, lora_modules, save_adapter
+from moeswap.lora.merge import REPORT_NAME
+from moeswap.models.loader import LoadOptions, load_model
+
+PROMPT = "the quick brown fox"
+TARGETS = ("q_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj", "routed_expert_up_proj", "lm_head")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeswap: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+def make_adapter(base, out, randomize_b, scale: float = 0.1):
+    model, _ = load_model(base, LoadOptions())
+    attach_lora(model, LoRAConfig(r=4, alpha=8, target_modules=TARGETS), generator=torch.Generator().manual_seed(0))
+    randomize_b(model, scale=scale)
+    save_adapter(model, out, base_fingerprint=fingerprint(base))
+    return out
+
+
+@pytest.fixture
+def k3_adapter(tiny_k3_dir, tmp_path, randomize_b):
+    return make_adapter(tiny_k3_dir, tmp_path / "adapter", randomize_b)
+
+
+def test_generate_with_an_adapter(capsys, tiny_k3_dir, k3_adapter, greedy_oracle, strict_json):
+    code, out, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--json", "--max-tokens", "6",
+                         "--ignore-eos", "--lora", f"style={k3_adapter}")
+    assert code == 0, err
+    got = strict_json(out)
+    model, _ = load_model(tiny_k3_dir, LoadOptions())
+    ids = load_tokenizer(tiny_k3_dir).encode(PROMPT, add_bos=False)
+    base_tokens = greedy_oracle(model, ids, 6)
+    load_adapter(model, k3_adapter)
+    assert got["tokens"] == greedy_oracle(model, ids, 6) != base_tokens
+    assert got["lora"] == str(k3_adapter)
+    assert got["native_decode_steps"] == 0  # the C decode step does not know LoRA: the modules run
+    code, out, _ = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--json", "--max-tokens", "6",
+                       "--ignore-eos", "--lora", str(k3_adapter))
+    assert code == 0 and strict_json(out)["tokens"] == got["tokens"]  # PATH alone, as NAME=PATH
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--lora", "{tmp}/nothing"], ["{tmp}/nothing: expected an adapter directory"]),
+    (["--lora", "a=x", "--lora", "b=y"], ["--lora: generate applies one adapter, got 2"]),
+])
+def test_generate_bad_lora(capsys, tiny_k3_dir, tmp_path, flags, fragments):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    fragments = [f.format(tmp=tmp_path) for f in fragments]
+    code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, *flags)
+    assert_one_line_error(code, err, *fragments)
+
+
+def test_generate_refuses_an_adapter_for_another_base(capsys, tiny_linear_dir, k3_adapter):
+    code, _, err = run(capsys, "generate", str(tiny_linear_dir), "--prompt", PROMPT, "--lora", str(k3_adapter))
+    assert_one_line_error(code, err, "was made for a different base model")
+
+
+def logits(path, tokens, adapter=None):
+    model, _ = load_model(path, LoadOptions(dtype="float32"))
+    if adapter is not None:
+        load_adapter(model, adapter)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_merge_k3(capsys, tiny_k3_dir, k3_adapter, tmp_path, strict_json):
+    """K3's dense weights are bf16: merged in bf16, each weight rounded once (what the report says)."""
+    out = tmp_path / "merged"
+    code, stdout, err = run(capsys, "merge", str(tiny_k3_dir), str(k3_adapter), str(out), "--json")
+    assert code == 0, err
+    report = strict_json(stdout)
+    assert report == strict_json((out / REPORT_NAME).read_text())
+    model, _ = load_model(tiny_k3_dir, LoadOptions())
+    load_adapter(model, k3_adapter)
+    assert report["merged_tensors"] == len(lora_modules(model))
+    assert all(r["dtype"] == "bfloat16" for r in report["tensors"])
+    assert 0 < report["max_abs_rounding"] <= max(r["max_abs_update"] for r in report["tensors"]) / 100
+    tokens = torch.randint(3, 500, (2, 21), generator=torch.Generator().manual_seed(7))
+    base, adapted, merged = logits(tiny_k3_dir, tokens), logits(tiny_k3_dir, tokens, k3_adapter), logits(out, tokens)
+    # the checkpoint holds what merging in memory gives (each weight W + s B A rounded to bf16 once) ...
+    model, _ = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
+    load_adapter(model, k3_adapter)
+    detach_lora(model, merge=True)
+    with torch.no_grad():
+        assert torch.equal(merged, model(tokens))
+    # ... and without that rounding (fp32 weights) merging is the adapter's function; this random tiny model
+    # amplifies perturbations ~10x a layer, so the bf16 rounding alone moves its logits visibly
+    model, _ = load_model(tiny_k3_dir, LoadOptions(dtype="float32", dense_weights="compute"))
+    load_adapter(model, k3_adapter)
+    detach_lora(model, merge=True)
+    with torch.no_grad():
+        assert (model(tokens) - adapted).abs().max() <= 1e-3 * (adapted - base).abs().max()
+    for name in ("config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (tiny_k3_dir / name).read_bytes()
+
+
+def test_merge_fp32_checkpoint(capsys, tmp_path, randomize_b):
+    """A checkpoint stored in fp32 (transformers' Kimi Linear): the merged model gives the adapter's logits."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from models.test_kimi_linear_parity import _reference_model
+
+    base = tmp_path / "base"
+    _reference_model().save_pretrained(base)
+    model, _ = load_model(base, LoadOptions(dtype="float32"))
+    targets = ("q_proj", "f_b_proj", "kv_b_proj", "shared_experts.up_proj", "gate_proj")
+    attach_lora(model, LoRAConfig(r=4, alpha=8, target_modules=targets), generator=torch.Generator().manual_seed(0))
+    randomize_b(model)
+    save_adapter(model, tmp_path / "adapter", base_fingerprint=fingerprint(base))
+    code, _, err = run(capsys, "merge", str(base), str(tmp_path / "adapter"), str(tmp_path / "merged"))
+    assert code == 0, err
+    tokens = torch.randint(3, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    base_logits, merged = logits(base, tokens), logits(tmp_path / "merged", tokens)
+    adapted = logits(base, tokens, tmp_path / "adapter")
+    assert (merged - adapted).abs().max() <= 1e-4 and (adapted - base_logits).abs().max() > 0.5
+
+
+def test_merge_bad_input(capsys, tiny_k3_dir, k3_adapter, tmp_path):
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(tmp_path / "none"), str(out))
+    assert_one_line_error(code, err, "expected an adapter directory")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "adapter_config.json").write_text("{not json")
+    (tmp_path / "bad" / "adapter_model.safetensors").write_bytes(b"")
+    code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(tmp_path / "bad"), str(out))
+    assert_one_line_error(code, err, "adapter_config.json")
+    assert not out.exists()
+
+
+def test_merge_refuses_routed_expert_lora_for_now(capsys, tiny_k3_dir, k3_adapter, tmp_path):
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    (experts / "adapter_config.json").write_text((k3_adapter / "adapter_config.json").read_text())
+    key = "base_model.model.language_model.model.layers.1.block_sparse_moe.experts.0.w1"
+    save_file({f"{key}.lora_A.weight": torch.zeros(4, 32), f"{key}.lora_B.weight": torch.zeros(64, 4)},
+              experts / "adapter_model.safetensors")
+    code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(experts), str(tmp_path / "out"))
+    assert_one_line_error(code, err, "routed-expert LoRA", "not supported yet")
+    assert not (tmp_path / "out").exists()
