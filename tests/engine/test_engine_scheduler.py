@@ -52,6 +52,30 @@ def test_batched_equals_single_with_stops_and_uneven_lengths(model):
         assert g.tokens == want and g.finish_reason == ("stop" if stop in f else "length")
 
 
+def test_batched_logits_equal_alone_bit_for_bit(model):
+    """Batching changes no number: each step's log-probabilities (the raw logits' log-softmax) of a request
+    decoded with up to 8 others, joining and leaving at different steps, equal those it gets alone, bit for
+    bit, and its greedy tokens with them (every decode kernel sums a token's rows in one order whatever the
+    batch: ops/csrc/linear_bf16.c; tests/ops/test_batch_invariance.py)."""
+    shapes = [(3, 12), (17, 6), (40, 12), (5, 9), (9, 12), (1, 7), (26, 12), (12, 10), (7, 12)]
+    reqs = [Request(_tokens(n, 30 + n), m, logprobs=8, id=i) for i, (n, m) in enumerate(shapes)]
+    sched = Scheduler(model, EngineConfig(max_batch=len(reqs), max_len=128))
+    for r in reqs:
+        sched.submit(r)
+    events, widths = [], []
+    while sched.busy:
+        widths.append(sched.decoding)  # the rows of this step's decode
+        events += sched.step()
+    assert max(widths) == len(reqs) and len(set(widths)) > 3
+    assert sched.stats.native_steps == sched.stats.decode_steps > 0  # the decode steps' C call
+    for r in reqs:
+        alone = []
+        Scheduler(model, EngineConfig(max_batch=1, max_len=128)).run(
+            [Request(r.prompt, r.max_tokens, logprobs=8)], on_token=alone.append)
+        mine = [(e.token, e.logprob, e.top_logprobs) for e in events if e.id == r.id]
+        assert mine == [(e.token, e.logprob, e.top_logprobs) for e in alone], f"request {r.id}"
+
+
 def test_chunked_prefill_equals_one_forward(model):
     prompt = _tokens(150, 7)
     whole = Scheduler(model, EngineConfig(max_batch=1, max_len=200, prefill_chunk=512)).run([Request(prompt, 6)])

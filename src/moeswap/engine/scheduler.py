@@ -6,10 +6,11 @@ MLA over the piece plus the cache), and then runs one batched decode step over e
 finished its prefill (on the CPU, its layers in one C call: engine/native_step.py), so a long prompt never
 stalls the running streams. A prompt's first token comes with its last piece. Finished and aborted
 sequences leave at once; the state (engine/state.py) grows and shrinks with the sequences. Rows of a batch
-never mix, but results are not bit-invariant to the batch: the bf16 linear kernel sums one token in another
-order than several (csrc/linear_bf16.c), so logits differ from a run alone by ~1e-6 relative and a near-tied
-greedy token can differ (seen on bench-k3; the tiny test models' greedy tokens equal their runs alone).
-Time to first token and time per output token are measured here. Every step's logits are checked for NaN
+never mix, and results are bit-invariant to the batch up to 32 decoding sequences: every kernel of the
+native decode step sums a token's outputs in one order whatever the batch (csrc/linear_bf16.c for the bf16
+products), so a request's logits and greedy tokens equal those of its run alone (tests/engine/
+test_engine_scheduler.py); above 32, the model's forward hands the bf16 products to torch's GEMM, which does
+not promise it. Time to first token and time per output token are measured here. Every step's logits are checked for NaN
 and Inf (one reduction); a sequence whose logits are not finite fails alone (finish reason "error", with a
 NonFiniteError naming the step and the first non-finite layer) and the others go on.
 Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`,

@@ -60,23 +60,35 @@ HIDDEN void mxfp4_tables(void); /* fills the E8M0 table once (idempotent) */
 #define PERMUTED_WIDTH 0
 #endif
 
-/* x [T, I] in that column order; NULL when out of memory. */
+/* Columns of a row of width I in whole blocks of 2 PERMUTED_WIDTH (0 for portable C). */
+static inline int64_t permuted_whole(int64_t I) {
+#if PERMUTED_WIDTH
+    return I - I % (2 * PERMUTED_WIDTH);
+#else
+    (void)I;
+    return 0;
+#endif
+}
+
+/* x [T, I] in that column order, the columns past the last whole block as they are (bf16 weights take any
+ * width; MXFP4's is a multiple of 32); NULL when out of memory. */
 static inline float *permuted(const float *x, int64_t T, int64_t I) {
     mxfp4_tables();
-    float *xp = (float *)malloc((size_t)(T * I) * sizeof(float) + 64);
+    /* 64-byte aligned: the tiles load x in whole cache lines where I allows (a split load costs two) */
+    float *xp = (float *)aligned_alloc(64, ((size_t)(T * I) * sizeof(float) + 127) / 64 * 64);
     if (!xp) return NULL;
+    const int64_t whole = permuted_whole(I);
     for (int64_t t = 0; t < T; t++) {
         const float *src = x + t * I;
         float *dst = xp + t * I;
 #if PERMUTED_WIDTH
-        for (int64_t i = 0; i < I; i += 2 * PERMUTED_WIDTH)
+        for (int64_t i = 0; i < whole; i += 2 * PERMUTED_WIDTH)
             for (int k = 0; k < PERMUTED_WIDTH; k++) {
                 dst[i + k] = src[i + 2 * k];
                 dst[i + PERMUTED_WIDTH + k] = src[i + 2 * k + 1];
             }
-#else
-        memcpy(dst, src, (size_t)I * sizeof(float));
 #endif
+        memcpy(dst + whole, src + whole, (size_t)(I - whole) * sizeof(float));
     }
     return xp;
 }
@@ -135,7 +147,8 @@ static inline void q8_linear_rows(q8_rows a, int64_t T, int64_t I, const uint8_t
 #endif
 
 /* ---- linear_bf16.c ---- */
-/* Rows [o, o + n) of y[T, O] = x @ W^T for bf16 W, tokens in tiles of 8, 4, 2, 1. */
+/* Rows [o, o + n) of y[T, O] = x @ W^T for bf16 W and x in `permuted` column order, every (row, token) sum
+ * in the one order linear_bf16.c defines, however many tokens there are. */
 HIDDEN void bf16_rows(const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, int64_t o, int64_t n,
                       float *y);
 /* dense_linear's --gemm-precision bf16 path. */

@@ -13,115 +13,90 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* R rows from o of W bf16 [O, I] times TT tokens of x; columns [0, I) with a scalar tail. */
-INLINE void bf16_tile(const float *x, const int TT, const int R, int64_t I, const uint16_t *W, int64_t o,
-                      float *y, int64_t O) {
-    int64_t i = 0;
-    float tail[8][8] = {{0}};
-#if defined(__AVX512F__)
-    __m512 acc[8][8];
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    for (; i + 16 <= I; i += 16) {
-        __m512 w[8];
-        UNROLL for (int r = 0; r < R; r++) {
-            const uint16_t *p = W + (o + r) * I + i;
-            if ((i & 31) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0); /* the next tile's rows */
-            w[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-        }
-        UNROLL for (int t = 0; t < TT; t++) {
-            const __m512 xv = _mm512_loadu_ps(x + t * I + i);
-            UNROLL for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
-        }
-    }
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) tail[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[4][8];
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
-    for (; i + 8 <= I; i += 8) {
-        __m256 w[4];
-        UNROLL for (int r = 0; r < R; r++) {
-            const uint16_t *p = W + (o + r) * I + i;
-            if ((i & 31) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0);
-            w[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-        }
-        UNROLL for (int t = 0; t < TT; t++) {
-            const __m256 xv = _mm256_loadu_ps(x + t * I + i);
-            UNROLL for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);
-        }
-    }
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) tail[r][t] = hsum(acc[r][t]);
+/* The order of the sums. Every (row, token) sum of moeswap_bf16_linear runs the same steps whatever T is and
+ * however the call tiles tokens and rows, so a token's outputs do not depend on the batch it came in (a server
+ * decoding it with others gives the bits it gets alone). x is read in `permuted` column order (internal.h):
+ * per block of 2L columns (L = PERMUTED_WIDTH lanes: 16 AVX-512, 8 AVX2) the L even columns, then the L odd
+ * ones. One load of a block's 2L bf16 weights then holds in each 32-bit lane an even weight (low half) and
+ * the next odd one (high half): a 16-bit left shift makes the even ones fp32, clearing the low half the odd
+ * ones; two integer ops per 2L weights instead of widening shuffles, which bound one core's streaming rate
+ * once huge pages had taken the page walks away (17 -> 25 GB/s). Per (row, token), as mxfp4.c's tiles sum:
+ *   acc = 0 (L fp32 lanes); for each whole block, in column order:
+ *     acc = fma(W[even columns], x[even columns], acc);  acc = fma(W[odd columns], x[odd columns], acc);
+ *   s = the horizontal sum of acc (one fixed sequence of adds); then s += W[i] x[i] for each column past
+ *   the whole blocks, in order (portable C: s = 0 and every column so).
+ * One accumulator per (row, token), so a tile of R rows and TT tokens holds R TT of them: as many rows and
+ * tokens as one accumulator per 16 columns allowed before (two per (row, token) held a 4-token tile to 3 rows:
+ * ~10 % slower at 4 tokens). Its chain of two dependent FMAs per block is hidden by running several rows at
+ * once, a token alone too: 4 rows (4 chains, 4 streams, the next 4 rows prefetched) streamed one core's
+ * weights faster than the one row at a time with 4 accumulators of before (docs/benchmarks.md). */
+#if PERMUTED_WIDTH == 16
+typedef __m512 vec_f;
+typedef __m512i vec_i;
+#define W_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define W_EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32((v), 16))
+#define W_ODD(v) _mm512_castsi512_ps(_mm512_and_si512((v), _mm512_set1_epi32((int)0xFFFF0000u)))
+#define X_LOAD _mm512_loadu_ps
+#define V_FMA _mm512_fmadd_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_SUM _mm512_reduce_add_ps
+/* tokens per tile, and rows per tile for TT tokens: R TT accumulators and 2 R weight vectors of 32 registers */
+#define TOKENS_MAX 8
+#define ROWS_FOR(TT) ((TT) <= 4 ? 4 : (TT) <= 6 ? 3 : 2)
+#elif PERMUTED_WIDTH == 8
+typedef __m256 vec_f;
+typedef __m256i vec_i;
+#define W_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define W_EVEN(v) _mm256_castsi256_ps(_mm256_slli_epi32((v), 16))
+#define W_ODD(v) _mm256_castsi256_ps(_mm256_and_si256((v), _mm256_set1_epi32((int)0xFFFF0000u)))
+#define X_LOAD _mm256_loadu_ps
+#define V_FMA _mm256_fmadd_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_SUM hsum
+#define TOKENS_MAX 4 /* of 16 registers */
+#define ROWS_FOR(TT) ((TT) == 1 ? 4 : (TT) == 2 ? 3 : 2)
+#else
+#define TOKENS_MAX 8
+#define ROWS_FOR(TT) 1
 #endif
-    for (; i < I; i++)
+
+/* R rows from o of W bf16 [O, I] times TT tokens of permuted x (R, TT compile-time after inlining), each
+ * (row, token) in the order above. */
+INLINE void bf16_tile(const float *xp, const int TT, const int R, int64_t I, const uint16_t *W, int64_t o,
+                      float *y, int64_t O) {
+    const int64_t whole = permuted_whole(I);
+    float s[8][8];
+#if PERMUTED_WIDTH
+    enum { L = PERMUTED_WIDTH };
+    vec_f acc[8][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = V_ZERO();
+    for (int64_t i = 0; i < whole; i += 2 * L) {
+        vec_f we[8], wo[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint16_t *p = W + (o + r) * I + i;
+            /* the next tile's rows, a cache line a block: the hardware prefetcher follows R interleaved
+             * streams less well */
+            if ((i & 31) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0);
+            const vec_i v = W_LOAD(p);
+            we[r] = W_EVEN(v);
+            wo[r] = W_ODD(v);
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            const vec_f xe = X_LOAD(xp + t * I + i), xo = X_LOAD(xp + t * I + i + L);
+            UNROLL for (int r = 0; r < R; r++) acc[r][t] = V_FMA(wo[r], xo, V_FMA(we[r], xe, acc[r][t]));
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) s[r][t] = V_SUM(acc[r][t]);
+#else
+    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) s[r][t] = 0.f;
+#endif
+    for (int64_t i = whole; i < I; i++)
         for (int r = 0; r < R; r++) {
             const float w = bf16_to_f32(W[(o + r) * I + i]);
-            for (int t = 0; t < TT; t++) tail[r][t] += w * x[t * I + i];
+            for (int t = 0; t < TT; t++) s[r][t] += w * xp[t * I + i];
         }
-    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) y[t * O + o + r] = tail[r][t];
+    for (int r = 0; r < R; r++) for (int t = 0; t < TT; t++) y[t * O + o + r] = s[r][t];
 }
-
-/* One token, one row: the rows of a chunk are read as one sequential stream (what the hardware
- * prefetcher follows best), with four independent accumulators so the FMA latency is hidden. */
-static float bf16_dot(const float *x, const uint16_t *w, int64_t I) {
-    int64_t i = 0;
-    float sum = 0.f;
-#if defined(__AVX512F__)
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (; i + 64 <= I; i += 64)
-        UNROLL for (int k = 0; k < 4; k++) {
-            const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i + 16 * k))), 16));
-            acc[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i + 16 * k), acc[k]);
-        }
-    for (; i + 16 <= I; i += 16) {
-        const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16));
-        acc[0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), acc[0]);
-    }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; i + 32 <= I; i += 32)
-        UNROLL for (int k = 0; k < 4; k++) {
-            const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + i + 8 * k))), 16));
-            acc[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i + 8 * k), acc[k]);
-        }
-    sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-#endif
-    for (; i < I; i++) sum += bf16_to_f32(w[i]) * x[i];
-    return sum;
-}
-
-#if defined(__AVX512F__)
-/* bf16_dot with x permuted per 32-column block (16 even columns, then the 16 odd ones, as
- * `permuted` lays it out) and I % 32 == 0: one 64-byte load holds 32 bf16 weights, and each 32-bit lane
- * pairs an even weight (low half) with the next odd one (high half). A 16-bit left shift makes the even
- * ones fp32, clearing the low half the odd ones: two plain integer ops per 32 weights instead of two
- * widening shuffles and two shifts, which bound one core's streaming rate once huge pages had taken the
- * page walks away (moeswap_bf16_linear uses it for one token). */
-#define BF16_EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32((v), 16))
-#define BF16_ODD(v) _mm512_castsi512_ps(_mm512_and_si512((v), _mm512_set1_epi32((int)0xFFFF0000u)))
-static float bf16_dot_paired(const float *xp, const uint16_t *w, int64_t I) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t i = 0;
-    for (; i + 64 <= I; i += 64) {
-        const __m512i v0 = _mm512_loadu_si512((const void *)(w + i)), v1 = _mm512_loadu_si512((const void *)(w + i + 32));
-        acc[0] = _mm512_fmadd_ps(BF16_EVEN(v0), _mm512_loadu_ps(xp + i), acc[0]);
-        acc[1] = _mm512_fmadd_ps(BF16_ODD(v0), _mm512_loadu_ps(xp + i + 16), acc[1]);
-        acc[2] = _mm512_fmadd_ps(BF16_EVEN(v1), _mm512_loadu_ps(xp + i + 32), acc[2]);
-        acc[3] = _mm512_fmadd_ps(BF16_ODD(v1), _mm512_loadu_ps(xp + i + 48), acc[3]);
-    }
-    for (; i < I; i += 32) {
-        const __m512i v = _mm512_loadu_si512((const void *)(w + i));
-        acc[0] = _mm512_fmadd_ps(BF16_EVEN(v), _mm512_loadu_ps(xp + i), acc[0]);
-        acc[1] = _mm512_fmadd_ps(BF16_ODD(v), _mm512_loadu_ps(xp + i + 16), acc[1]);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-}
-
-#define BF16_PAIRED 1
-#else
-#define BF16_PAIRED 0
-#endif
 
 #if defined(__AVX512BF16__)
 /* R rows from o times TT tokens, x already rounded to bf16 (the opt-in --gemm-precision bf16: llama.cpp's
@@ -180,50 +155,38 @@ int moeswap_bf16x_linear(const uint16_t *x, int64_t T, int64_t I, const uint16_t
 int moeswap_has_bf16_dot(void) { return 0; }
 #endif
 
-/* Rows [o, o + n) of y[T, O] = x @ W^T for bf16 W, tokens in tiles of 8, 4, 2, 1. */
+#define BF16_TILE(TT_, R_) bf16_tile(xp, TT_, R_, I, W, r, y, O)
+#define BF16_TILE_FULL(TT_, R_) BF16_TILE(TT_, ROWS_FOR(TT_))
+/* Rows [o, o + n) (internal.h): tokens in tiles of up to TOKENS_MAX, ROWS_FOR(TT) rows a tile, then the rows
+ * left two, then one at a time. */
 void bf16_rows(const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, int64_t o, int64_t n,
-               float *y) {
-    for (int64_t t = 0; t < T;) {
-        const int TT = T - t >= 8 ? 8 : T - t >= 4 ? 4 : T - t >= 2 ? 2 : 1;
-        const float *xt = x + t * I;
-        float *yt = y + t * O;
+               float *y0) {
+    for (int64_t t = 0; t < T; t += TOKENS_MAX) {
+        const int TT = T - t < TOKENS_MAX ? (int)(T - t) : TOKENS_MAX, R = ROWS_FOR(TT);
+        const float *xp = x + t * I;
+        float *y = y0 + t * O;
         int64_t r = o;
-        for (; TT == 8 && r + 2 <= o + n; r += 2) bf16_tile(xt, 8, 2, I, W, r, yt, O);
-        for (; TT == 4 && r + 4 <= o + n; r += 4) bf16_tile(xt, 4, 4, I, W, r, yt, O);
-        for (; TT == 2 && r + 4 <= o + n; r += 4) bf16_tile(xt, 2, 4, I, W, r, yt, O);
-        for (; TT == 1 && r < o + n; r++) yt[r] = bf16_dot(xt, W + r * I, I);
-        for (; r < o + n; r++) {
-            switch (TT) {
-            case 8: bf16_tile(xt, 8, 1, I, W, r, yt, O); break;
-            case 4: bf16_tile(xt, 4, 1, I, W, r, yt, O); break;
-            case 2: bf16_tile(xt, 2, 1, I, W, r, yt, O); break;
-            default: bf16_tile(xt, 1, 1, I, W, r, yt, O); break;
-            }
-        }
-        t += TT;
+        for (; r + R <= o + n; r += R) BY_TOKENS(BF16_TILE_FULL, 8, 1, 1)
+        for (; R > 2 && r + 2 <= o + n; r += 2) BY_TOKENS(BF16_TILE, 8, 2, 2)
+        for (; r < o + n; r++) BY_TOKENS(BF16_TILE, 8, 1, 1)
     }
 }
+#undef BF16_TILE
+#undef BF16_TILE_FULL
 
-/* y[T, O] = x[T, I] @ W^T, W bf16 [O, I] (row-major, as torch stores a Linear weight). Returns 0, 1 for bad
- * sizes. Small T is the point (decode); callers send large T to a GEMM library. */
+/* y[T, O] = x[T, I] @ W^T, W bf16 [O, I] (row-major, as torch stores a Linear weight), each (row, token) sum in
+ * the order above. Returns 0, 1 for bad sizes, 2 out of memory. Small T is the point (decode); callers send
+ * large T to a GEMM library. */
 int moeswap_bf16_linear(const float *x, int64_t T, int64_t I, const uint16_t *W, int64_t O, float *y,
                         int nthreads) {
     if (T < 1 || I < 1 || O < 1) return 1;
+    float *xp = permuted(x, T, I);
+    if (!xp) return 2;
     const int64_t chunks = (O + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    /* one token: rows against permuted x (bf16_dot_paired); 17 -> 25 GB/s on one core, once huge pages
-     * took the page walks away; more tokens are bound by their FMAs, not by widening the weights */
-    float *xp = BF16_PAIRED && T == 1 && I % 32 == 0 ? permuted(x, 1, I) : NULL;
-    if (BF16_PAIRED && T == 1 && I % 32 == 0 && !xp) return 2;
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 2)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t o = c * CHUNK_ROWS, n = O - o < CHUNK_ROWS ? O - o : CHUNK_ROWS;
-#if BF16_PAIRED
-        if (xp) {
-            for (int64_t r = o; r < o + n; r++) y[r] = bf16_dot_paired(xp, W + r * I, I);
-            continue;
-        }
-#endif
-        bf16_rows(x, T, I, W, O, o, n, y);
+        bf16_rows(xp, T, I, W, O, o, n, y);
     }
     free(xp);
     return 0;
