@@ -90,3 +90,32 @@ def private_tiktoken_cache(tmp_path_factory):
         os.environ.pop("TIKTOKEN_CACHE_DIR", None)
     else:
         os.environ["TIKTOKEN_CACHE_DIR"] = before
+
+
+@pytest.fixture(scope="session")
+def make_lora_adapter():
+    """make_lora_adapter(base, out, targets, seed) -> out: a rank-4 LoRA adapter for the model in `base` on
+    `targets` (dense and routed-expert), every B drawn non-zero (PEFT starts B at zero, which would make every
+    comparison trivially equal), saved in PEFT's format with the base's fingerprint."""
+    import torch
+
+    from moeswap.lora import LoRAConfig, attach_lora, fingerprint, lora_modules, save_adapter
+    from moeswap.models.loader import load_model
+
+    def make(base, out, targets, seed: int, scale: float = 0.1):
+        model, store = load_model(base)
+        attach_lora(model, LoRAConfig(r=4, alpha=8, target_modules=targets),
+                    generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            Bs = [m.lora_B.weight for m in lora_modules(model).values()]
+            for block in model.moe_blocks():
+                experts = block._modules.get("expert_lora")
+                Bs += list(experts.lora_B.values()) if experts is not None else []
+            for B in Bs:
+                B.copy_(torch.randn(B.shape, generator=gen) * scale)
+        save_adapter(model, out, base_fingerprint=fingerprint(base))
+        store.close()
+        return out
+
+    return make

@@ -125,15 +125,17 @@ def parse_lora(value: str) -> tuple[str | None, str]:
     return None, value
 
 
-def read_lora_flag(values: list[str]):
-    """The one adapter `generate --lora` names, read and checked (before the model loads), or None."""
+def read_lora_flag(values: list[str], model_dir: str):
+    """The one adapter `generate --lora` names as (name, Adapter), read and checked against the model's
+    base fingerprint (before the model loads), or None."""
     if not values:
         return None
     if len(values) > 1:
         raise ValueError(f"--lora: generate applies one adapter, got {len(values)}")
-    from moeswap.lora import read_adapter
+    from moeswap.lora.serving import read_adapters
 
-    return read_adapter(parse_lora(values[0])[1])
+    name, path = parse_lora(values[0])
+    return read_adapters([(name or "adapter", path)], model_dir)[0]
 
 
 def cmd_generate(args) -> int:
@@ -149,14 +151,15 @@ def cmd_generate(args) -> int:
     # every flag is checked before the model loads
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
-    adapter = read_lora_flag(args.lora)
+    lora = read_lora_flag(args.lora, args.model)
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))
     try:
-        if adapter is not None:
-            from moeswap.lora import load_adapter
+        if lora is not None:  # the machinery of `serve --lora`, with one adapter in slot 1 for the request
+            from moeswap.lora.serving import load_adapters
 
-            load_adapter(model, adapter, base_dir=args.model)
+            load_adapters(model, [lora])
+            cfg = dataclasses.replace(cfg, adapter=1)
         tok = load_tokenizer(args.model)
         load_s = time.perf_counter() - t0
         messages = [{"role": "user", "content": args.prompt}]
@@ -183,7 +186,7 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
-        "state_bytes": result.state_bytes, "lora": None if adapter is None else str(adapter.directory),
+        "state_bytes": result.state_bytes, "lora": None if lora is None else str(lora[1].directory),
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
     if args.json:

@@ -27,6 +27,7 @@ class GenerationConfig:
     seed: int | None = None
     stop_ids: Sequence[int] | None = None  # None -> the model's eos ids; () -> never stop early
     max_prompt_tokens: int | None = None  # None -> config.max_position_embeddings
+    adapter: int = 0  # the LoRA adapter slot every prompt uses (lora.serving.load_adapters; 0: none)
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -93,8 +94,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
     if engine.max_len < longest:
         engine = replace(engine, max_len=longest)
     sched = Scheduler(model, engine)
-    requests = [Request(list(p), cfg.max_tokens, cfg.sampling, stop, None if cfg.seed is None else cfg.seed + i, i)
-                for i, p in enumerate(prompts)]
+    requests = [Request(list(p), cfg.max_tokens, cfg.sampling, stop, None if cfg.seed is None else cfg.seed + i, i,
+                        adapter=cfg.adapter) for i, p in enumerate(prompts)]
     # raises the first failed request's error (NonFiniteError) once the others are done
     results = sched.run(requests, (lambda ev: on_token(ev.id, ev.token) if ev.token is not None else None)
                         if on_token else None)

@@ -18,6 +18,9 @@ layer; so does a layer whose chosen experts are not in its table yet (the store 
 A next-layer lookahead runs only while a store can evict: with every expert resident it has nothing to
 load (its precision and recall are then not scored).
 
+Served LoRA adapters (lora.multi) leave the table on the base weights, read through their wrappers: the
+call runs while no row of the batch uses an adapter, and a step with one takes the model's forward.
+
 The table points at the bf16 weights and fp32 parameters themselves, so in-place changes to them are seen;
 where it holds a copy (fp32 casts, conv taps, the absorbed MLA weights, AttnRes scores) it is rebuilt when
 a source weight changes in place (its version). A model whose modules or parameters are replaced
@@ -34,7 +37,7 @@ import torch
 
 from moeswap.models.kimi_k3 import KimiModel, ModelState
 from moeswap.models.layers.attn_res import score_vector
-from moeswap.models.layers.basic import fused_weight
+from moeswap.models.layers.basic import fused_weight, unadapted
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
@@ -98,7 +101,7 @@ class _Plan:
         # the final norm and lm_head in the call too, where the head is a bf16 stored weight
         self._norm_eps(m.norm)
         self.final_norm, self.head, self.V = self._f32(m.norm.weight), None, model.config.vocab_size
-        if not model.config.tie_word_embeddings and type(model.lm_head) is StoredWeightLinear:
+        if not model.config.tie_word_embeddings and type(unadapted(model.lm_head)) is StoredWeightLinear:
             self.head = self._bf16(model.lm_head)
         self._scratch: dict[int, tuple] = {}
         self.stores = list({id(b.store): b.store for b in model.moe_blocks()}.values())
@@ -127,6 +130,7 @@ class _Plan:
         return self._f32(score_vector(norm, proj), norm.weight, proj.weight)
 
     def _bf16(self, linear_module) -> int:
+        linear_module = unadapted(linear_module)  # the step runs only while no row uses an adapter
         w = linear_module.weight
         if type(linear_module) is not StoredWeightLinear or w.dtype != torch.bfloat16 or not w.is_contiguous():
             raise Unsupported(f"{type(linear_module).__name__} with {w.dtype} weights (expected bf16 kept as stored)")
@@ -134,7 +138,7 @@ class _Plan:
 
     def _fused(self, module, names: tuple[str, ...]) -> tuple[int, int, list[int]]:
         """The named Linears' fused bf16 weight: (pointer, rows, each one's first row)."""
-        w = fused_weight(module, names)
+        w = fused_weight(module, names, unadapted_rows=True)
         if w is None or w.dtype != torch.bfloat16:
             raise Unsupported(f"{type(module).__name__}'s {', '.join(names)} are not fused bf16 weights")
         for n in names:
@@ -266,6 +270,10 @@ class NativeDecode:
             self._params = list(m.parameters())
         if torch.is_grad_enabled() and any(p.requires_grad for p in self._params):
             self.reason = "gradients are enabled"
+            return None
+        rows = getattr(m, "adapter_rows", None)  # served LoRA adapters (lora.multi): the table holds base weights
+        if rows is not None and rows.active:
+            self.reason = "a row uses a LoRA adapter"
             return None
         if not self._built or (self._plan is not None and self._plan.versions() != self._key):
             self._built, self._unsupported = True, None

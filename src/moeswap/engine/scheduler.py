@@ -13,6 +13,8 @@ test_engine_scheduler.py); above 32, the model's forward hands the bf16 products
 not promise it. Time to first token and time per output token are measured here. Every step's logits are checked for NaN
 and Inf (one reduction); a sequence whose logits are not finite fails alone (finish reason "error", with a
 NonFiniteError naming the step and the first non-finite layer) and the others go on.
+A model serving LoRA adapters (lora.serving) gets each forward's rows' adapters (Request.adapter) set
+around it; a decode step with an adapter row takes the model's forward instead of the C call.
 Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`,
 `.abort(id)`.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -31,6 +34,7 @@ from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.nonfinite import NonFiniteError, all_finite, first_nonfinite
 from moeswap.engine.sampling import SamplingParams, sample
 from moeswap.engine.state import SlotStates
+from moeswap.models.layers.basic import fuse_projections  # noqa: F401 (imported from here too)
 
 
 def check_seed(seed: int, context: str = "") -> None:
@@ -68,6 +72,7 @@ class Request:
     # None: no log-probabilities; k >= 0: each token's event carries its log-probability and the top k, from
     # the raw logits (before temperature, top-k and top-p, as OpenAI and vLLM report them)
     logprobs: int | None = None
+    adapter: int = 0  # the LoRA adapter slot its rows use (lora.serving: 1..n; 0: the base model)
 
 
 @dataclass
@@ -150,14 +155,6 @@ class _Seq:
     logprobs: tuple[float, list[tuple[int, float]]] | None = None  # of the token _sample just chose
 
 
-def fuse_projections(model) -> None:
-    """Fuse the projections that share an input (models.layers.basic.fuse_linears) in every attention
-    layer, dense MLP and shared-expert MLP; idempotent."""
-    for module in model.modules():
-        if hasattr(module, "fuse_projections") and "_fused_input" not in module.__dict__:
-            module.fuse_projections()
-
-
 class Scheduler:
     def __init__(self, model, config: EngineConfig = EngineConfig(), dtype: torch.dtype | None = None):
         self.model, self.config = model, config
@@ -175,7 +172,11 @@ class Scheduler:
         self.stats = EngineStats()
         self._next_id = 0
         self._aborted: list[_Seq] = []  # aborted while waiting: their "abort" event comes with the next step
+        # served LoRA adapters (lora.serving): which slot each row of a forward uses is set around it
+        self.rows = getattr(model, "adapter_rows", None)
         self._decode = model
+        if config.compile and self.rows is not None:
+            raise ValueError("EngineConfig.compile does not apply to a model serving LoRA adapters")
         if config.compile:
             from moeswap.engine.compile import compile_decode
 
@@ -197,6 +198,10 @@ class Scheduler:
             raise ValueError(f"request {req.id}: max_tokens must be >= 1, got {req.max_tokens}")
         if req.seed is not None:
             check_seed(req.seed, f"request {req.id}: ")
+        count = self.rows.count if self.rows is not None else 0
+        if isinstance(req.adapter, bool) or not isinstance(req.adapter, int) or not 0 <= req.adapter <= count:
+            raise ValueError(f"request {req.id}: adapter {req.adapter!r} does not exist (this model serves "
+                             + (f"adapters 1..{count}; 0 is none)" if count else "no adapters: give 0)"))
         gen = None
         if req.sampling.temperature > 0:
             gen = torch.Generator(device="cpu")
@@ -282,7 +287,8 @@ class Scheduler:
             slot = self.live.index(seq)
             self._reserve(slot, slot + 1, n)
             piece = torch.tensor([list(prompt[seq.prefilled:seq.prefilled + n])], device=self.device)
-            logits = self.model(piece, self.states.view(slot, slot + 1), last_only=True)[:, -1]
+            with self._adapters(seq.req.adapter):
+                logits = self.model(piece, self.states.view(slot, slot + 1), last_only=True)[:, -1]
             self.states.advance(slot, slot + 1, n)
             seq.prefilled += n
             budget -= n
@@ -301,6 +307,10 @@ class Scheduler:
             if not budget:
                 break
 
+    def _adapters(self, slots):
+        """The adapter slot of every row (int) or of each row (list) for the forwards inside the block."""
+        return self.rows.use(slots) if self.rows is not None else nullcontext()
+
     def _reserve(self, start: int, stop: int, tokens: int) -> None:
         """Room in the state for a forward."""
         self.states.reserve(start, stop, tokens)
@@ -316,7 +326,8 @@ class Scheduler:
 
     def _decode_step(self, n: int, events: list[TokenEvent]) -> None:
         self._reserve(0, n, 1)
-        logits = self._decode(self.pending[:n, None], self.states.view(0, n))[:, -1]
+        with self._adapters([seq.req.adapter for seq in self.live[:n]]):
+            logits = self._decode(self.pending[:n, None], self.states.view(0, n))[:, -1]
         if isinstance(self._decode, NativeDecode):
             self.stats.native_off = self._decode.reason
             self.stats.native_steps += self._decode.reason is None
@@ -362,7 +373,9 @@ class Scheduler:
         # the step's input: the prompt (prefill), or the last token (decode step k makes token k + 1)
         prefix, step = (prompt + seq.tokens[:-1], seq.tokens[-1:]) if seq.tokens else ([], prompt)
         where = f"decode step {len(seq.tokens)}" if seq.tokens else "prefill"
-        origin = first_nonfinite(self.model, prefix, step, self.config.prefill_chunk, self.states.dtype, self.device)
+        with self._adapters(r.adapter):
+            origin = first_nonfinite(self.model, prefix, step, self.config.prefill_chunk, self.states.dtype,
+                                     self.device)
         seq.error = NonFiniteError(
             f"request {r.id}: NaN or infinite logits at {where} (prompt of {len(prompt)} tokens, {len(seq.tokens)} "
             f"generated); first non-finite output, re-running the step through the model's modules: {origin}; "

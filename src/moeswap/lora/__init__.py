@@ -1,6 +1,7 @@
 """LoRA adapters on moeswap models: the wrapper (layer.py), target selection and attaching (targets.py),
 PEFT's adapter format (config.py, peft_io.py), the base fingerprint (fingerprint.py) and merging into a
-checkpoint (merge.py, `moeswap merge`). Training loops live in moeswap.train and use the entry points here.
+checkpoint (merge.py, `moeswap merge`); several adapters served at once, per request (multi.py, serving.py:
+`moeswap serve --lora`). Training loops live in moeswap.train and use the entry points here.
 """
 
 from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig

@@ -169,6 +169,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
         check_same_base(recorded, base_dir, f"adapter {adapter.directory}")
     if lora_modules(model) or getattr(model, "lora_config", None) is not None:
         raise ValueError("this model already carries a LoRA adapter; detach_lora(model) first")
+    if getattr(model, "adapter_rows", None) is not None:
+        raise ValueError("this model serves LoRA adapters (lora.serving); load this one with them")
     plan = plan_adapter(model, adapter)
     blocks = moe_blocks(model)
     if plan.experts:

@@ -104,6 +104,8 @@ def attach_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator
     Only the adapter's parameters require grad afterwards. Returns what was targeted."""
     if lora_modules(model) or getattr(model, "lora_config", None) is not None:
         raise ValueError("this model already carries a LoRA adapter; detach_lora(model) first")
+    if getattr(model, "adapter_rows", None) is not None:
+        raise ValueError("this model serves LoRA adapters (lora.serving); attach to a model without them")
     targets = resolve_targets(model, config.target_modules)
     blocks = moe_blocks(model)
     if targets.experts:

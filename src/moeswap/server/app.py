@@ -48,6 +48,7 @@ class _Server:
     vocab_size: int
     eos_ids: tuple[int, ...]
     api_key: str | None
+    adapters: dict[str, int] = field(default_factory=dict)  # served LoRA adapters: name -> slot (lora.serving)
     tool_format: ToolCallFormat | None = None  # how the checkpoint writes tool calls (None: not parsed)
     layout: Layout | None = None  # how it lays out an assistant turn: reasoning, content (None: all content)
     created: int = field(default_factory=P.now)
@@ -65,9 +66,10 @@ class _Server:
 
 
 def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=None, *,
-              scheduler=Scheduler) -> FastAPI:
+              scheduler=Scheduler, adapters=None) -> FastAPI:
     """The app; its lifespan starts the engine thread and stops it. `scheduler(model, EngineConfig)` makes the
-    engine thread's scheduler."""
+    engine thread's scheduler. adapters: the LoRA adapters loaded on `model` (lora.serving.load_adapters),
+    which requests name as `model`."""
     max_context = options.resolve_max_context(model.config.max_position_embeddings)
     metrics = ServerMetrics()
     engine = EngineLoop(model, EngineConfig(max_batch=options.max_batch, max_len=max_context, native=options.native),
@@ -75,7 +77,10 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
     metrics.attach(engine, store)
     srv = _Server(options.model_name, tokenizer, engine, metrics, max_context, model.config.vocab_size,
                   tuple(tokenizer.eos_ids) or tuple(model.config.eos_token_ids), options.api_key,
+                  {} if adapters is None else {n: adapters.slot(n) for n in adapters.names},
                   find_format(tokenizer), find_layout(tokenizer))
+    if options.model_name in srv.adapters:
+        raise ValueError(f"the adapter name {options.model_name!r} is the served model's name; give it another")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -102,19 +107,22 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
 
     v1 = APIRouter(dependencies=[Depends(_authorize)])
 
+    def card(name: str) -> dict:
+        parent = None if name == srv.name else srv.name  # vLLM's form: an adapter's parent is the base model
+        return P.model_card(name, srv.created, srv.max_context, parent)
+
     @v1.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [P.model_card(srv.name, srv.created, srv.max_context)]}
+        return {"object": "list", "data": [card(n) for n in (srv.name, *srv.adapters)]}
 
     @v1.get("/v1/models/{name:path}")
     async def model_card(name: str):
-        _check_model(srv, name)
-        return P.model_card(srv.name, srv.created, srv.max_context)
+        return card(_check_model(srv, name)[0])
 
     @v1.post("/v1/chat/completions")
     async def chat(request: Request):
         req = P.parse_body(P.ChatCompletionRequest, await _body(request))
-        _check_model(srv, req.model)
+        served = _check_model(srv, req.model)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
         if tools is not None and tokenizer.chat_template is None:
@@ -133,16 +141,16 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         tool_format = srv.tool_format if tools and req.tool_choice != "none" else None
         # the generation prompt may have opened the turn's reasoning (K3 with thinking on) or its response
         state = None if srv.layout is None else start_state(srv.layout, prompt_tail(tokenizer, prompt))
-        return await _generate(srv, request, req, prompt, max_tokens, param, logprobs, chat=True,
+        return await _generate(srv, request, req, served, prompt, max_tokens, param, logprobs, chat=True,
                                tool_format=tool_format, state=state)
 
     @v1.post("/v1/completions")
     async def completions(request: Request):
         req = P.parse_body(P.CompletionRequest, await _body(request))
-        _check_model(srv, req.model)
+        served = _check_model(srv, req.model)
         prompt = _completion_prompt(srv, req.prompt)
         logprobs = None if req.logprobs is None else _check_top(req.logprobs, "logprobs")
-        return await _generate(srv, request, req, prompt, req.max_tokens, "max_tokens", logprobs, chat=False)
+        return await _generate(srv, request, req, served, prompt, req.max_tokens, "max_tokens", logprobs, chat=False)
 
     app.include_router(v1)
     return app
@@ -192,10 +200,17 @@ def _template_variables(req: P.ChatCompletionRequest) -> dict:
     return kwargs
 
 
-def _check_model(srv: _Server, name: str | None) -> None:
-    if name is not None and name != srv.name:
-        raise P.APIError(404, f"the model '{name}' does not exist; this server serves '{srv.name}'", param="model",
+def _check_model(srv: _Server, name: str | None) -> tuple[str, int]:
+    """(the served model's name, its adapter slot: 0 for the base model) for a request's `model`; 404 for a
+    name not served. No name: the base model."""
+    if name is None or name == srv.name:
+        return srv.name, 0
+    slot = srv.adapters.get(name)
+    if slot is None:
+        served = ", ".join(f"'{n}'" for n in (srv.name, *srv.adapters))
+        raise P.APIError(404, f"the model '{name}' does not exist; this server serves {served}", param="model",
                          code="model_not_found")
+    return name, slot
 
 
 def _check_top(k: int, param: str) -> int:
@@ -235,7 +250,7 @@ def _sampling(req: P.GenerationFields) -> SamplingParams:
 
 
 def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_tokens: int | None, param: str,
-                 logprobs: int | None) -> tuple[GenRequest, list[str]]:
+                 logprobs: int | None, adapter: int = 0) -> tuple[GenRequest, list[str]]:
     """The engine's request and the stop strings; APIError (4xx) for anything the engine could not take."""
     if req.n != 1:
         raise P.APIError(400, f"'n' must be 1 (one choice per request), got {req.n}", param="n",
@@ -266,7 +281,7 @@ def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_t
                          param="stop_token_ids")
     stop_ids = tuple(dict.fromkeys(ids + ([] if req.ignore_eos else list(srv.eos_ids))))
     return GenRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids, req.seed,
-                      logprobs), stop
+                      logprobs, adapter), stop
 
 
 def _stops(stop) -> list[str]:
@@ -329,10 +344,12 @@ async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, to
         yield piece
 
 
-async def _generate(srv: _Server, request: Request, req: P.GenerationFields, prompt: list[int], max_tokens: int | None,
-                    param: str, logprobs: int | None, chat: bool, tool_format: ToolCallFormat | None = None,
-                    state: str | None = None):
-    gen, stops = _gen_request(srv, req, prompt, max_tokens, param, logprobs)
+async def _generate(srv: _Server, request: Request, req: P.GenerationFields, served: tuple[str, int],
+                    prompt: list[int], max_tokens: int | None, param: str, logprobs: int | None, chat: bool,
+                    tool_format: ToolCallFormat | None = None, state: str | None = None):
+    """served: the model's name as the request gave it (the base model or an adapter) and its adapter slot."""
+    model_name, adapter = served
+    gen, stops = _gen_request(srv, req, prompt, max_tokens, param, logprobs, adapter)
     try:
         handle = srv.engine.submit(gen)
     except QueueFull as e:
@@ -347,7 +364,7 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, pro
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(srv, handle, out, ids, rid, req, prompt, chat, include_usage),
+        return StreamingResponse(_stream(srv, handle, out, ids, rid, req, prompt, chat, include_usage, model_name),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     watcher = asyncio.create_task(_abort_on_disconnect(request, srv.engine, handle))
     text, lps, finish, error = "", [], None, None
@@ -372,7 +389,7 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, pro
         choice["logprobs"] = None if logprobs is None else _completion_logprobs(srv, lps)
     choice["finish_reason"] = finish
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": P.now(),
-            "model": srv.name, "choices": [choice], "usage": P.usage(len(prompt), len(ids))}
+            "model": model_name, "choices": [choice], "usage": P.usage(len(prompt), len(ids))}
     if req.return_token_ids:
         _token_ids(body, choice, prompt, ids, chat)
     return JSONResponse(body)
@@ -393,12 +410,13 @@ def _message(content: str, out: ChatOutput) -> dict:
 
 
 async def _stream(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, ids: list[int], rid: str,
-                  req: P.GenerationFields, prompt: list[int], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+                  req: P.GenerationFields, prompt: list[int], chat: bool, include_usage: bool,
+                  model_name: str) -> AsyncIterator[str]:
     created = P.now()
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice: dict | None, **extra) -> str:
-        body = {"id": rid, "object": kind, "created": created, "model": srv.name,
+        body = {"id": rid, "object": kind, "created": created, "model": model_name,
                 "choices": [] if choice is None else [{"index": 0, **choice}], **extra}
         if include_usage:
             body.setdefault("usage", None)

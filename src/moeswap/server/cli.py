@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                    help=f"requests waiting for a slot; more get HTTP 429 (default {d.max_queue})")
     p.add_argument("--max-context", type=int, default=None,
                    help=f"prompt + generated tokens per request (default: the model's, at most {DEFAULT_MAX_CONTEXT})")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve the LoRA adapter in PATH (PEFT format) as model NAME beside the base model; "
+                        "repeat for more (requests with different adapters share the batch)")
     p.add_argument("--reference-step", action="store_true",
                    help="decode through the model's modules (the reference), not the native C step")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -43,6 +46,7 @@ def run(args) -> int:
 
     from moeswap.config import load_config
     from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.lora.serving import load_adapters, read_adapters
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
     from moeswap.server.options import ServeOptions
@@ -52,23 +56,38 @@ def run(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     options = ServeOptions(model_name=args.served_model_name or args.model, api_key=api_key,
                            max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
-                           native=not args.reference_step)  # every flag is checked before the model loads
+                           native=not args.reference_step, lora=tuple(_lora_flag(v) for v in args.lora))
     options.resolve_max_context(load_config(args.model).max_position_embeddings)
+    # every flag is checked before the model loads, the adapters too (their files, their base's fingerprint)
+    adapters = read_adapters(options.lora, args.model) if options.lora else []
     if api_key is None and not _loopback(args.host):
         print(f"moeswap: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     model, store = load_model(args.model, LoadOptions.from_args(args))
     try:
-        app = build_app(model, load_tokenizer(args.model), options, store)
+        served = load_adapters(model, adapters) if adapters else None
+        app = build_app(model, load_tokenizer(args.model), options, store, adapters=served)
         srv = app.state.server
         print(f"moeswap: serving {srv.name!r} on http://{args.host}:{args.port}/v1 (max batch {options.max_batch}, "
               f"queue {options.max_queue}, context {srv.max_context} tokens, tool calls: "
               f"{srv.tool_format.name if srv.tool_format else 'not parsed'}, reasoning: "
-              f"{srv.layout.name if srv.layout else 'not parsed'})", file=sys.stderr, flush=True)
+              f"{srv.layout.name if srv.layout else 'not parsed'}"
+              + (f", LoRA adapters: {', '.join(srv.adapters)}" if srv.adapters else "") + ")",
+              file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         store.close()
     return 0
+
+
+def _lora_flag(value: str) -> tuple[str, str]:
+    """--lora NAME=PATH -> (NAME, PATH); serve needs the name (the `model` requests give)."""
+    from moeswap.cli import parse_lora
+
+    name, path = parse_lora(value)
+    if name is None:
+        raise ValueError(f"--lora {value!r}: serve needs NAME=PATH (NAME: the `model` requests give to use it)")
+    return name, path
 
 
 def _loopback(host: str) -> bool:

@@ -34,6 +34,7 @@ class GenRequest:
     stop_ids: tuple[int, ...] = ()
     seed: int | None = None
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the top k
+    adapter: int = 0  # the LoRA adapter slot (lora.serving; 0: the base model)
 
 
 @dataclass
@@ -158,7 +159,8 @@ class EngineLoop:
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "submit":
             _, handle, req, t_arrival = cmd
-            r = Request(req.prompt, req.max_tokens, req.sampling, req.stop_ids, req.seed, handle.id, req.logprobs)
+            r = Request(req.prompt, req.max_tokens, req.sampling, req.stop_ids, req.seed, handle.id, req.logprobs,
+                        req.adapter)
             try:
                 self.sched.submit(r)
             except ValueError as e:  # the server checked what it could; the engine has the last word

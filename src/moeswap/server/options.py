@@ -18,6 +18,9 @@ class ServeOptions:
     # DEFAULT_MAX_CONTEXT (per-sequence state is sized by it)
     max_context: int | None = None
     native: bool = True  # decode steps' layers in one C call where it applies (EngineConfig.native)
+    # LoRA adapters served beside the base model, (name, adapter directory) each (--lora NAME=PATH): a request
+    # whose `model` is NAME is generated with that adapter (lora.serving)
+    lora: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         for name in ("max_batch", "max_context"):
@@ -28,6 +31,14 @@ class ServeOptions:
             raise ValueError(f"--max-queue must be an integer >= 0, got {self.max_queue!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key is empty: give a key, or leave the flag out to accept every request")
+        names = [name for name, _ in self.lora]
+        for name in names:
+            if not name or name == self.model_name:
+                raise ValueError(f"--lora: the adapter name {name!r} " + ("is empty" if not name else
+                                 "is the served model's name (--served-model-name); give the adapter another"))
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise ValueError(f"--lora: the adapter name {twice!r} is given twice")
 
     def resolve_max_context(self, model_max: int) -> int:
         """The context a request may fill, given the model's max_position_embeddings."""

@@ -219,5 +219,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def model_card(name: str, created: int, max_context: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "moeswap", "max_model_len": max_context}
+def model_card(name: str, created: int, max_context: int, parent: str | None = None) -> dict:
+    """/v1/models' entry; parent: the base model of a LoRA adapter (vLLM's field; null for the base model)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "moeswap", "max_model_len": max_context,
+            "parent": parent}

@@ -77,14 +77,32 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
                                        [m.weight.shape[0] for m in mods])
 
 
-def fused_weight(module: nn.Module, names: Sequence[str]) -> torch.Tensor | None:
+def fuse_projections(model: nn.Module) -> None:
+    """Fuse the projections that share an input (`fuse_linears`) in every attention layer, dense MLP and
+    shared-expert MLP of `model`; idempotent."""
+    for module in model.modules():
+        if hasattr(module, "fuse_projections") and "_fused_input" not in module.__dict__:
+            module.fuse_projections()
+
+
+def unadapted(module: nn.Module) -> nn.Module:
+    """`module`, or the Linear inside a wrapper whose output equals that Linear's for rows that use no
+    adapter (lora.multi.MultiLoRALinear, which says so with `row_adapters`): what a caller may read in
+    place of the wrapper while no row of the batch uses an adapter (the C decode step)."""
+    return module.__dict__["base"] if getattr(module, "row_adapters", False) else module
+
+
+def fused_weight(module: nn.Module, names: Sequence[str], unadapted_rows: bool = False) -> torch.Tensor | None:
     """The one [sum of outputs, in] weight of the named Linears while their fusion (`fuse_linears`) still
     holds: no child replaced by a wrapper (a LoRA), no weight re-materialised by .to() or a loader, none
-    being trained. Else None."""
+    being trained. Else None. unadapted_rows: for a batch whose rows use no adapter, read through
+    served-adapter wrappers (`unadapted`)."""
     fused = module.__dict__.get("_fused_input")
     if fused is None or fused[1] != tuple(names):
         return None
     mods = [getattr(module, n) for n in names]
+    if unadapted_rows:
+        mods = [unadapted(m) for m in mods]
     if torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods):
         return None  # the fused tensor is a detached copy: weights being trained go through their own modules
     # data pointers cannot be compared while compiling: the compiled decode is made after fusion
@@ -95,11 +113,25 @@ def fused_weight(module: nn.Module, names: Sequence[str]) -> torch.Tensor | None
 
 
 def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[torch.Tensor]:
-    """[getattr(module, n)(x) for n in names], in one matmul while their fusion holds (`fused_weight`)."""
-    weight = fused_weight(module, names)
+    """[getattr(module, n)(x) for n in names], in one matmul while their fusion holds (`fused_weight`); served
+    adapters' wrappers (lora.multi) add their rows' deltas to their part of it."""
+    weight = fused_weight(module, names, unadapted_rows=True)
     if weight is not None:
-        return list(linear(x, weight).split(module.__dict__["_fused_input"][3], dim=-1))
+        parts = linear(x, weight).split(module.__dict__["_fused_input"][3], dim=-1)
+        mods = [getattr(module, n) for n in names]
+        return [m.add_deltas(x, y) if getattr(m, "row_adapters", False) else y for m, y in zip(mods, parts)]
     return [getattr(module, n)(x) for n in names]
+
+
+def adapter_split(modules: Sequence[nn.Module], n: int):
+    """For a path that reads `modules`' weights directly, with served adapters (lora.multi): (rows context,
+    split) where split is False when no row of this forward uses an adapter on one of them, True when every
+    row does, else (those rows' indices, the other rows'); (None, False) without served adapters."""
+    wrapped = [m for m in modules if getattr(m, "row_adapters", False)]
+    if not wrapped:
+        return None, False
+    rows = wrapped[0].rows
+    return rows, rows.split(n, set().union(*(m.scalings for m in wrapped)))
 
 
 class WeightOnly(nn.Module):
@@ -135,15 +167,29 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and type(self.down_proj) is StoredWeightLinear
+        if (0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32
+                and type(unadapted(self.down_proj)) is StoredWeightLinear
                 and self.down_proj.weight.dtype == torch.bfloat16 and not gemm_in_bf16()):
             # a decode step: the three products in one C call (cpu_kernels.bf16_mlp), the same bits
-            w_gu = fused_weight(self, ("gate_proj", "up_proj"))
+            w_gu = fused_weight(self, ("gate_proj", "up_proj"), unadapted_rows=True)
             kernel = (cpu_kernels.for_inference(x, w_gu, self.down_proj.weight)
                       if w_gu is not None and w_gu.dtype == torch.bfloat16 else None)
-            if kernel is not None:
-                y = kernel.bf16_mlp(x.reshape(rows, x.shape[-1]).contiguous(), w_gu, self.down_proj.weight,
-                                    self.act, self.situ_betas)
+            # rows with served adapters here (lora.multi) take the modules, as a LoRA-wrapped MLP runs; the
+            # others the C call, as without adapters
+            adapters, split = adapter_split((self.gate_proj, self.up_proj, self.down_proj), rows)
+            if kernel is not None and split is not True:
+                x_RD = x.reshape(rows, x.shape[-1]).contiguous()
+                if split is False:
+                    y = kernel.bf16_mlp(x_RD, w_gu, self.down_proj.weight, self.act, self.situ_betas)
+                else:
+                    adapted, plain = split
+                    y = x_RD.new_empty(rows, self.down_proj.out_features)
+                    y[plain] = kernel.bf16_mlp(x_RD[plain], w_gu, self.down_proj.weight, self.act, self.situ_betas)
+                    with adapters.subset(adapted):
+                        y[adapted] = self._modules_forward(x_RD[adapted])
                 return y.view(*x.shape[:-1], y.shape[-1])
+        return self._modules_forward(x)
+
+    def _modules_forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self, x, ("gate_proj", "up_proj"))
         return self.down_proj(glu(self.act, gate, up, self.situ_betas))

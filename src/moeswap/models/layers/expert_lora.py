@@ -4,7 +4,8 @@ PEFT's kaiming_uniform(a=sqrt(5)) draws it) and one A per projection shared by a
 
 Holds only the adapter parameters (lora_A[proj] [E or 1, r, N], lora_B[proj] [E, O, r]); the MoE block adds
 `adapters(ids)` to its experts' projections (ops.expert_format.train_forward). `peft_state_dict` /
-`load_peft_state_dict` read and write PEFT's per-expert key names. Shapes: E experts, r rank, O/N one
+`load_peft_state_dict` read and write PEFT's per-expert key names. `ExpertLoRASlots`: several adapters' expert
+LoRA served at once (lora.serving), each (token, expert) pair with its row's adapter. Shapes: E experts, r rank, O/N one
 projection's output/input width, P the (token, expert) pairs of a step.
 """
 
@@ -173,3 +174,73 @@ def load_model_peft_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor])
         if lora is not None:
             taken += lora.load_peft_state_dict(block.layer_idx, sd)
     return taken
+
+
+class ExpertLoRASlots(nn.Module):
+    """Routed-expert LoRA of several adapters served at once (moeswap.lora.serving): an ExpertLoRA per adapter
+    slot (`loras`, keyed by the slot's number) and the model's row -> slot context (`rows`, lora.multi.
+    AdapterRows). The MoE block runs the rows whose adapter has expert LoRA here as torch ops with these
+    deltas, each (token, expert) pair with its row's adapter, and the other rows on its fast paths."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.__dict__["rows"] = rows
+        self.loras = nn.ModuleDict()
+
+    def add(self, slot: int, lora: ExpertLoRA) -> None:
+        lora.requires_grad_(False)
+        self.loras[str(slot)] = lora.eval()
+
+    def in_use(self) -> bool:
+        """Some row of this forward uses an adapter with expert LoRA here."""
+        return self.rows.active and any(str(s) in self.loras for s in self.rows.used())
+
+    def split(self, n: int) -> tuple[list[int], list[int], list[int]] | None:
+        """(rows that use expert LoRA here, the other rows, each adapted row's slot) for n rows; None when no
+        row does."""
+        if not self.in_use():
+            return None
+        slots = self.rows.per_row(n)
+        adapted = [i for i, s in enumerate(slots) if str(s) in self.loras]
+        return adapted, [i for i, s in enumerate(slots) if str(s) not in self.loras], [slots[i] for i in adapted]
+
+    def adapters(self, expert_ids: Sequence[int], counts: Sequence[int], token_of: torch.Tensor,
+                 row_slots: Sequence[int]) -> list:
+        """One adapter per expert of a step (as ExpertLoRA.adapters), each pair with the adapter of its row:
+        token_of [P] the pairs' rows, grouped by expert (MoE's pairs_by_expert), row_slots each row's slot."""
+        pair_slots = [row_slots[t] for t in token_of.tolist()]
+        out, start = [], 0
+        for e, n in zip(expert_ids, counts):
+            slots = pair_slots[start:start + n]
+            start += n
+            groups: dict[int, list[int]] = {}
+            for p, s in enumerate(slots):
+                groups.setdefault(s, []).append(p)
+            out.append(_SlotsAdapter(self, e, n, groups))
+        return out
+
+
+class _SlotsAdapter:
+    """One expert's delta over a step's pairs whose rows use different adapters: each adapter's delta on its
+    pairs (pairs whose adapter does not adapt a projection add zero there)."""
+
+    __slots__ = ("slots", "expert", "n", "groups")
+
+    def __init__(self, slots: ExpertLoRASlots, expert: int, n: int, groups: dict[int, list[int]]):
+        self.slots, self.expert, self.n, self.groups = slots, expert, n, groups
+
+    def __call__(self, proj: str, x: torch.Tensor) -> torch.Tensor | None:
+        loras = self.slots.loras
+        parts = [(loras[str(s)], pairs) for s, pairs in self.groups.items() if proj in loras[str(s)].lora_A]
+        if not parts:
+            return None
+        if len(parts) == 1 and len(parts[0][1]) == self.n:  # every pair with one adapter: as ExpertLoRA's own
+            return parts[0][0].delta(proj, self.expert, x)
+        out = None
+        for lora, pairs in parts:
+            idx = torch.tensor(pairs, dtype=torch.int64, device=x.device)
+            d = lora.delta(proj, self.expert, x.index_select(0, idx))
+            if out is None:
+                out = d.new_zeros(x.shape[0], d.shape[-1])
+            out.index_copy_(0, idx, d)
+        return out

@@ -105,10 +105,13 @@ class MLA(nn.Module):
             return self.q_proj(x_BTD) if q_in is None else q_in
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD) if q_in is None else q_in))
 
-    def absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head for the absorbed form, in `dtype`: keys [H, N, L], values [H, L, V]."""
+    def absorbed_weights(self, dtype: torch.dtype, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head for the absorbed form, in `dtype`: keys [H, N, L], values [H, L, V].
+        slot: with served adapters (lora.multi.MultiLoRALinear), that adapter's update folded in (0: none)."""
         kv_b = self.kv_b_proj
-        if hasattr(kv_b, "folded_weight"):  # a LoRA wrapper (moeswap.lora): its update folded into the matrix
+        if slot:
+            weight, sources = (lambda: kv_b.folded_weight_of(slot)), kv_b.fold_sources_of(slot)
+        elif hasattr(kv_b, "folded_weight"):  # a LoRA wrapper (moeswap.lora): its update folded into the matrix
             weight, sources = kv_b.folded_weight, kv_b.fold_sources()
         else:
             weight, sources = (lambda: kv_b.weight), (kv_b.weight,)
@@ -117,7 +120,7 @@ class MLA(nn.Module):
             w_HXL = weight().to(dtype).unflatten(0, (self.H, self.N + self.V))
             return w_HXL[:, : self.N].contiguous(), w_HXL[:, self.N:].transpose(1, 2).contiguous()
 
-        return derived(self, f"absorbed_{dtype}", split, *sources)
+        return derived(self, f"absorbed_{dtype}" + (f"_slot{slot}" if slot else ""), split, *sources)
 
     def forward(self, x_BTD: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -141,26 +144,45 @@ class MLA(nn.Module):
         if not getattr(self.kv_b_proj, "foldable", True):
             return self._output(self._expanded(q_nope_BTHN, q_r_BTHR, cache, S, past_B), gate_in)
 
-        # absorbed form: queries mapped into the latent space score [c | k_r] rows in one product
-        w_k_HNL, w_v_HLV = self.absorbed_weights(x_BTD.dtype)
-        if kernel is not None:
-            out_BTHV = kernel.mla_decode(q_BTHX.reshape(B, self.H, self.N + self.R).contiguous(), cache.latent_BSX,
-                                         cache.lengths_B, w_k_HNL, w_v_HLV, self.scale).view(B, 1, -1)
+        # served adapters on kv_b_proj (lora.multi): each slot's rows with that adapter's absorbed weights
+        by_slot = getattr(self.kv_b_proj, "slot_groups", None)
+        groups = by_slot(B, x_BTD.device) if by_slot is not None else None
+        if groups is not None and groups[0][1] is not None:
+            out_BTHV = torch.empty(B, T, self.H * self.V, dtype=x_BTD.dtype, device=x_BTD.device)
+            for slot, idx in groups:
+                out_BTHV[idx] = self._absorbed(
+                    self.absorbed_weights(x_BTD.dtype, slot), kernel, q_BTHX[idx], cache.latent_BSX[idx, :S],
+                    cache.lengths_B[idx], S, masked, None if past_B is None else past_B[idx])
             return self._output(out_BTHV, gate_in)
+        w = self.absorbed_weights(x_BTD.dtype, groups[0][0] if groups else 0)
+        return self._output(self._absorbed(w, kernel, q_BTHX, cache.latent_BSX, cache.lengths_B, S, masked, past_B),
+                            gate_in)
+
+    def _absorbed(self, weights: tuple[torch.Tensor, torch.Tensor], kernel, q_BTHX: torch.Tensor,
+                  cache_BSX: torch.Tensor, lengths_B: torch.Tensor, S: int, masked: bool,
+                  past_B: torch.Tensor | None) -> torch.Tensor:
+        """The attention in the absorbed form: queries mapped into the latent space score [c | k_r] rows in
+        one product (the C kernel for a decode token on the CPU). Returns [B, T, H V]."""
+        w_k_HNL, w_v_HLV = weights
+        B, T = q_BTHX.shape[:2]
+        dtype = q_BTHX.dtype
+        if kernel is not None:
+            return kernel.mla_decode(q_BTHX.reshape(B, self.H, self.N + self.R).contiguous(), cache_BSX,
+                                     lengths_B, w_k_HNL, w_v_HLV, self.scale).view(B, 1, -1)
+        q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
         q_lat_HML = q_nope_BTHN.reshape(B * T, self.H, self.N).transpose(0, 1) @ w_k_HNL  # M = B*T
         q_abs_BTHX = torch.cat([q_lat_HML.transpose(0, 1).reshape(B, T, self.H, self.L), q_r_BTHR], dim=-1)
-        latent_BSX = cache.latent_BSX[:, :S].to(x_BTD.dtype)
+        latent_BSX = cache_BSX[:, :S].to(dtype)
         scores_BQS = q_abs_BTHX.reshape(B, T * self.H, self.L + self.R) @ latent_BSX.transpose(1, 2)  # Q = T*H
         scores_BQS = scores_BQS.float().mul_(self.scale)
         if masked:
             # query t of sequence b sits at position past_b + t and sees keys 0..past_b + t
-            visible_BTS = (torch.arange(S, device=x_BTD.device)
-                           <= (past_B[:, None] + torch.arange(T, device=x_BTD.device))[..., None])
+            visible_BTS = (torch.arange(S, device=q_BTHX.device)
+                           <= (past_B[:, None] + torch.arange(T, device=q_BTHX.device))[..., None])
             scores_BQS = scores_BQS.view(B, T, self.H, S).masked_fill_(~visible_BTS[:, :, None], float("-inf"))
-        probs_BQS = scores_BQS.view(B, T * self.H, S).softmax(dim=-1).to(x_BTD.dtype)
+        probs_BQS = scores_BQS.view(B, T * self.H, S).softmax(dim=-1).to(dtype)
         ctx_HML = (probs_BQS @ latent_BSX[..., :self.L]).view(B * T, self.H, self.L).transpose(0, 1)
-        out_BTHV = (ctx_HML @ w_v_HLV).transpose(0, 1).reshape(B, T, self.H * self.V)
-        return self._output(out_BTHV, gate_in)
+        return (ctx_HML @ w_v_HLV).transpose(0, 1).reshape(B, T, self.H * self.V)
 
     def _expanded(self, q_nope_BTHN: torch.Tensor, q_r_BTHR: torch.Tensor, cache: MLACache, S: int,
                   past_B: torch.Tensor | None) -> torch.Tensor:

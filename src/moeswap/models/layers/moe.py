@@ -5,7 +5,8 @@ Routed experts are not parameters of this module: `store.fetch(layer, ids)` retu
 (see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
 Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
 LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
-through ops.expert_format.train_forward instead, still fetched from the store one at a time.
+through ops.expert_format.train_forward instead, still fetched from the store one at a time. With served
+adapters (`serve_expert_lora`, lora.serving) only the rows whose adapter has expert LoRA here run that way.
 Shapes: T tokens, D model width, I expert input width, E experts, K top-k, P (token, expert) pairs.
 """
 
@@ -18,8 +19,8 @@ from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models import routed_expert_shapes
-from moeswap.models.layers.basic import GatedMLP, RMSNorm, derived
-from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA
+from moeswap.models.layers.basic import GatedMLP, RMSNorm, adapter_split, derived, unadapted
+from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA, ExpertLoRASlots
 from moeswap.ops import cpu_kernels, expert_format, expert_mxfp4
 from moeswap.ops.cpu_kernels import grouped_kind
 from moeswap.ops.linear import StoredWeightLinear, gemm_in_bf16
@@ -117,6 +118,20 @@ class MoE(nn.Module):
                                       shared_a, device=self.gate.weight.device, generator=generator)
         return self.expert_lora
 
+    def serve_expert_lora(self, rows) -> ExpertLoRASlots:
+        """The block's routed-expert LoRA of served adapters (lora.serving), made on first use: adapters add
+        theirs with `.add(slot, ExpertLoRA)`; `rows` is the model's row -> slot context."""
+        served = self._modules.get("served_lora")
+        if served is None:
+            served = self.served_lora = ExpertLoRASlots(rows)
+        return served
+
+    def expert_lora_of(self, rank: int, alpha: float, dropout: float = 0.0, projections: Sequence[str] = PROJS,
+                       shared_a: bool = False) -> ExpertLoRA:
+        """An ExpertLoRA for this block as `attach_expert_lora` makes it, not attached (for a served adapter)."""
+        return ExpertLoRA(self.num_experts, self.expert_shapes, rank, alpha, dropout, projections, shared_a,
+                          device=self.gate.weight.device)
+
     def detach_expert_lora(self) -> ExpertLoRA | None:
         """Removes the expert LoRA (returned); the block computes its base experts again, on the fast paths."""
         return self._modules.pop("expert_lora", None)
@@ -143,8 +158,16 @@ class MoE(nn.Module):
     def run_experts(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         if self.store is None:
             raise RuntimeError(f"layer {self.layer_idx}: MoE block has no expert store attached")
+        served = self._modules.get("served_lora")
+        split = served.split(h_TI.shape[0]) if served is not None else None
+        if split is not None:
+            return self._run_experts_served(h_TI, ids_TK, w_TK, served, *split)
         if self._experts_in_torch(h_TI, w_TK):
             return self._run_experts_torch(h_TI, ids_TK, w_TK)
+        return self._run_experts_fast(h_TI, ids_TK, w_TK)
+
+    def _run_experts_fast(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        """The experts on the inference kernels (no autograd, no adapter)."""
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         table = self._resident_table(h_TI, ids_TK)
         if table is not None and table.run(h_TI, ids_TK, w_TK, out_TI, self):
@@ -172,16 +195,36 @@ class MoE(nn.Module):
         group.flush()
         return out_TI.to(h_TI.dtype)
 
-    def _run_experts_torch(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    def _run_experts_served(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, served,
+                            adapted: list[int], others: list[int], slots: list[int]) -> torch.Tensor:
+        """Rows whose adapter (lora.serving) has expert LoRA here run as torch ops with their adapters'
+        deltas, as a model with that one adapter loaded runs them; the other rows on the fast paths, as
+        without adapters. A step with both fetches its experts once for each part."""
+        if not others:
+            return self._run_experts_torch(h_TI, ids_TK, w_TK, served, slots)
+        out_TI = torch.empty_like(h_TI)
+        for rows, adapter_slots in ((others, None), (adapted, slots)):
+            idx = torch.tensor(rows, dtype=torch.int64, device=h_TI.device)
+            h, ids, w = h_TI.index_select(0, idx), ids_TK.index_select(0, idx), w_TK.index_select(0, idx)
+            out_TI[idx] = (self._run_experts_fast(h, ids, w) if adapter_slots is None else
+                           self._run_experts_torch(h, ids, w, served, adapter_slots))
+        return out_TI
+
+    def _run_experts_torch(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, served=None,
+                           row_slots: list[int] | None = None) -> torch.Tensor:
         """The experts as torch ops autograd follows: each expert's three projections (ops.expert_format.project:
         the fast kernel forward, backward from the same bytes), the activation and the LoRA deltas, then
         the weighted sum, all out of place. Experts come from the store as at inference, one at a time;
-        what the graph keeps of them for backward the store hands out and counts (`store.hold`)."""
+        what the graph keeps of them for backward the store hands out and counts (`store.hold`).
+        served, row_slots: served adapters (ExpertLoRASlots) and each row's slot, instead of `expert_lora`."""
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         token_of = token_of.to(h_TI.device)
         x_PI = h_TI.index_select(0, token_of).split(counts)  # one gather (and one scatter in backward)
         lora = self._modules.get("expert_lora")
-        adapters = lora.adapters(unique_ids) if lora is not None else [None] * len(unique_ids)
+        if served is not None:
+            adapters = served.adapters(unique_ids, counts, token_of, row_slots)
+        else:
+            adapters = lora.adapters(unique_ids) if lora is not None else [None] * len(unique_ids)
         experts = self.store.fetch(self.layer_idx, unique_ids)
         hold = getattr(self.store, "hold", None)
         ys = []
@@ -203,6 +246,13 @@ class MoE(nn.Module):
         the calls below), where the table applies and the projections are bf16 stored-weight Linears. None:
         take the calls below."""
         down, up = getattr(self, "routed_expert_down_proj", None), getattr(self, "routed_expert_up_proj", None)
+        served = self._modules.get("served_lora")
+        if served is not None and served.in_use():  # rows with expert adapters: run_experts splits the rows
+            return None
+        if down is not None and up is not None:  # served adapters on them: only while no row uses one
+            if adapter_split((down, up), x_TD.shape[0])[1] is not False:
+                return None
+            down, up = unadapted(down), unadapted(up)
         if (type(down) is not StoredWeightLinear or type(up) is not StoredWeightLinear or gemm_in_bf16()
                 or down.weight.dtype != torch.bfloat16 or up.weight.dtype != torch.bfloat16
                 or x_TD.dtype != torch.float32):
