@@ -150,3 +150,17 @@ def test_the_block_forward_follows_the_adapter_at_decode(tiny_k3_dir):
         block.detach_expert_lora()
         assert torch.equal(block(x), base)
     store.close()
+
+
+def test_attached_expert_lora_follows_the_block_s_mode(k3):
+    """An adapter attached to a model in eval mode (as loaded for inference) applies no dropout."""
+    model, _ = k3
+    block = model.moe_blocks()[0]
+    try:
+        assert not block.training
+        assert not block.attach_expert_lora(4, 16.0, dropout=0.5).training
+        block.train()
+        assert block.attach_expert_lora(4, 16.0, dropout=0.5).training
+    finally:
+        block.eval()
+        block.detach_expert_lora()

@@ -116,7 +116,7 @@ class MoE(nn.Module):
         was attached before."""
         self.expert_lora = ExpertLoRA(self.num_experts, self.expert_shapes, rank, alpha, dropout, projections,
                                       shared_a, device=self.gate.weight.device, generator=generator)
-        return self.expert_lora
+        return self.expert_lora.train(self.training)  # dropout only when the block trains, as LoRALinear
 
     def serve_expert_lora(self, rows) -> ExpertLoRASlots:
         """The block's routed-expert LoRA of served adapters (lora.serving), made on first use: adapters add
