@@ -13,7 +13,7 @@ import pytest
 
 from moeswap import cli
 from moeswap.experts.stats import StoreStats, TierStats
-from moeswap.lora import fingerprint
+from moeswap.lora import WEIGHTS_NAME, fingerprint
 from moeswap.train.loop import train
 from moeswap.train.manifest import LOSS_CSV, LOSS_PNG, MANIFEST, check_reproduction, peak_rss_bytes
 from moeswap.train.targets import FULL_WEIGHTS_FILE
@@ -50,13 +50,14 @@ def test_manifest_records_inputs_environment_and_results(learned, strict_json):
     assert (out / LOSS_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_reproduce_reruns_a_manifest_and_checks_the_curve(small_run, tmp_path, capsys):
-    first = train(small_run(), progress=False)
+def test_reproduce_reruns_a_manifest_and_checks_the_curve(small_run, lora_settings, tmp_path, capsys):
+    first = train(small_run(**lora_settings), progress=False)  # lora mode, routed experts included
     manifest = first.out_dir / MANIFEST
     capsys.readouterr()
     assert cli.main(["train", "--reproduce", str(manifest), "--output", str(tmp_path / "again"),
                      "--no-progress"]) == 0
     assert capsys.readouterr().out.strip() == "reproduced: 4 steps and 2 evals reproduced exactly"
+    assert (tmp_path / "again" / WEIGHTS_NAME).read_bytes() == (first.out_dir / WEIGHTS_NAME).read_bytes()
 
     tampered = json.loads(manifest.read_text())
     tampered["curve"][2]["loss"] += 1e-6

@@ -6,7 +6,7 @@ one, or those under --target-modules), in fp32; routed experts are not parameter
 gradients flow through them (ops.expert_format's autograd) to the router and everything before. Target
 patterns follow one rule in both modes, moeswap.lora's (`lora.targets.matches`, PEFT's). Both modes
 return the trainable parameters by name, in a fixed order: what checkpoints, the optimizer and the
-manifest use. Also applies gradient checkpointing from outside the model.
+manifest use; and turns on the model's per-layer activation checkpointing when asked.
 Entry points: `prepare_model(model, cfg)`, `save_trained(model, cfg, params, out_dir, base, metadata)`.
 """
 
@@ -38,8 +38,8 @@ def prepare_model(model: nn.Module, cfg) -> list[tuple[str, nn.Parameter]]:
         params = _full_parameters(model, cfg.target_modules)
     else:
         params = _lora_parameters(model, cfg)
-    if cfg.gradient_checkpointing:
-        checkpoint_layers(model)
+    # the model's own per-layer activation checkpointing (models/kimi_k3.py)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
     if not params:
         raise ValueError("nothing to train: no trainable parameters")
     return params
@@ -103,27 +103,6 @@ def _full_parameters(model: nn.Module, patterns: tuple[str, ...] | None) -> list
             p.data = p.data.float()
         p.requires_grad_(True)
     return named
-
-
-def checkpoint_layers(model: nn.Module) -> None:
-    """Each layer's attention and MLP (or MoE) keep only their input for backward and run again there
-    (torch.utils.checkpoint, non-reentrant, RNG state replayed so dropout masks repeat). Only calls
-    without a per-sequence state are checkpointed: recomputing a call would update a state twice."""
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in model.model.layers:
-        for name in ("self_attn", "mlp", "block_sparse_moe"):
-            mod = getattr(layer, name, None)
-            if mod is None or "forward" in mod.__dict__:
-                continue
-
-            def forward(*args, _inner=mod.forward, **kwargs):
-                stateful = any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values())
-                if stateful or not torch.is_grad_enabled():
-                    return _inner(*args, **kwargs)
-                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-            mod.forward = forward
 
 
 def trained_tensors(params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
