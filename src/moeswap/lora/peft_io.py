@@ -27,7 +27,7 @@ from moeswap.formats.files import read_json
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
-from moeswap.lora.targets import attach_experts, freeze, lora_modules, moe_blocks, weight_prefix, wrap
+from moeswap.lora.targets import attach_experts, expert_alpha, freeze, lora_modules, moe_blocks, weight_prefix, wrap
 from moeswap.models.layers.expert_lora import ExpertLoRA
 
 PEFT_PREFIX = "base_model.model."
@@ -172,14 +172,9 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
     plan = plan_adapter(model, adapter)
     blocks = moe_blocks(model)
     cfg = adapter.config
+    for name, tensors in plan.experts.items():  # checked whole before the model is touched
+        expert_lora_for(blocks[name], tensors, cfg, device="meta", where=str(adapter.directory))
     experts = {name: _expert_spec(tensors, cfg) for name, tensors in plan.experts.items()}
-    for name, (projections, r, alpha) in experts.items():  # checked whole before the model is touched
-        trial = ExpertLoRA(blocks[name].num_experts, blocks[name].expert_shapes, r, alpha, cfg.dropout, projections,
-                           cfg.expert_shared_a, device="meta")
-        try:
-            trial.load_peft_state_dict(blocks[name].layer_idx, plan.experts[name])
-        except ValueError as err:
-            raise ValueError(f"{adapter.directory}: the adapter does not fit this model: {err}") from None
     base = freeze(model)
     for name, pair in plan.linears.items():
         r, alpha = pair["lora_A"].shape[0], cfg.rank_alpha(name)[1]
@@ -194,6 +189,21 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
         p.requires_grad_(trainable and id(p) not in base)
     model.lora_config = cfg
     return cfg
+
+
+def expert_lora_for(block: nn.Module, tensors: Mapping[str, torch.Tensor], cfg: LoRAConfig, device=None,
+                    where: str = "adapter") -> ExpertLoRA:
+    """An ExpertLoRA for MoE `block` (not attached) holding the block's adapter tensors (PEFT names without
+    the prefix, as plan_adapter gives them); ValueError when they do not fit (a missing expert or projection,
+    a shape, per-expert A where the config shares one)."""
+    try:
+        projections, r, alpha = _expert_spec(tensors, cfg)
+        lora = ExpertLoRA(block.num_experts, block.expert_shapes, r, expert_alpha(r, alpha, cfg), cfg.dropout,
+                          projections, cfg.expert_shared_a, device=device)
+        lora.load_peft_state_dict(block.layer_idx, tensors)
+    except ValueError as err:
+        raise ValueError(f"{where}: the adapter does not fit this model: {err}") from None
+    return lora
 
 
 def _expert_spec(tensors: dict[str, torch.Tensor], cfg: LoRAConfig) -> tuple[tuple[str, ...], int, float]:

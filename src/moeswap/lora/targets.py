@@ -128,10 +128,14 @@ def freeze(model: nn.Module) -> set[int]:
 def attach_experts(block: nn.Module, r: int, alpha: float, config: LoRAConfig, projections: tuple[str, ...],
                    generator: torch.Generator | None = None) -> None:
     """The block's expert LoRA (MoE.attach_expert_lora: per-expert A and B, or one A shared by the experts)."""
-    # the hook's scaling is alpha / r; rsLoRA's alpha / sqrt(r) is the same with alpha * sqrt(r)
-    hook_alpha = alpha * r ** 0.5 if config.use_rslora else alpha
-    block.attach_expert_lora(r, hook_alpha, config.dropout, projections=projections,
+    block.attach_expert_lora(r, expert_alpha(r, alpha, config), config.dropout, projections=projections,
                              shared_a=config.expert_shared_a, generator=generator)
+
+
+def expert_alpha(r: int, alpha: float, config: LoRAConfig) -> float:
+    """The alpha to give the expert LoRA (whose scaling is alpha / r) for this config's scaling: rsLoRA's
+    alpha / sqrt(r) is alpha * sqrt(r) / r."""
+    return alpha * r ** 0.5 if config.use_rslora else alpha
 
 
 def wrap(model: nn.Module, name: str, r: int, alpha: float, dropout: float, use_rslora: bool,
