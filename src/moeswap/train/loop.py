@@ -250,7 +250,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             history.update(step=step + 1, rows=history["rows"] + len(rows), tokens=history["tokens"] + tokens,
                            train_s=history["train_s"] + elapsed)
             history["curve"].append({"step": step + 1, "loss": loss_mean, "lr": lr, "tokens": tokens,
-                                     "grad_norm": norm})
+                                     "grad_norm": norm, "time_s": elapsed})
             bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{segment_tokens / segment_s:.0f}",
                             hit=f"{store.stats.hit_rate:.0%}", lr=f"{lr:.2e}", refresh=False)
             bar.update(1)
