@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from moeswap.cli import main
 from moeswap.engine.tokenizer import load_tokenizer

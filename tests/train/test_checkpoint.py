@@ -1,6 +1,6 @@
 """train/checkpoint.py and --resume: a run SIGKILLed after a checkpoint and resumed ends with the same
-losses and the same weight or adapter bytes as one never stopped (full and lora mode); damaged checkpoints, changed settings and
-misplaced resumes are clear errors."""
+losses and the same weight or adapter bytes as one never stopped (full and lora mode); damaged checkpoints,
+changed settings and misplaced resumes are clear errors."""
 
 from __future__ import annotations
 

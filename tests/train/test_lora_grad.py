@@ -1,8 +1,8 @@
 """Acceptance: LoRA gradients of a whole model prepared as `moeswap train` prepares it (its loader settings and
 train.targets.prepare_model), with adapters on every target kind of K3 including the routed experts, equal a
 float64 reference model's (the same adapter on the same weights, the experts decoded to float64 and run as
-plain torch ops) as closely as that model computed in fp32 does. The trained model's routed experts run through the MXFP4 kernels from the expert store,
-all resident and at a 10 % budget (where the store evicts and fetches experts again for backward). The
+plain torch ops) as closely as that model computed in fp32 does. The trained model's routed experts run
+through the MXFP4 kernels from the expert store, all resident and at a 10 % budget (where the store evicts and fetches experts again for backward). The
 frozen base gets no gradient. Reuses tests/lora/test_grad.py's decoded-expert store and held routing (top-k
 is piecewise constant: the reference takes the trained model's choices, its weights its own function)."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 
 from lora.test_grad import TARGETS, DecodedStore, HeldRouting

@@ -118,7 +118,8 @@ def run_moeswap(cfg, threads: int, timeout: float) -> dict:
     store = m["expert_store"]
     later = m["curve"][1:]
     return {"tokens_per_s": m["tokens_per_s"],
-            "steady_tokens_per_s": sum(p["tokens"] for p in later) / sum(p["time_s"] for p in later) if later else None, "peak_rss_bytes": m["peak_rss_bytes"], "train_s": m["train_s"],
+            "steady_tokens_per_s": sum(p["tokens"] for p in later) / sum(p["time_s"] for p in later) if later else None,
+            "peak_rss_bytes": m["peak_rss_bytes"], "train_s": m["train_s"],
             "tokens": m["tokens"], "steps": m["steps"], "first_loss": m["curve"][0]["loss"],
             "last_loss": m["curve"][-1]["loss"], "trainable_parameters": m["trainable"]["parameters"],
             "trainable_tensors": m["trainable"]["tensors"], "process_s": time.perf_counter() - t0,
@@ -180,7 +181,8 @@ def peft_worker(spec_path: str) -> dict:
 
     later = batches[1:]
     return {"tokens_per_s": tokens / train_s, "peak_rss_bytes": peak_rss_bytes(),
-            "steady_tokens_per_s": sum(b["real"] for b in later) / sum(times[1:]) if later else None, "train_s": train_s, "tokens": tokens,
+            "steady_tokens_per_s": sum(b["real"] for b in later) / sum(times[1:]) if later else None,
+            "train_s": train_s, "tokens": tokens,
             "steps": len(batches), "first_loss": losses[0], "last_loss": losses[-1],
             "trainable_parameters": sum(p.numel() for p in params), "trainable_tensors": len(params),
             "versions": {"peft": peft.__version__, "transformers": __import__("transformers").__version__}}

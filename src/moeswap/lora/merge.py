@@ -28,7 +28,7 @@ import torch
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.config import load_config
-from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint
+from moeswap.formats.checkpoint import Checkpoint
 from moeswap.formats.files import confined
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.config import base_fingerprint
