@@ -5,7 +5,10 @@
 A failure, Ctrl-C or SIGTERM removes the staging directory; after SIGKILL or a crash the next write to
 the same destination removes the staging directories whose owner is provably gone (the owner's pid and
 start time are in the directory's name). A full disk is a user error naming the file (OutOfSpaceError).
-Entry points: `atomic_directory(dst)`, `atomic_file(path)`, `writing(path)`, `remove_stale(dst)`.
+An output that joins a directory already there (a training run's result beside its checkpoints) is written
+into a staging directory inside it and moved in file by file, a marker file last (`move_into`).
+Entry points: `atomic_directory(dst)`, `atomic_file(path)`, `move_into(src, dst, last)`, `writing(path)`,
+`remove_stale(dst)`.
 """
 
 from __future__ import annotations
@@ -217,6 +220,22 @@ def _removed_on_sigterm(staging: list[Path]) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def move_into(src: str | os.PathLike, dst: str | os.PathLike, last: str | None = None) -> list[str]:
+    """Moves the files of directory `src` (one written by atomic_directory: complete and synced) into the
+    existing directory `dst`, each by one rename that replaces a file of that name, the file named `last`
+    after all others; then removes `src`. A reader who finds `last` in `dst` finds the whole set (a crash
+    in between leaves some files moved and `last` absent). Returns the names moved, in order."""
+    src, dst = Path(src), Path(dst)
+    names = sorted((p.name for p in src.iterdir()), key=lambda n: (n == last, n))
+    for name in names:
+        if name == last:
+            _fsync_dir(dst)  # the others' names are durable before the marker's
+        os.replace(src / name, dst / name)
+    src.rmdir()
+    _fsync_dir(dst)
+    return names
 
 
 def _seal(tmp: Path) -> None:

@@ -15,11 +15,16 @@ def _randomize_b(model, seed: int = 1, scale: float = 0.1) -> None:
     with torch.no_grad():
         for lora in lora_modules(model).values():
             lora.lora_B.weight.copy_(torch.randn(lora.lora_B.weight.shape, generator=gen) * scale)
+        for block in model.moe_blocks():  # routed-expert LoRA, after the dense ones
+            experts = block._modules.get("expert_lora")
+            for B in () if experts is None else experts.lora_B.values():
+                B.copy_(torch.randn(B.shape, generator=gen) * scale)
 
 
 @pytest.fixture
 def randomize_b():
-    """randomize_b(model, seed=1, scale=0.1): every LoRA B of `model` drawn from N(0, scale^2), in module order."""
+    """randomize_b(model, seed=1, scale=0.1): every LoRA B of `model` drawn from N(0, scale^2), in module order
+    (routed experts' last)."""
     return _randomize_b
 
 

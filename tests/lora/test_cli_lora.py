@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from moeswap.cli import main
 from moeswap.engine.tokenizer import load_tokenizer
@@ -117,20 +114,23 @@ def test_merge_k3(capsys, tiny_k3_dir, k3_adapter, tmp_path, strict_json):
         assert (out / name).read_bytes() == (tiny_k3_dir / name).read_bytes()
 
 
-def test_merge_fp32_checkpoint(capsys, tmp_path, randomize_b):
-    """A checkpoint stored in fp32 (transformers' Kimi Linear): the merged model gives the adapter's logits."""
+def test_merge_fp32_checkpoint(capsys, tmp_path, randomize_b, strict_json):
+    """A checkpoint stored in fp32 (transformers' Kimi Linear): the merged model gives the adapter's logits,
+    routed experts included."""
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from models.test_kimi_linear_parity import _reference_model
 
     base = tmp_path / "base"
     _reference_model().save_pretrained(base)
     model, _ = load_model(base, LoadOptions(dtype="float32"))
-    targets = ("q_proj", "f_b_proj", "kv_b_proj", "shared_experts.up_proj", "gate_proj")
+    targets = ("q_proj", "f_b_proj", "kv_b_proj", "shared_experts.up_proj", "gate_proj", "w1", "w2", "w3")
     attach_lora(model, LoRAConfig(r=4, alpha=8, target_modules=targets), generator=torch.Generator().manual_seed(0))
     randomize_b(model)
     save_adapter(model, tmp_path / "adapter", base_fingerprint=fingerprint(base))
-    code, _, err = run(capsys, "merge", str(base), str(tmp_path / "adapter"), str(tmp_path / "merged"))
+    code, out, err = run(capsys, "merge", str(base), str(tmp_path / "adapter"), str(tmp_path / "merged"), "--json")
     assert code == 0, err
+    report = strict_json(out)
+    assert report["merged_expert_weights"] > 0 and {e["format"] for e in report["experts"]} == {"float"}
     tokens = torch.randint(3, 320, (2, 40), generator=torch.Generator().manual_seed(1))
     base_logits, merged = logits(base, tokens), logits(tmp_path / "merged", tokens)
     adapted = logits(base, tokens, tmp_path / "adapter")
@@ -149,13 +149,77 @@ def test_merge_bad_input(capsys, tiny_k3_dir, k3_adapter, tmp_path):
     assert not out.exists()
 
 
-def test_merge_refuses_routed_expert_lora_for_now(capsys, tiny_k3_dir, k3_adapter, tmp_path):
-    experts = tmp_path / "experts"
-    experts.mkdir()
-    (experts / "adapter_config.json").write_text((k3_adapter / "adapter_config.json").read_text())
-    key = "base_model.model.language_model.model.layers.1.block_sparse_moe.experts.0.w1"
-    save_file({f"{key}.lora_A.weight": torch.zeros(4, 32), f"{key}.lora_B.weight": torch.zeros(64, 4)},
-              experts / "adapter_model.safetensors")
-    code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(experts), str(tmp_path / "out"))
-    assert_one_line_error(code, err, "routed-expert LoRA", "not supported yet")
-    assert not (tmp_path / "out").exists()
+EXPERT_TARGETS = ("q_proj", "o_proj", "w1", "w3")  # w2 left alone: its tensors must come through unchanged
+
+
+@pytest.fixture
+def k3_expert_adapter(tiny_k3_dir, tmp_path, randomize_b):
+    """Dense and routed-expert LoRA (per-expert A and B, all nonzero) on the tiny K3."""
+    model, _ = load_model(tiny_k3_dir, LoadOptions())
+    attach_lora(model, LoRAConfig(r=4, alpha=8, target_modules=EXPERT_TARGETS),
+                generator=torch.Generator().manual_seed(0))
+    randomize_b(model, scale=0.5)
+    return save_adapter(model, tmp_path / "expert_adapter", base_fingerprint=fingerprint(tiny_k3_dir))
+
+
+def test_generate_with_routed_expert_lora(capsys, tiny_k3_dir, k3_expert_adapter, greedy_oracle, strict_json):
+    code, out, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--json", "--max-tokens", "6",
+                         "--ignore-eos", "--lora", str(k3_expert_adapter))
+    assert code == 0, err
+    model, _ = load_model(tiny_k3_dir, LoadOptions())
+    ids = load_tokenizer(tiny_k3_dir).encode(PROMPT, add_bos=False)
+    load_adapter(model, k3_expert_adapter)
+    assert all(b.expert_lora.projections == ("w1", "w3") for b in model.moe_blocks())
+    assert strict_json(out)["tokens"] == greedy_oracle(model, ids, 6)
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        adapted = model(tokens)
+        for b in model.moe_blocks():
+            b.detach_expert_lora()
+        assert (model(tokens) - adapted).abs().max() > 0.1  # the experts' part of the adapter acts
+
+
+def test_merge_routed_experts_requantises_them(capsys, tiny_k3_dir, k3_expert_adapter, tmp_path, strict_json):
+    """Each adapted MXFP4 expert weight in the merged checkpoint is the project's codec applied to the decoded
+    weight plus its update (an independent computation here, bit for bit); the report's errors are those of
+    that re-encoding; what the adapter does not touch is copied bit for bit."""
+    from safetensors import safe_open
+
+    from moeswap.formats import compressed_tensors as ct
+    from moeswap.formats import mxfp4
+    from moeswap.formats.checkpoint import Checkpoint
+
+    out = tmp_path / "merged"
+    code, stdout, err = run(capsys, "merge", str(tiny_k3_dir), str(k3_expert_adapter), str(out), "--json")
+    assert code == 0, err
+    report = strict_json(stdout)
+    with Checkpoint.open(tiny_k3_dir) as ckpt:
+        dense = [n for n in ckpt.names() if n.endswith(("q_proj.weight", "o_proj.weight"))]
+    assert report["merged_tensors"] == len(dense) and report["merged_expert_weights"] == 5 * 16 * 2
+    assert [(r["layer"], r["projection"], r["format"]) for r in report["experts"]] == [
+        (f"model.layers.{i}.block_sparse_moe", p, "mxfp4") for i in range(1, 6) for p in ("w1", "w3")]
+    with safe_open(k3_expert_adapter / "adapter_model.safetensors", "pt") as f:
+        lora = {k: f.get_tensor(k) for k in f.keys()}
+    prefix = "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.{p}"
+    with Checkpoint.open(tiny_k3_dir) as base, Checkpoint.open(out) as merged:
+        for p in ("w1", "w3"):
+            worst, total, count = 0.0, 0.0, 0
+            for e in range(16):
+                name = prefix.format(l=2, e=e, p=p)
+                stored = {s: base.read(f"{name}.{s}") for s in ("weight_packed", "weight_scale")}
+                W = mxfp4.decode(stored["weight_packed"], stored["weight_scale"], torch.float32)
+                A, B = (lora[f"base_model.model.{name}.lora_{x}.weight"] for x in "AB")
+                delta = (B @ A) * (8 / 4)
+                want = ct.encode_weight("mxfp4", W + delta)
+                for s in ("weight_packed", "weight_scale"):
+                    assert torch.equal(merged.read(f"{name}.{s}"), want[s].view(stored[s].dtype)), (name, s)
+                got = mxfp4.decode(want["weight_packed"], want["weight_scale"], torch.float64)
+                error = (got - (W.double() + delta.double())).abs()
+                worst, total, count = max(worst, error.max().item()), total + error.sum().item(), count + error.numel()
+            row = next(r for r in report["experts"] if r["layer"] == "model.layers.2.block_sparse_moe"
+                       and r["projection"] == p)
+            assert row["max_abs_error"] == pytest.approx(worst, rel=1e-12)
+            assert row["mean_abs_error"] == pytest.approx(total / count, rel=1e-9)
+        for name in base.names():
+            if not any(f".{p}." in name for p in ("q_proj", "o_proj", "w1", "w3")):
+                assert torch.equal(merged.read(name), base.read(name)), name  # w2, norms, routers ...

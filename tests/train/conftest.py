@@ -44,6 +44,11 @@ def write_chains(path: Path, tok, *, samples: int, words: int = 8, length: int =
     return path
 
 
+# LoRA on attention, the routed experts and the output head: the lora-mode runs' targets
+LORA_TARGETS = ("q_proj", "o_proj", "w1", "w2", "w3", "lm_head")
+LORA_RUN = dict(mode="lora", target_modules=LORA_TARGETS, rank=16, alpha=32.0, lr=2e-2)
+
+
 @pytest.fixture(scope="session")
 def k3_tok(tiny_k3_dir):
     return load_tokenizer(tiny_k3_dir)
@@ -56,7 +61,8 @@ def chains(tiny_k3_dir, k3_tok, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def small_run(tiny_k3_dir, chains, tmp_path):
-    """small_run(**changes) -> a TrainConfig of a few seconds: full mode on the chains, output in tmp_path."""
+    """small_run(**changes) -> a TrainConfig of a few seconds: full mode on the chains, output in tmp_path
+    (small_run(**LORA_RUN) for lora mode)."""
 
     def make(**changes) -> TrainConfig:
         base = dict(model=str(tiny_k3_dir), train_data=str(chains), eval_split=0.2, mode="full", lr=1e-2,
@@ -77,3 +83,21 @@ def learned(tiny_k3_dir, k3_tok, tmp_path_factory):
                       warmup_steps=2, max_steps=20, micro_batch=4, seq_len=32, eval_interval=10,
                       output=str(d / "out"))
     return train(cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def lora_learned(tiny_k3_dir, k3_tok, tmp_path_factory):
+    """One lora-mode run on the chain task (20 steps; adapters on attention, routed experts and lm_head)."""
+    from moeswap.train.loop import train
+
+    d = tmp_path_factory.mktemp("lora_learned")
+    data = write_chains(d / "chains.jsonl", k3_tok, samples=80, words=8, length=8)
+    cfg = TrainConfig(model=str(tiny_k3_dir), train_data=str(data), eval_split=0.2, warmup_steps=2, max_steps=20,
+                      micro_batch=4, seq_len=32, eval_interval=10, output=str(d / "out"), **LORA_RUN)
+    return train(cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def lora_settings() -> dict:
+    """The lora-mode runs' settings (TrainConfig fields): small_run(**lora_settings)."""
+    return dict(LORA_RUN)

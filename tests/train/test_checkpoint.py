@@ -1,6 +1,6 @@
 """train/checkpoint.py and --resume: a run SIGKILLed after a checkpoint and resumed ends with the same
-losses and the same weight bytes as one never stopped; damaged checkpoints, changed settings and
-misplaced resumes are clear errors."""
+losses and the same weight or adapter bytes as one never stopped (full and lora mode); damaged checkpoints,
+changed settings and misplaced resumes are clear errors."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import yaml
 from moeswap import cli
 from moeswap.train.checkpoint import CheckpointError, all_checkpoints
 from moeswap.train.loop import train
+from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME
 from moeswap.train.targets import FULL_WEIGHTS_FILE
 
 KILLER = textwrap.dedent("""
@@ -53,21 +54,25 @@ def as_yaml(cfg, path):
 
 
 @pytest.mark.slow
-def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(small_run, tmp_path):
-    whole = train(small_run(output=str(tmp_path / "whole"), max_steps=6, eval_interval=3), progress=False)
-    cfg = small_run(output=str(tmp_path / "killed"), max_steps=6, eval_interval=3, save_interval=2)
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(small_run, lora_settings, tmp_path, mode):
+    settings = lora_settings if mode == "lora" else {}
+    result = [WEIGHTS_NAME, CONFIG_NAME] if mode == "lora" else [FULL_WEIGHTS_FILE]
+    whole = train(small_run(output=str(tmp_path / "whole"), max_steps=6, eval_interval=3, **settings), progress=False)
+    cfg = small_run(output=str(tmp_path / "killed"), max_steps=6, eval_interval=3, save_interval=2, **settings)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run([sys.executable, "-c", KILLER, json.dumps(cfg.as_dict()), "4"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr
     out = tmp_path / "killed"
     assert [p.name for p in all_checkpoints(out)] == ["step-00000002", "step-00000004"]
-    assert not (out / FULL_WEIGHTS_FILE).exists()
+    assert not any((out / name).exists() for name in result)
 
     resumed = train(cfg, resume=True, progress=False)
     assert resumed.losses == whole.losses and len(whole.losses) == 6
     assert resumed.manifest["eval"] == whole.manifest["eval"]
-    assert (out / FULL_WEIGHTS_FILE).read_bytes() == (whole.out_dir / FULL_WEIGHTS_FILE).read_bytes()
+    for name in result:
+        assert (out / name).read_bytes() == (whole.out_dir / name).read_bytes(), name
     assert [s["from_step"] for s in resumed.manifest["segments"]] == [0, 4]
     with pytest.raises(ValueError, match="this run has finished"):
         train(cfg, resume=True, progress=False)

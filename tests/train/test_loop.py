@@ -4,7 +4,6 @@ naming the step and writes nothing; what trains is what was asked for."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
@@ -16,7 +15,7 @@ from moeswap.options import LoadOptions
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import Sample, eval_rows
 from moeswap.train.loop import NonFiniteError, _loss_sum, lr_factor, step_gradients, train
-from moeswap.train.targets import FULL_WEIGHTS_FILE, LORA_MISSING, matches, prepare_model
+from moeswap.train.targets import FULL_WEIGHTS_FILE, prepare_model
 
 
 def test_learning_rate_schedule():
@@ -32,12 +31,12 @@ def test_heldout_loss_falls_by_a_large_margin(learned):
     before, after = m["eval_loss_before"], m["eval_loss_after"]
     # untrained: about ln(512) per token; the permutation once learnt predicts every target but the EOS
     assert before > 5.5
-    assert after < 1.5 and before - after > 4.0, (before, after)
+    assert after < 2.0 and before - after > 4.0, (before, after)
     assert [e["step"] for e in m["eval"]] == [0, 10, 20] and m["eval"][1]["loss"] < before
     assert m["curve"][-1]["loss"] < 0.3 * m["curve"][0]["loss"]
-    # routed experts are not parameters: full mode trains the dense ones, and says which got no gradient
-    # (the routed path's input projections until the expert backward lands)
-    assert all("experts." not in n for n in m["trainable"]["without_gradient"])
+    # routed experts are not parameters, but gradients flow through them: the routers and the latent
+    # projections train too (what gets none: the attention-residual weights of layers where they are unused)
+    assert not [n for n in m["trainable"]["without_gradient"] if "block_sparse_moe" in n]
     assert (learned.out_dir / FULL_WEIGHTS_FILE).is_file()
 
 
@@ -51,10 +50,20 @@ def test_two_runs_with_one_seed_are_bit_identical(small_run, tmp_path):
     assert other.losses != one.losses
 
 
-def test_gradient_checkpointing_keeps_the_losses(small_run, tmp_path):
+def test_gradient_checkpointing_keeps_the_losses(small_run, tmp_path, monkeypatch):
+    from moeswap.models import kimi_k3
+
     base = train(small_run(output=str(tmp_path / "a")), progress=False).losses
+    calls = []
+
+    def counting(fn, *args, **kwargs):
+        calls.append(1)
+        return torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)
+
+    monkeypatch.setattr(kimi_k3, "checkpoint", counting)
     ckpt = train(small_run(output=str(tmp_path / "b"), gradient_checkpointing=True), progress=False).losses
     assert ckpt == base  # the recomputed forward is the same arithmetic
+    assert len(calls) == 4 * 6  # the model's per-layer checkpointing: every layer of every training forward
 
 
 def test_accumulation_and_padding_leave_the_step_gradient_alone(tiny_k3_dir, k3_tok, small_run):
@@ -93,7 +102,7 @@ def test_bf16_autocast_computes_close_to_fp32_and_trains(small_run, tmp_path):
     assert bf16["curve"][0]["loss"] == pytest.approx(base["curve"][0]["loss"], abs=0.05)
     assert bf16["eval_loss_before"] == pytest.approx(base["eval_loss_before"], abs=0.05)
     assert bf16["curve"][0]["loss"] != base["curve"][0]["loss"]
-    assert bf16["eval_loss_after"] < bf16["eval_loss_before"] - 0.5
+    assert bf16["eval_loss_after"] < bf16["eval_loss_before"] - 0.3  # fp32 falls ~0.6 in these 4 steps
 
 
 def test_a_padded_row_loses_nothing_to_its_neighbours(tiny_k3_dir, k3_tok):
@@ -132,19 +141,17 @@ def test_full_mode_targets(tiny_k3_dir, small_run):
         assert "model.embed_tokens.weight" in every and not any("e_score_correction_bias" in n for n in every)
         regex = [n for n, _ in prepare_model(model, small_run(target_modules=(r"model\.layers\.[01]\..*_proj",)))]
         assert regex and all(n.startswith(("model.layers.0.", "model.layers.1.")) for n in regex)
+        # moeswap.lora's rule: whole dotted name parts, and a module above selects its parameters
+        attn = [n for n, _ in prepare_model(model, small_run(target_modules=("self_attn",)))]
+        assert attn == [n for n, _ in model.named_parameters() if ".self_attn." in n]
         with pytest.raises(ValueError, match="--target-modules 'nope_proj' matches no module or parameter"):
             prepare_model(model, small_run(target_modules=("o_proj", "nope_proj")))
+        with pytest.raises(ValueError, match="--target-modules 'proj' matches no module or parameter"):
+            prepare_model(model, small_run(target_modules=("proj",)))
+        with pytest.raises(ValueError, match=r"is a regex, which must be the only pattern"):
+            prepare_model(model, small_run(target_modules=("o_proj", r".*\.q_proj")))
     finally:
         store.close()
-    assert matches("model.layers.3.self_attn.q_proj.weight", "q_proj")
-    assert not matches("model.layers.3.self_attn.q_proj.weight", "proj")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("moeswap.lora") is not None, reason="this build has moeswap.lora")
-def test_lora_mode_without_the_lora_package_is_a_clear_error(small_run):
-    with pytest.raises(ValueError, match="LoRA support is not installed in this build") as e:
-        train(small_run(mode="lora"), progress=False)
-    assert str(e.value) == LORA_MISSING
 
 
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])

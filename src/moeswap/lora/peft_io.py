@@ -27,7 +27,8 @@ from moeswap.formats.files import read_json
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
-from moeswap.lora.targets import EXPERT_HOOK, attach_experts, freeze, lora_modules, moe_blocks, weight_prefix, wrap
+from moeswap.lora.targets import attach_experts, expert_alpha, freeze, lora_modules, moe_blocks, weight_prefix, wrap
+from moeswap.models.layers.expert_lora import ExpertLoRA
 
 PEFT_PREFIX = "base_model.model."
 _KEY = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight")
@@ -42,9 +43,8 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         out[f"{prefix}{name}.lora_A.weight"] = lora.lora_A.weight.detach()
         out[f"{prefix}{name}.lora_B.weight"] = lora.lora_B.weight.detach()
     for block in moe_blocks(model).values():
-        experts = getattr(block, "expert_lora_state_dict", None)
-        for key, tensor in (experts() if experts is not None else {}).items():
-            out[prefix + key] = tensor.detach()
+        for key, tensor in block.expert_lora_state_dict().items():
+            out[prefix + key] = tensor
     return out
 
 
@@ -173,13 +173,10 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
         raise ValueError("this model serves LoRA adapters (lora.serving); load this one with them")
     plan = plan_adapter(model, adapter)
     blocks = moe_blocks(model)
-    if plan.experts:
-        lacking = [b for b in plan.experts if not hasattr(blocks[b], EXPERT_HOOK)]
-        if lacking:
-            raise ValueError(f"{adapter.directory}: routed-expert LoRA needs the MoE expert hook "
-                             f"(MoE.{EXPERT_HOOK}), which this build of moeswap lacks; the adapter has "
-                             f"routed-expert tensors for {lacking[0]}")
     cfg = adapter.config
+    for name, tensors in plan.experts.items():  # checked whole before the model is touched
+        expert_lora_for(blocks[name], tensors, cfg, device="meta", where=str(adapter.directory))
+    experts = {name: _expert_spec(tensors, cfg) for name, tensors in plan.experts.items()}
     base = freeze(model)
     for name, pair in plan.linears.items():
         r, alpha = pair["lora_A"].shape[0], cfg.rank_alpha(name)[1]
@@ -187,16 +184,38 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
         with torch.no_grad():
             lora.lora_A.weight.copy_(pair["lora_A"])
             lora.lora_B.weight.copy_(pair["lora_B"])
-    for block_name, tensors in plan.experts.items():
-        projections = tuple(sorted({_EXPERT.fullmatch(_KEY.fullmatch(k)["module"])["proj"] for k in tensors}))
-        first = next(k for k in tensors if k.endswith("lora_A.weight"))
-        r, alpha = tensors[first].shape[0], cfg.rank_alpha(_KEY.fullmatch(first)["module"])[1]
-        attach_experts(blocks[block_name], r, alpha, cfg, projections)
-        blocks[block_name].load_expert_lora_state_dict(tensors)
+    for name, (projections, r, alpha) in experts.items():
+        attach_experts(blocks[name], r, alpha, cfg, projections)
+        blocks[name].load_expert_lora_state_dict(plan.experts[name])
     for p in model.parameters():
         p.requires_grad_(trainable and id(p) not in base)
     model.lora_config = cfg
     return cfg
+
+
+def expert_lora_for(block: nn.Module, tensors: Mapping[str, torch.Tensor], cfg: LoRAConfig, device=None,
+                    where: str = "adapter") -> ExpertLoRA:
+    """An ExpertLoRA for MoE `block` (not attached) holding the block's adapter tensors (PEFT names without
+    the prefix, as plan_adapter gives them); ValueError when they do not fit (a missing expert or projection,
+    a shape, per-expert A where the config shares one)."""
+    try:
+        projections, r, alpha = _expert_spec(tensors, cfg)
+        lora = ExpertLoRA(block.num_experts, block.expert_shapes, r, expert_alpha(r, alpha, cfg), cfg.dropout,
+                          projections, cfg.expert_shared_a, device=device)
+        lora.load_peft_state_dict(block.layer_idx, tensors)
+    except ValueError as err:
+        raise ValueError(f"{where}: the adapter does not fit this model: {err}") from None
+    return lora
+
+
+def _expert_spec(tensors: dict[str, torch.Tensor], cfg: LoRAConfig) -> tuple[tuple[str, ...], int, float]:
+    """(projections, rank, alpha) of one MoE block's expert LoRA from its adapter tensors."""
+    projections = tuple(sorted({_EXPERT.fullmatch(_KEY.fullmatch(k)["module"])["proj"] for k in tensors}))
+    a_keys = [k for k in tensors if k.endswith("lora_A.weight")]
+    if not a_keys:
+        raise ValueError(f"{min(tensors)}: routed-expert lora_B without any lora_A")
+    first = min(a_keys)
+    return projections, tensors[first].shape[0], cfg.rank_alpha(_KEY.fullmatch(first)["module"])[1]
 
 
 def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:

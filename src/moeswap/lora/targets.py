@@ -21,7 +21,6 @@ from moeswap.lora.config import LoRAConfig
 from moeswap.lora.layer import LoRALinear
 
 EXPERT_PROJECTIONS = ("w1", "w2", "w3")
-EXPERT_HOOK = "attach_expert_lora"
 
 
 @dataclass
@@ -108,20 +107,13 @@ def attach_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator
         raise ValueError("this model serves LoRA adapters (lora.serving); attach to a model without them")
     targets = resolve_targets(model, config.target_modules)
     blocks = moe_blocks(model)
-    if targets.experts:
-        missing = [name for name in targets.experts if not hasattr(blocks[name], EXPERT_HOOK)]
-        if missing:
-            raise ValueError(
-                f"routed-expert LoRA needs the MoE expert hook (MoE.{EXPERT_HOOK}), which this build of moeswap "
-                f"lacks; the targets select routed experts in {missing[0]} (e.g. {expert_name(missing[0], 0, 'w1')}): "
-                f"target dense modules only (attention projections, shared_experts, mlp)")
     base = freeze(model)
     for name in targets.linears:
         r, alpha = config.rank_alpha(name)
         wrap(model, name, r, alpha, config.dropout, config.use_rslora, generator)
     for name, projections in targets.experts.items():
         r, alpha = config.rank_alpha(expert_name(name, 0, projections[0]))
-        attach_experts(blocks[name], r, alpha, config, projections)
+        attach_experts(blocks[name], r, alpha, config, projections, generator)
     for p in model.parameters():
         p.requires_grad_(id(p) not in base)
     model.lora_config = config
@@ -135,11 +127,17 @@ def freeze(model: nn.Module) -> set[int]:
     return {id(p) for p in model.parameters()}
 
 
-def attach_experts(block: nn.Module, r: int, alpha: float, config: LoRAConfig, projections: tuple[str, ...]) -> None:
-    # the hook's scaling is alpha / r; rsLoRA's alpha / sqrt(r) is the same with alpha * sqrt(r)
-    hook_alpha = alpha * r ** 0.5 if config.use_rslora else alpha
-    getattr(block, EXPERT_HOOK)(r, hook_alpha, config.dropout, projections=projections,
-                                shared_a=config.expert_shared_a)
+def attach_experts(block: nn.Module, r: int, alpha: float, config: LoRAConfig, projections: tuple[str, ...],
+                   generator: torch.Generator | None = None) -> None:
+    """The block's expert LoRA (MoE.attach_expert_lora: per-expert A and B, or one A shared by the experts)."""
+    block.attach_expert_lora(r, expert_alpha(r, alpha, config), config.dropout, projections=projections,
+                             shared_a=config.expert_shared_a, generator=generator)
+
+
+def expert_alpha(r: int, alpha: float, config: LoRAConfig) -> float:
+    """The alpha to give the expert LoRA (whose scaling is alpha / r) for this config's scaling: rsLoRA's
+    alpha / sqrt(r) is alpha * sqrt(r) / r."""
+    return alpha * r ** 0.5 if config.use_rslora else alpha
 
 
 def wrap(model: nn.Module, name: str, r: int, alpha: float, dropout: float, use_rslora: bool,
@@ -155,10 +153,10 @@ def wrap(model: nn.Module, name: str, r: int, alpha: float, dropout: float, use_
 def detach_lora(model: nn.Module, merge: bool = False) -> None:
     """Puts the original Linears back (with the update added into their weights when `merge`) and removes
     the routed-expert LoRA. Parameters stay frozen."""
-    experts = [block for block in moe_blocks(model).values() if _has_expert_lora(block)]
+    experts = [block for block in moe_blocks(model).values() if has_expert_lora(block)]
     if experts and merge:
-        raise ValueError("merging routed-expert LoRA into a loaded model is not supported yet (it needs the "
-                         "experts re-quantised)")
+        raise ValueError("merging routed-expert LoRA into a loaded model is not supported (routed experts are "
+                         "read from the checkpoint; `moeswap merge BASE ADAPTER OUT` writes them re-quantised)")
     for name, lora in lora_modules(model).items():
         if merge:
             lora.merge()
@@ -179,9 +177,8 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _has_expert_lora(block: nn.Module) -> bool:
-    sd = getattr(block, "expert_lora_state_dict", None)
-    return sd is not None and bool(sd())
+def has_expert_lora(block: nn.Module) -> bool:
+    return block._modules.get("expert_lora") is not None
 
 
 def _inside_lora(name: str, model: nn.Module) -> bool:

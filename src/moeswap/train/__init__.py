@@ -1,6 +1,6 @@
 """Fine-tuning through the same model and expert store inference uses: `moeswap train CONFIG.yaml`.
 
 config.py (TrainConfig, YAML + flags), data.py (JSONL -> token rows with loss masks), targets.py (what
-trains: full parameters here, LoRA through moeswap.lora), loop.py (AdamW, schedule, eval, progress),
-checkpoint.py (atomic checkpoints, --resume), manifest.py (the run's record, --reproduce), cli.py.
+trains: LoRA through moeswap.lora, routed experts included, or full parameters), loop.py (AdamW,
+schedule, eval, progress), checkpoint.py (atomic checkpoints, --resume), manifest.py (the run's record, --reproduce), cli.py.
 """

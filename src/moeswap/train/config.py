@@ -51,11 +51,12 @@ class TrainConfig:
                              "concatenated into full rows, losses masked at the joins, but attention and the KDA "
                              "state do run across them", choices=PACKING)
     # what trains
-    mode: str = _f("lora", "lora: low-rank adapters on a frozen base; full: the model's own parameters "
-                           "(routed experts stay frozen)", choices=MODES)
+    mode: str = _f("lora", "lora: low-rank adapters on a frozen base (routed experts included); full: the model's "
+                           "own parameters (routed experts stay frozen)", choices=MODES)
     target_modules: tuple[str, ...] | None = _f(
-        None, "modules to adapt (lora) or train (full), comma-separated names or suffixes (q_proj,o_proj) or one "
-              "regex; default: the mode's own (lora: moeswap.lora's default; full: every parameter)", "list",
+        None, "modules to adapt (lora) or train (full), comma-separated names or suffixes (q_proj,o_proj; w1,w2,w3: "
+              "the routed experts') or one regex; default: lora q_proj,k_proj,v_proj,o_proj, full every parameter",
+        "list",
         metavar="NAMES")
     rank: int = _f(16, "LoRA rank r", "int")
     alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / r)", "float")

@@ -170,11 +170,11 @@ def _check_same_settings(state: dict[str, Any], cfg: TrainConfig, path: Path) ->
                              f"{now[key]!r}; resume with the same settings")
 
 
-def _check_same_inputs(state: dict[str, Any], cfg: TrainConfig, data_sha: list[str], base_sha: str, path: Path):
+def _check_same_inputs(state: dict[str, Any], cfg: TrainConfig, data_sha: list[str], base: dict[str, Any], path: Path):
     if state["data_sha256"] != data_sha:
         raise ValueError(f"--resume: the data files changed since checkpoint {path} was written "
                          "(their SHA-256 differ)")
-    if state["base_sha256"] != base_sha:
+    if state["base_digest"] != base["digest"]:
         raise ValueError(f"--resume: the base model {cfg.model} is not the one checkpoint {path} was trained on "
                          "(its fingerprint differs)")
 
@@ -219,7 +219,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                                    "curve": [], "eval": [], "no_gradient": None, "segments": []}
         if resume_from is not None:
             path, state = resume_from
-            _check_same_inputs(state, cfg, data_sha, base["sha256"], path)
+            _check_same_inputs(state, cfg, data_sha, base, path)
             load_checkpoint(path, params, optimizer, state)
             history = state["history"]
         else:
@@ -250,7 +250,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             history.update(step=step + 1, rows=history["rows"] + len(rows), tokens=history["tokens"] + tokens,
                            train_s=history["train_s"] + elapsed)
             history["curve"].append({"step": step + 1, "loss": loss_mean, "lr": lr, "tokens": tokens,
-                                     "grad_norm": norm})
+                                     "grad_norm": norm, "time_s": elapsed})
             bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{segment_tokens / segment_s:.0f}",
                             hit=f"{store.stats.hit_rate:.0%}", lr=f"{lr:.2e}", refresh=False)
             bar.update(1)
@@ -265,7 +265,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                 started = time.perf_counter()
                 path = save_checkpoint(out, step + 1, params, optimizer,
                                        {"history": history, "config": cfg.as_dict(), "data_sha256": data_sha,
-                                        "base_sha256": base["sha256"]}, cfg.keep_checkpoints)
+                                        "base_digest": base["digest"]}, cfg.keep_checkpoints)
                 if on_checkpoint is not None:
                     on_checkpoint(step + 1, path)
         bar.close()
@@ -273,9 +273,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device)})
         history["wall_s"] += time.perf_counter() - started
         manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s)
-        files = save_trained(model, cfg, params, out, {"base_sha256": base["sha256"], "steps": total})
-        manifest["files"] = files
-        record.write_record(out, manifest)
+        meta = {"base_digest": base["digest"], "steps": total}
+        record.publish(out, lambda staging: save_trained(model, cfg, params, staging, base, meta), manifest)
         return TrainResult(out, record.read_manifest(out))
     finally:
         store.close()
@@ -329,7 +328,7 @@ def reproduce(manifest_path: str | Path, output: str | Path, *, tolerance: float
             raise FileNotFoundError(f"--reproduce: the recorded data file {f['path']} is not there")
         if file_sha256(Path(f["path"])) != f["sha256"]:
             raise ValueError(f"--reproduce: {f['path']} is not the recorded data (its SHA-256 differs)")
-    if record.fingerprint(cfg.model)["sha256"] != old["base"]["fingerprint"]["sha256"]:
+    if record.fingerprint(cfg.model)["digest"] != old["base"]["fingerprint"].get("digest"):
         raise ValueError(f"--reproduce: the base model {cfg.model} is not the recorded one (its fingerprint differs)")
     threads = old.get("environment", {}).get("hardware", {}).get("torch_threads")
     if isinstance(threads, int) and threads > 0:

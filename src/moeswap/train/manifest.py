@@ -4,28 +4,30 @@ The manifest says what went in (the base model's fingerprint, the data files' SH
 counts, the full resolved config, the seed), where it ran (package versions, CPU, cores, threads) and what
 came out (wall time, tokens/s, peak RSS, expert-store statistics, the loss curve, eval loss before and
 after). `check_reproduction` compares a new run's curve with a manifest's (`moeswap train --reproduce`).
-Entry points: `fingerprint(model_dir)`, `write_record`, `read_manifest`, `check_reproduction`.
+The result (adapter or trained weights) and the record are published together (`publish`): written into
+a staging directory inside the output, then moved in with manifest.json last, so a run whose manifest is
+there is finished and complete. Entry points: `fingerprint(model_dir)`, `publish`, `write_record`,
+`read_manifest`, `check_reproduction`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from moeswap import jsonio
-from moeswap.atomic_dir import atomic_file
+from moeswap.atomic_dir import atomic_directory, atomic_file, move_into
 
 MANIFEST, LOSS_CSV, LOSS_PNG = "manifest.json", "loss.csv", "loss.png"
+RESULT_STAGING = ".result"  # inside the output directory, while the result is written
 FORMAT = 1
-SAMPLED_TENSORS = 8  # tensors hashed for a fingerprint, spread over the sorted names
-SAMPLED_BYTES = 1 << 20  # of each: the first and the last MiB
 PACKAGES = ("moeswap", "torch", "numpy", "safetensors", "tokenizers", "tiktoken", "jinja2", "pyyaml", "peft",
             "transformers")
 
@@ -35,56 +37,11 @@ PACKAGES = ("moeswap", "torch", "numpy", "safetensors", "tokenizers", "tiktoken"
 
 
 def fingerprint(model_dir: str | Path) -> dict[str, Any]:
-    """The base model's identity: moeswap.lora's fingerprint where this build has it (adapters carry the
-    same one), else this module's with the same contract: config.json's hash, the index's (or the shard
-    headers') hash, and hashes of sampled tensors' bytes, combined into one `sha256`."""
-    try:
-        lora = importlib.import_module("moeswap.lora")
-    except ModuleNotFoundError:
-        lora = None
-    if lora is not None and hasattr(lora, "fingerprint"):
-        return lora.fingerprint(model_dir)
-    return own_fingerprint(model_dir)
+    """The base model's identity, moeswap.lora's (adapters record the same one); two bases are the same
+    when their `digest`s are."""
+    from moeswap.lora import fingerprint as base_fingerprint
 
-
-def own_fingerprint(model_dir: str | Path) -> dict[str, Any]:
-    from moeswap.formats.checkpoint import INDEX_NAME, HEADER_LENGTH_BYTES, Checkpoint
-
-    d = Path(model_dir)
-    ckpt = Checkpoint.open(d)
-    try:
-        index = d / INDEX_NAME
-        if index.is_file():
-            index_sha = _sha256_bytes(index.read_bytes())
-        else:  # one file: its header is the index
-            h = hashlib.sha256()
-            for file in ckpt.files():
-                with open(file, "rb") as f:
-                    n = int.from_bytes(f.read(HEADER_LENGTH_BYTES), "little")
-                    h.update(f.read(n))
-            index_sha = h.hexdigest()
-        names = sorted(ckpt.names())
-        step = max(1, len(names) // SAMPLED_TENSORS)
-        tensors = {}
-        for name in names[::step][:SAMPLED_TENSORS]:
-            info = ckpt.info(name)
-            with open(info.file, "rb") as f:
-                h = hashlib.sha256()
-                f.seek(info.offset)
-                h.update(f.read(min(info.nbytes, SAMPLED_BYTES)))
-                if info.nbytes > SAMPLED_BYTES:
-                    f.seek(info.offset + max(SAMPLED_BYTES, info.nbytes - SAMPLED_BYTES))
-                    h.update(f.read(SAMPLED_BYTES))
-            tensors[name] = h.hexdigest()
-    finally:
-        ckpt.close()
-    parts = {"method": "moeswap.train", "config_sha256": _sha256_bytes((d / "config.json").read_bytes()),
-             "index_sha256": index_sha, "tensors_sha256": tensors}
-    return {**parts, "sha256": _sha256_bytes(jsonio.dumps(parts, sort_keys=True).encode())}
-
-
-def _sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return base_fingerprint(model_dir)
 
 
 def environment() -> dict[str, Any]:
@@ -142,6 +99,18 @@ def peak_rss_bytes() -> int | None:
 
 # ----------------------------------------------------------------------------------------------------
 # What came out
+
+
+def publish(out_dir: Path, write_result: Callable[[Path], list[str]], manifest: dict[str, Any]) -> list[str]:
+    """Writes the result (`write_result(directory) -> file names`) and the record into a staging directory
+    inside out_dir (complete or absent: atomic_dir), then moves them into out_dir, manifest.json last.
+    Returns the files published."""
+    staging = Path(out_dir) / RESULT_STAGING
+    shutil.rmtree(staging, ignore_errors=True)  # from a run killed while publishing (resumed from a checkpoint)
+    with atomic_directory(staging) as tmp:
+        files = write_result(tmp)
+        write_record(tmp, {**manifest, "files": files})
+    return move_into(staging, out_dir, last=MANIFEST)
 
 
 def write_record(out_dir: Path, manifest: dict[str, Any]) -> list[str]:
