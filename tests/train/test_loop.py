@@ -112,7 +112,7 @@ def test_a_padded_row_loses_nothing_to_its_neighbours(tiny_k3_dir, k3_tok):
         samples = [Sample(tuple(k3_tok.encode(t)), (False,) + (True,) * (len(k3_tok.encode(t)) - 1), "x")
                    for t in ("the lamp", "the lamp is lit and the fog horn is silent tonight", "and the sea")]
         rows = eval_rows(samples)
-        cfg = type("C", (), {"precision": "fp32"})()
+        cfg = TrainConfig()
         with torch.no_grad():
             together, _ = _loss_sum(model, rows, k3_tok.eos_ids[0], cfg, torch.device("cpu"))
             alone = sum(_loss_sum(model, [r], k3_tok.eos_ids[0], cfg, torch.device("cpu"))[0] for r in rows)

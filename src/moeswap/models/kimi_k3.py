@@ -123,12 +123,29 @@ class KimiModel(nn.Module):
                 layers.append(MLACache.empty(batch, layer.self_attn.cache_width(), dtype, device))
         return ModelState(layers)
 
-    def forward(self, tokens_BT: torch.Tensor, state: ModelState | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits [B, T, V] (or [B, 1, V] with last_only). Updates `state` in place when given."""
+    def forward(self, tokens_BT: torch.Tensor, state: ModelState | None = None, last_only: bool = False,
+                hidden_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, 1, V] with last_only). Updates `state` in place when given. hidden_only:
+        the final normed hidden states [B, T, H] instead, which `head` turns into logits (training computes
+        its loss a chunk of tokens at a time rather than holding every token's logits)."""
         with gemm_precision(self.gemm_precision):
-            return self._forward(tokens_BT, state, last_only)
+            hidden = self._forward(tokens_BT, state, last_only)
+            return hidden if hidden_only else self._head(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of final normed hidden states [..., H] (forward's last step)."""
+        with gemm_precision(self.gemm_precision):
+            return self._head(hidden)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return linear(hidden, self.model.embed_tokens.weight)
+        if type(self.lm_head) in FUSABLE:
+            return linear(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)  # a wrapper (LoRA)
 
     def _forward(self, tokens_BT: torch.Tensor, state: ModelState | None, last_only: bool) -> torch.Tensor:
+        """The final normed hidden states [B, T, H] (or [B, 1, H] with last_only)."""
         c, eps = self.config, self.config.rms_norm_eps
         block = c.attn_res_block_size
         partial = self.model.embed_tokens(tokens_BT)
@@ -148,12 +165,7 @@ class KimiModel(nn.Module):
             partial = mix(partial, bank, score, eps)
         if last_only:
             partial = partial[:, -1:]
-        hidden = self.model.norm(partial)
-        if c.tie_word_embeddings:
-            return linear(hidden, self.model.embed_tokens.weight)
-        if type(self.lm_head) in FUSABLE:
-            return linear(hidden, self.lm_head.weight)
-        return self.lm_head(hidden)  # a wrapper (LoRA)
+        return self.model.norm(partial)
 
     def _layer(self, i: int, layer: DecoderLayer, layer_state, partial: torch.Tensor,
                *bank: torch.Tensor) -> torch.Tensor:

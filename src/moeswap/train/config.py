@@ -82,6 +82,8 @@ class TrainConfig:
                         choices=PRECISIONS)
     gradient_checkpointing: bool = _f(False, "recompute each layer's attention and MLP in backward instead of "
                                              "keeping their activations", "bool")
+    loss_chunk: int = _f(1024, "tokens whose logits the loss computes at a time, recomputing them in backward "
+                               "(the full [tokens, vocab] logits are never held; 0: all at once)", "int")
     eval_interval: int = _f(0, "eval every N optimizer steps (eval always runs before and after; 0: only then)",
                             "int")
     save_interval: int = _f(0, "write a checkpoint every N optimizer steps (0: none; --resume needs them)", "int")
@@ -111,6 +113,7 @@ class TrainConfig:
             (self.max_steps > 0 or self.epochs > 0, "--epochs must be > 0 when --max-steps is 0"),
             (self.micro_batch >= 1, "--micro-batch must be >= 1"),
             (self.grad_accum >= 1, "--grad-accum must be >= 1"),
+            (self.loss_chunk >= 0, "--loss-chunk must be >= 0"),
             (self.eval_interval >= 0, "--eval-interval must be >= 0"),
             (self.save_interval >= 0, "--save-interval must be >= 0"),
             (self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1"),

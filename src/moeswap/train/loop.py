@@ -1,8 +1,9 @@
 """The training loop: AdamW over the trainable parameters, linear warm-up then cosine (or constant)
 learning rate, gradient accumulation and clipping, eval before / every N steps / after, checkpoints,
 and the run's record. Losses are summed over an optimizer step's target tokens and divided by their
-count (so accumulation and padding change nothing). Everything random comes from the seed: two CPU runs
-with one config give the same losses bit for bit, and a resumed run continues as the uninterrupted one.
+count (so accumulation and padding change nothing), their logits computed a chunk of tokens at a time.
+Everything random comes from the seed: two CPU runs with one config give the same losses bit for bit, and
+a resumed run continues as the uninterrupted one.
 Entry points: `train(cfg, resume=...)`, `reproduce(manifest, output)`.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from moeswap.train import manifest as record
 from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
@@ -91,13 +93,37 @@ def _autocast(cfg: TrainConfig, device: torch.device):
 
 
 def _loss_sum(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the rows' target tokens, and their real (unpadded) token count."""
+    """Summed cross-entropy over the rows' target tokens, and their real (unpadded) token count.
+    With cfg.loss_chunk the logits exist loss_chunk tokens at a time: each chunk's head projection and
+    cross-entropy are recomputed in backward, so neither the [tokens, vocab] logits nor their gradient is
+    ever whole (Kimi K3's 163,840-token vocabulary makes them 2.7 GB per 4,096-token row in fp32)."""
     tokens, labels = batch(rows, pad_id)
+    labels, count = labels.to(device).flatten(), sum(len(ids) for ids, _ in rows)
+    chunk = cfg.loss_chunk
     with _autocast(cfg, device):
-        logits = model(tokens.to(device))
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.to(device).flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-    return loss, sum(len(ids) for ids, _ in rows)
+        if not chunk:
+            return _cross_entropy(model(tokens.to(device)).flatten(0, 1), labels), count
+        hidden = model(tokens.to(device), hidden_only=True).flatten(0, 1)
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[0], chunk):
+        part = (hidden[i:i + chunk], labels[i:i + chunk])
+        if torch.is_grad_enabled():
+            loss = loss + checkpoint(_head_loss, model, cfg, *part, use_reentrant=False)
+        else:
+            loss = loss + _head_loss(model, cfg, *part)
+    return loss, count
+
+
+def _head_loss(model, cfg: TrainConfig, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of some tokens' final hidden states through the model's head."""
+    with _autocast(cfg, hidden.device):
+        logits = model.head(hidden)
+    return _cross_entropy(logits, labels)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross-entropy of logits [N, V] against labels [N], IGNORE labels left out."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
 
 
 def step_gradients(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, step: int) -> tuple[float, int]:
