@@ -15,7 +15,8 @@ from moeswap import cli
 from moeswap.experts.stats import StoreStats, TierStats
 from moeswap.lora import WEIGHTS_NAME, fingerprint
 from moeswap.train.loop import train
-from moeswap.train.manifest import LOSS_CSV, LOSS_PNG, MANIFEST, check_reproduction, peak_rss_bytes
+from moeswap.procfs import peak_rss_bytes
+from moeswap.train.manifest import LOSS_CSV, LOSS_PNG, MANIFEST, check_reproduction
 from moeswap.train.targets import FULL_WEIGHTS_FILE
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
 from moeswap.options import LoadOptions, add_load_flags
+from moeswap.procfs import peak_rss_bytes, rss_bytes
 from moeswap.tuning import tune_process
 from moeswap import jsonio
 
@@ -28,24 +28,6 @@ def _dtypes(model) -> str:
     return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _peak_rss_bytes() -> int:
-    """This process's own high-water RSS (VmHWM). Not ru_maxrss: Linux carries that across exec, so a
-    child spawned by a big parent (e.g. pytest holding a model) reports the parent's RSS as its peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def measure(model_dir: str, prompt_tokens: int, max_tokens: int, options: LoadOptions) -> dict:
     """Runs inside the child process, tuned as the moeswap command is."""
     tune_process()
@@ -55,14 +37,14 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, options: LoadOp
     from moeswap.models.loader import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    base = _rss_bytes()
+    base = rss_bytes()
     model, store = load_model(model_dir, options)
-    after_load = _rss_bytes()
+    after_load = rss_bytes()
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
     result = generate(model, ids.tolist(), GenerationConfig(max_tokens=max_tokens, stop_ids=()))
     store.close()
-    peak = _peak_rss_bytes()
+    peak = peak_rss_bytes()
     touched = store.stats.disk_reads  # experts read from the checkpoint
     per_expert = store.fast.cost(min(store.index.entries))
     return {

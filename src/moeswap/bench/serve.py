@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeswap.options import LoadOptions, add_load_flags
+from moeswap.procfs import cpu_model, rss_bytes
 
 PEERS = ("moeswap-batch1", "llama-server")
 MAX_ERRORS = 5  # distinct error messages kept per target and load
@@ -137,17 +138,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 class RssSampler:
@@ -653,7 +643,7 @@ class _Skip(Exception):
 
 def measure(s: Setup, log=print) -> dict:
     """Start the servers, warm each up, run every load level on each in turn, stop them; then the greedy check."""
-    from moeswap.bench.sidebyside import _cpu_model, _git_revision
+    from moeswap.bench.sidebyside import _git_revision
 
     w = s.workload
     prompts = Prompts(w, vocabulary(s.model_dir) if s.model_dir else None)
@@ -661,7 +651,7 @@ def measure(s: Setup, log=print) -> dict:
     targets: list[Target] = []
     skipped: dict[str, str] = {}
     report: dict = {"bench": "serve", "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    "machine": {"git": _git_revision(), "cpu": _cpu_model(), "cores": os.cpu_count(),
+                    "machine": {"git": _git_revision(), "cpu": cpu_model(), "cores": os.cpu_count(),
                                 "threads": s.threads, "load_average": list(os.getloadavg())}}
     try:
         if s.launch:

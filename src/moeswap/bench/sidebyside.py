@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moeswap import jsonio
 from moeswap.options import LoadOptions, add_load_flags
+from moeswap.procfs import cpu_model
 
 BENCH_LOAD = LoadOptions(expert_memory=8 << 30)  # every expert of a bench model stays resident
 PEERS = ("llama.cpp", "transformers")  # the default peers
@@ -50,16 +51,6 @@ def _git_revision() -> str:
         return "unknown"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(threads: int) -> dict:
     import torch
 
@@ -69,7 +60,7 @@ def machine_info(threads: int) -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:
             versions[mod] = None
-    return {"git": _git_revision(), "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": threads,
+    return {"git": _git_revision(), "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
             "load_average": os.getloadavg(), "versions": versions, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

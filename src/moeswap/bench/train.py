@@ -177,7 +177,7 @@ def peft_worker(spec_path: str) -> dict:
         train_s += times[-1]
         losses.append(loss.item() / targets)
         tokens += b["real"]
-    from moeswap.train.manifest import peak_rss_bytes
+    from moeswap.procfs import peak_rss_bytes
 
     later = batches[1:]
     return {"tokens_per_s": tokens / train_s, "peak_rss_bytes": peak_rss_bytes(),

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from moeswap.procfs import peak_rss_bytes
 from moeswap.train import manifest as record
 from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from moeswap.train.config import TrainConfig
@@ -333,7 +334,7 @@ def _manifest(cfg: TrainConfig, data: Data, base: dict[str, Any], params, histor
         "train_s": history["train_s"],
         "tokens_per_s": history["tokens"] / history["train_s"] if history["train_s"] else None,
         "last_segment_tokens_per_s": segment_tokens / segment_s if segment_s else None,
-        "segments": history["segments"], "peak_rss_bytes": record.peak_rss_bytes(),
+        "segments": history["segments"], "peak_rss_bytes": peak_rss_bytes(),
         "expert_store": store.stats.as_dict(),  # of the last segment (a resumed run starts a fresh store)
         "curve": history["curve"], "eval": evals,
         "eval_loss_before": evals[0]["loss"] if evals and evals[0]["step"] == 0 else None,

@@ -24,6 +24,7 @@ from typing import Any
 
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory, atomic_file, move_into
+from moeswap.procfs import cpu_model, memory_total_bytes
 
 MANIFEST, LOSS_CSV, LOSS_PNG = "manifest.json", "loss.csv", "loss.png"
 RESULT_STAGING = ".result"  # inside the output directory, while the result is written
@@ -54,47 +55,13 @@ def environment() -> dict[str, Any]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    hardware = {"cpu": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0))
+    hardware = {"cpu": cpu_model(), "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0))
                 if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                 "torch_threads": torch.get_num_threads(), "os": platform.platform(),
-                "memory_bytes": _memory_total()}
+                "memory_bytes": memory_total_bytes()}
     if torch.cuda.is_available():
         hardware["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {"packages": versions, "hardware": hardware, "argv": sys.argv}
-
-
-def _memory_total() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's high-water resident memory (VmHWM)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    except (ImportError, OSError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------------
