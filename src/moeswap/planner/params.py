@@ -122,13 +122,6 @@ class ModelParams:
         moe_layers = sum(1 for l in self.layers if l.num_experts)
         return self.non_expert - self.embed + moe_layers * self.cfg.moe.top_k * self.expert_params
 
-    @cached_property
-    def matmul_active(self) -> int:
-        """Matrix parameters per token in the layers (2 FLOPs each); excludes lm_head and vectors."""
-        moe_layers = sum(1 for l in self.layers if l.num_experts)
-        dense = sum(l.attn_params + l.mlp_params for l in self.layers)
-        return dense + moe_layers * self.cfg.moe.top_k * self.expert_params
-
 
 @lru_cache(maxsize=16)
 def model_params(cfg: ModelConfig) -> ModelParams:
