@@ -45,7 +45,7 @@ def kda_decode_step(q_B1HK: torch.Tensor, k_B1HK: torch.Tensor, v_B1HV: torch.Te
                 state_BHKV.view(B * H, K, V), scale, L2_EPS)
         return o.view(B, 1, H, V)
     o, S = kda_recurrent(l2_normalize(q_B1HK.float()) * scale, l2_normalize(k_B1HK.float()), v_B1HV, g_B1HK,
-                         beta_B1H, state_BHKV)  # which starts from a copy: autograd may keep the state
+                         beta_B1H, state_BHKV)  # which copies the state where autograd may keep it
     state_BHKV.copy_(S)
     return o
 
@@ -59,7 +59,8 @@ def kda_recurrent(
     state_BHKV: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token: S <- diag(exp g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q."""
-    S = state_BHKV.to(torch.float32, copy=True)  # a copy: callers write the result back into state_BHKV
+    # a copy where autograd records: it keeps S for backward, and callers write the result back into state_BHKV
+    S = state_BHKV.to(torch.float32, copy=torch.is_grad_enabled())
     q, k, v, g, beta = (t.float() for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
     outs = []
     for t in range(q.shape[1]):
@@ -108,8 +109,8 @@ def _chunked(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g
              intra: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked delta rule with the intra-chunk products from `intra(q, k, G64) -> (kk, qk)`."""
-    # a copy: callers write the result back into state_BHKV in place, and autograd keeps S for backward
-    S = state_BHKV.to(torch.float32, copy=True)
+    # a copy where autograd records: it keeps S for backward, and callers write the result back into state_BHKV
+    S = state_BHKV.to(torch.float32, copy=torch.is_grad_enabled())
     # work per head: [B, H, T, .]
     q, k, v, g = (t.float().transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
     beta = beta_BTH.float().transpose(1, 2)
