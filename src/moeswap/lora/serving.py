@@ -18,14 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from moeswap.lora.config import base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
 from moeswap.lora.layer import lora_scaling
 from moeswap.lora.multi import AdapterRows, MultiLoRALinear
-from moeswap.lora.peft_io import _EXPERT, _KEY, Adapter, plan_adapter, read_adapter
+from moeswap.lora.peft_io import Adapter, expert_lora_for, plan_adapter, read_adapter
 from moeswap.lora.targets import lora_modules, moe_blocks
 from moeswap.models.layers.basic import fuse_projections
 
@@ -86,7 +85,10 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
         if lacking:
             raise ValueError(f"adapter {name!r} ({adapter.directory}): its routed-expert LoRA needs the MoE block's "
                              f"{SERVE_HOOK}, which {lacking[0]} lacks")
-    experts = [_expert_loras(blocks, adapter, plan) for (_, adapter), plan in zip(named, plans)]  # may refuse
+    experts = [{b: expert_lora_for(blocks[b], tensors, adapter.config, device=blocks[b].gate.weight.device,
+                                   where=f"adapter {name!r} ({adapter.directory})")
+                for b, tensors in plan.experts.items()}
+               for (name, adapter), plan in zip(named, plans)]  # may refuse
     fuse_projections(model)
     rows = AdapterRows(len(named))
     wrappers: dict[str, MultiLoRALinear] = {}
@@ -104,24 +106,3 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
             getattr(blocks[block_name], SERVE_HOOK)(rows).add(slot, lora)
     model.adapter_rows = rows
     return ServedAdapters(tuple(n for n, _ in named), tuple(a.directory for _, a in named), rows)
-
-
-def _expert_loras(blocks: dict[str, nn.Module], adapter: Adapter, plan) -> dict[str, nn.Module]:
-    """The adapter's routed-expert LoRA per MoE block, made and filled as load_adapter's (ValueError when its
-    tensors are incomplete)."""
-    cfg, out = adapter.config, {}
-    for block_name, tensors in plan.experts.items():
-        block = blocks[block_name]
-        projections = tuple(sorted({_EXPERT.fullmatch(_KEY.fullmatch(k)["module"])["proj"] for k in tensors}))
-        first = next(k for k in tensors if k.endswith("lora_A.weight"))
-        r, alpha = tensors[first].shape[0], cfg.rank_alpha(_KEY.fullmatch(first)["module"])[1]
-        # the expert LoRA's scaling is alpha / r; rsLoRA's alpha / sqrt(r) is the same with alpha * sqrt(r)
-        lora = block.expert_lora_of(r, alpha * r ** 0.5 if cfg.use_rslora else alpha, cfg.dropout, projections,
-                                    cfg.expert_shared_a)
-        try:
-            with torch.no_grad():
-                lora.load_peft_state_dict(block.layer_idx, tensors)
-        except ValueError as err:
-            raise ValueError(f"{adapter.directory}: {err}") from None
-        out[block_name] = lora
-    return out

@@ -126,12 +126,6 @@ class MoE(nn.Module):
             served = self.served_lora = ExpertLoRASlots(rows)
         return served
 
-    def expert_lora_of(self, rank: int, alpha: float, dropout: float = 0.0, projections: Sequence[str] = PROJS,
-                       shared_a: bool = False) -> ExpertLoRA:
-        """An ExpertLoRA for this block as `attach_expert_lora` makes it, not attached (for a served adapter)."""
-        return ExpertLoRA(self.num_experts, self.expert_shapes, rank, alpha, dropout, projections, shared_a,
-                          device=self.gate.weight.device)
-
     def detach_expert_lora(self) -> ExpertLoRA | None:
         """Removes the expert LoRA (returned); the block computes its base experts again, on the fast paths."""
         return self._modules.pop("expert_lora", None)
