@@ -60,7 +60,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
         raise ValueError(f"--expert-pattern {options.expert_pattern!r} is not a valid regex: {err}") from None
     src, dst = Path(src), Path(dst)
     raw = _read_config(src)
-    side_files = _side_files(src)
+    extra_files = side_files(src)
     _check_destination(src, dst)
     t0 = time.perf_counter()
     with Checkpoint.open(src) as ckpt:
@@ -70,7 +70,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
             report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
             with writing(tmp / "config.json"):
                 _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
-            _copy_side_files(side_files, tmp)
+            copy_side_files(extra_files, tmp)
             with writing(tmp / REPORT_NAME):
                 (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
@@ -286,14 +286,14 @@ def _write_config(out: Path, raw: dict, qconfig: dict) -> None:
     (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
 
 
-def _side_files(src: Path) -> list[Path]:
+def side_files(src: Path) -> list[Path]:
     """Tokenizer, generation config, code: everything but the weights, their index and config.json. Each
     must lie inside `src` (checked before any work): a link outside would copy another file into DST."""
     return [confined(src, path.name, ValueError, str(src)) for path in sorted(src.iterdir())
             if path.name not in ("config.json", INDEX_NAME, REPORT_NAME) and path.suffix != ".safetensors"]
 
 
-def _copy_side_files(side_files: list[Path], out: Path) -> None:
+def copy_side_files(side_files: list[Path], out: Path) -> None:
     for path in side_files:
         with writing(out / path.name):
             if path.is_dir():

@@ -17,7 +17,9 @@ from moeswap.lora import WEIGHTS_NAME, fingerprint
 from moeswap.train.loop import train
 from moeswap.procfs import peak_rss_bytes
 from moeswap.train.manifest import LOSS_CSV, LOSS_PNG, MANIFEST, check_reproduction
-from moeswap.train.targets import FULL_WEIGHTS_FILE
+
+# what full mode writes for the tiny base: one shard and its index (train/export.py)
+MODEL_FILES = ("model-00001-of-00001.safetensors", "model.safetensors.index.json")
 
 
 def test_manifest_records_inputs_environment_and_results(learned, strict_json):
@@ -42,7 +44,8 @@ def test_manifest_records_inputs_environment_and_results(learned, strict_json):
     fast = next(iter(m["expert_store"]["tiers"].values()))
     assert m["expert_store"]["hit_rate"] == pytest.approx(fast["hits"] / max(1, fast["hits"] + fast["misses"]))
     assert (m["eval_loss_before"], m["eval_loss_after"]) == (m["eval"][0]["loss"], m["eval"][-1]["loss"])
-    assert sorted(m["files"]) == sorted([FULL_WEIGHTS_FILE, LOSS_CSV, LOSS_PNG, MANIFEST])
+    assert sorted(m["files"]) == sorted([*MODEL_FILES, "config.json", "generation_config.json", "tokenizer.json",
+                                      "tokenizer_config.json", LOSS_CSV, LOSS_PNG, MANIFEST])
 
     rows = list(csv.DictReader((out / LOSS_CSV).read_text().splitlines()))
     assert rows[0] == {"step": "0", "lr": "", "loss": "", "tokens": "", "eval_loss": repr(m["eval"][0]["loss"])}

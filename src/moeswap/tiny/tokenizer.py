@@ -3,12 +3,14 @@
 A byte-level BPE trained on the built-in corpus (corpus.txt, package data) with Kimi's pre-tokenization
 and specials numbered after the BPE ranks, written as HF `tokenizer.json` or Kimi's `tiktoken.model`
 (the same merges), each with its `tokenizer_config.json`. engine/tokenizer.py loads what this writes.
-Entry points: `build_tiny_tokenizer(out_dir, vocab_size)`, `build_tiny_tiktoken(out_dir, vocab_size)`.
+Entry points: `build_tiny_tokenizer(out_dir, vocab_size)`, `build_tiny_tiktoken(out_dir, vocab_size)`, and
+`train_bpe` (the same recipe on other text: the default model's tokenizer, stdlib_model/).
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,12 @@ _BOS_NAMES = ("<|bos|>", "[BOS]", "<s>")
 _EOS_NAMES = ("<|end_of_msg|>", "[EOS]", "<|im_end|>", "</s>")
 
 
-def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int, specials: dict[str, int] | None = None) -> None:
+def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int, specials: dict[str, int] | None = None,
+                         lines: Iterable[str] | None = None) -> None:
     """Write a deterministic byte-level BPE tokenizer.json + tokenizer_config.json with exactly
-    `vocab_size` ids, specials (content -> id) on the top ids, trained on the built-in corpus."""
-    tok, id_to_special = _train_tiny(vocab_size, specials)
+    `vocab_size` ids, specials (content -> id) on the top ids, trained on `lines` (default: the built-in
+    corpus)."""
+    tok, id_to_special = train_bpe(vocab_size, specials, lines)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
@@ -40,7 +44,7 @@ def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int, specials: dict[st
 def build_tiny_tiktoken(out_dir: str | Path, vocab_size: int, specials: dict[str, int] | None = None) -> None:
     """Kimi-format twin of build_tiny_tokenizer: the same merges as tiktoken.model ranks (rank = id,
     token = raw bytes) plus tokenizer_config.json, so the tiktoken path is testable offline."""
-    tok, id_to_special = _train_tiny(vocab_size, specials)
+    tok, id_to_special = train_bpe(vocab_size, specials)
     n_ranks = tok.get_vocab_size(with_added_tokens=False)
     lines = []
     for i in range(n_ranks):
@@ -65,7 +69,10 @@ def _place_specials(vocab_size: int, specials: dict[str, int] | None) -> dict[in
     return {i: s for s, i in specials.items()}
 
 
-def _train_tiny(vocab_size: int, specials: dict[str, int] | None) -> tuple[tokenizers.Tokenizer, dict[int, str]]:
+def train_bpe(vocab_size: int, specials: dict[str, int] | None = None,
+              lines: Iterable[str] | None = None) -> tuple[tokenizers.Tokenizer, dict[int, str]]:
+    """The BPE (Kimi pre-tokenization, byte level) trained on `lines` (default: the built-in corpus), with
+    specials on the top ids; returns it and id -> special."""
     id_to_special = _place_specials(vocab_size, specials)
     n_bpe = vocab_size - len(id_to_special)
     # ignore_merges: a piece that is itself a token is used whole, as tiktoken does, so both formats agree
@@ -77,7 +84,7 @@ def _train_tiny(vocab_size: int, specials: dict[str, int] | None) -> tuple[token
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=n_bpe, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    tok.train_from_iterator(_corpus_lines() if lines is None else lines, trainer=trainer)
     n_trained = tok.get_vocab_size(with_added_tokens=False)
     # A few-KB corpus runs out of pairs before big vocabularies: fill the gap with reserved specials
     for i in range(n_trained, n_bpe):
@@ -87,7 +94,7 @@ def _train_tiny(vocab_size: int, specials: dict[str, int] | None) -> tuple[token
     # add_special_tokens numbers tokens after the model's; check it put each where Kimi would
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size or any(
             tok.token_to_id(s) != i for i, s in id_to_special.items()):
-        raise RuntimeError(f"tiny tokenizer ids came out wrong for vocab_size={vocab_size}")
+        raise RuntimeError(f"BPE tokenizer ids came out wrong for vocab_size={vocab_size}")
     return tok, {i: id_to_special[i] for i in sorted(id_to_special)}
 
 

@@ -58,6 +58,9 @@ class TrainConfig:
               "the routed experts') or one regex; default: lora q_proj,k_proj,v_proj,o_proj, full every parameter",
         "list",
         metavar="NAMES")
+    router_bias_rate: float = _f(1e-3, "full mode with routed experts trained: K3's load balancing, each "
+                                       "optimizer step moving every router's selection bias by this toward "
+                                       "equal expert load (0: off)", "float")
     rank: int = _f(16, "LoRA rank r", "int")
     alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / r)", "float")
     dropout: float = _f(0.0, "LoRA dropout on the adapter's input", "float")
@@ -101,6 +104,7 @@ class TrainConfig:
             (self.seq_len >= 2, "--seq-len must be >= 2 (a row needs a token and its target)"),
             (0.0 <= self.eval_split < 1.0, "--eval-split must be in [0, 1)"),
             (self.rank >= 1, "--rank must be >= 1"),
+            (self.router_bias_rate >= 0, "--router-bias-rate must be >= 0"),
             (self.alpha > 0, "--alpha must be > 0"),
             (0.0 <= self.dropout < 1.0, "--dropout must be in [0, 1)"),
             (self.lr > 0, "--lr must be > 0"),

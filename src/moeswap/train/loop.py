@@ -30,6 +30,7 @@ from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkp
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import IGNORE, Data, RowStream, batch, eval_rows, load_data
 from moeswap.train.targets import prepare_model, save_trained
+from moeswap.train.experts import balance_routers, balanced_biases, load_report
 
 # Settings a resumed run may change: when and what it writes, where experts are kept. Anything else
 # changes the math, and the run would no longer be the one its checkpoint continues.
@@ -237,6 +238,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         base = record.fingerprint(cfg.model)
         device = torch.device(options.device)
         params = prepare_model(model, cfg)
+        # routers whose selection bias follows the balancing rule: state a checkpoint must keep too
+        balanced = balanced_biases(model)
+        saved = params + balanced
         model.train()
         optimizer = make_optimizer(params, cfg)
         stream = RowStream(data.train, cfg.seed, cfg.seq_len, cfg.packing)
@@ -247,7 +251,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         if resume_from is not None:
             path, state = resume_from
             _check_same_inputs(state, cfg, data_sha, base, path)
-            load_checkpoint(path, params, optimizer, state)
+            load_checkpoint(path, saved, optimizer, state)
             history = state["history"]
         else:
             history["eval"].append({"step": 0, "loss": evaluate(model, held_out, pad_id, cfg, device)})
@@ -272,14 +276,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                                      f"(lower --lr or set --max-grad-norm)")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if balanced:
+                balance_routers(model, cfg.router_bias_rate)
             elapsed = time.perf_counter() - t0
             segment_tokens, segment_s = segment_tokens + tokens, segment_s + elapsed
             history.update(step=step + 1, rows=history["rows"] + len(rows), tokens=history["tokens"] + tokens,
                            train_s=history["train_s"] + elapsed)
             history["curve"].append({"step": step + 1, "loss": loss_mean, "lr": lr, "tokens": tokens,
                                      "grad_norm": norm, "time_s": elapsed})
-            bar.set_postfix(loss=f"{loss_mean:.4f}", tok_s=f"{segment_tokens / segment_s:.0f}",
-                            hit=f"{store.stats.hit_rate:.0%}", lr=f"{lr:.2e}", refresh=False)
+            shown = dict(loss=f"{loss_mean:.4f}", tok_s=f"{segment_tokens / segment_s:.0f}")
+            if balanced:  # experts are weights: no store to hit; the load balance is what to watch
+                shown["load"] = f"{load_report(model)['worst_max_over_mean']:.2f}"
+            else:
+                shown["hit"] = f"{store.stats.hit_rate:.0%}"
+            bar.set_postfix(**shown, lr=f"{lr:.2e}", refresh=False)
             bar.update(1)
             last = step + 1 == total
             if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and not last:
@@ -290,7 +300,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last:
                 history["wall_s"] += time.perf_counter() - started
                 started = time.perf_counter()
-                path = save_checkpoint(out, step + 1, params, optimizer,
+                path = save_checkpoint(out, step + 1, saved, optimizer,
                                        {"history": history, "config": cfg.as_dict(), "data_sha256": data_sha,
                                         "base_digest": base["digest"]}, cfg.keep_checkpoints)
                 if on_checkpoint is not None:
@@ -300,6 +310,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device)})
         history["wall_s"] += time.perf_counter() - started
         manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s)
+        if balanced:
+            manifest["expert_load"] = load_report(model)
         meta = {"base_digest": base["digest"], "steps": total}
         record.publish(out, lambda staging: save_trained(model, cfg, params, staging, base, meta), manifest)
         return TrainResult(out, record.read_manifest(out))

@@ -1,9 +1,11 @@
 """What trains, and what a finished run writes: the one place the training loop meets the model's parameters.
 
 Mode "lora": moeswap.lora's adapters (`attach_lora`), on Linear modules and, through the MoE blocks'
-expert hook, on routed experts; the base stays frozen. Mode "full": the model's own parameters (every
-one, or those under --target-modules), in fp32; routed experts are not parameters and stay frozen, but
-gradients flow through them (ops.expert_format's autograd) to the router and everything before. Target
+expert hook, on routed experts; the base stays frozen. Mode "full": the model's own parameters, in fp32:
+every one, routed experts included (decoded from the store into parameters, train/experts.py; the
+router's selection bias follows K3's balancing rule instead of a gradient), or those under
+--target-modules (routed experts then stay frozen in the store, gradients flowing through them by
+ops.expert_format's autograd to the router and everything before). Target
 patterns follow one rule in both modes, moeswap.lora's (`lora.targets.matches`, PEFT's). Both modes
 return the trainable parameters by name, in a fixed order: what checkpoints, the optimizer and the
 manifest use; and turns on the model's per-layer activation checkpointing when asked.
@@ -21,6 +23,7 @@ from torch import nn
 
 from moeswap import lora
 from moeswap.lora.targets import matches, weight_prefix
+from moeswap.train.experts import make_experts_trainable
 
 FULL_WEIGHTS_FILE = "trained.safetensors"
 ADAPTER_FILES = [lora.CONFIG_NAME, lora.WEIGHTS_NAME]
@@ -35,6 +38,8 @@ def prepare_model(model: nn.Module, cfg) -> list[tuple[str, nn.Parameter]]:
     for p in model.parameters():
         p.requires_grad_(False)
     if cfg.mode == "full":
+        if cfg.target_modules is None:  # every parameter: the routed experts become weights too
+            make_experts_trainable(model)
         params = _full_parameters(model, cfg.target_modules)
     else:
         params = _lora_parameters(model, cfg)
@@ -113,10 +118,15 @@ def save_trained(model: nn.Module, cfg, params: list[tuple[str, nn.Parameter]], 
                  base: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     """Writes the run's result into `directory` (the run's staging directory: loop.py publishes it with
     the manifest) and returns the files written: the PEFT adapter, recording the base model and its
-    fingerprint `base` (lora), or the trained parameters under the model's parameter names (full)."""
+    fingerprint `base` (lora); the whole model in the base's layout (full, every parameter); or the trained
+    parameters under the model's parameter names (full with --target-modules)."""
     if cfg.mode == "lora":
         lora.write_adapter(model, directory, base_model=cfg.model, base_fingerprint=base)
         return list(ADAPTER_FILES)
+    if cfg.target_modules is None:  # everything trained: a model directory like the base
+        from moeswap.train.export import write_model
+
+        return write_model(model, cfg.model, directory)
     from safetensors.torch import save
 
     from moeswap import jsonio

@@ -5,7 +5,8 @@ Routed experts are not parameters of this module: `store.fetch(layer, ids)` retu
 (see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
 Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
 LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
-through ops.expert_format.train_forward instead, still fetched from the store one at a time. With served
+through ops.expert_format.train_forward instead, still fetched from the store one at a time. Full
+training replaces the store by parameters (an `experts` submodule, train/experts.py). With served
 adapters (`serve_expert_lora`, lora.serving) only the rows whose adapter has expert LoRA here run that way.
 Shapes: T tokens, D model width, I expert input width, E experts, K top-k, P (token, expert) pairs.
 """
@@ -150,6 +151,9 @@ class MoE(nn.Module):
         return "expert_lora" in self._modules or (torch.is_grad_enabled() and (h_TI.requires_grad or w_TK.requires_grad))
 
     def run_experts(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        trainable = self._modules.get("experts")  # full training (train/experts.py): experts as parameters
+        if trainable is not None:
+            return trainable(h_TI, ids_TK, w_TK)
         if self.store is None:
             raise RuntimeError(f"layer {self.layer_idx}: MoE block has no expert store attached")
         served = self._modules.get("served_lora")
@@ -269,7 +273,7 @@ class MoE(nn.Module):
         """`resident_table` for this step: eager CPU inference with too few tokens for any expert to take
         the GEMM path."""
         if (ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None
-                or "expert_lora" in self._modules):
+                or "expert_lora" in self._modules or "experts" in self._modules):
             return None
         return self.resident_table()
 
