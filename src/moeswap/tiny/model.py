@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -154,8 +155,10 @@ def _a_log_layout(arch: str, a_log_H: torch.Tensor, head_dim: int) -> torch.Tens
 
 
 def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "tiny", seed: int = 0,
-                     shard_bytes: int | None = None, progress: bool = False) -> Path:
-    """Writes the model atomically: into a temporary sibling directory, renamed at the end."""
+                     shard_bytes: int | None = None, progress: bool = False,
+                     tokenizer_lines: Iterable[str] | None = None) -> Path:
+    """Writes the model atomically: into a temporary sibling directory, renamed at the end.
+    tokenizer_lines: the text its BPE is trained on (default: the built-in corpus)."""
     if size not in SIZES:
         raise ValueError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
     tiny_config(arch, size)  # checks the architecture before anything is written
@@ -165,14 +168,15 @@ def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "ti
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose another directory or remove it")
     with atomic_directory(out) as tmp:
-        _write(tmp, arch, size, seed, shard_bytes, progress)
+        _write(tmp, arch, size, seed, shard_bytes, progress, tokenizer_lines)
     return out
 
 
-def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, progress: bool) -> None:
+def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, progress: bool,
+           tokenizer_lines: Iterable[str] | None = None) -> None:
     config = tiny_config(arch, size)
     text = config.get("text_config", config)
-    build_tiny_tokenizer(out, text["vocab_size"])
+    build_tiny_tokenizer(out, text["vocab_size"], lines=tokenizer_lines)
     eos, bos, pad = _special_ids(out)
     for c in (config, text):
         c.update(eos_token_id=eos, bos_token_id=bos, pad_token_id=pad)

@@ -1,0 +1,45 @@
+"""The steps that rebuild the default model from nothing but this interpreter and moeswap.
+
+`prepare(work)` writes work/corpus/ (corpus.py), work/base/ (a K3-layout model of init-tiny's "stdlib"
+size, random weights, its byte-level BPE trained on the corpus's train split) and work/train.yaml (the
+training run, relative paths). Then `moeswap train work/train.yaml` trains every weight (full mode, routed
+experts included) and `moeswap quantize work/trained work/mxfp4 --experts mxfp4` stores the experts as
+MXFP4. scripts/train-default-model.sh runs all of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moeswap.stdlib_model import corpus
+
+SIZE = "stdlib"
+SEED = 0
+# The run: rows of 1024 tokens packed from whole pieces (a 2000-character piece is ~600 tokens; the rare
+# denser one is cut), AdamW with warm-up and cosine decay.
+TRAIN = {
+    "model": "base", "train_data": "corpus/train.jsonl", "eval_data": "corpus/eval.jsonl", "output": "trained",
+    "mode": "full", "seq_len": 1024, "truncate": True, "packing": "concat", "micro_batch": 4, "grad_accum": 1,
+    "lr": 2.0e-3, "min_lr_ratio": 0.1, "warmup_steps": 200, "weight_decay": 0.1, "betas": [0.9, 0.95],
+    "max_grad_norm": 1.0, "max_steps": 6000, "router_bias_rate": 1.0e-3, "eval_interval": 250,
+    "save_interval": 250, "keep_checkpoints": 2, "loss_chunk": 1024, "seed": SEED,
+}
+
+
+def tokenizer_lines(train_jsonl: Path) -> list[str]:
+    with open(train_jsonl, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def prepare(work: str | Path) -> Path:
+    from moeswap.tiny.model import write_tiny_model
+    import yaml
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus.write_corpus(work / "corpus")
+    write_tiny_model(work / "base", "kimi_k3", SIZE, seed=SEED, progress=True,
+                     tokenizer_lines=tokenizer_lines(work / "corpus" / corpus.TRAIN_FILE))
+    (work / "train.yaml").write_text(yaml.safe_dump(TRAIN, sort_keys=False))
+    return work
