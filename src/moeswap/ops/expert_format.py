@@ -262,7 +262,8 @@ class MXFP8Format(_MXFormat):
 
 
 class FP8BlockFormat(FloatFormat):
-    """DeepSeek block FP8 (`weight_scale_inv` per 128 x 128 block): dense modules, decoded to float."""
+    """DeepSeek block FP8 (float8_e4m3fn `weight` + fp32 `weight_scale_inv` per 128 x 128 block): dense
+    modules and routed experts, decoded to float at read (kept as FLOAT experts)."""
 
     name, label = "fp8_block", "block FP8"
     suffixes = frozenset({"weight", "weight_scale_inv"})
@@ -276,11 +277,30 @@ class FP8BlockFormat(FloatFormat):
                                   f"quant_method 'fp8' quantization_config with weight_block_size")
 
     def check_expert_tensors(self, ckpt, names, shape, where):
-        raise CheckpointError(f"{names['weight']} ({where}): block FP8 routed experts are not supported; convert "
-                              f"them with `moeswap quantize --experts mxfp4`")
+        info = ckpt.info(names["weight"])
+        _expect(info, shape, torch.float8_e4m3fn, where)
+        scale = ckpt.info(names["weight_scale_inv"])
+        _expect(scale, fp8_block.scale_shape(shape), None, where)
+        if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(f"{scale.name} in {scale.file.name} ({where}): weight_scale_inv must be a float "
+                                  f"tensor, found {scale.dtype}")
 
     def decode(self, stored, dtype, block=None):
         return fp8_block.decode(stored["weight"], stored["weight_scale_inv"], block or fp8_block.BLOCK, dtype)
+
+    def check_finite(self, w, names):
+        # blamed on the scale: an E4M3 code is finite unless it is NaN, and a NaN scale is what encode writes
+        # for a block that held NaN/Inf
+        problem = super().check_finite(w, names)
+        return problem if problem is None else (names[problem[1]]["weight_scale_inv"], *problem[1:])
+
+    def stored_specs(self, shape):
+        return {"weight": (torch.float8_e4m3fn, tuple(shape)),
+                "weight_scale_inv": (torch.float32, fp8_block.scale_shape(tuple(shape)))}
+
+    def encode(self, w, mode="even"):
+        q, scale_inv = fp8_block.encode(w)
+        return {"weight": q, "weight_scale_inv": scale_inv}
 
 
 class MXFP4Format(_MXFormat):
