@@ -18,6 +18,8 @@ layer; so does a layer whose chosen experts are not in its table yet (the store 
 A next-layer lookahead runs only while a store can evict: with every expert resident it has nothing to
 load (its precision and recall are then not scored).
 
+Not covered yet: MLA with a rotary shared key (DeepSeek-V3 / Kimi K2), whose steps take the forward.
+
 Served LoRA adapters (lora.multi) leave the table on the base weights, read through their wrappers: the
 call runs while no row of the batch uses an adapter, and a step with one takes the model's forward.
 
@@ -173,6 +175,8 @@ class _Plan:
             raise Unsupported("KDA's o_norm eps differs from the model's")
 
     def _mla(self, t: _Layer, a) -> None:
+        if a.rotary is not None:
+            raise Unsupported("rotary MLA (DeepSeek-V3 / Kimi K2): the C step has no RoPE yet")
         t.mla = 1
         t.w_in, t.in_rows, starts = self._fused(a, a.input_projections())
         t.off[:] = starts + [0] * (6 - len(starts))
