@@ -35,7 +35,8 @@ class Precision:
         """Fill in the expert format from the config's quantization scheme when not chosen."""
         if self.experts is not None:
             return self
-        stored = "mxfp4" if cfg.quant is not None and cfg.quant.format.startswith("mxfp4") else "bf16"
+        fmt = cfg.quant.format if cfg.quant is not None else ""
+        stored = "mxfp4" if fmt.startswith("mxfp4") else "fp8" if fmt == "fp8_block" else "bf16"
         return replace(self, experts=stored)
 
     def check(self) -> None:
