@@ -115,3 +115,29 @@ def test_fp8_scales_without_a_declared_block_size_fail(fp8_tiny, tmp_path):
     broken = _copy(fp8_tiny, tmp_path / "undeclared", lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointError, match="weight_scale_inv.*no quant_method 'fp8'"):
         load_model(broken, LoadOptions(dtype="float32"))
+
+
+def test_native_step_turns_halves_as_the_forward_does(tmp_path):
+    """rope_interleave: false (pairs (i, i + R/2)) through the C decode step, bit for bit against the forward
+    (the registry test covers DeepSeek's interleaved pairs)."""
+    from moeswap.engine.native_step import NativeDecode
+    from moeswap.engine.scheduler import fuse_projections
+    from moeswap.ops import cpu_kernels
+
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"no CPU kernel: {cpu_kernels.build_error()}")
+    base = write_tiny_model(tmp_path / "float", "deepseek_v3", "tiny", seed=0)
+    halves = _copy(base, tmp_path / "halves", lambda c: c.update(rope_interleave=False))
+    tokens = torch.randint(0, 512, (3, 12), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for native in (False, True):
+        model, _ = load_model(halves, LoadOptions(dtype="float32"))
+        assert not model.model.layers[0].self_attn.rotary.interleave
+        fuse_projections(model)
+        step = NativeDecode(model) if native else model
+        state = model.make_state(3)
+        with torch.inference_mode():
+            outs.append(torch.cat([model(tokens[:, :5], state)] +
+                                  [step(tokens[:, t:t + 1], state) for t in range(5, 12)], dim=1))
+    assert step.reason is None, step.reason
+    assert torch.equal(outs[0], outs[1])

@@ -27,8 +27,6 @@ from moeswap.models.loader import LoadOptions, checkpoint_map_module, load_model
 from moeswap.ops import cpu_kernels
 from moeswap.tiny import write_tiny_model
 
-# Architectures the native decode step does not cover yet, and the reason it gives (its steps take the forward)
-NATIVE_DECLINES = {"deepseek_v3": "rotary MLA"}
 # Within one 64-token KDA prefill chunk: a multi-token prefill, a multi-token step and single tokens
 TOKENS, CUTS = 16, (5, 8)
 
@@ -103,11 +101,7 @@ def test_native_decode_step_equals_the_forward_bit_for_bit(checkpoint, batch):
     (want, want_state, want_hits, _), (got, got_state, hits, native) = runs
     if cpu_kernels.kernel() is None:
         pytest.skip(f"the native step takes the forward: {native.reason}")
-    declined = NATIVE_DECLINES.get(native.model.config.arch)
-    if declined is not None:  # it must say so, and then compute what the forward does
-        assert native.reason is not None and declined in native.reason, native.reason
-    else:
-        assert native.reason is None, native.reason
+    assert native.reason is None, native.reason
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(_state_tensors(got_state), _state_tensors(want_state), strict=True))
     assert hits == want_hits > 0  # hits counted for the experts the C call ran

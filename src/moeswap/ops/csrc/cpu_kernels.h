@@ -60,6 +60,11 @@
     FIELD(int64_t, V, )                                                                                       \
     FIELD(int64_t, gated, )                                                                                   \
     FIELD(double, mla_scale, )                                                                                \
+    /* RoPE MLA (DeepSeek-V3): cos and sin [N, R/2] of each row's position (NULL: NoPE), set per step; the   \
+     * query's and shared key's R dims turn by them in pairs (2i, 2i+1) if rope_interleave, else (i, i + R/2) */ \
+    FIELD(const float *, rope_cos, )                                                                          \
+    FIELD(const float *, rope_sin, )                                                                          \
+    FIELD(int64_t, rope_interleave, )                                                                         \
     /* dense MLP, or the shared experts: gate|up [2 hidden, D], down [D, hidden] (NULL: none) */              \
     FIELD(const uint16_t *, w_gu, )                                                                           \
     FIELD(const uint16_t *, w_down, )                                                                         \
