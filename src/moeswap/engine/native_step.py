@@ -13,14 +13,14 @@ whenever this does not apply:
 
 Routed experts run in the call from the layers' resident tables (models/layers/moe.py) when the store
 never evicts. Otherwise the call stops after a MoE layer's attention and the model runs that FFN (the
-store's fetch, its trace, an expert lookahead, group-limited routing), then the call resumes at the next
+store's fetch, its trace, an expert lookahead), then the call resumes at the next
 layer; so does a layer whose chosen experts are not in its table yet (the store then fills the table).
 A next-layer lookahead runs only while a store can evict: with every expert resident it has nothing to
 load (its precision and recall are then not scored).
 
 MLA with a rotary shared key (DeepSeek-V3 / Kimi K2): each step's cos/sin come from the model's Rotary
-(the same values), and the C step turns q and k_r with them as the forward does. Group-limited routing is
-not in the C router: such MoE layers stop the call and the model runs their FFN.
+(the same values), and the C step turns q and k_r with them as the forward does; group-limited routing is
+the C router's, as in the forward.
 
 Served LoRA adapters (lora.multi) leave the table on the base weights, read through their wrappers: the
 call runs while no row of the batch uses an adapter, and a step with one takes the model's forward.
@@ -207,13 +207,14 @@ class _Plan:
     def _moe(self, t: _Layer, i: int, moe) -> None:
         t.moe = 1
         r = moe.gate
-        if r.groups > 1 or r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
-            self.module_ffn.add(i)  # group-limited routing, or no fp32 router: the model runs this FFN
+        if r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
+            self.module_ffn.add(i)  # no fp32 router: the model runs this FFN
             return
         if (moe.act, tuple(moe.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("experts with their own activation")
         t.router, t.router_bias = self._f32(r.weight), self._f32(r.e_score_correction_bias)
         t.E, t.topk, t.route_scale = moe.num_experts, r.top_k, r.scaling
+        t.groups, t.topk_group = (r.groups, r.topk_group) if r.groups > 1 else (1, 1)
         t.softmax, t.renorm = int(r.scoring != "sigmoid"), int(r.renormalize)
         if hasattr(moe, "routed_expert_down_proj"):
             t.lat_down, t.lat_up = self._bf16(moe.routed_expert_down_proj), self._bf16(moe.routed_expert_up_proj)

@@ -114,7 +114,7 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
     int status = ids && w && routed && shared ? 0 : 2;
     if (!status)
         status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
-                               (float)l->route_scale, ids, w, nt);
+                               (float)l->route_scale, l->groups, l->topk_group, ids, w, nt);
     if (!status && l->lat_down)
         status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps, l->lat_up,
                             l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed, nt, used);
