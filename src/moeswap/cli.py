@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="tiny", choices=tuple(SIZES),
                    help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fp8", action="store_true",
-                   help="deepseek_v3: block-FP8 weights (float8 + weight_scale_inv per 128x128), as DeepSeek ships them")
+    p.add_argument("--quant", choices=("fp8", "int4"), default="",
+                   help="deepseek_v3: fp8 = block-FP8 weights (float8 + weight_scale_inv per 128x128) as DeepSeek-V3 "
+                        "and Kimi K2 ship them; int4 = compressed-tensors pack-quantized routed experts (K2-Thinking)")
 
     p = sub.add_parser("generate", help="generate text from a model directory")
     p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
@@ -99,9 +100,9 @@ def cmd_init_tiny(args) -> int:
     from moeswap.tiny import write_tiny_model
 
     t0 = time.perf_counter()
-    out = write_tiny_model(args.out, args.arch, args.size, args.seed, progress=args.size != "tiny", fp8=args.fp8)
-    fp8 = ", block FP8" if args.fp8 else ""
-    print(f"wrote {args.arch} ({args.size}{fp8}, seed {args.seed}) to {out} in {time.perf_counter() - t0:.1f}s")
+    out = write_tiny_model(args.out, args.arch, args.size, args.seed, progress=args.size != "tiny", quant=args.quant)
+    quant = {"fp8": ", block FP8", "int4": ", INT4 experts"}.get(args.quant, "")
+    print(f"wrote {args.arch} ({args.size}{quant}, seed {args.seed}) to {out} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 

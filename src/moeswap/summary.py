@@ -59,9 +59,11 @@ def summarize(model_dir: str | Path) -> dict:
         target, _ = arch.classify(local)
         comp = "MTP layers (skipped)" if is_mtp_tensor(local, config) else _component(local, config.attn_kinds)
         if name.endswith(".weight_packed"):
-            count, precision = info.nbytes * 2, "mxfp4 (packed)"
+            count, precision = info.nbytes * 2, "mxfp4 (packed)" if info.dtype.itemsize == 1 else "int4 (packed)"
         elif name.endswith(".weight_scale"):
-            count, precision = 0, "mxfp4 scales (e8m0)"
+            count, precision = 0, "mxfp4 scales (e8m0)" if info.dtype.itemsize == 1 else "int4 group scales"
+        elif name.endswith(".weight_shape"):
+            count, precision = 0, "int4 shapes"
         elif name.endswith(".weight_scale_inv"):
             count, precision = 0, "block-FP8 scales"
         else:

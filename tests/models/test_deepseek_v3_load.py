@@ -18,7 +18,7 @@ from moeswap.tiny import write_tiny_model
 
 @pytest.fixture(scope="module")
 def fp8_tiny(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("ds") / "fp8", "deepseek_v3", "tiny", seed=0, fp8=True)
+    return write_tiny_model(tmp_path_factory.mktemp("ds") / "fp8", "deepseek_v3", "tiny", seed=0, quant="fp8")
 
 
 def _decoded(ckpt: Checkpoint, module: str) -> torch.Tensor:
@@ -141,3 +141,31 @@ def test_native_step_turns_halves_as_the_forward_does(tmp_path):
                                   [step(tokens[:, t:t + 1], state) for t in range(5, 12)], dim=1))
     assert step.reason is None, step.reason
     assert torch.equal(outs[0], outs[1])
+
+
+def test_int4_experts_load_as_compressed_tensors_decodes_them(tmp_path):
+    """init-tiny --quant int4: Kimi K2-Thinking's layout (pack-quantized routed experts, the rest bf16); the
+    store hands out the decoded experts, and the native step runs (dense weights stay bf16)."""
+    from moeswap.engine.native_step import NativeDecode
+    from moeswap.engine.scheduler import fuse_projections
+    from moeswap.formats import compressed_tensors as ct
+    from moeswap.ops import cpu_kernels
+
+    path = write_tiny_model(tmp_path / "int4", "deepseek_v3", "tiny", seed=0, quant="int4")
+    model, store = load_model(path, LoadOptions(dtype="float32"))
+    assert model.config.quant.format == "pack-quantized"
+    with Checkpoint.open(path) as ckpt:
+        module = "model.layers.2.mlp.experts.9.down_proj"
+        stored = {k: ckpt.read(f"{module}.{k}") for k in ct.stored_names("int4")}
+        assert stored["weight_packed"].dtype == torch.int32
+        (expert,) = store.fetch(2, [9])
+        assert torch.equal(expert.w2_IF, ct.decode_weight("int4", stored, torch.float32))
+        assert ckpt.info("model.layers.2.mlp.shared_experts.up_proj.weight").dtype == torch.bfloat16
+    if cpu_kernels.kernel() is not None:
+        fuse_projections(model)
+        step = NativeDecode(model)
+        state = model.make_state(1)
+        with torch.inference_mode():
+            model(torch.tensor([[1, 2, 3]]), state)
+            step(torch.tensor([[4]]), state)
+        assert step.reason is None, step.reason

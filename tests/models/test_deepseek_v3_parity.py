@@ -1,6 +1,7 @@
 """Oracle parity: a tiny DeepSeek-V3 (RoPE MLA with YaRN, group-limited routing, shared experts, a dense
 first layer) made and saved by transformers, loaded by moeswap in fp32: float weights, and block-FP8
-weights written by moeswap's codec (formats/fp8_block.py) against transformers on the decoded values."""
+weights written by moeswap's codec (formats/fp8_block.py), and INT4 routed experts written by `moeswap quantize`
+(Kimi K2-Thinking's pack-quantized layout), against transformers on the decoded values."""
 
 import pytest
 import torch
@@ -103,6 +104,25 @@ def test_greedy_tokens_match_transformers(saved_reference):
     assert len(set(want)) > 3  # greedy output is not one repeated token
 
 
+def _set_weights(ref, weights: dict) -> None:
+    """Checkpoint-named weights into transformers' model, whose routed experts are fused per layer
+    (gate_up_proj [E, 2F, D], down_proj [E, D, F])."""
+    sd = ref.state_dict()
+    with torch.no_grad():
+        for name, w in weights.items():
+            if ".experts." not in name:
+                sd[name].copy_(w)
+                continue
+            prefix, rest = name.split(".experts.")
+            e, proj = rest.split(".")[:2]
+            if proj == "down_proj":
+                sd[f"{prefix}.experts.down_proj"][int(e)].copy_(w)
+            else:
+                F = w.shape[0]
+                rows = slice(0, F) if proj == "gate_proj" else slice(F, 2 * F)
+                sd[f"{prefix}.experts.gate_up_proj"][int(e), rows].copy_(w)
+
+
 def _quantised(name: str, t: torch.Tensor) -> bool:
     """DeepSeek-V3's block-FP8 tensors: every Linear weight but the router's and lm_head."""
     return t.ndim == 2 and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
@@ -135,21 +155,8 @@ def test_block_fp8_checkpoint_matches_transformers_on_decoded_weights(saved_refe
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]}
     (out / "config.json").write_text(dumps(config))
-    # transformers on the decoded weights (its own fp8 path needs an accelerator); the experts are fused there
-    sd = ref.state_dict()
-    with torch.no_grad():
-        for name, w in decoded.items():
-            if ".experts." in name:
-                prefix, rest = name.split(".experts.")
-                e, proj = rest.split(".")[:2]
-                if proj == "down_proj":
-                    sd[f"{prefix}.experts.down_proj"][int(e)].copy_(w)
-                else:
-                    F = w.shape[0]
-                    rows = slice(0, F) if proj == "gate_proj" else slice(F, 2 * F)
-                    sd[f"{prefix}.experts.gate_up_proj"][int(e), rows].copy_(w)
-            else:
-                sd[name].copy_(w)
+    # transformers on the decoded weights (its own fp8 path needs an accelerator)
+    _set_weights(ref, decoded)
     tokens = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         float_logits = ref(tokens).logits
@@ -157,3 +164,27 @@ def test_block_fp8_checkpoint_matches_transformers_on_decoded_weights(saved_refe
     model, _ = load_model(path, LoadOptions(dtype="float32"))
     with torch.no_grad():  # the FP8 rounding is visible: the decoded weights are not the float ones
         assert (model(tokens) - float_logits).abs().max().item() > 1e-3
+
+
+def test_int4_experts_written_by_moeswap_quantize_match_transformers_on_decoded_weights(saved_reference, tmp_path):
+    """`moeswap quantize --experts int4`: routed experts as compressed-tensors pack-quantized INT4 (Kimi
+    K2-Thinking's layout), the rest as stored; moeswap loads it, transformers runs the decoded experts."""
+    from moeswap.formats import compressed_tensors as ct
+    from moeswap.formats.checkpoint import Checkpoint
+    from moeswap.quantize import QuantizeOptions, quantize
+
+    _, path = saved_reference
+    report = quantize(path, tmp_path / "int4", QuantizeOptions("int4"))
+    assert report["format"] == "pack-quantized"
+    ref = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    decoded = {}
+    with Checkpoint.open(tmp_path / "int4") as ckpt:
+        packed = [n.removesuffix(".weight_packed") for n in ckpt.names() if n.endswith(".weight_packed")]
+        assert len(packed) == 3 * 16 * 3 and all(".mlp.experts." in m for m in packed)
+        for m in packed:
+            stored = {k: ckpt.read(f"{m}.{k}") for k in ct.stored_names("int4")}
+            assert stored["weight_packed"].dtype == torch.int32 and stored["weight_scale"].dtype == torch.bfloat16
+            decoded[m + ".weight"] = ct.decode_weight("int4", stored, torch.float32)
+    _set_weights(ref, decoded)
+    tokens = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    _check_logits(ref, tmp_path / "int4", tokens)

@@ -23,8 +23,9 @@ from moeswap.models.kimi_k3 import KimiModel
 
 # Checkpoint tensor name -> what it is (as kimi_k3.CHECKPOINT_MAP). First match wins.
 CHECKPOINT_MAP: tuple[tuple[str, str], ...] = (
-    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)",
-     "expert"),
+    # float, block FP8 (DeepSeek-V3, Kimi K2) or INT4 pack-quantized (Kimi K2-Thinking) routed experts
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+     r"(weight|weight_scale_inv|weight_packed|weight_scale|weight_shape)", "expert"),
     (r"model\.layers\.(\d+)\.mlp\.(gate|shared_experts)\.(.*)", r"model.layers.\1.block_sparse_moe.\2.\3"),
     (r"(.*)", r"\1"),
 )

@@ -3,8 +3,9 @@
 K3: multimodal wrapper config with `text_config` and compressed-tensors quantization_config,
 `language_model.` prefix, MXFP4 routed experts (`weight_packed`/`weight_scale`), A_log zero-padded;
 Kimi Linear: flat config, bf16 per-expert `w{1,2,3}.weight`; DeepSeek-V3: flat config with `rope_scaling`
-(YaRN), `mlp.experts.E.{gate,up,down}_proj`, bf16 or (fp8=True) block FP8 as DeepSeek ships it: every
-Linear but the router and lm_head float8_e4m3fn with a `weight_scale_inv` per 128 x 128 block. Always >= 2 shards with an index and a
+(YaRN), `mlp.experts.E.{gate,up,down}_proj`, bf16; or (quant="fp8") block FP8 as DeepSeek ships it, every
+Linear but the router and lm_head float8_e4m3fn with a `weight_scale_inv` per 128 x 128 block; or
+(quant="int4") Kimi K2-Thinking's compressed-tensors `pack-quantized` INT4 routed experts, the rest bf16. Always >= 2 shards with an index and a
 tokenizer. Deterministic by seed: every tensor is drawn from a generator seeded by (seed, its name).
 Entry point: `write_tiny_model(out_dir, arch, size, seed)`.
 """
@@ -25,6 +26,7 @@ from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
 from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import fp8_block, mxfp4
 from moeswap.models import REGISTRY, build_model, routed_expert_shapes
 from moeswap.tiny.sizes import SIZES
@@ -32,18 +34,22 @@ from moeswap.tiny.tokenizer import build_tiny_tokenizer
 
 
 
-def tiny_config(arch: str, size: str, fp8: bool = False) -> dict:
+QUANTS = ("fp8", "int4")  # DeepSeek-V3 variants: block FP8 (DeepSeek-V3, Kimi K2), INT4 experts (K2-Thinking)
+
+
+def tiny_config(arch: str, size: str, quant: str = "") -> dict:
     """config.json content in the layout the real model ships, for every architecture in the registry
     (tests/models/test_registry.py runs each one through init-tiny, so a new one needs its layout here)."""
     if arch not in REGISTRY:
         raise ValueError(f"--arch {arch!r}: expected one of {', '.join(REGISTRY)}")
     if arch not in ("kimi_k3", "kimi_linear", "deepseek_v3"):
         raise ValueError(f"init-tiny has no config layout for architecture {arch!r} yet (moeswap/tiny/model.py)")
-    if fp8 and arch != "deepseek_v3":
-        raise ValueError(f"--fp8: block-FP8 weights are DeepSeek-V3's layout, not {arch}'s")
+    if quant and (arch != "deepseek_v3" or quant not in QUANTS):
+        raise ValueError(f"--quant {quant}: the quantised variants ({', '.join(QUANTS)}) are DeepSeek-V3 / Kimi K2 "
+                         f"layouts, not {arch}'s")
     s = SIZES[size]
     if arch == "deepseek_v3":
-        return _deepseek_v3_config(s, fp8)
+        return _deepseek_v3_config(s, quant)
     n = s["layers"]
     mla_layers = [i + 1 for i in range(n) if i % 4 == 3 or i == n - 1]  # 1-based, last layer MLA like K3
     kda_layers = [i + 1 for i in range(n) if i + 1 not in mla_layers]
@@ -77,7 +83,7 @@ def tiny_config(arch: str, size: str, fp8: bool = False) -> dict:
             "tie_word_embeddings": False}
 
 
-def _deepseek_v3_config(s: dict, fp8: bool) -> dict:
+def _deepseek_v3_config(s: dict, quant: str) -> dict:
     """DeepSeek-V3's config.json layout (its published keys, rope_scaling included) at size `s`: 4 expert
     groups of which 2 are kept, one dense layer first, YaRN with DeepSeek's parameters (factor 40 from
     a 64-token original context)."""
@@ -97,9 +103,12 @@ def _deepseek_v3_config(s: dict, fp8: bool) -> dict:
                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         "attention_bias": False, "dtype": "bfloat16",
     }
-    if fp8:
+    if quant == "fp8":
         out["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "weight_block_size": [128, 128]}
+    elif quant == "int4":  # Kimi K2-Thinking's: every Linear but attention, shared experts, dense MLPs, lm_head
+        out["quantization_config"] = ct.quantization_config(
+            "int4", ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"])
     return out
 
 
@@ -140,9 +149,9 @@ def _init_dense(name: str, shape: tuple[int, ...], gen: torch.Generator, num_hea
     return torch.randn(shape, generator=gen) * (0.5 / math.sqrt(shape[-1]))
 
 
-def tensors_for(arch: str, size: str, seed: int, fp8: bool = False):
+def tensors_for(arch: str, size: str, seed: int, quant: str = ""):
     """Yields (checkpoint name, tensor) in layer order, the routed experts of a layer together."""
-    raw = tiny_config(arch, size, fp8)
+    raw = tiny_config(arch, size, quant)
     cfg = parse_config(raw)
     prefix = cfg.weight_prefix
     model = build_model(cfg, device="meta")
@@ -154,7 +163,7 @@ def tensors_for(arch: str, size: str, seed: int, fp8: bool = False):
         if name.endswith("self_attn.A_log"):
             value = _a_log_layout(arch, value, cfg.kda.head_dim)
         keep_fp32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight"))
-        if fp8 and _fp8_quantised(name, value):
+        if quant == "fp8" and _fp8_quantised(name, value):
             yield from _fp8_block(prefix + published(name).removesuffix(".weight"), value)
             continue
         yield prefix + published(name), value.to(torch.float32 if keep_fp32 else torch.bfloat16)
@@ -164,8 +173,11 @@ def tensors_for(arch: str, size: str, seed: int, fp8: bool = False):
             for proj, shape in shapes.items():
                 name = prefix + names.expert_name(layer, e, proj)
                 gen = _generator(seed, name)
-                if fp8:
+                if quant == "fp8":
                     yield from _fp8_block(name, torch.randn(shape, generator=gen) / math.sqrt(shape[1]))
+                elif quant == "int4":
+                    w = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+                    yield from ((f"{name}.{suffix}", t) for suffix, t in ct.encode_weight("int4", w).items())
                 elif cfg.quant is not None:
                     packed, scale = _random_mxfp4(shape, gen)
                     yield name + ".weight_packed", packed
@@ -207,25 +219,25 @@ def _a_log_layout(arch: str, a_log_H: torch.Tensor, head_dim: int) -> torch.Tens
 
 
 def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "tiny", seed: int = 0,
-                     shard_bytes: int | None = None, progress: bool = False, fp8: bool = False) -> Path:
-    """Writes the model atomically: into a temporary sibling directory, renamed at the end. fp8: DeepSeek-V3
-    with block-FP8 weights, as published."""
+                     shard_bytes: int | None = None, progress: bool = False, quant: str = "") -> Path:
+    """Writes the model atomically: into a temporary sibling directory, renamed at the end. quant: DeepSeek-V3
+    with block-FP8 weights ("fp8") or INT4 routed experts ("int4"), as published."""
     if size not in SIZES:
         raise ValueError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
-    tiny_config(arch, size, fp8)  # checks the architecture before anything is written
+    tiny_config(arch, size, quant)  # checks the architecture before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another directory")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose another directory or remove it")
     with atomic_directory(out) as tmp:
-        _write(tmp, arch, size, seed, shard_bytes, progress, fp8)
+        _write(tmp, arch, size, seed, shard_bytes, progress, quant)
     return out
 
 
 def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, progress: bool,
-           fp8: bool = False) -> None:
-    config = tiny_config(arch, size, fp8)
+           quant: str = "") -> None:
+    config = tiny_config(arch, size, quant)
     text = config.get("text_config", config)
     build_tiny_tokenizer(out, text["vocab_size"])
     eos, bos, pad = _special_ids(out)
@@ -234,7 +246,7 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
     (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(jsonio.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
 
-    items = list(tqdm(tensors_for(arch, size, seed, fp8), desc="making tensors", unit=" tensors", disable=not progress))
+    items = list(tqdm(tensors_for(arch, size, seed, quant), desc="making tensors", unit=" tensors", disable=not progress))
     total = sum(t.numel() * t.element_size() for _, t in items)
     shard_bytes = shard_bytes or max(1, total // 3)
     # Shards are cut only between units: one dense tensor, or all tensors of one routed expert (the
