@@ -42,7 +42,7 @@ _KNOWN_KEYS = {
     "num_nextn_predict_layers", "rope_scaling", "rope_theta", "rope_parameters", "attention_bias",
     "attention_dropout", "output_router_logits", "pretraining_tp", "ignore_index",
     # DeepSeek-V3 / Kimi K2 (training-only or implied by the fields above)
-    "rope_interleave", "ep_size", "aux_loss_alpha", "seq_aux", "n_shared_experts",
+    "rope_interleave", "ep_size", "aux_loss_alpha", "seq_aux",
 }
 _KNOWN_ROPE_KEYS = {
     "type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
