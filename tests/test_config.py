@@ -353,7 +353,8 @@ def test_deepseek_v3_and_kimi_k2_configs():
     """DeepSeek-V3's published config.json: all-MLA with YaRN RoPE, 3 dense layers, 8 groups of 32 experts,
     block FP8, one MTP layer; Kimi K2 is the same architecture under model_type kimi_k2."""
     cfg = parse_config(_deepseek())
-    assert cfg.arch == "deepseek_v3" and set(cfg.attn_kinds) == {"mla"} and cfg.mlp_kinds[:4] == ("dense",) * 3 + ("moe",)
+    assert cfg.arch == "deepseek_v3" and set(cfg.attn_kinds) == {"mla"}
+    assert cfg.mlp_kinds[:4] == ("dense",) * 3 + ("moe",)
     r = cfg.mla.rope
     assert (r.theta, r.factor, r.original_max_positions, r.mscale_all_dim, r.interleave) == (10000, 40, 4096, 1.0, True)
     assert (cfg.moe.num_groups, cfg.moe.topk_group, cfg.quant.format, cfg.quant.fp8_block, cfg.mtp_layers) == (

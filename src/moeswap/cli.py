@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("init-tiny", help="write a small random model in the published K3 / Kimi Linear / DeepSeek-V3 layout")
+    p = sub.add_parser("init-tiny",
+                       help="write a small random model in the published K3 / Kimi Linear / DeepSeek-V3 layout")
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--arch", default="kimi_k3", choices=tuple(REGISTRY))
     p.add_argument("--size", default="tiny", choices=tuple(SIZES),

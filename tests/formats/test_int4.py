@@ -62,7 +62,7 @@ def test_encode_round_trip_and_the_compressed_tensors_entry_points():
     assert stored["weight_shape"].tolist() == [16, 96] and stored["weight_scale"][3, 1] == 1
     back = ct.decode_weight("int4", stored, torch.float32)
     step = stored["weight_scale"].float().repeat_interleave(32, 1).abs()
-    # half a step, and a little more at +amax: it maps to 7.5 steps (over, by the bf16 scale's rounding), codes stop at 7
+    # half a step, a little more at +amax: it maps to 7.5 steps (over, by the bf16 scale's rounding); codes stop at 7
     assert ((back - w).abs() <= step * (0.5 + 2 ** -4)).all()
     assert torch.equal(back[3, 32:64], torch.zeros(32))
     with pytest.raises(ValueError, match=r"weight_shape \[16, 64\] does not match the \[16, 96\]"):

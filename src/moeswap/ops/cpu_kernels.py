@@ -408,7 +408,8 @@ class CpuKernels:
         return y
 
     def route(self, x_TD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, softmax: bool,
-              renormalize: bool, scale: float, groups: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool, scale: float, groups: int = 1,
+              topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The MoE router (moe.Router) for fp32 CPU x [T, D], router weight [E, D] and correction bias [E], with
         `groups` expert groups of which `topk_group` stay eligible (DeepSeek-V3; 1: none): (expert ids int64
         [T, K] best first, fp32 weights [T, K])."""

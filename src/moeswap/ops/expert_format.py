@@ -1,12 +1,13 @@
 """Expert formats: one strategy object per way a checkpoint stores a linear weight (FLOAT bf16/fp16/fp32
-`weight`; MXFP4 `weight_packed` + `weight_scale`; MXFP8 float8 `weight` + `weight_scale`; FP8_BLOCK
-`weight` + `weight_scale_inv`; INT4 `weight_packed` + `weight_scale` + `weight_shape`), chosen once at
-load from the tensors' suffixes (`for_suffixes`) and used instead of per-call checks (vLLM's quantization methods). Each owns its facts: what the tensors must
-look like, bytes stored and decoded, decoding and encoding, how an expert is read and kept (MXFP4 stays
-its bytes, ops.expert.MXFP4ExpertWeights; the others are decoded, ExpertWeights), and the compute of a
-kept expert through `w.fmt` (the format of its kept form): `forward` (the kernel choice), `reference`
-(plain torch), `project` (x W^T under autograd: the fast kernel forward, backward dx = dy W decoded in
-row chunks, no weight gradient) and `train_forward` (an expert from three `project`s, plus adapters).
+`weight`; MXFP4 `weight_packed` + `weight_scale`; MXFP8 float8 `weight` + `weight_scale`; FP8_BLOCK `weight` +
+`weight_scale_inv`; INT4 `weight_packed` + `weight_scale` + `weight_shape`), chosen once at load from the
+tensors' suffixes (`for_suffixes`) and used instead of per-call checks (vLLM's quantization methods). Each
+owns its facts: what the tensors must look like, bytes stored and decoded, decoding and encoding, how an
+expert is read and kept (MXFP4 stays its bytes, ops.expert.MXFP4ExpertWeights; the others are decoded,
+ExpertWeights), and the compute of a kept expert through `w.fmt` (the format of its kept form): `forward` (the
+kernel choice), `reference` (plain torch), `project` (x W^T under autograd: the fast kernel forward, backward
+dx = dy W decoded in row chunks, no weight gradient) and `train_forward` (an expert from three `project`s,
+plus adapters).
 In ops/, not formats/, because kernels and backward are ops; formats/weights.py imports it lazily.
 Shapes: T tokens, I expert input width, F expert width, O/N one projection's output/input width.
 """

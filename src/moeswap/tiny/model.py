@@ -1,12 +1,13 @@
 """Tiny models' configs and weights in the exact published checkpoint layout (tokenizer: tokenizer.py).
 
-K3: multimodal wrapper config with `text_config` and compressed-tensors quantization_config,
-`language_model.` prefix, MXFP4 routed experts (`weight_packed`/`weight_scale`), A_log zero-padded;
-Kimi Linear: flat config, bf16 per-expert `w{1,2,3}.weight`; DeepSeek-V3: flat config with `rope_scaling`
-(YaRN), `mlp.experts.E.{gate,up,down}_proj`, bf16; or (quant="fp8") block FP8 as DeepSeek ships it, every
-Linear but the router and lm_head float8_e4m3fn with a `weight_scale_inv` per 128 x 128 block; or
-(quant="int4") Kimi K2-Thinking's compressed-tensors `pack-quantized` INT4 routed experts, the rest bf16. Always >= 2 shards with an index and a
-tokenizer. Deterministic by seed: every tensor is drawn from a generator seeded by (seed, its name).
+K3: multimodal wrapper config with `text_config` and compressed-tensors quantization_config, `language_model.`
+prefix, MXFP4 routed experts (`weight_packed`/`weight_scale`), A_log zero-padded; Kimi Linear: flat config,
+bf16 per-expert `w{1,2,3}.weight`; DeepSeek-V3: flat config with `rope_scaling` (YaRN),
+`mlp.experts.E.{gate,up,down}_proj`, bf16; or (quant="fp8") block FP8 as DeepSeek ships it, every Linear but
+the router and lm_head float8_e4m3fn with a `weight_scale_inv` per 128 x 128 block; or (quant="int4") Kimi
+K2-Thinking's compressed-tensors `pack-quantized` INT4 routed experts, the rest bf16. Always >= 2 shards with
+an index and a tokenizer. Deterministic by seed: every tensor is drawn from a generator seeded by (seed, its
+name).
 Entry point: `write_tiny_model(out_dir, arch, size, seed)`.
 """
 
@@ -107,8 +108,8 @@ def _deepseek_v3_config(s: dict, quant: str) -> dict:
         out["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "weight_block_size": [128, 128]}
     elif quant == "int4":  # Kimi K2-Thinking's: every Linear but attention, shared experts, dense MLPs, lm_head
-        out["quantization_config"] = ct.quantization_config(
-            "int4", ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"])
+        ignore = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+        out["quantization_config"] = ct.quantization_config("int4", ignore)
     return out
 
 
@@ -246,7 +247,8 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
     (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(jsonio.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
 
-    items = list(tqdm(tensors_for(arch, size, seed, quant), desc="making tensors", unit=" tensors", disable=not progress))
+    items = list(tqdm(tensors_for(arch, size, seed, quant), desc="making tensors", unit=" tensors",
+                      disable=not progress))
     total = sum(t.numel() * t.element_size() for _, t in items)
     shard_bytes = shard_bytes or max(1, total // 3)
     # Shards are cut only between units: one dense tensor, or all tensors of one routed expert (the

@@ -1,10 +1,10 @@
 """Multi-head latent attention (MLA) with a latent cache: gated NoPE (Kimi) or with a rotary shared key
 (DeepSeek-V3 / Kimi K2: RoPE with YaRN, models/layers/rope.py).
 
-The cache keeps, per token, the normalised latent c_kv (L) and the shared key slice k_r (R; rotated at
-its position when the layer has RoPE, as are the queries' R dims): the per-head keys and values are never
-cached, and the attention below is the same with or without RoPE. Attention runs in the absorbed form (queries are mapped
-into the latent space through kv_b_proj), which is exact and reads only L+R values per cached token.
+The cache keeps, per token, the normalised latent c_kv (L) and the shared key slice k_r (R; rotated at its
+position when the layer has RoPE, as are the queries' R dims): the per-head keys and values are never cached,
+and the attention below is the same with or without RoPE. Attention runs in the absorbed form (queries are
+mapped into the latent space through kv_b_proj), which is exact and reads only L+R values per cached token.
 Shapes: B batch, T new tokens, S cached+new tokens, H heads, N nope dim, R shared-key dim, V value dim.
 """
 
