@@ -281,7 +281,7 @@ ERRORS = {
                                  r"quantization_config\.quant_method='gptq' is not supported"),
     "unsupported quant format": (_k3(_set_quant(format="nvfp4-pack-quantized")),
                                  r"quantization format 'nvfp4-pack-quantized' is not supported "
-                                 r"\(expected mxfp4-pack-quantized or mxfp8-quantized\)"),
+                                 r"\(expected mxfp4-pack-quantized or mxfp8-quantized or pack-quantized\)"),
     "wrong group size": (_k3(_set_quant(group_size=16)), r"MXFP4 group_size must be 32, got 16"),
     "unsupported activation": (_lin(lambda t: t.update(hidden_act="gelu")), r"hidden_act='gelu' is not supported"),
     "rotary MLA": (_lin(lambda t: t.update(mla_use_nope=False)), r"mla_use_nope=false"),
@@ -341,3 +341,41 @@ def test_errors_do_not_depend_on_mutating_the_input():
     before = copy.deepcopy(raw)
     parse_quietly(raw)
     assert raw == before
+
+
+def _deepseek(**edits) -> dict:
+    raw = json.loads(preset_path("deepseek-v3").read_text())
+    raw.update(edits)
+    return raw
+
+
+def test_deepseek_v3_and_kimi_k2_configs():
+    """DeepSeek-V3's published config.json: all-MLA with YaRN RoPE, 3 dense layers, 8 groups of 32 experts,
+    block FP8, one MTP layer; Kimi K2 is the same architecture under model_type kimi_k2."""
+    cfg = parse_config(_deepseek())
+    assert cfg.arch == "deepseek_v3" and set(cfg.attn_kinds) == {"mla"}
+    assert cfg.mlp_kinds[:4] == ("dense",) * 3 + ("moe",)
+    r = cfg.mla.rope
+    assert (r.theta, r.factor, r.original_max_positions, r.mscale_all_dim, r.interleave) == (10000, 40, 4096, 1.0, True)
+    assert (cfg.moe.num_groups, cfg.moe.topk_group, cfg.quant.format, cfg.quant.fp8_block, cfg.mtp_layers) == (
+        8, 4, "fp8_block", (128, 128), 1)
+    assert parse_config(_deepseek(model_type="kimi_k2", architectures=[])).arch == "deepseek_v3"
+    # transformers 5 writes rope_parameters with rope_theta inside
+    t5 = _deepseek(rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                    "original_max_position_embeddings": 4096})
+    del t5["rope_scaling"]
+    assert (parse_config(t5).mla.rope.theta, parse_config(t5).mla.rope.factor) == (50000.0, 32.0)
+
+
+@pytest.mark.parametrize("edits, message", [
+    ({"rope_scaling": {"type": "longrope"}}, r"rope_scaling type 'longrope' is not supported for DeepSeek-V3"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40}}, r"'rope_scaling.original_max_position_embeddings' is missing"),
+    ({"rope_scaling": {"type": "yarn", "factor": -1, "original_max_position_embeddings": 4096}},
+     r"'rope_scaling.factor' must be a finite positive number"),
+    ({"qk_rope_head_dim": 63}, r"qk_rope_head_dim=63 must be even"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+     r"weight_block_size must be \[rows, cols\]"),
+])
+def test_deepseek_v3_config_errors_name_the_field(edits, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(_deepseek(**edits))

@@ -232,8 +232,8 @@ def test_refusals(tiny_linear_dir, tmp_path, capsys):
     assert main(["quantize", str(tiny_linear_dir), str(tmp_path / "full"), "--experts", "mxfp4"]) == 2
     assert "exists and is not an empty directory" in capsys.readouterr().err
     assert (tmp_path / "full" / "x").read_text() == "keep me"
-    with pytest.raises(ValueError, match="unknown MX format 'int4'"):
-        quantize(tiny_linear_dir, tmp_path / "a", QuantizeOptions("int4"))
+    with pytest.raises(ValueError, match="unknown compressed-tensors format 'nvfp4'"):
+        quantize(tiny_linear_dir, tmp_path / "a", QuantizeOptions("nvfp4"))
     with pytest.raises(ValueError, match="scale mode must be one of even, floor, rceil"):
         quantize(tiny_linear_dir, tmp_path / "a", QuantizeOptions("mxfp4", "nearest"))
     with pytest.raises(ValueError, match=r"no routed-expert weights found \(module names matching 'nothing'"):

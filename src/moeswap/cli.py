@@ -48,12 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("init-tiny", help="write a small random model in the published K3 / Kimi Linear layout")
+    p = sub.add_parser("init-tiny",
+                       help="write a small random model in the published K3 / Kimi Linear / DeepSeek-V3 layout")
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--arch", default="kimi_k3", choices=tuple(REGISTRY))
     p.add_argument("--size", default="tiny", choices=tuple(SIZES),
                    help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", choices=("fp8", "int4"), default="",
+                   help="deepseek_v3: fp8 = block-FP8 weights (float8 + weight_scale_inv per 128x128) as DeepSeek-V3 "
+                        "and Kimi K2 ship them; int4 = compressed-tensors pack-quantized routed experts (K2-Thinking)")
 
     p = sub.add_parser("generate", help="generate text from a model directory")
     p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
@@ -97,8 +101,9 @@ def cmd_init_tiny(args) -> int:
     from moeswap.tiny import write_tiny_model
 
     t0 = time.perf_counter()
-    out = write_tiny_model(args.out, args.arch, args.size, args.seed, progress=args.size != "tiny")
-    print(f"wrote {args.arch} ({args.size}, seed {args.seed}) to {out} in {time.perf_counter() - t0:.1f}s")
+    out = write_tiny_model(args.out, args.arch, args.size, args.seed, progress=args.size != "tiny", quant=args.quant)
+    quant = {"fp8": ", block FP8", "int4": ", INT4 experts"}.get(args.quant, "")
+    print(f"wrote {args.arch} ({args.size}{quant}, seed {args.seed}) to {out} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 

@@ -1,8 +1,9 @@
 """ModelConfig: the frozen description of a model, read from a checkpoint's config.json.
 
 Owns: unwrapping K3's multimodal `text_config`, both key spellings (Kimi and DeepSeek/transformers),
-layer kinds from `linear_attn_config` (1-based lists) or `layer_types`/`mlp_layer_types`, the
-compressed-tensors quantization scheme, and the type and range of every field (finite positive floats,
+layer kinds from `linear_attn_config` (1-based lists) or `layer_types`/`mlp_layer_types` (DeepSeek-V3: all
+MLA), DeepSeek-V3's rotary embedding (`rope_scaling` / `rope_parameters`, YaRN), the compressed-tensors
+or block-FP8 quantization scheme, and the type and range of every field (finite positive floats,
 sizes within bounds, routing the router can do). Knows nothing of tensors or files beyond config.json.
 Entry points: `load_config(path)` (a directory or a config.json) and `parse_config(dict)`.
 """
@@ -40,6 +41,12 @@ _KNOWN_KEYS = {
     "linear_conv_kernel_dim", "quantization_config", "initializer_range", "use_cache",
     "num_nextn_predict_layers", "rope_scaling", "rope_theta", "rope_parameters", "attention_bias",
     "attention_dropout", "output_router_logits", "pretraining_tp", "ignore_index",
+    # DeepSeek-V3 / Kimi K2 (training-only or implied by the fields above)
+    "rope_interleave", "ep_size", "aux_loss_alpha", "seq_aux",
+}
+_KNOWN_ROPE_KEYS = {
+    "type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+    "mscale", "mscale_all_dim", "attention_factor", "truncate",
 }
 _KNOWN_LINEAR_ATTN_KEYS = {
     "kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size",
@@ -49,11 +56,13 @@ _KNOWN_LINEAR_ATTN_KEYS = {
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """compressed-tensors quantization of the routed experts (the only quantised tensors moeswap reads)."""
+    """The checkpoint's quantization: compressed-tensors (routed experts) or DeepSeek block FP8 (every
+    quantised Linear, `weight` float8 + `weight_scale_inv` per fp8_block [rows, cols] block)."""
 
-    format: str  # "mxfp4-pack-quantized", ...
+    format: str  # "mxfp4-pack-quantized", ..., or "fp8_block"
     group_size: int
     ignore: tuple[str, ...] = ()  # "re:<regex>" or exact module names left unquantised
+    fp8_block: tuple[int, int] | None = None  # format "fp8_block": the weight_block_size
 
     def is_ignored(self, module_name: str) -> bool:
         for pattern in self.ignore:
@@ -75,6 +84,25 @@ class KDAConfig:
 
 
 @dataclass(frozen=True)
+class RopeConfig:
+    """DeepSeek-V3's rotary embedding of the R shared-key dims (qk_rope_head_dim), YaRN-scaled when
+    `factor` > 1 (rope_type "yarn"): inverse frequencies blended between interpolation and extrapolation
+    over [beta_fast, beta_slow] rotations, cos/sin times attention_factor, softmax scale times mscale^2."""
+
+    theta: float
+    interleave: bool  # rotate pairs (x0, x1), (x2, x3)... (DeepSeek's weights) rather than halves
+    yarn: bool = False
+    factor: float = 1.0
+    original_max_positions: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: absent
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # None: from factor, mscale and mscale_all_dim
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class MLAConfig:
     num_heads: int
     q_lora_rank: int | None
@@ -84,6 +112,7 @@ class MLAConfig:
     v_head_dim: int
     output_gate: bool
     use_nope: bool
+    rope: RopeConfig | None = None  # DeepSeek-V3: rotary shared key; None: NoPE (Kimi)
 
 
 @dataclass(frozen=True)
@@ -125,6 +154,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     max_position_embeddings: int = 1 << 20
+    mtp_layers: int = 0  # DeepSeek-V3 num_nextn_predict_layers: stored after the last layer, not run
     unknown_keys: tuple[str, ...] = field(default=(), compare=False)
 
     def layer_summary(self) -> dict[str, int]:
@@ -172,12 +202,15 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         raise ConfigError(f"{source}: field 'linear_attn_config' must be an object, got {show(lin_raw)}")
     lin = lin_raw or {}
     lg = _Getter(lin, source, "linear_attn_config.")
-    attn_kinds = _attn_kinds(text, lin, num_layers, source)
+    attn_kinds = ("mla",) * num_layers if arch == "deepseek_v3" else _attn_kinds(text, lin, num_layers, source)
     mlp_kinds = _mlp_kinds(g, num_layers, source)
 
+    rope_raw = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    if not isinstance(rope_raw, dict):
+        raise ConfigError(f"{source}: field 'rope_scaling' must be an object, got {show(rope_raw)}")
     unknown = sorted(_printable(k) for k in text if k not in _KNOWN_KEYS) + sorted(
         f"linear_attn_config.{_printable(k)}" for k in lin if k not in _KNOWN_LINEAR_ATTN_KEYS
-    )
+    ) + sorted(f"rope_scaling.{_printable(k)}" for k in rope_raw if k not in _KNOWN_ROPE_KEYS)
     if unknown:
         warnings.warn(f"{source}: ignoring unknown config keys: {', '.join(unknown)}", stacklevel=2)
 
@@ -200,10 +233,15 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         qk_rope_head_dim=g.int("qk_rope_head_dim"),
         v_head_dim=g.int("v_head_dim", low=int(has_mla)),
         output_gate=g.bool("mla_use_output_gate", False),
-        use_nope=g.bool("mla_use_nope", True),
+        use_nope=g.bool("mla_use_nope", arch != "deepseek_v3"),
+        rope=_rope(g, rope_raw, source) if arch == "deepseek_v3" else None,
     )
-    if not mla.use_nope:
-        raise ConfigError(f"{source}: mla_use_nope=false (rotary MLA) is not supported; Kimi models use NoPE")
+    if not mla.use_nope and mla.rope is None:
+        raise ConfigError(f"{source}: mla_use_nope=false (rotary MLA) is supported for DeepSeek-V3 "
+                          f"(model_type deepseek_v3 / kimi_k2) only; Kimi Linear and K3 use NoPE")
+    if mla.rope is not None and (mla.qk_rope_head_dim == 0 or mla.qk_rope_head_dim % 2):
+        raise ConfigError(f"{source}: qk_rope_head_dim={mla.qk_rope_head_dim} must be even and positive "
+                          f"(rotary dims come in pairs)")
     scoring = g.first(("moe_router_activation_func", "scoring_func"), "sigmoid")
     if scoring not in ("sigmoid", "softmax"):
         raise ConfigError(f"{source}: moe_router_activation_func={show(scoring)}; expected 'sigmoid' or 'softmax'")
@@ -259,6 +297,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         pad_token_id=tokens.opt_int("pad_token_id", high=vocab_size - 1),
         max_position_embeddings=g.first_int(("max_position_embeddings", "model_max_length"), 1 << 20, low=1,
                                             high=MAX_POSITIONS),
+        mtp_layers=g.int("num_nextn_predict_layers", 0, high=MAX_LAYERS) if arch == "deepseek_v3" else 0,
         unknown_keys=tuple(unknown),
     )
     return cfg
@@ -286,6 +325,8 @@ def _printable(key: str) -> str:
 def _detect_arch(model_type: object, archs: tuple[str, ...], text: dict, source: str) -> str:
     if model_type == "kimi_k3" or "KimiK3ForConditionalGeneration" in archs:
         return "kimi_k3"
+    if model_type in ("deepseek_v3", "kimi_k2") or "DeepseekV3ForCausalLM" in archs:
+        return "deepseek_v3"  # Kimi K2 ships DeepSeek-V3's architecture under its own model_type
     if model_type == "kimi_linear" or "KimiLinearForCausalLM" in archs:
         # A text-only K3 file says kimi_linear too; K3's own features tell them apart.
         k3 = "attn_res_block_size" in text or "routed_expert_hidden_size" in text
@@ -350,9 +391,45 @@ def _mlp_kinds(g: _Getter, n: int, source: str) -> tuple[str, ...]:
     return tuple("dense" if i < k or (i - k) % freq else "moe" for i in range(n))
 
 
+def _rope(g: _Getter, r: dict, source: str) -> RopeConfig:
+    """DeepSeek-V3's `rope_scaling` (published files) or `rope_parameters` (transformers 5, which moves
+    rope_theta inside it); kind "yarn" or none/"default"."""
+    rg = _Getter(r, source, "rope_scaling.")
+    kind = r.get("rope_type", r.get("type", "default"))
+    if kind not in ("yarn", "default"):
+        raise ConfigError(f"{source}: rope_scaling type {show(kind)} is not supported for DeepSeek-V3 "
+                          f"(expected 'yarn' or 'default')")
+    theta = rg.float("rope_theta", g.float("rope_theta", 10000.0))
+    interleave = g.bool("rope_interleave", True)
+    if kind == "default":
+        return RopeConfig(theta=theta, interleave=interleave)
+    original = rg.int("original_max_position_embeddings", low=1, high=MAX_POSITIONS)
+    truncate = rg.bool("truncate", True)
+    return RopeConfig(
+        # transformers: a missing factor is the ratio of the context lengths
+        theta=theta, interleave=interleave, yarn=True,
+        factor=rg.float("factor", g.float("max_position_embeddings", float(original)) / original),
+        original_max_positions=original, beta_fast=rg.float("beta_fast", 32.0),
+        beta_slow=rg.float("beta_slow", 1.0), mscale=rg.float("mscale", 0.0) if r.get("mscale") else 0.0,
+        mscale_all_dim=rg.float("mscale_all_dim", 0.0) if r.get("mscale_all_dim") else 0.0,
+        attention_factor=rg.opt_float("attention_factor", sign=1), truncate=truncate)
+
+
 def _quant_scheme(q: dict | None, source: str) -> QuantScheme | None:
     if not q:
         return None
+    if q.get("quant_method") == "fp8":
+        from moeswap.formats import fp8_block
+
+        try:
+            block = fp8_block.block_size(q, source)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        ignore = q.get("modules_to_not_convert") or ()
+        if not isinstance(ignore, (list, tuple)) or not all(isinstance(m, str) for m in ignore):
+            raise ConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list of names, "
+                              f"got {show(ignore)}")
+        return QuantScheme(format="fp8_block", group_size=block[1], ignore=tuple(ignore), fp8_block=block)
     from moeswap.formats.compressed_tensors import parse_quantization_config
 
     try:

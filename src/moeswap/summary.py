@@ -13,16 +13,16 @@ from pathlib import Path
 
 from moeswap.config import load_config
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
-from moeswap.models.loader import checkpoint_map_module
+from moeswap.models.loader import checkpoint_map_module, is_mtp_tensor
 from moeswap.units import human_bytes, human_count
 
 # First match wins; applied to prefix-stripped parameter names.
 COMPONENTS = (
-    ("routed experts", r".*\.block_sparse_moe\.experts\..*"),
+    ("routed experts", r".*\.(block_sparse_moe|mlp)\.experts\..*"),  # mlp: DeepSeek-V3's names
     ("vision (skipped)", r"(vision_tower|mm_projector|multi_modal_projector)\..*"),
     ("embedding", r"model\.embed_tokens\..*"),
     ("lm_head", r"lm_head\..*"),
-    ("router", r".*\.block_sparse_moe\.gate\..*"),
+    ("router", r".*\.(block_sparse_moe|mlp)\.gate\..*"),
     ("shared experts", r".*\.shared_experts\..*"),
     ("latent projections", r".*\.routed_expert_(down|up)_proj\..*"),
     ("dense MLP", r".*\.mlp\.(gate|up|down)_proj\..*|.*\.block_sparse_moe\.(gate|up|down)_proj\..*"),
@@ -57,17 +57,21 @@ def summarize(model_dir: str | Path) -> dict:
         info = ckpt.info(name)
         local = name[len(prefix):] if prefix and name.startswith(prefix) else name
         target, _ = arch.classify(local)
-        comp = _component(local, config.attn_kinds)
+        comp = "MTP layers (skipped)" if is_mtp_tensor(local, config) else _component(local, config.attn_kinds)
         if name.endswith(".weight_packed"):
-            count, precision = info.nbytes * 2, "mxfp4 (packed)"
+            count, precision = info.nbytes * 2, "mxfp4 (packed)" if info.dtype.itemsize == 1 else "int4 (packed)"
         elif name.endswith(".weight_scale"):
-            count, precision = 0, "mxfp4 scales (e8m0)"
+            count, precision = 0, "mxfp4 scales (e8m0)" if info.dtype.itemsize == 1 else "int4 group scales"
+        elif name.endswith(".weight_shape"):
+            count, precision = 0, "int4 shapes"
+        elif name.endswith(".weight_scale_inv"):
+            count, precision = 0, "block-FP8 scales"
         else:
             count, precision = info.nbytes // info.dtype.itemsize, str(info.dtype).removeprefix("torch.")
         params[comp] += count
         nbytes[comp] += info.nbytes
         by_precision[precision] += info.nbytes
-    text_params = sum(v for k, v in params.items() if k != "vision (skipped)")
+    text_params = sum(v for k, v in params.items() if not k.endswith("(skipped)"))
     routed = params.get("routed experts", 0)
     m = config.moe
     active = text_params - params.get("embedding", 0) - routed + routed * m.top_k // max(1, m.num_experts)

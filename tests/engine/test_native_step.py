@@ -251,9 +251,10 @@ def test_weights_changed_in_place_are_used(tiny_k3_dir):
     assert native.reason is None and torch.equal(got, want)
 
 
-def test_group_limited_routing_and_an_fp32_head_run_in_the_model_around_the_call(tiny_k3_dir):
-    """A router with expert groups (DeepSeek-V3's) has no C kernel: its FFN runs in the model between native
-    calls; an lm_head that is not a bf16 stored weight runs after the call. The forward's logits, bit for bit."""
+def test_group_limited_routing_runs_in_the_call_and_an_fp32_head_after_it(tiny_k3_dir):
+    """A router with expert groups (DeepSeek-V3's) routes in the call (the C router keeps the best groups, as
+    the forward's); an lm_head that is not a bf16 stored weight runs after the call. The forward's logits,
+    bit for bit."""
     from torch import nn
 
     def prepare(model):
@@ -266,9 +267,9 @@ def test_group_limited_routing_and_an_fp32_head_run_in_the_model_around_the_call
 
     (want, _, _), (got, _, _), native = _forward_then_native(tiny_k3_dir, 2, 5, 3, prepare)
     assert native.reason is None and torch.equal(got, want)
-    layers = native.model.model.layers
-    assert native._plan.head is None and native._plan.module_ffn == {i for i, layer in enumerate(layers)
-                                                                     if hasattr(layer, "block_sparse_moe")}
+    plan = native._plan
+    assert plan.head is None and plan.module_ffn == set()
+    assert [(plan.table[i].groups, plan.table[i].topk_group) for i, _ in plan.moe] == [(2, 1)] * len(plan.moe)
 
 
 @pytest.mark.parametrize("flags", cpu_kernels.build_variants()[1:], ids=" ".join)

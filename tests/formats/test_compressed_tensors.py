@@ -67,7 +67,8 @@ def test_mixed_formats_are_refused():
 
 
 def test_unknown_format_name():
-    with pytest.raises(ValueError, match=r"unknown MX format 'fp4'; expected one of mxfp4, mxfp8"):
+    with pytest.raises(ValueError, match=r"unknown compressed-tensors format 'fp4'; expected one of mxfp4, mxfp8, "
+                                         r"int4"):
         ct.short_name("fp4")
 
 

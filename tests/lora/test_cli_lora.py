@@ -223,3 +223,26 @@ def test_merge_routed_experts_requantises_them(capsys, tiny_k3_dir, k3_expert_ad
         for name in base.names():
             if not any(f".{p}." in name for p in ("q_proj", "o_proj", "w1", "w3")):
                 assert torch.equal(merged.read(name), base.read(name)), name  # w2, norms, routers ...
+
+
+def test_merge_into_deepseek_v3_gives_the_adapters_logits(capsys, tmp_path, randomize_b, strict_json):
+    """DeepSeek-V3 saved by transformers (fp32; routed experts under mlp.experts.E.{gate,up,down}_proj): an
+    adapter on MLA, the dense MLP, shared and routed experts merges into those published names."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from models.test_deepseek_v3_parity import _reference_model
+
+    base = tmp_path / "base"
+    _reference_model().save_pretrained(base)
+    model, _ = load_model(base, LoadOptions(dtype="float32"))
+    targets = ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa", "shared_experts.up_proj", "gate_proj", "w1", "w2")
+    attach_lora(model, LoRAConfig(r=4, alpha=8, target_modules=targets), generator=torch.Generator().manual_seed(0))
+    randomize_b(model)
+    save_adapter(model, tmp_path / "adapter", base_fingerprint=fingerprint(base))
+    code, out, err = run(capsys, "merge", str(base), str(tmp_path / "adapter"), str(tmp_path / "merged"), "--json")
+    assert code == 0, err
+    report = strict_json(out)
+    assert report["merged_expert_weights"] == 3 * 16 * 2 and {e["format"] for e in report["experts"]} == {"float"}
+    tokens = torch.randint(3, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    base_logits, merged = logits(base, tokens), logits(tmp_path / "merged", tokens)
+    adapted = logits(base, tokens, tmp_path / "adapter")
+    assert (merged - adapted).abs().max() <= 1e-4 and (adapted - base_logits).abs().max() > 0.5

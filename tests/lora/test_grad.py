@@ -214,3 +214,44 @@ def test_mla_expanded_form_equals_the_absorbed_one(load, tiny_k3_dir, randomize_
         assert not mla.kv_b_proj.foldable
         expanded = model(tokens)
     torch.testing.assert_close(expanded, absorbed, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v3_lora_under_autograd_and_in_the_expanded_form(load, randomize_b, tokens, tmp_path):
+    """LoRA on a tiny DeepSeek-V3 (RoPE MLA, dense first layer, shared experts): decode steps with grad on
+    give the no-grad logits and backpropagate to every adapter; with kv_b_proj's input dropout in training
+    (per-head keys and values from the rotated cache) the expanded form equals the absorbed one."""
+    from moeswap.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "ds", "deepseek_v3", "tiny", seed=0)
+    model = load(path)
+    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "mlp.gate_proj",
+               "shared_experts.down_proj")
+    attach_lora(model, LoRAConfig(r=2, target_modules=targets), generator=torch.Generator().manual_seed(0))
+    randomize_b(model)
+    seq = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        state = model.make_state(1)
+        outs = [model(seq[:, :6], state)] + [model(seq[:, t:t + 1], state) for t in range(6, 9)]
+        return torch.cat(outs, dim=1)
+
+    with torch.no_grad():
+        want = run()
+    got = run()
+    assert got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    got[:, -1].sum().backward()
+    grads = trainable_parameters(model)
+    assert len(grads) == 2 * (5 * 6 + 1 + 5) and all(p.grad is not None and p.grad.abs().sum() > 0
+                                                      for p in grads.values())
+
+    expanded_model = load(path)
+    attach_lora(expanded_model, LoRAConfig(r=2, dropout=1e-9, target_modules=("kv_b_proj",)),
+                generator=torch.Generator().manual_seed(0))
+    randomize_b(expanded_model, scale=0.5)
+    with torch.no_grad():
+        absorbed = expanded_model.eval()(tokens)
+        expanded_model.train()
+        assert not expanded_model.model.layers[1].self_attn.kv_b_proj.foldable
+        expanded = expanded_model(tokens)
+    torch.testing.assert_close(expanded, absorbed, rtol=1e-4, atol=1e-4)

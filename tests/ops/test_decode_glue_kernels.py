@@ -104,8 +104,10 @@ def test_derived_tensors_follow_their_sources():
 
 
 @needs_kernel
-@pytest.mark.parametrize("scoring, renormalize, scale", [("sigmoid", True, 2.5), ("softmax", False, 1.0)])
-def test_route_kernel_matches_the_router_reference(scoring, renormalize, scale):
+@pytest.mark.parametrize("scoring, renormalize, scale, groups", [
+    ("sigmoid", True, 2.5, 1), ("softmax", False, 1.0, 1),
+    ("sigmoid", True, 2.5, 4), ("sigmoid", True, 1.0, 8)])  # DeepSeek-V3's group-limited routing: 2 groups kept
+def test_route_kernel_matches_the_router_reference(scoring, renormalize, scale, groups):
     from moeswap.config import parse_config
     from moeswap.models.layers.moe import Router
     from moeswap.tiny import tiny_config
@@ -113,12 +115,19 @@ def test_route_kernel_matches_the_router_reference(scoring, renormalize, scale):
     cfg = parse_config(tiny_config("kimi_k3", "tiny"))
     router = Router(cfg)
     router.scoring, router.renormalize, router.scaling = scoring, renormalize, scale
+    router.groups, router.topk_group = groups, 2 if groups > 1 else 1
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=g))
         router.e_score_correction_bias.copy_(torch.randn(router.weight.shape[0], generator=g) * 0.1)
     x = torch.randn(37, cfg.hidden_size, generator=g)
     want_ids, want_w = router.reference(x)
+    if groups > 1:  # the choice really is limited: without groups some tokens would pick other experts
+        router.groups = 1
+        assert not torch.equal(router.reference(x)[0], want_ids)
+        router.groups = groups
+        per = cfg.moe.num_experts // groups
+        assert all(len(set((row // per).tolist())) <= 2 for row in want_ids)
     with torch.no_grad():
         ids, w = router(x)
         assert torch.equal(ids, want_ids)

@@ -61,6 +61,18 @@ def test_other_architectures():
     assert model_params(ds).total == pytest.approx(671e9, rel=0.005)
 
 
+def test_deepseek_v3_and_kimi_k2_presets_give_the_published_sizes():
+    """Their published configs, read by config.py as the deepseek_v3 architecture (shapes from the model on
+    meta): DeepSeek-V3 671B total / 37B active (MTP layer excluded), Kimi K2 1T / 32B, both block FP8."""
+    for name, total, active, experts in (("deepseek-v3", 671e9, 37e9, 256), ("kimi-k2", 1.03e12, 32e9, 384)):
+        cfg, _ = resolve_model(name)
+        p = model_params(cfg)
+        assert cfg.arch == "deepseek_v3" and cfg.moe.num_experts == experts and cfg.quant.format == "fp8_block"
+        assert p.total == pytest.approx(total, rel=0.005)
+        assert p.active == pytest.approx(active, rel=0.02)
+        assert Precision().for_model(cfg).experts == "fp8"
+
+
 def test_mxfp4_versus_bf16_experts(k3p):
     assert model_sizes(k3p, Precision(experts="bf16"))["expert_bytes"] / model_sizes(k3p, Precision())["expert_bytes"] \
         == pytest.approx(2 / (0.5 + 1 / 32))

@@ -13,10 +13,14 @@ whenever this does not apply:
 
 Routed experts run in the call from the layers' resident tables (models/layers/moe.py) when the store
 never evicts. Otherwise the call stops after a MoE layer's attention and the model runs that FFN (the
-store's fetch, its trace, an expert lookahead, group-limited routing), then the call resumes at the next
+store's fetch, its trace, an expert lookahead), then the call resumes at the next
 layer; so does a layer whose chosen experts are not in its table yet (the store then fills the table).
 A next-layer lookahead runs only while a store can evict: with every expert resident it has nothing to
 load (its precision and recall are then not scored).
+
+MLA with a rotary shared key (DeepSeek-V3 / Kimi K2): each step's cos/sin come from the model's Rotary
+(the same values), and the C step turns q and k_r with them as the forward does; group-limited routing is
+the C router's, as in the forward.
 
 Served LoRA adapters (lora.multi) leave the table on the base weights, read through their wrappers: the
 call runs while no row of the batch uses an adapter, and a step with one takes the model's forward.
@@ -79,6 +83,9 @@ class _Plan:
         layers = model.model.layers
         self.table = (_Layer * len(layers))()
         self.moe: list[tuple[int, object]] = []  # (layer, MoE block)
+        self.rotary = None  # the MLA layers' Rotary (models/layers/rope.py), and their rows of the table
+        self.rope_layers: list[_Layer] = []
+        self._rope: torch.Tensor | None = None  # this step's cos/sin, which the rows point into
         self.module_ffn: set[int] = set()  # layers whose FFN the model always runs
         block = c.attn_res_block_size
         self.max_bank = -(-len(layers) // block) if block else 0
@@ -174,6 +181,10 @@ class _Plan:
 
     def _mla(self, t: _Layer, a) -> None:
         t.mla = 1
+        if a.rotary is not None:  # the step's cos/sin are set per step (_Plan.set_rope); one config, one Rotary
+            self.rotary = self.rotary or a.rotary
+            self.rope_layers.append(t)
+            t.rope_interleave = int(a.rotary.interleave)
         t.w_in, t.in_rows, starts = self._fused(a, a.input_projections())
         t.off[:] = starts + [0] * (6 - len(starts))
         if hasattr(a, "q_a_proj"):
@@ -196,13 +207,14 @@ class _Plan:
     def _moe(self, t: _Layer, i: int, moe) -> None:
         t.moe = 1
         r = moe.gate
-        if r.groups > 1 or r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
-            self.module_ffn.add(i)  # group-limited routing, or no fp32 router: the model runs this FFN
+        if r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
+            self.module_ffn.add(i)  # no fp32 router: the model runs this FFN
             return
         if (moe.act, tuple(moe.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("experts with their own activation")
         t.router, t.router_bias = self._f32(r.weight), self._f32(r.e_score_correction_bias)
         t.E, t.topk, t.route_scale = moe.num_experts, r.top_k, r.scaling
+        t.groups, t.topk_group = (r.groups, r.topk_group) if r.groups > 1 else (1, 1)
         t.softmax, t.renorm = int(r.scoring != "sigmoid"), int(r.renormalize)
         if hasattr(moe, "routed_expert_down_proj"):
             t.lat_down, t.lat_up = self._bf16(moe.routed_expert_down_proj), self._bf16(moe.routed_expert_up_proj)
@@ -213,6 +225,16 @@ class _Plan:
         if hasattr(moe, "shared_experts"):
             self._gated_mlp(t, moe.shared_experts)
         self.moe.append((i, moe))
+
+    def set_rope(self, lengths_B: torch.Tensor) -> None:
+        """Points the RoPE layers at cos/sin of this step's positions (each row's cached length), computed by
+        the Rotary the model's forward uses, so the same values."""
+        if self.rotary is None:
+            return
+        cos_BF, sin_BF = self.rotary.cos_sin(lengths_B, torch.float32)
+        self._rope = torch.stack([cos_BF, sin_BF]).contiguous()
+        for t in self.rope_layers:
+            t.rope_cos, t.rope_sin = self._rope[0].data_ptr(), self._rope[1].data_ptr()
 
     def scratch(self, B: int) -> tuple[torch.Tensor, torch.Tensor, ctypes.Array]:
         """The call's bank [max_bank, B, D] and stop output [B, D], and the experts-per-layer array, kept
@@ -328,6 +350,7 @@ class NativeDecode:
         m, B, D = self.model, tokens_B1.shape[0], plan.D
         states = self._state_table(state, B)
         longest = [st.longest() for st in state.layers if isinstance(st, MLACache)]
+        plan.set_rope(next((st.lengths_B for st in state.layers if isinstance(st, MLACache)), None))
         # a lookahead runs only where a store can evict: with every expert resident it has nothing to load
         lookahead = m.expert_lookahead if any(getattr(s, "can_evict", True) for s in plan.stores) else None
         plan.refresh(lookahead is not None)

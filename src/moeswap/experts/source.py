@@ -72,9 +72,10 @@ class ExpertIndex:
         fmt = expert_format.for_suffixes(kinds)
         if fmt is None:
             raise CheckpointError(f"missing tensor for {base}: need weight, or weight_packed + weight_scale (MXFP4), "
-                                  f"or weight + weight_scale (MXFP8)")
+                                  f"or weight + weight_scale (MXFP8), or weight + weight_scale_inv (block FP8)")
         first = kinds[fmt.main]
-        fmt.check_declared(first, cfg.quant.format if cfg.quant is not None else None)
+        fmt.check_declared(first, cfg.quant.format if cfg.quant is not None else None,
+                           cfg.quant.fp8_block if cfg.quant is not None else None)
         fmt.check_expert_tensors(ckpt, kinds, shape, base)
         if self._format is None:
             self._format = fmt

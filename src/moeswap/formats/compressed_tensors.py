@@ -1,7 +1,9 @@
-"""compressed-tensors MX checkpoints: the quantization_config block and the per-module tensors.
+"""compressed-tensors checkpoints: the quantization_config block and the per-module tensors.
 
-Formats: `mxfp4-pack-quantized` (weight_packed uint8 [out, in/2] + weight_scale uint8 [out, in/32]) and
-`mxfp8-quantized` (weight float8_e4m3fn [out, in] + weight_scale uint8 [out, in/32]). Knows module names
+Formats: `mxfp4-pack-quantized` (weight_packed uint8 [out, in/2] + weight_scale uint8 [out, in/32]),
+`mxfp8-quantized` (weight float8_e4m3fn [out, in] + weight_scale uint8 [out, in/32]) and INT4
+`pack-quantized` (Kimi K2-Thinking: weight_packed int32 [out, in/8] + weight_scale bf16 [out, in/32] +
+weight_shape int32 [2]; formats/int4.py). Knows module names
 only as strings the caller passes. Entry points: `parse_quantization_config`, `quantization_config`,
 `encode_weight` / `decode_weight`, `ignore_patterns`.
 """
@@ -19,9 +21,10 @@ if TYPE_CHECKING:
 # Importable without torch (config parsing and the planner use parse_quantization_config); the codecs
 # are imported where tensors are handled.
 QUANT_METHOD = "compressed-tensors"
-FORMATS = {"mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}  # short name -> format
-GROUP_SIZE = 32  # = mx.BLOCK
-_NUM_BITS = {"mxfp4-pack-quantized": 4, "mxfp8-quantized": 8}
+FORMATS = {"mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized", "int4": "pack-quantized"}  # short -> format
+GROUP_SIZE = 32  # = mx.BLOCK = int4.GROUP
+_NUM_BITS = {"mxfp4-pack-quantized": 4, "mxfp8-quantized": 8, "pack-quantized": 4}
+_TYPE = {"mxfp4-pack-quantized": "float", "mxfp8-quantized": "float", "pack-quantized": "int"}
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ def short_name(fmt: str) -> str:
     for short, full in FORMATS.items():
         if fmt in (short, full):
             return short
-    raise ValueError(f"unknown MX format {fmt!r}; expected one of {', '.join(FORMATS)} "
+    raise ValueError(f"unknown compressed-tensors format {fmt!r}; expected one of {', '.join(FORMATS)} "
                      f"({', '.join(FORMATS.values())})")
 
 
@@ -81,9 +84,15 @@ def parse_quantization_config(q: Mapping, source: str = "config.json") -> Scheme
         if fmt in _NUM_BITS and bits not in (None, _NUM_BITS[fmt]):
             raise ValueError(f"{at}: format {fmt} stores {_NUM_BITS[fmt]}-bit weights, but weights.num_bits "
                              f"is {show(bits)}")
+        kind = weights.get("type")
+        if fmt in _TYPE and kind not in (None, _TYPE[fmt]):
+            raise ValueError(f"{at}: format {fmt} stores {_TYPE[fmt]} weights, but weights.type is {show(kind)}")
+        if fmt == FORMATS["int4"] and weights.get("symmetric") is False:
+            raise ValueError(f"{at}: asymmetric INT4 (with zero points) is not supported; moeswap reads "
+                             f"symmetric pack-quantized weights")
     if len(formats) != 1:
         raise ValueError(f"{where} mixes formats {show(sorted(formats))}; "
-                         f"moeswap reads one MX format for the routed experts")
+                         f"moeswap reads one format for the routed experts")
     fmt = formats.pop()
     if fmt not in _NUM_BITS:
         raise ValueError(f"{source}: quantization format {show(fmt)} is not supported "
@@ -107,8 +116,9 @@ def parse_quantization_config(q: Mapping, source: str = "config.json") -> Scheme
 def quantization_config(fmt: str, ignore: Iterable[str], targets: Iterable[str] = ("Linear",)) -> dict:
     """The config.json block for modules stored as `fmt` (mxfp4 / mxfp8), as compressed-tensors writes it."""
     full = FORMATS[short_name(fmt)]
-    weights = {"num_bits": _NUM_BITS[full], "type": "float", "symmetric": True, "group_size": GROUP_SIZE,
-               "strategy": "group", "dynamic": False, "observer": "minmax", "scale_dtype": "torch.uint8",
+    weights = {"num_bits": _NUM_BITS[full], "type": _TYPE[full], "symmetric": True, "group_size": GROUP_SIZE,
+               "strategy": "group", "dynamic": False, "observer": "minmax",
+               "scale_dtype": "torch.bfloat16" if _TYPE[full] == "int" else "torch.uint8",
                "actorder": None, "block_structure": None, "observer_kwargs": {}, "zp_dtype": None}
     return {
         "quant_method": QUANT_METHOD, "format": full, "quantization_status": "compressed",
@@ -125,6 +135,11 @@ def stored_specs(fmt: str, shape: tuple[int, int]) -> dict[str, tuple[torch.dtyp
     out_dim, in_dim = shape
     _check_shape(fmt, shape)
     scale = (torch.uint8, (out_dim, in_dim // GROUP_SIZE))
+    if short_name(fmt) == "int4":
+        from moeswap.formats import int4
+
+        return {"weight_packed": (torch.int32, int4.packed_shape(shape)),
+                "weight_scale": (torch.bfloat16, int4.scale_shape(shape)), "weight_shape": (torch.int32, (2,))}
     if short_name(fmt) == "mxfp4":
         return {"weight_packed": (torch.uint8, (out_dim, in_dim // 2)), "weight_scale": scale}
     return {"weight": (torch.float8_e4m3fn, (out_dim, in_dim)), "weight_scale": scale}
@@ -135,6 +150,14 @@ def encode_weight(fmt: str, w: torch.Tensor, mode: str = "even") -> dict[str, to
     from moeswap.formats import mxfp4, mxfp8
 
     _check_shape(fmt, tuple(w.shape))
+    if short_name(fmt) == "int4":  # round to nearest even; `mode` picks MX block exponents only
+        import torch
+
+        from moeswap.formats import int4
+
+        packed, scale = int4.encode(w)
+        return {"weight_packed": packed, "weight_scale": scale,
+                "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32)}
     if short_name(fmt) == "mxfp4":
         packed, scale = mxfp4.encode(w, mode)
         return {"weight_packed": packed, "weight_scale": scale}
@@ -154,13 +177,25 @@ def decode_weight(fmt: str, tensors: Mapping[str, torch.Tensor], dtype: torch.dt
     if missing:
         raise ValueError(f"{FORMATS[short_name(fmt)]} weight needs tensors {', '.join(names)}; missing "
                          f"{', '.join(missing)} (found {', '.join(sorted(tensors)) or 'none'})")
+    if short_name(fmt) == "int4":
+        from moeswap.formats import int4
+
+        packed, scale = tensors["weight_packed"], tensors["weight_scale"]
+        shape = (packed.shape[0], scale.shape[1] * GROUP_SIZE)  # group strategy: the scales give in exactly
+        if "weight_shape" in tensors and tensors["weight_shape"].tolist() != list(shape):
+            raise ValueError(f"INT4 weight_shape {tensors['weight_shape'].tolist()} does not match the "
+                             f"{list(shape)} its weight_packed and weight_scale hold")
+        return int4.decode(packed, scale, shape, dtype)
     if short_name(fmt) == "mxfp4":
         return mxfp4.decode(tensors["weight_packed"], tensors["weight_scale"], dtype)
     return mxfp8.decode(tensors["weight"], tensors["weight_scale"], dtype)
 
 
-def stored_names(fmt: str) -> tuple[str, str]:
-    return ("weight_packed", "weight_scale") if short_name(fmt) == "mxfp4" else ("weight", "weight_scale")
+def stored_names(fmt: str) -> tuple[str, ...]:
+    short = short_name(fmt)
+    if short == "int4":
+        return ("weight_packed", "weight_scale", "weight_shape")
+    return ("weight_packed", "weight_scale") if short == "mxfp4" else ("weight", "weight_scale")
 
 
 def ignore_patterns(module_names: Iterable[str]) -> list[str]:

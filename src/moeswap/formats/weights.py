@@ -1,5 +1,5 @@
 """Any stored linear weight as a float tensor, whatever its storage: plain float, compressed-tensors
-MXFP4 / MXFP8, or DeepSeek block FP8 (`weight_scale_inv`).
+MXFP4 / MXFP8 / INT4 pack-quantized, or DeepSeek block FP8 (`weight_scale_inv`).
 
 `group_modules` sorts checkpoint names into modules and their weight tensors; `storage_of` finds the
 storage's format object (ops.expert_format, which owns what each storage looks like, its shapes and
@@ -18,7 +18,7 @@ from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 
-WEIGHT_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_scale_inv")
+WEIGHT_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape")
 
 
 def _formats():

@@ -46,7 +46,7 @@ MERGEABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path, progress: bool = False) -> dict:
     """Writes OUT and returns the report (also OUT/merge_report.json)."""
     from moeswap.models import build_model
-    from moeswap.models.loader import checkpoint_map_module
+    from moeswap.models.loader import checkpoint_map_module, expert_key
 
     t0 = time.perf_counter()
     base, out = Path(base), Path(out)
@@ -71,8 +71,8 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
             local = name[len(prefix):] if prefix and name.startswith(prefix) else name
             target, m = arch.classify(local)
             if target == "expert":
-                layer, expert, proj, kind = m.groups()
-                expert_tensors.setdefault((int(layer), int(expert), proj), {})[kind] = name
+                layer, expert, proj, kind = expert_key(arch, m)
+                expert_tensors.setdefault((layer, expert, proj), {})[kind] = name
             elif target != "skip":
                 stored[target] = name
 

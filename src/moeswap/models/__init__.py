@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 REGISTRY = {
     "kimi_k3": "moeswap.models.kimi_k3:KimiModel",
     "kimi_linear": "moeswap.models.kimi_k3:KimiModel",
+    "deepseek_v3": "moeswap.models.deepseek_v3:DeepseekV3Model",  # also Kimi K2
 }
 
 

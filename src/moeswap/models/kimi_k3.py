@@ -186,6 +186,11 @@ class KimiModel(nn.Module):
         return partial + layer.feed_forward(layer.post_attention_layernorm(m))
 
 
+def expert_name(layer: int, expert: int, proj: str) -> str:
+    """The checkpoint module name of one routed expert projection (proj: w1 / w2 / w3)."""
+    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"
+
+
 def classify(name: str) -> tuple[str, re.Match]:
     """Map a (prefix-stripped) checkpoint name through CHECKPOINT_MAP: ('expert'|'skip'|param name, match)."""
     for pattern, target in CHECKPOINT_MAP:

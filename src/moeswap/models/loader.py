@@ -9,6 +9,7 @@ fails on any unmapped, missing, misshapen or wrongly typed tensor. Entry point: 
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.experts.build import build_store
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
+from moeswap.ops import expert_format
 from moeswap.ops.linear import StoredWeightLinear, can_keep_stored
 from moeswap.options import LoadOptions
 
@@ -103,6 +105,20 @@ def checkpoint_map_module(config: ModelConfig):
     return importlib.import_module(REGISTRY[config.arch].split(":")[0])
 
 
+def is_mtp_tensor(local_name: str, config: ModelConfig) -> bool:
+    """A tensor of a multi-token-prediction layer (DeepSeek-V3's num_nextn_predict_layers, stored as
+    layers after the last): not part of the model moeswap runs."""
+    m = re.match(r"model\.layers\.(\d+)\.", local_name)
+    return m is not None and config.num_layers <= int(m[1]) < config.num_layers + config.mtp_layers
+
+
+def expert_key(arch, match: re.Match) -> tuple[int, int, str, str]:
+    """(layer, expert, store projection w1/w2/w3, tensor kind) of a CHECKPOINT_MAP "expert" match; the
+    architecture's EXPERT_PROJS renames published projections (DeepSeek's gate/up/down_proj)."""
+    layer, expert, proj, kind = match.groups()
+    return int(layer), int(expert), getattr(arch, "EXPERT_PROJS", {}).get(proj, proj), kind
+
+
 def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
                          device: str, dense_weights: str = "compute") -> ExpertIndex:
     arch = checkpoint_map_module(config)
@@ -110,14 +126,16 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
     filled: set[str] = set()
     index = ExpertIndex()
     prefix = config.weight_prefix
+    # block-FP8 dense weights (DeepSeek): `weight_scale_inv` beside a float8 weight, decoded at load
+    scales = {n for n in ckpt.names() if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in ckpt
+              and not arch.classify(n[len(prefix):] if prefix and n.startswith(prefix) else n)[0] == "expert"}
     for name in ckpt.names():
         local = name[len(prefix):] if prefix and name.startswith(prefix) else name
         target, match = arch.classify(local)
-        if target == "skip":
+        if target == "skip" or is_mtp_tensor(local, config) or name in scales:
             continue
         if target == "expert":
-            layer, expert, proj, kind = match.groups()
-            index.add(int(layer), int(expert), proj, kind, name)
+            index.add(*expert_key(arch, match), name)
             continue
         if target not in params:
             info = ckpt.info(name)
@@ -128,7 +146,7 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         info = ckpt.info(name)
         if not info.dtype.is_floating_point:
             raise CheckpointError(f"{name} in {info.file.name}: expected a float tensor, found {info.dtype}")
-        tensor = arch.sanitize(target, ckpt.read(name), config)
+        tensor = arch.sanitize(target, _read_dense(ckpt, name, config, scales), config)
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name} in {info.file.name}: expected shape {list(param.shape)} from config.json, "
@@ -141,6 +159,25 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensors in {ckpt.root}: {shown}{more}")
     return index
+
+
+def _read_dense(ckpt: Checkpoint, name: str, config: ModelConfig, scales: set[str]) -> torch.Tensor:
+    """A dense tensor as stored, or a block-FP8 weight decoded to fp32 with its weight_scale_inv (the
+    format object owns the decoding; config.json must declare the block size)."""
+    scale = name + "_scale_inv"
+    info = ckpt.info(name)
+    if scale not in scales:
+        if info.dtype in expert_format.FP8_DTYPES:
+            raise CheckpointError(f"{name} in {info.file.name}: a float8 weight without a weight_scale_inv "
+                                  f"(block FP8) beside it; expected a float weight or both tensors")
+        return ckpt.read(name)
+    fmt = expert_format.FP8_BLOCK
+    block = config.quant.fp8_block if config.quant is not None else None
+    fmt.check_declared(f"{name} in {info.file.name}", None, block)
+    try:
+        return fmt.decode({"weight": ckpt.read(name), "weight_scale_inv": ckpt.read(scale)}, torch.float32, block)
+    except ValueError as err:
+        raise CheckpointError(f"{name} in {info.file.name}: cannot decode its block FP8 weight: {err}") from None
 
 
 def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str,

@@ -408,24 +408,30 @@ class CpuKernels:
         return y
 
     def route(self, x_TD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, softmax: bool,
-              renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MoE router (moe.Router without expert groups) for fp32 CPU x [T, D], router weight [E, D]
-        and correction bias [E]: (expert ids int64 [T, K] best first, fp32 weights [T, K])."""
+              renormalize: bool, scale: float, groups: int = 1,
+              topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MoE router (moe.Router) for fp32 CPU x [T, D], router weight [E, D] and correction bias [E], with
+        `groups` expert groups of which `topk_group` stay eligible (DeepSeek-V3; 1: none): (expert ids int64
+        [T, K] best first, fp32 weights [T, K])."""
         T, D = x_TD.shape
         E = w_ED.shape[0]
+        per = E // groups if groups > 0 else 0
         if (tuple(w_ED.shape) != (E, D) or tuple(bias_E.shape) != (E,) or not 0 < top_k <= E or E > 4096
+                or groups < 1 or E % groups or (groups > 1 and (per < 2 or top_k > topk_group * per))
+                or not 0 < topk_group <= groups
                 or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x_TD, w_ED, bias_E))):
             raise ValueError(f"route: x {tuple(x_TD.shape)} {x_TD.dtype}, weight {tuple(w_ED.shape)} {w_ED.dtype}, "
-                             f"bias {tuple(bias_E.shape)} {bias_E.dtype}, top-{top_k} (expected fp32 CPU tensors, "
-                             f"weight [E <= 4096, D], bias [E], 0 < k <= E)")
+                             f"bias {tuple(bias_E.shape)} {bias_E.dtype}, top-{top_k}, {topk_group} of {groups} groups "
+                             f"(expected fp32 CPU tensors, weight [E <= 4096, D], bias [E], 0 < k <= E, groups "
+                             f"of >= 2 experts dividing E, k within the kept groups)")
         x_TD, w_ED, bias_E = x_TD.contiguous(), w_ED.contiguous(), bias_E.contiguous()
         ids = torch.empty(T, top_k, dtype=torch.int64)
         weights = torch.empty(T, top_k, dtype=torch.float32)
         status = self.lib.moeswap_route(x_TD.data_ptr(), T, D, w_ED.data_ptr(), E, bias_E.data_ptr(), top_k,
-                                        int(softmax), int(renormalize), float(scale), ids.data_ptr(),
-                                        weights.data_ptr(), self._threads())
+                                        int(softmax), int(renormalize), float(scale), groups, topk_group,
+                                        ids.data_ptr(), weights.data_ptr(), self._threads())
         if status:
-            self._fail(status, f"route ({T} tokens, {E} experts, top-{top_k})")
+            self._fail(status, f"route ({T} tokens, {E} experts, top-{top_k}, {topk_group} of {groups} groups)")
         return ids, weights
 
     def mla_decode(self, q_BHX: torch.Tensor, latent_BCX: torch.Tensor, lengths_B: torch.Tensor,

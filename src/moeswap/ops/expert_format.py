@@ -1,12 +1,13 @@
 """Expert formats: one strategy object per way a checkpoint stores a linear weight (FLOAT bf16/fp16/fp32
-`weight`; MXFP4 `weight_packed` + `weight_scale`; MXFP8 float8 `weight` + `weight_scale`; FP8_BLOCK
-`weight` + `weight_scale_inv`), chosen once at load from the tensors' suffixes (`for_suffixes`) and used
-instead of per-call checks (vLLM's quantization methods). Each owns its facts: what the tensors must
-look like, bytes stored and decoded, decoding and encoding, how an expert is read and kept (MXFP4 stays
-its bytes, ops.expert.MXFP4ExpertWeights; the others are decoded, ExpertWeights), and the compute of a
-kept expert through `w.fmt` (the format of its kept form): `forward` (the kernel choice), `reference`
-(plain torch), `project` (x W^T under autograd: the fast kernel forward, backward dx = dy W decoded in
-row chunks, no weight gradient) and `train_forward` (an expert from three `project`s, plus adapters).
+`weight`; MXFP4 `weight_packed` + `weight_scale`; MXFP8 float8 `weight` + `weight_scale`; FP8_BLOCK `weight` +
+`weight_scale_inv`; INT4 `weight_packed` + `weight_scale` + `weight_shape`), chosen once at load from the
+tensors' suffixes (`for_suffixes`) and used instead of per-call checks (vLLM's quantization methods). Each
+owns its facts: what the tensors must look like, bytes stored and decoded, decoding and encoding, how an
+expert is read and kept (MXFP4 stays its bytes, ops.expert.MXFP4ExpertWeights; the others are decoded,
+ExpertWeights), and the compute of a kept expert through `w.fmt` (the format of its kept form): `forward` (the
+kernel choice), `reference` (plain torch), `project` (x W^T under autograd: the fast kernel forward, backward
+dx = dy W decoded in row chunks, no weight gradient) and `train_forward` (an expert from three `project`s,
+plus adapters).
 In ops/, not formats/, because kernels and backward are ops; formats/weights.py imports it lazily.
 Shapes: T tokens, I expert input width, F expert width, O/N one projection's output/input width.
 """
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from moeswap.formats import compressed_tensors as ct
-from moeswap.formats import fp8_block, mxfp4, mxfp8
+from moeswap.formats import fp8_block, int4, mxfp4, mxfp8
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from moeswap.ops import cpu_kernels, expert_mxfp4
 from moeswap.ops.activation import glu, glu_reference
@@ -261,8 +262,50 @@ class MXFP8Format(_MXFormat):
         return mxfp8.decode(stored["weight"], stored["weight_scale"], torch.float32).to(dtype)
 
 
+class Int4Format(FloatFormat):
+    """compressed-tensors `pack-quantized` INT4 (Kimi K2-Thinking's routed experts: `weight_packed` int32,
+    bf16 `weight_scale` per 32 inputs, `weight_shape`), read and decoded to float (kept as FLOAT experts);
+    the bf16 products compressed-tensors forms are the weights (formats/int4.py)."""
+
+    name, label, ct_format = "int4", "INT4", ct.FORMATS["int4"]
+    suffixes = frozenset({"weight_packed", "weight_scale", "weight_shape"})
+    main = "weight_packed"
+
+    def dtypes_fit(self, dtypes):
+        return dtypes["weight_packed"] == torch.int32
+
+    def check_dtypes(self, dtypes, where):
+        if not dtypes["weight_scale"].is_floating_point:
+            raise CheckpointError(f"{where}: INT4 weight_scale must be a float tensor, found {dtypes['weight_scale']}")
+
+    def check_expert_tensors(self, ckpt, names, shape, where):
+        _expect(ckpt.info(names["weight_packed"]), int4.packed_shape(shape), torch.int32, where)
+        scale = ckpt.info(names["weight_scale"])
+        _expect(scale, int4.scale_shape(shape), None, where)
+        self.check_dtypes({"weight_scale": scale.dtype}, f"{scale.name} in {scale.file.name} ({where})")
+        _expect(ckpt.info(names["weight_shape"]), (2,), torch.int32, where)
+
+    def logical_shape(self, infos):
+        return infos["weight_packed"].shape[0], infos["weight_scale"].shape[1] * int4.GROUP
+
+    def decode(self, stored, dtype, block=None):
+        return ct.decode_weight("int4", stored, dtype)
+
+    def check_finite(self, w, names):
+        # INT4 codes are finite: a non-finite weight comes from its scale
+        problem = super().check_finite(w, names)
+        return problem if problem is None else (names[problem[1]]["weight_scale"], *problem[1:])
+
+    def stored_specs(self, shape):
+        return ct.stored_specs(self.name, shape)
+
+    def encode(self, w, mode="even"):
+        return ct.encode_weight(self.name, w, mode)
+
+
 class FP8BlockFormat(FloatFormat):
-    """DeepSeek block FP8 (`weight_scale_inv` per 128 x 128 block): dense modules, decoded to float."""
+    """DeepSeek block FP8 (float8_e4m3fn `weight` + fp32 `weight_scale_inv` per 128 x 128 block): dense
+    modules and routed experts, decoded to float at read (kept as FLOAT experts)."""
 
     name, label = "fp8_block", "block FP8"
     suffixes = frozenset({"weight", "weight_scale_inv"})
@@ -276,11 +319,30 @@ class FP8BlockFormat(FloatFormat):
                                   f"quant_method 'fp8' quantization_config with weight_block_size")
 
     def check_expert_tensors(self, ckpt, names, shape, where):
-        raise CheckpointError(f"{names['weight']} ({where}): block FP8 routed experts are not supported; convert "
-                              f"them with `moeswap quantize --experts mxfp4`")
+        info = ckpt.info(names["weight"])
+        _expect(info, shape, torch.float8_e4m3fn, where)
+        scale = ckpt.info(names["weight_scale_inv"])
+        _expect(scale, fp8_block.scale_shape(shape), None, where)
+        if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(f"{scale.name} in {scale.file.name} ({where}): weight_scale_inv must be a float "
+                                  f"tensor, found {scale.dtype}")
 
     def decode(self, stored, dtype, block=None):
         return fp8_block.decode(stored["weight"], stored["weight_scale_inv"], block or fp8_block.BLOCK, dtype)
+
+    def check_finite(self, w, names):
+        # blamed on the scale: an E4M3 code is finite unless it is NaN, and a NaN scale is what encode writes
+        # for a block that held NaN/Inf
+        problem = super().check_finite(w, names)
+        return problem if problem is None else (names[problem[1]]["weight_scale_inv"], *problem[1:])
+
+    def stored_specs(self, shape):
+        return {"weight": (torch.float8_e4m3fn, tuple(shape)),
+                "weight_scale_inv": (torch.float32, fp8_block.scale_shape(tuple(shape)))}
+
+    def encode(self, w, mode="even"):
+        q, scale_inv = fp8_block.encode(w)
+        return {"weight": q, "weight_scale_inv": scale_inv}
 
 
 class MXFP4Format(_MXFormat):
@@ -393,8 +455,8 @@ class MXFP4Format(_MXFormat):
         return _placed(w, device, pin)
 
 
-FLOAT, MXFP4, MXFP8, FP8_BLOCK = FloatFormat(), MXFP4Format(), MXFP8Format(), FP8BlockFormat()
-FORMATS = {f.name: f for f in (FLOAT, MXFP4, MXFP8, FP8_BLOCK)}
+FLOAT, MXFP4, MXFP8, FP8_BLOCK, INT4 = FloatFormat(), MXFP4Format(), MXFP8Format(), FP8BlockFormat(), Int4Format()
+FORMATS = {f.name: f for f in (FLOAT, MXFP4, MXFP8, FP8_BLOCK, INT4)}
 _BY_SUFFIXES = {f.suffixes: f for f in FORMATS.values()}
 
 

@@ -17,6 +17,9 @@ from .errors import PlanError
 PRESETS = {
     "kimi-k3": "kimi_k3.json",
     "kimi-linear-48b": "kimi_linear_48b.json",
+    # config.json of deepseek-ai/DeepSeek-V3 and moonshotai/Kimi-K2-Instruct (block FP8, DeepseekV3ForCausalLM)
+    "deepseek-v3": "deepseek_v3.json",
+    "kimi-k2": "kimi_k2.json",
 }
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 from .errors import PlanError
 
 # Bytes per weight: MXFP4 = 4-bit codes + one E8M0 byte per 32; block FP8 = fp32 scale per 128x128.
-BYTES = {"mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32, "fp8": 1 + 4 / (128 * 128), "bf16": 2.0, "fp32": 4.0}
-WEIGHT_FORMATS = ("mxfp4", "mxfp8", "fp8", "bf16")
+BYTES = {"mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32, "fp8": 1 + 4 / (128 * 128), "int4": 0.5 + 2 / 32, "bf16": 2.0,
+         "fp32": 4.0}  # int4: compressed-tensors pack-quantized, a bf16 scale per 32
+WEIGHT_FORMATS = ("mxfp4", "mxfp8", "fp8", "int4", "bf16")
 CACHE_FORMATS = ("bf16", "fp8")
 COMPUTE = ("bf16", "fp8", "fp4")
 
@@ -35,7 +36,8 @@ class Precision:
         """Fill in the expert format from the config's quantization scheme when not chosen."""
         if self.experts is not None:
             return self
-        stored = "mxfp4" if cfg.quant is not None and cfg.quant.format.startswith("mxfp4") else "bf16"
+        fmt = cfg.quant.format if cfg.quant is not None else ""
+        stored = {"fp8_block": "fp8", "pack-quantized": "int4"}.get(fmt, "mxfp4" if fmt.startswith("mxfp4") else "bf16")
         return replace(self, experts=stored)
 
     def check(self) -> None:

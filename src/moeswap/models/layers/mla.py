@@ -1,8 +1,10 @@
-"""Gated NoPE multi-head latent attention (MLA) with a latent cache.
+"""Multi-head latent attention (MLA) with a latent cache: gated NoPE (Kimi) or with a rotary shared key
+(DeepSeek-V3 / Kimi K2: RoPE with YaRN, models/layers/rope.py).
 
-The cache keeps, per token, the normalised latent c_kv (L) and the shared key slice k_r (R): the
-per-head keys and values are never cached. Attention runs in the absorbed form (queries are mapped
-into the latent space through kv_b_proj), which is exact and reads only L+R values per cached token.
+The cache keeps, per token, the normalised latent c_kv (L) and the shared key slice k_r (R; rotated at its
+position when the layer has RoPE, as are the queries' R dims): the per-head keys and values are never cached,
+and the attention below is the same with or without RoPE. Attention runs in the absorbed form (queries are
+mapped into the latent space through kv_b_proj), which is exact and reads only L+R values per cached token.
 Shapes: B batch, T new tokens, S cached+new tokens, H heads, N nope dim, R shared-key dim, V value dim.
 """
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import RMSNorm, derived, fuse_linears, project, records_graph
+from moeswap.models.layers.rope import Rotary
 from moeswap.ops import cpu_kernels
 
 
@@ -87,6 +90,9 @@ class MLA(nn.Module):
             self.g_proj = lin(d, self.H * self.V)
         self.o_proj = lin(self.H * self.V, d)
         self.scale = (self.N + self.R) ** -0.5
+        self.rotary = Rotary(m.rope, self.R) if m.rope is not None else None
+        if self.rotary is not None:
+            self.scale *= self.rotary.softmax_factor  # YaRN's temperature (mscale^2)
 
     def cache_width(self) -> int:
         return self.L + self.R
@@ -130,6 +136,12 @@ class MLA(nn.Module):
         q_BTHX = self.queries(x_BTD, q_in).unflatten(-1, (self.H, self.N + self.R))
         q_nope_BTHN, q_r_BTHR = q_BTHX.split([self.N, self.R], dim=-1)
         c_kv, k_r = kv_in.split([self.L, self.R], dim=-1)
+        if self.rotary is not None:  # new token t of sequence b sits at position lengths_b + t
+            pos_BT = cache.lengths_B[:, None] + torch.arange(T, device=x_BTD.device)
+            cos_BTF, sin_BTF = self.rotary.cos_sin(pos_BT, x_BTD.dtype)
+            k_r = self.rotary.rotate(k_r, cos_BTF, sin_BTF)
+            q_r_BTHR = self.rotary.rotate(q_r_BTHR, cos_BTF[:, :, None], sin_BTF[:, :, None])
+            q_BTHX = torch.cat([q_nope_BTHN, q_r_BTHR], dim=-1)
         # one decode token on the CPU: the attention core in one C call (below); never under autograd, which
         # the call would cut (a LoRA in this layer, an input that requires grad)
         grad = records_graph(self, x_BTD, cache.latent_BSX)

@@ -41,13 +41,14 @@ class Router(nn.Module):
         self.scaling, self.groups, self.topk_group = m.routed_scaling_factor, m.num_groups, m.topk_group
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [T, K], weights [T, K] fp32). Routing runs in fp32; eager CPU inference
-        without expert groups runs it as one C call (cpu_kernels.route), else `reference`."""
+        """Returns (expert ids [T, K], weights [T, K] fp32). Routing runs in fp32; eager CPU inference runs it
+        as one C call (cpu_kernels.route, expert groups included), else `reference`."""
         kernel = cpu_kernels.for_inference(x_TD, self.weight, self.e_score_correction_bias)
-        if (kernel is not None and self.groups <= 1 and x_TD.dtype == self.weight.dtype == torch.float32
+        if (kernel is not None and x_TD.dtype == self.weight.dtype == torch.float32
                 and self.e_score_correction_bias.dtype == torch.float32):
             return kernel.route(x_TD, self.weight, self.e_score_correction_bias, self.top_k,
-                                self.scoring != "sigmoid", self.renormalize, self.scaling)
+                                self.scoring != "sigmoid", self.renormalize, self.scaling, max(self.groups, 1),
+                                self.topk_group if self.groups > 1 else 1)
         return self.reference(x_TD)
 
     def reference(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

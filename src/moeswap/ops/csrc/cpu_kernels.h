@@ -60,6 +60,11 @@
     FIELD(int64_t, V, )                                                                                       \
     FIELD(int64_t, gated, )                                                                                   \
     FIELD(double, mla_scale, )                                                                                \
+    /* RoPE MLA (DeepSeek-V3): cos and sin [N, R/2] of each row's position (NULL: NoPE), set per step; the   \
+     * query's and shared key's R dims turn by them in pairs (2i, 2i+1) if rope_interleave, else (i, i + R/2) */ \
+    FIELD(const float *, rope_cos, )                                                                          \
+    FIELD(const float *, rope_sin, )                                                                          \
+    FIELD(int64_t, rope_interleave, )                                                                         \
     /* dense MLP, or the shared experts: gate|up [2 hidden, D], down [D, hidden] (NULL: none) */              \
     FIELD(const uint16_t *, w_gu, )                                                                           \
     FIELD(const uint16_t *, w_down, )                                                                         \
@@ -74,6 +79,8 @@
     FIELD(int64_t, softmax, )                                                                                 \
     FIELD(int64_t, renorm, )                                                                                  \
     FIELD(double, route_scale, )                                                                              \
+    FIELD(int64_t, groups, )               /* expert groups (DeepSeek-V3; 1: none) and how many stay eligible */ \
+    FIELD(int64_t, topk_group, )                                                                              \
     FIELD(const int64_t *, table, )                                                                           \
     FIELD(int64_t, F, )                                                                                       \
     FIELD(int64_t, format, )                                                                                  \
@@ -155,7 +162,8 @@ int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float
 int moeswap_res_mix(const float *const *src, int S, int64_t N, int64_t D, const float *score, float eps,
                     float *out, int nthreads);
 int moeswap_route(const float *x, int64_t T, int64_t D, const float *W, int64_t E, const float *bias, int64_t K,
-                  int softmax, int renorm, float scale, int64_t *ids, float *w, int nthreads);
+                  int softmax, int renorm, float scale, int64_t G, int64_t topk_group, int64_t *ids, float *w,
+                  int nthreads);
 int moeswap_sigmoid_gate(float *x, const float *g, int64_t rows, int64_t width, int64_t g_stride);
 
 #endif

@@ -40,8 +40,22 @@ static int kda_block(int bf16_in, const decode_layer *l, float *conv, float *S, 
     return status;
 }
 
+/* x [R] turned by the angles whose cos/sin [R/2] are given (models/layers/rope.py Rotary.rotate): pairs
+ * (2i, 2i+1) interleaved, else (i, i + R/2). Products and sums rounded one at a time, as torch's ops do (the
+ * build is ISO C: no contraction into FMAs), so the same bits. */
+static void rotate(float *x, const float *cs, const float *sn, int64_t R, int interleave) {
+    const int64_t F = R / 2;
+    for (int64_t i = 0; i < F; i++) {
+        float *a = interleave ? x + 2 * i : x + i, *b = interleave ? x + 2 * i + 1 : x + F + i;
+        const float x1 = *a, x2 = *b, p = x1 * cs[i], q = x2 * sn[i], r = x2 * cs[i], s = x1 * sn[i];
+        *a = p - q;
+        *b = r + s;
+    }
+}
+
 /* An MLA layer for one token per sequence: appends [kv_norm(c) | k_r] at lengths[n] (then lengths[n] += 1)
- * in latent [N, cap, L + R], attends, gates, o_proj into out [N, D]. */
+ * in latent [N, cap, L + R], attends, gates, o_proj into out [N, D]. With RoPE, q's and k_r's R dims are
+ * turned by the row's angles first (k_r before it is cached). */
 static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t *lengths, int64_t cap,
                      const float *proj, int64_t N, float eps, float *out, int64_t D, int nt) {
     const int64_t H = l->H, X = l->L + l->R, Q = H * (l->N + l->R), P = l->in_rows, HV = H * l->V;
@@ -59,6 +73,14 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
         take_columns(proj, N, P, l->off[0], Q, q);
     }
     take_columns(proj, N, P, l->off[1], X, kv);
+    if (!status && l->rope_cos) {
+        const int64_t F = l->R / 2, NR = l->N + l->R;
+        for (int64_t n = 0; n < N; n++) {
+            const float *cs = l->rope_cos + n * F, *sn = l->rope_sin + n * F;
+            for (int64_t h = 0; h < H; h++) rotate(q + n * Q + h * NR + l->N, cs, sn, l->R, (int)l->rope_interleave);
+            rotate(kv + n * X + l->L, cs, sn, l->R, (int)l->rope_interleave);
+        }
+    }
     /* the cache row: the normalised latent, then the shared key slice as it came */
     take_columns(kv, N, X, 0, l->L, c);
     if (!status) status = moeswap_rms_norm(c, N, l->L, l->kv_norm, eps, c, nt);
@@ -92,7 +114,7 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
     int status = ids && w && routed && shared ? 0 : 2;
     if (!status)
         status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
-                               (float)l->route_scale, ids, w, nt);
+                               (float)l->route_scale, l->groups, l->topk_group, ids, w, nt);
     if (!status && l->lat_down)
         status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps, l->lat_up,
                             l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed, nt, used);

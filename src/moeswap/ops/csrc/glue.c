@@ -110,12 +110,17 @@ int moeswap_res_mix(const float *const *src, int S, int64_t N, int64_t D, const 
 }
 
 /* The MoE router for T tokens (models/layers/moe.py Router is the reference): logits = x W^T with W fp32
- * [E, D]; scores = sigmoid(logits) (softmax over E when `softmax`); the K experts of highest
- * scores + bias (bias steers the choice only; ties go to the lower id) in descending order; their
- * scores, divided by their sum (+1e-20) when `renorm`, times `scale`. ids int64 [T, K], w fp32 [T, K]. */
+ * [E, D]; scores = sigmoid(logits) (softmax over E when `softmax`); choice = scores + bias (bias steers the
+ * choice only); with G > 1 expert groups (DeepSeek-V3), only the topk_group groups with the highest sums of
+ * their two best choices stay eligible (ties to the lower group); the K experts of highest choice (ties to
+ * the lower id) in descending order; their scores, divided by their sum (+1e-20) when `renorm`, times
+ * `scale`. ids int64 [T, K], w fp32 [T, K]. */
 int moeswap_route(const float *x, int64_t T, int64_t D, const float *W, int64_t E, const float *bias, int64_t K,
-                  int softmax, int renorm, float scale, int64_t *ids, float *w, int nthreads) {
-    if (T < 0 || D < 1 || E < 1 || E > 4096 || K < 1 || K > E) return 1;
+                  int softmax, int renorm, float scale, int64_t G, int64_t topk_group, int64_t *ids, float *w,
+                  int nthreads) {
+    if (T < 0 || D < 1 || E < 1 || E > 4096 || K < 1 || K > E || G < 1 || E % G || (G > 1 && E / G < 2)
+        || topk_group < 1 || topk_group > G || (G > 1 && K > topk_group * (E / G)))
+        return 1;
     #pragma omp parallel for num_threads(T * E * D >= 4 * GLUE_PARALLEL_ELEMENTS ? nthreads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float score[4096], choice[4096];
@@ -132,6 +137,28 @@ int moeswap_route(const float *x, int64_t T, int64_t D, const float *W, int64_t 
         for (int64_t e = 0; e < E; e++) {
             if (softmax) score[e] /= total;
             choice[e] = score[e] + bias[e];
+        }
+        if (G > 1) { /* group-limited: the other groups' experts drop out of the choice */
+            const int64_t per = E / G;
+            float gscore[4096];
+            int keep[4096];
+            for (int64_t g = 0; g < G; g++) {
+                float a = -INFINITY, b = -INFINITY; /* the group's best two */
+                for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                    if (choice[e] > a) { b = a; a = choice[e]; }
+                    else if (choice[e] > b) b = choice[e];
+                }
+                gscore[g] = a + b;
+                keep[g] = 0;
+            }
+            for (int64_t j = 0; j < topk_group; j++) {
+                int64_t best = -1;
+                for (int64_t g = 0; g < G; g++)
+                    if (!keep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+                keep[best] = 1;
+            }
+            for (int64_t e = 0; e < E; e++)
+                if (!keep[e / per]) choice[e] = -INFINITY;
         }
         float sum = 0.f;
         for (int64_t k = 0; k < K; k++) { /* selection: K is small */
