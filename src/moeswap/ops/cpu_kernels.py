@@ -538,6 +538,54 @@ class CpuKernels:
             self._fail(status, f"kda_decode ({N} heads, K {K}, V {V})")
         return o
 
+    def kda_train_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, S0: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+        """The KDA token recurrence over [N, T, .] heads (q normalised and scaled, k normalised): returns
+        (o [N, T, V], the final state [N, K, V], the state at each chunk start and the end [N, T/chunk+1, K, V])."""
+        N, T, K = q.shape
+        V = v.shape[-1]
+        self._check_kda("kda_train_forward", q, k, v, g, beta, S0)
+        o = torch.empty(N, T, V, dtype=torch.float32)
+        S_end = torch.empty(N, K, V, dtype=torch.float32)
+        checkpoints = torch.empty(N, (T + chunk - 1) // chunk + 1, K, V, dtype=torch.float32)
+        status = self.lib.moeswap_kda_train_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
+                                                    beta.data_ptr(), S0.data_ptr(), o.data_ptr(), S_end.data_ptr(),
+                                                    checkpoints.data_ptr(), N, T, K, V, chunk, self._threads())
+        if status:
+            self._fail(status, f"kda_train_forward ({N} heads, T {T}, K {K}, V {V})")
+        return o, S_end, checkpoints
+
+    def kda_train_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, checkpoints: torch.Tensor, d_o: torch.Tensor, dS_end: torch.Tensor,
+                           chunk: int) -> tuple[torch.Tensor, ...]:
+        """Gradients (dq, dk, dv, dg, dbeta, dS0) of kda_train_forward's outputs, from its checkpoints."""
+        N, T, K = q.shape
+        V = v.shape[-1]
+        self._check_kda("kda_train_backward", q, k, v, g, beta, dS_end, d_o, checkpoints)
+        dq, dk, dg = (torch.empty(N, T, K, dtype=torch.float32) for _ in range(3))
+        dv = torch.empty(N, T, V, dtype=torch.float32)
+        dbeta = torch.empty(N, T, dtype=torch.float32)
+        dS0 = torch.empty(N, K, V, dtype=torch.float32)
+        status = self.lib.moeswap_kda_train_backward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), checkpoints.data_ptr(),
+            d_o.data_ptr(), dS_end.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dg.data_ptr(),
+            dbeta.data_ptr(), dS0.data_ptr(), N, T, K, V, chunk, self._threads())
+        if status:
+            self._fail(status, f"kda_train_backward ({N} heads, T {T}, K {K}, V {V})")
+        return dq, dk, dv, dg, dbeta, dS0
+
+    @staticmethod
+    def _check_kda(what: str, q, k, v, g, beta, state, *more) -> None:
+        N, T, K = q.shape
+        V = v.shape[-1]
+        ok = (tuple(k.shape) == tuple(g.shape) == (N, T, K) and tuple(v.shape) == (N, T, V)
+              and tuple(beta.shape) == (N, T) and tuple(state.shape) == (N, K, V) and V <= 4096)
+        tensors = (q, k, v, g, beta, state, *more)
+        if not ok or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors):
+            raise ValueError(f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g "
+                             f"{tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)} (expected "
+                             f"contiguous fp32 CPU tensors [N, T, K], [N, T, V], [N, T] and [N, K, V], V <= 4096)")
+
 
 def _ptrs(tensors: Sequence[torch.Tensor]):
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])

@@ -4,7 +4,8 @@ Knows nothing of projections or checkpoints: inputs are already normalised q/k, 
 and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the reference),
 `kda_decode_step` (one token from raw q/k, in place; a fused CPU kernel where it runs), `kda_chunked`
 (prefill under autograd and off the CPU; CPU inference runs the recurrence in C, cpu_kernels.kda_layer),
-`kda_chunked_pairwise` (the chunked form written plainly, its reference).
+`kda_chunked_pairwise` (the chunked form written plainly, its reference), `kda_for_training` (under
+autograd: the token recurrence's C forward and backward on the CPU, csrc/kda_train.c).
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length, N sub-chunk length.
 """
 
@@ -175,3 +176,45 @@ def kda_chunked(
     pairwise tensor shrinks to sub-chunk blocks and the rest are matmuls (~3x faster measured on CPU)."""
     return _chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chunk,
                     lambda q, k, G64: _intra_chunk(q, k, G64, sub))
+
+
+TRAIN_CHECKPOINT = 64  # tokens between the states the training forward keeps (backward replays a chunk)
+
+
+class KDATokenRecurrence(torch.autograd.Function):
+    """`kda_recurrent` with the C kernels' forward and backward (csrc/kda_train.c): training on the CPU,
+    where the chunked form under autograd measured ~50x slower. Inputs as kda_recurrent's, fp32."""
+
+    @staticmethod
+    def forward(ctx, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV):
+        kernel = cpu_kernels.kernel()
+        B, T, H, K = q_BTHK.shape
+        heads = lambda t: t.float().transpose(1, 2).reshape(B * H, T, -1).contiguous()  # noqa: E731
+        q, k, v, g = (heads(t) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
+        beta = beta_BTH.float().transpose(1, 2).reshape(B * H, T).contiguous()
+        S0 = state_BHKV.float().reshape(B * H, K, -1).contiguous()
+        o, S_end, checkpoints = kernel.kda_train_forward(q, k, v, g, beta, S0, TRAIN_CHECKPOINT)
+        ctx.save_for_backward(q, k, v, g, beta, checkpoints)
+        ctx.shape = (B, T, H, K, v.shape[-1])
+        return o.reshape(B, H, T, -1).transpose(1, 2), S_end.reshape(B, H, K, -1)
+
+    @staticmethod
+    def backward(ctx, d_o_BTHV, dS_BHKV):
+        q, k, v, g, beta, checkpoints = ctx.saved_tensors
+        B, T, H, K, V = ctx.shape
+        d_o = (torch.zeros(B * H, T, V) if d_o_BTHV is None else
+               d_o_BTHV.float().transpose(1, 2).reshape(B * H, T, V).contiguous())
+        dS = torch.zeros(B * H, K, V) if dS_BHKV is None else dS_BHKV.float().reshape(B * H, K, V).contiguous()
+        dq, dk, dv, dg, dbeta, dS0 = cpu_kernels.kernel().kda_train_backward(q, k, v, g, beta, checkpoints, d_o, dS,
+                                                                             TRAIN_CHECKPOINT)
+        back = lambda t: t.reshape(B, H, T, -1).transpose(1, 2)  # noqa: E731
+        return (back(dq), back(dk), back(dv), back(dg), dbeta.reshape(B, H, T).transpose(1, 2),
+                dS0.reshape(B, H, K, V))
+
+
+def kda_for_training(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence under autograd: the C kernels' Function on the CPU (fp32), else `kda_chunked`."""
+    tensors = (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV)
+    if all(t.is_cpu for t in tensors) and q_BTHK.dtype == torch.float32 and cpu_kernels.kernel() is not None:
+        return KDATokenRecurrence.apply(*tensors)
+    return kda_chunked(*tensors)

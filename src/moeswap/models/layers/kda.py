@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import WeightOnly, derived, fuse_linears, project, records_graph, rms_norm
 from moeswap.ops import cpu_kernels
-from moeswap.ops.kda import L2_EPS, kda_chunked, kda_decode_step, l2_normalize
+from moeswap.ops.kda import L2_EPS, kda_chunked, kda_decode_step, kda_for_training, l2_normalize
 
 
 @dataclass
@@ -158,7 +158,8 @@ class KDA(nn.Module):
             q, k = l2_normalize(q) * self.K**-0.5, l2_normalize(k)
             # autograd keeps the initial state for backward, and the state is overwritten below: a copy
             S0_BHKK = state.recurrent_BHKK.clone() if grad else state.recurrent_BHKK
-            o_BTHK, S_BHKK = kda_chunked(q, k, v, g_BTHK, beta_BTH, S0_BHKK)
+            run = kda_for_training if grad else kda_chunked
+            o_BTHK, S_BHKK = run(q, k, v, g_BTHK, beta_BTH, S0_BHKK)
             state.recurrent_BHKK.copy_(S_BHKK)
         gate = self.output_gate(x_BTD, g_in).unflatten(-1, (self.H, self.K)).float()
         y = rms_norm(o_BTHK, self.o_norm.weight, self.eps) * torch.sigmoid(gate)

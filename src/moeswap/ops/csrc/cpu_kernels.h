@@ -151,6 +151,15 @@ int moeswap_kda_layer(const float *qkv, float *conv, const float *taps, int64_t 
                       float *S, const float *gate, const float *o_w, float norm_eps, float scale,
                       float l2_eps, float *y, int64_t B, int64_t T, int64_t H, int64_t K, int nthreads);
 
+/* ---- kda_train.c: the KDA recurrence for training, forward (state checkpoints) and backward ---- */
+int moeswap_kda_train_forward(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                              const float *S0, float *o, float *S_end, float *checkpoints, int64_t N, int64_t T,
+                              int64_t K, int64_t V, int64_t C, int nthreads);
+int moeswap_kda_train_backward(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                               const float *checkpoints, const float *d_o, const float *dS_end, float *dq, float *dk,
+                               float *dv, float *dg, float *dbeta, float *dS0, int64_t N, int64_t T, int64_t K,
+                               int64_t V, int64_t C, int nthreads);
+
 /* ---- mla.c: Multi-head Latent Attention ---- */
 int moeswap_mla_decode(const float *q, const float *latent, int64_t cap, const int64_t *lengths, const float *wk,
                        const float *wv, float scale, float *out, int64_t B, int64_t H, int64_t N, int64_t R,
