@@ -1,0 +1,169 @@
+"""Expert parallelism over 2 CPU processes on gloo, launched here on loopback with torchrun's environment
+variables: logits and greedy tokens bit-identical to one process for tiny K3 and Kimi Linear at 100 % and
+25 % expert budgets, contiguous and trace-balanced placements; each rank's store loads only its experts;
+a rank that dies is named by the others, which exit instead of hanging; ranks that differ are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeswap.distributed.placement import balanced, contiguous
+from moeswap.engine.generate import GenerationConfig, generate
+from moeswap.models.loader import LoadOptions, load_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+WORKER = Path(__file__).with_name("ep_worker.py")
+SRC = Path(__file__).resolve().parents[2] / "src"
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(150)]  # long enough that some experts take the GEMM path
+MAX_TOKENS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(job: dict, tmp_path: Path, world: int = 2, wait_s: float = 240) -> tuple[list[dict], list[int], float]:
+    """Starts `world` ranks of ep_worker.py as torchrun would (env://), waits for all (killing them after
+    wait_s), returns each rank's saved result, exit codes and the seconds until the last one exited."""
+    job = {"out": str(tmp_path / "result"), "timeout": 60, "max_tokens": MAX_TOKENS, "prompt": PROMPT, **job}
+    port = free_port()
+    procs = []
+    t0 = time.monotonic()
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(job)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    codes, logs = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, wait_s - (time.monotonic() - t0)))
+            codes.append(p.returncode)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    elapsed = time.monotonic() - t0
+    results = []
+    for rank in range(world):
+        path = Path(f"{job['out']}.{rank}")
+        results.append(torch.load(path) if path.exists() else {"error": f"no result; log:\n{logs[rank][-3000:]}"})
+    return results, codes, elapsed
+
+
+def expert_bytes(store) -> int:
+    return sum(store.fast.cost(k) for k in store.index.entries)
+
+
+def single_process(model_dir, budget: int) -> dict:
+    model, store = load_model(model_dir, LoadOptions(dtype="float32", expert_memory=budget))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT]))[0]
+        tokens = generate(model, PROMPT[:12], GenerationConfig(max_tokens=MAX_TOKENS, stop_ids=())).tokens
+    finally:
+        store.close()
+    return {"logits": logits, "tokens": tokens}
+
+
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+def arch_dir(request, tiny_k3_dir, tiny_linear_dir):
+    return tiny_k3_dir if request.param == "kimi_k3" else tiny_linear_dir
+
+
+def test_two_ranks_match_one_process_bit_for_bit(arch_dir, tmp_path):
+    model, store = load_model(arch_dir, LoadOptions(dtype="float32"))
+    total = expert_bytes(store)
+    store.close()
+    budgets = [total, total // 4]  # per rank: every expert fits; a quarter of the model's experts
+    results, codes, _ = launch({"model": str(arch_dir), "budgets": budgets}, tmp_path)
+    assert codes == [0, 0], [r.get("error") for r in results]
+    owners = contiguous(model.config, 2).owners
+    for b, budget in enumerate(budgets):
+        ref = single_process(arch_dir, budget)
+        for rank, res in enumerate(results):
+            run = res["runs"][b]
+            assert torch.equal(run["logits"], ref["logits"]), (rank, budget)
+            assert run["tokens"] == ref["tokens"], (rank, budget)
+            assert run["native_steps"] > 0  # decode steps took the C call, stopping at each MoE layer's FFN
+            # the rank's store only ever held experts it owns
+            assert run["resident"] and all(owners[l][e] == rank for l, e in run["resident"])
+            ep = run["ep"]
+            # what was received is exactly the other rank's pairs: pairs x width x 4 bytes
+            assert ep["bytes_received"] == results[1 - rank]["runs"][b]["ep"]["bytes_sent"]
+            width = model.config.moe.latent_dim or model.config.hidden_size
+            assert ep["bytes_sent"] == ep["pairs_local"] * width * 4
+        if budget < total:
+            assert all(r["runs"][b]["disk_reads"] > r["runs"][0]["disk_reads"] for r in results)  # it swapped
+
+
+def test_balanced_placement_from_a_trace_is_exact_and_spreads_hot_experts(tiny_k3_dir, tmp_path):
+    from moeswap.experts.trace import TraceRecorder, read_trace, write_trace
+    from moeswap.trace_cmd import model_meta
+
+    model, store = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
+    store.trace = TraceRecorder(model_meta(model, store, str(tiny_k3_dir)))
+    generate(model, PROMPT[:40], GenerationConfig(max_tokens=8, stop_ids=()))
+    path = write_trace(store.trace.trace, tmp_path / "trace.bin")
+    store.close()
+    trace = read_trace(path)
+    placement = balanced(trace, model.config, 2)
+    counts = trace.expert_counts()
+    for layer, row in enumerate(placement.owners):
+        if not row:
+            continue
+        assert sorted(row) == [0] * 8 + [1] * 8  # E/N experts each
+        load = [sum(c for e, c in enumerate(counts[layer]) if row[e] == r) for r in (0, 1)]
+        hot = sorted(range(16), key=lambda e: (-counts[layer][e], e))
+        assert row[hot[0]] != row[hot[1]]  # the two hottest experts on different ranks
+        # greedy LPT: the heavier rank carries at most the lighter one plus the largest single count
+        assert abs(load[0] - load[1]) <= max(counts[layer])
+    results, codes, _ = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "trace": str(path)}, tmp_path)
+    assert codes == [0, 0], [r.get("error") for r in results]
+    ref = single_process(tiny_k3_dir, 1 << 30)
+    for rank, res in enumerate(results):
+        run = res["runs"][0]
+        assert run["owners"] == [list(o) for o in placement.owners]
+        assert torch.equal(run["logits"], ref["logits"]) and run["tokens"] == ref["tokens"]
+        assert all(placement.owners[l][e] == rank for l, e in run["resident"])
+
+
+def test_a_rank_that_dies_is_named_and_the_others_exit(tiny_k3_dir, tmp_path):
+    results, codes, elapsed = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "die": 1, "timeout": 30},
+                                     tmp_path, wait_s=120)
+    assert codes[1] == 17 and codes[0] == 3
+    assert elapsed < 120  # rank 0 exited on its own: launch kills only at wait_s
+    assert "PeerLost" in results[0]["error"] and "rank 1 has stopped" in results[0]["error"], results[0]["error"]
+
+
+def test_ranks_with_different_checkpoints_or_versions_are_refused(tiny_k3_dir, tmp_path, copy_model):
+    from moeswap.tiny import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "seed1", "kimi_k3", "tiny", 1)
+    results, codes, _ = launch({"models": [str(tiny_k3_dir), str(other)], "budgets": [1 << 30]}, tmp_path)
+    assert codes == [3, 3]
+    for res in results:
+        assert "rank 1" in res["error"] and "checkpoint" in res["error"] and "ValueError" in res["error"], res
+    edited = copy_model(tiny_k3_dir)
+    cfg = json.loads((edited / "config.json").read_text())
+    cfg["_note"] = "edited"  # the same tensors, another config.json
+    (edited / "config.json").write_text(json.dumps(cfg))
+    results, codes, _ = launch({"models": [str(tiny_k3_dir), str(edited)], "budgets": [1 << 30]}, tmp_path)
+    assert codes == [3, 3] and "config.json" in results[0]["error"], results[0]
+    results, codes, _ = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "version": {"1": "9.9.9"}}, tmp_path)
+    assert codes == [3, 3] and "moeswap version" in results[1]["error"], results[1]
