@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply a LoRA adapter in PEFT format (adapter_config.json + adapter_model.safetensors); "
                         "generate takes one")
     add_load_flags(p)
+    from moeswap.distributed.cli import add_ep_flags
+
+    add_ep_flags(p)
 
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
     p.add_argument("model")
@@ -154,21 +157,30 @@ def cmd_generate(args) -> int:
     lora = read_lora_flag(args.lora, args.model)
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))
+    ep = None
     try:
+        from moeswap.distributed.cli import join_if_launched, lead, share
+
+        ep = join_if_launched(model, args)  # under torchrun: this rank's experts; rank 0 owns tokenizer and output
+        if ep is not None and lora is not None:
+            raise ValueError("--lora is not supported under expert parallelism yet")
         if lora is not None:  # the machinery of `serve --lora`, with one adapter in slot 1 for the request
             from moeswap.lora.serving import load_adapters
 
             load_adapters(model, [lora])
             cfg = dataclasses.replace(cfg, adapter=1)
-        tok = load_tokenizer(args.model)
+        tok = load_tokenizer(args.model) if lead(ep) else None
         load_s = time.perf_counter() - t0
-        messages = [{"role": "user", "content": args.prompt}]
-        ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
-        cfg = dataclasses.replace(
-            cfg, stop_ids=() if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids))
-        stream = StreamDecoder(tok)
+        ids = stop_ids = None
+        if tok is not None:
+            messages = [{"role": "user", "content": args.prompt}]
+            ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
+            stop_ids = () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
+        ids, stop_ids, seed = share(ep, (ids, stop_ids, cfg.seed))  # every rank runs the same sequence
+        cfg = dataclasses.replace(cfg, stop_ids=stop_ids, seed=seed)
+        stream = StreamDecoder(tok) if tok is not None else None
         on_token = None
-        if not args.json:
+        if not args.json and tok is not None:
             print(args.prompt if not args.chat else "", end="", flush=True)
             on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
         engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
@@ -180,6 +192,12 @@ def cmd_generate(args) -> int:
             raise
     finally:
         store.close()
+    if ep is not None:
+        from moeswap.distributed.runtime import shutdown
+
+        shutdown(ep)
+        if not lead(ep):
+            return 0
     rate = result.decode_tokens_per_s  # None: nothing decoded after the first token
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
@@ -189,6 +207,8 @@ def cmd_generate(args) -> int:
         "state_bytes": result.state_bytes, "lora": None if lora is None else str(lora[1].directory),
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
+    if ep is not None:
+        stats["expert_parallel"] = {"world": ep.world, "placement": ep.placement.kind, "rank0": ep.stats.as_dict()}
     if args.json:
         print(dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
         return 0
@@ -264,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moeswap: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # failures that explain themselves in one line (distributed.ep.PeerLost)
+        if args.debug or not hasattr(err, "exit_code"):
+            raise
+        print(f"moeswap: error: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 def _reader_gone(stream) -> bool | None:

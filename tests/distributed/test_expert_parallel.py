@@ -167,3 +167,22 @@ def test_ranks_with_different_checkpoints_or_versions_are_refused(tiny_k3_dir, t
     assert codes == [3, 3] and "config.json" in results[0]["error"], results[0]
     results, codes, _ = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "version": {"1": "9.9.9"}}, tmp_path)
     assert codes == [3, 3] and "moeswap version" in results[1]["error"], results[1]
+
+
+def test_torchrun_generate_matches_one_process_and_only_rank_0_prints(tiny_linear_dir, strict_json):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+    args = ["-m", "moeswap", "generate", str(tiny_linear_dir), "--prompt", "hello world", "--max-tokens", "6",
+            "--json", "--ignore-eos"]
+    one = subprocess.run([sys.executable, *args], env=env, capture_output=True, timeout=120)
+    assert one.returncode == 0, one.stderr.decode()
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), *args], env=env, capture_output=True, timeout=240)
+    assert two.returncode == 0, two.stderr.decode()[-3000:]
+    lines = [l for l in two.stdout.decode().splitlines() if l.strip()]
+    assert len(lines) == 1  # rank 1 writes nothing
+    single, ep = strict_json(one.stdout.decode()), strict_json(lines[0])
+    assert ep["tokens"] == single["tokens"] and ep["text"] == single["text"]
+    par = ep["expert_parallel"]
+    assert par["world"] == 2 and par["rank0"]["bytes_received"] > 0
+    # rank 0 read only its half of the experts
+    assert 0 < ep["expert_store"]["disk_reads"] < single["expert_store"]["disk_reads"]

@@ -1,9 +1,5 @@
 """Expert parallelism on torch.distributed, applied from outside the model: placement.py (which rank owns
-which routed expert), ep.py (the MoE blocks' exchange), runtime.py (process group, start-up checks,
-heartbeat). Entry points: `apply_expert_parallel(model, group, placement)`, `init_expert_parallel(...)`."""
-
-from moeswap.distributed.ep import ExpertParallel, PeerLost, apply_expert_parallel
-from moeswap.distributed.placement import Placement, balanced, contiguous, make_placement
-
-__all__ = ["ExpertParallel", "PeerLost", "Placement", "apply_expert_parallel", "balanced", "contiguous",
-           "make_placement"]
+which routed expert), ep.py (the MoE blocks' exchange: `apply_expert_parallel(model, group, placement)`),
+runtime.py (process group from torchrun's environment, start-up checks, heartbeat:
+`init_expert_parallel`), cli.py (flags and rank 0's inputs for the commands). Importing this package
+imports nothing else (the CLI's parser reads cli.py without loading torch)."""

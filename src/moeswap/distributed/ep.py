@@ -26,7 +26,9 @@ from moeswap.models.layers.moe import MoE, pairs_by_expert
 
 
 class PeerLost(RuntimeError):
-    """A collective failed or timed out: another rank died, hung, or left."""
+    """A collective failed or timed out: another rank died, hung, or left. The CLI prints it in one line."""
+
+    exit_code = 1
 
 
 @dataclass

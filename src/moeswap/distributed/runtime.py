@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 import moeswap
 from moeswap import jsonio
+from moeswap.distributed.cli import DEFAULT_TIMEOUT_S
 from moeswap.distributed.ep import ExpertParallel, apply_expert_parallel
 from moeswap.distributed.placement import make_placement
 from moeswap.options import LoadOptions
 
-DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer than this fails (a hung or lost peer)
 BEAT_S = 0.5  # heartbeat period: a rank whose counter stops for several periods is taken for dead
 MATH_OPTIONS = ("dtype", "dense_weights", "expert_activations", "gemm_precision")  # change results' bits
 

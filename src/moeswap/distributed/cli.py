@@ -1,0 +1,53 @@
+"""The commands' side of expert parallelism: the flags (`--ep-placement`, `--ep-timeout`), joining the
+torchrun job when the process was started by one, and handing rank 0's inputs (token ids, stop ids, seed)
+to the other ranks, which follow without a tokenizer or output of their own.
+
+Entry points: `add_ep_flags(parser)`, `join_if_launched(model, args)`, `share(ep, value)`, `lead(ep)`.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer fails (a hung or lost peer)
+
+
+def add_ep_flags(parser) -> None:
+    g = parser.add_argument_group("expert parallelism (under torchrun; docs/distributed.md)")
+    g.add_argument("--ep-placement", default=None, metavar="TRACE",
+                   help="routing trace (moeswap trace) to place experts over ranks balanced by use "
+                        "(default: contiguous ranges)")
+    g.add_argument("--ep-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"a collective that waits longer fails, naming the lost rank (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def join_if_launched(model, args):
+    """The ExpertParallel of this rank when started by torchrun with WORLD_SIZE > 1, else None."""
+    from moeswap.distributed.runtime import init_expert_parallel, launched
+    from moeswap.options import LoadOptions
+
+    if not launched():
+        return None
+    if args.ep_timeout <= 0:
+        raise ValueError(f"--ep-timeout must be > 0 seconds, got {args.ep_timeout}")
+    return init_expert_parallel(model, args.model, LoadOptions.from_args(args), args.ep_placement, args.ep_timeout)
+
+
+def lead(ep) -> bool:
+    """Whether this process owns the tokenizer and the output (single process, or rank 0)."""
+    return ep is None or ep.rank == 0
+
+
+def share(ep, value: tuple) -> tuple:
+    """Rank 0's (ids, stop_ids, seed) on every rank; a missing seed becomes one rank 0 draws, so that
+    sampling draws the same tokens on every rank."""
+    if ep is None:
+        return value
+    import torch.distributed as dist
+
+    ids, stop, seed = value
+    if ep.rank == 0 and seed is None:
+        seed = secrets.randbits(63)
+    box = [(ids, stop, seed)]
+    dist.broadcast_object_list(box, src=0, group=ep.group)
+    return box[0]
