@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from moeswap.distributed.launch import free_port, run_ranks
 from moeswap.distributed.placement import balanced, contiguous
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.models.loader import LoadOptions, load_model
@@ -28,42 +27,19 @@ PROMPT = [(7 * i + 3) % 500 + 5 for i in range(150)]  # long enough that some ex
 MAX_TOKENS = 6
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(job: dict, tmp_path: Path, world: int = 2, wait_s: float = 240) -> tuple[list[dict], list[int], float]:
-    """Starts `world` ranks of ep_worker.py as torchrun would (env://), waits for all (killing them after
-    wait_s), returns each rank's saved result, exit codes and the seconds until the last one exited."""
+def launch(job: dict, tmp_path: Path, world: int = 2, wait_s: float = 240) -> tuple[list[dict], list, float]:
+    """Starts `world` ranks of ep_worker.py as torchrun would (env://; distributed/launch.py), waits for all
+    (killing them after wait_s), returns each rank's saved result, exit codes and the seconds until the
+    last one exited."""
     job = {"out": str(tmp_path / "result"), "timeout": 60, "max_tokens": MAX_TOKENS, "prompt": PROMPT, **job}
-    port = free_port()
-    procs = []
-    t0 = time.monotonic()
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(job)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    codes, logs = [], []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, wait_s - (time.monotonic() - t0)))
-            codes.append(p.returncode)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    elapsed = time.monotonic() - t0
+    ranks = run_ranks([sys.executable, str(WORKER), json.dumps(job)], world, wait_s,
+                      {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
     results = []
     for rank in range(world):
         path = Path(f"{job['out']}.{rank}")
-        results.append(torch.load(path) if path.exists() else {"error": f"no result; log:\n{logs[rank][-3000:]}"})
-    return results, codes, elapsed
+        results.append(torch.load(path) if path.exists() else
+                       {"error": f"no result; log:\n{ranks.outputs[rank][-3000:]}"})
+    return results, ranks.codes, ranks.elapsed_s
 
 
 def expert_bytes(store) -> int:
