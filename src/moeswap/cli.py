@@ -156,12 +156,13 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     lora = read_lora_flag(args.lora, args.model)
+    from moeswap.distributed.cli import bind_local_device, join_if_launched, lead, share
+
+    bind_local_device(args)  # under torchrun on CUDA: cuda:LOCAL_RANK
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))
     ep = None
     try:
-        from moeswap.distributed.cli import join_if_launched, lead, share
-
         ep = join_if_launched(model, args)  # under torchrun: this rank's experts; rank 0 owns tokenizer and output
         if ep is not None and lora is not None:
             raise ValueError("--lora is not supported under expert parallelism yet")

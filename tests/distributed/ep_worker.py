@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -42,7 +43,10 @@ def main() -> None:
                 run["logits"] = model(torch.tensor([job["prompt"]]))[0]
                 if job.get("die") == rank:
                     os._exit(17)  # a rank lost mid-job: the others are in or about to enter an exchange
-                if job.get("die") is not None:
+                if job.get("hang") == rank:
+                    time.sleep(job["hang_s"])  # alive (its heartbeat runs) but never comes to the exchange
+                    os._exit(0)
+                if job.get("die") is not None or job.get("hang") is not None:
                     model(torch.tensor([job["prompt"]]))
             gen = generate(model, job["prompt"][:12], GenerationConfig(max_tokens=job["max_tokens"], stop_ids=()))
             run["tokens"] = gen.tokens

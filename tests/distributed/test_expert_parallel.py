@@ -119,12 +119,25 @@ def test_balanced_placement_from_a_trace_is_exact_and_spreads_hot_experts(tiny_k
         assert all(placement.owners[l][e] == rank for l, e in run["resident"])
 
 
-def test_a_rank_that_dies_is_named_and_the_others_exit(tiny_k3_dir, tmp_path):
-    results, codes, elapsed = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "die": 1, "timeout": 30},
+@pytest.mark.parametrize("dies", [1, 0])
+def test_a_rank_that_dies_is_named_and_the_others_exit(tiny_k3_dir, tmp_path, dies):
+    results, codes, elapsed = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "die": dies, "timeout": 30},
                                      tmp_path, wait_s=120)
-    assert codes[1] == 17 and codes[0] == 3
-    assert elapsed < 120  # rank 0 exited on its own: launch kills only at wait_s
-    assert "PeerLost" in results[0]["error"] and "rank 1 has stopped" in results[0]["error"], results[0]["error"]
+    other = 1 - dies
+    assert codes[dies] == 17 and codes[other] == 3
+    assert elapsed < 120  # the survivor exited on its own: launch kills only at wait_s
+    error = results[other]["error"]
+    assert error.startswith(f"PeerLost: rank {other}: the expert exchange of layer"), error
+    # rank 1 is named by its heartbeat stopping; rank 0 also hosted the rendezvous store, which goes with it
+    assert f"rank {dies} has stopped" in error if dies == 1 else "rank 0 is gone" in error, error
+
+
+def test_a_rank_that_hangs_is_named_after_the_timeout(tiny_k3_dir, tmp_path):
+    results, codes, elapsed = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "hang": 1, "hang_s": 25,
+                                      "timeout": 6}, tmp_path, wait_s=120)
+    assert codes == [3, 0]
+    error = results[0]["error"]
+    assert error.startswith("PeerLost: rank 0:") and "rank 1 (at exchange" in error and "stuck" in error, error
 
 
 def test_ranks_with_different_checkpoints_or_versions_are_refused(tiny_k3_dir, tmp_path, copy_model):

@@ -51,3 +51,14 @@ def share(ep, value: tuple) -> tuple:
     box = [(ids, stop, seed)]
     dist.broadcast_object_list(box, src=0, group=ep.group)
     return box[0]
+
+
+def bind_local_device(args) -> None:
+    """Under torchrun with --device cuda (no index): each rank takes cuda:LOCAL_RANK, as NCCL needs one
+    device per rank. Changes nothing otherwise."""
+    import os
+
+    from moeswap.distributed.runtime import launched
+
+    if launched() and getattr(args, "device", "cpu") == "cuda":
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"

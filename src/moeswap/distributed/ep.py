@@ -64,6 +64,7 @@ class ExpertParallel:
         self.placement = placement
         self.owners = [torch.tensor(row, dtype=torch.int64) if row else None for row in placement.owners]
         self.stats = EPStats()
+        self.entered = 0  # exchanges this rank has entered (the heartbeat publishes it: who is behind)
         # () -> a sentence naming the lost rank(s), set by runtime.init when it runs a heartbeat
         self.diagnose: Callable[[], str] | None = None
 
@@ -83,34 +84,36 @@ class ExpertParallel:
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         P = token_of.numel()
         expert_of = torch.tensor(unique, dtype=torch.int64).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
-        owner_P = self.owners[L][expert_of]
+        owner_P = self.owners[L][expert_of]  # routing bookkeeping stays on the CPU; activations on h's device
+        token_of = token_of.to(h_TI.device)
         sel = [(owner_P == q).nonzero().squeeze(1) for q in range(self.world)]  # each rank's pairs, in pair order
         mine = sel[self.rank]
         n = [int(s.numel()) for s in sel]
         if n[self.rank]:
             # one row per pair, weight 1: the block's own fast path returns each pair's expert output exactly
             # (0 + 1*y), computed by the same kernels on the same rows as in a single process
-            h_PI = h_TI.index_select(0, token_of[mine])
-            ones = torch.ones(n[self.rank], 1, dtype=w_TK.dtype)
-            y_mine = MoE._run_experts_fast(block, h_PI, expert_of[mine][:, None], ones)
+            h_PI = h_TI.index_select(0, token_of[mine.to(h_TI.device)])
+            ones = torch.ones(n[self.rank], 1, dtype=w_TK.dtype, device=w_TK.device)
+            y_mine = MoE._run_experts_fast(block, h_PI, expert_of[mine][:, None].to(ids_TK.device), ones)
         else:
             y_mine = h_TI.new_zeros(0, I)
         t1 = time.perf_counter()
         y_PI = h_TI.new_empty(P, I)
-        y_PI[mine] = y_mine
+        y_PI[mine.to(h_TI.device)] = y_mine
         if self.world > 1:
             others = [q for q in range(self.world) if q != self.rank]
             send = [0 if q == self.rank else n[self.rank] for q in range(self.world)]
             recv = [0 if q == self.rank else n[q] for q in range(self.world)]
             inp = torch.cat([y_mine] * len(others)) if others else y_mine
             out = h_TI.new_empty(sum(recv), I)
+            self.entered += 1
             try:
                 dist.all_to_all_single(out, inp.contiguous(), recv, send, group=self.group)
             except Exception as err:  # gloo/NCCL raise RuntimeError subclasses whose names vary by version
                 raise self._lost(L, err) from None
             at = 0
             for q in others:
-                y_PI[sel[q]] = out[at : at + n[q]]
+                y_PI[sel[q].to(h_TI.device)] = out[at : at + n[q]]
                 at += n[q]
             item = h_TI.element_size()
             st.bytes_sent += inp.numel() * item
@@ -120,7 +123,7 @@ class ExpertParallel:
             row[0] += T
             row[1] += got
         t2 = time.perf_counter()
-        out_TI = _combine(y_PI, token_of, weights, T, ids_TK.shape[1])
+        out_TI = _combine(y_PI, token_of, weights.to(h_TI.device), T, ids_TK.shape[1])
         t3 = time.perf_counter()
         st.layer_steps += 1
         st.tokens += T
@@ -142,7 +145,7 @@ def _combine(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, 
     moe.py: index_add_ of y * w)."""
     I = y_PI.shape[-1]
     c_PI = y_PI.float() * weights.to(torch.float32)[:, None]
-    out_TI = torch.zeros(T, I, dtype=torch.float32)
+    out_TI = torch.zeros(T, I, dtype=torch.float32, device=y_PI.device)
     if token_of.numel() == T * K:  # every token has K distinct experts: K rounds of one add per token
         order = token_of.argsort(stable=True)  # stable: within a token, pair order = experts ascending
         c_TKI = c_PI.index_select(0, order).view(T, K, I)

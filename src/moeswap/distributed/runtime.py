@@ -78,12 +78,14 @@ def check_same(fingerprints: list[dict], model_dirs: list[str]) -> None:
 
 
 class Heartbeat:
-    """Each rank adds to its counter in the rendezvous store every BEAT_S; after a failed collective,
-    `diagnose` watches the counters for a few periods and names the ranks whose counter stood still
-    (or, when the store itself is gone, the rank that hosts it)."""
+    """Each rank adds to its counter in the rendezvous store every BEAT_S, and publishes how many exchanges
+    it has entered; after a failed collective, `diagnose` watches the counters for a few periods and names
+    the ranks whose counter stood still (dead), else those alive but behind this one (stuck or slow), or,
+    when the store itself is gone, the rank that hosts it."""
 
-    def __init__(self, store, rank: int, world: int, store_host_rank: int | None):
+    def __init__(self, store, rank: int, world: int, store_host_rank: int | None, progress=lambda: 0):
         self.store, self.rank, self.world, self.host = store, rank, world, store_host_rank
+        self.progress = progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="moeswap-ep-heartbeat", daemon=True)
         self._thread.start()
@@ -95,6 +97,7 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.store.add(self._key(self.rank), 1)
+                self.store.set(f"moeswap/ep/progress/{self.rank}", str(self.progress()))
             except Exception:  # the store is gone: diagnose says so; nothing to do here
                 return
             self._stop.wait(BEAT_S)
@@ -104,6 +107,9 @@ class Heartbeat:
             before = [self.store.add(self._key(r), 0) for r in range(self.world)]
             time.sleep(6 * BEAT_S)
             after = [self.store.add(self._key(r), 0) for r in range(self.world)]
+            mine = self.progress()
+            reached = {r: int(self.store.get(f"moeswap/ep/progress/{r}")) for r in range(self.world)
+                       if r != self.rank and after[r] != before[r]}
         except Exception:
             if self.host is not None and self.host != self.rank:
                 return f"rank {self.host} is gone (it hosted the rendezvous store, which no longer answers)"
@@ -111,7 +117,11 @@ class Heartbeat:
         dead = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
         if dead:
             return ", ".join(f"rank {r}" for r in dead) + (" has" if len(dead) == 1 else " have") + " stopped"
-        return "every rank's heartbeat is still running (a peer is alive but stuck, or the network failed)"
+        behind = [r for r, n in reached.items() if n < mine]
+        if behind:
+            return ", ".join(f"rank {r} (at exchange {reached[r]})" for r in behind) + \
+                f" {'is' if len(behind) == 1 else 'are'} alive but never reached this rank's exchange {mine}: stuck or too slow"
+        return "every rank's heartbeat is still running and each reached this exchange (the network failed?)"
 
     def close(self) -> None:
         self._stop.set()
@@ -135,7 +145,7 @@ def init_expert_parallel(model, model_dir: str | os.PathLike, options: LoadOptio
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store (no public accessor)
     # without torchrun's agent, rank 0's process hosts the TCP store (init_method env://)
     host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
-    beat = Heartbeat(store, rank, world, host)
+    beat = Heartbeat(store, rank, world, host, lambda: ep.entered)
     ep.diagnose, ep.heartbeat = beat.diagnose, beat
     dist.barrier()  # every rank has its heartbeat before anyone computes
     return ep
