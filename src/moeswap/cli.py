@@ -156,7 +156,7 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     lora = read_lora_flag(args.lora, args.model)
-    from moeswap.distributed.cli import bind_local_device, join_if_launched, lead, share
+    from moeswap.distributed.cli import bind_local_device, from_lead, join_if_launched, lead
 
     bind_local_device(args)  # under torchrun on CUDA: cuda:LOCAL_RANK
     t0 = time.perf_counter()
@@ -171,14 +171,15 @@ def cmd_generate(args) -> int:
 
             load_adapters(model, [lora])
             cfg = dataclasses.replace(cfg, adapter=1)
-        tok = load_tokenizer(args.model) if lead(ep) else None
-        load_s = time.perf_counter() - t0
-        ids = stop_ids = None
-        if tok is not None:
+
+        def encode():  # rank 0's part under torchrun (the others get its result, or its error)
+            tok = load_tokenizer(args.model)
             messages = [{"role": "user", "content": args.prompt}]
             ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
-            stop_ids = () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
-        ids, stop_ids, seed = share(ep, (ids, stop_ids, cfg.seed))  # every rank runs the same sequence
+            return tok, ids, () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
+
+        tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)  # every rank runs the same sequence
+        load_s = time.perf_counter() - t0
         cfg = dataclasses.replace(cfg, stop_ids=stop_ids, seed=seed)
         stream = StreamDecoder(tok) if tok is not None else None
         on_token = None

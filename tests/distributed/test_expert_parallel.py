@@ -175,3 +175,15 @@ def test_torchrun_generate_matches_one_process_and_only_rank_0_prints(tiny_linea
     assert par["world"] == 2 and par["rank0"]["bytes_received"] > 0
     # rank 0 read only its half of the experts
     assert 0 < ep["expert_store"]["disk_reads"] < single["expert_store"]["disk_reads"]
+
+
+def test_torchrun_a_user_error_on_rank_0_ends_every_rank_at_once(tiny_k3_dir, copy_model):
+    model = copy_model(tiny_k3_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()  # only rank 0 reads the tokenizer: the others learn of its error from it
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), "-m", "moeswap", "generate", str(model), "--prompt", "hi",
+                          "--ep-timeout", "100"], env=env, capture_output=True, timeout=90)  # < the EP timeout
+    errors = [l for l in run.stderr.decode().splitlines() if l.startswith("moeswap: error:")]
+    assert run.returncode != 0 and len(errors) == 2 and "tokenizer" in errors[0], run.stderr.decode()[-2000:]

@@ -2,7 +2,7 @@
 torchrun job when the process was started by one, and handing rank 0's inputs (token ids, stop ids, seed)
 to the other ranks, which follow without a tokenizer or output of their own.
 
-Entry points: `add_ep_flags(parser)`, `join_if_launched(model, args)`, `share(ep, value)`, `lead(ep)`.
+Entry points: `add_ep_flags(parser)`, `join_if_launched(model, args)`, `from_lead(ep, encode, seed)`, `lead(ep)`.
 """
 
 from __future__ import annotations
@@ -38,19 +38,28 @@ def lead(ep) -> bool:
     return ep is None or ep.rank == 0
 
 
-def share(ep, value: tuple) -> tuple:
-    """Rank 0's (ids, stop_ids, seed) on every rank; a missing seed becomes one rank 0 draws, so that
-    sampling draws the same tokens on every rank."""
+def from_lead(ep, encode, seed: int | None):
+    """(tokenizer or None, ids, stop ids, seed): `encode()` -> (tokenizer, ids, stop ids) runs on rank 0
+    only (or in the single process), and the other ranks get its ids and stop ids, or the user error it
+    raised, so that every rank fails alike instead of waiting for it. A missing seed becomes one rank 0
+    draws, so that sampling draws the same tokens on every rank."""
     if ep is None:
-        return value
+        return (*encode(), seed)
     import torch.distributed as dist
 
-    ids, stop, seed = value
-    if ep.rank == 0 and seed is None:
-        seed = secrets.randbits(63)
-    box = [(ids, stop, seed)]
+    box: list = [None]
+    tok = None
+    if ep.rank == 0:
+        try:
+            tok, ids, stop = encode()
+            box = [(ids, stop, secrets.randbits(63) if seed is None else seed, None)]
+        except (ValueError, OSError) as err:
+            box = [(None, None, None, err)]
     dist.broadcast_object_list(box, src=0, group=ep.group)
-    return box[0]
+    ids, stop, seed, err = box[0]
+    if err is not None:
+        raise err
+    return tok, ids, stop, seed
 
 
 def bind_local_device(args) -> None:
