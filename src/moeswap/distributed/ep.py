@@ -65,6 +65,7 @@ class ExpertParallel:
         self.owners = [torch.tensor(row, dtype=torch.int64) if row else None for row in placement.owners]
         self.stats = EPStats()
         self.entered = 0  # exchanges this rank has entered (the heartbeat publishes it: who is behind)
+        self.failed: PeerLost | None = None  # set when an exchange failed: the group is unusable
         # () -> a sentence naming the lost rank(s), set by runtime.init when it runs a heartbeat
         self.diagnose: Callable[[], str] | None = None
 
@@ -136,7 +137,8 @@ class ExpertParallel:
     def _lost(self, layer: int, err: BaseException) -> PeerLost:
         who = self.diagnose() if self.diagnose is not None else "another rank died, hung or left"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return PeerLost(f"rank {self.rank}: the expert exchange of layer {layer} failed: {who} ({first})")
+        self.failed = PeerLost(f"rank {self.rank}: the expert exchange of layer {layer} failed: {who} ({first})")
+        return self.failed
 
 
 def _combine(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, T: int, K: int) -> torch.Tensor:

@@ -152,12 +152,14 @@ def init_expert_parallel(model, model_dir: str | os.PathLike, options: LoadOptio
 
 
 def shutdown(ep: ExpertParallel | None) -> None:
-    """Stops the heartbeat and leaves the process group (after a barrier, so no rank's store goes first)."""
+    """Stops the heartbeat and leaves the process group: after a barrier (so no rank's store goes first)
+    unless an exchange already failed (a barrier would wait on the lost rank)."""
     if ep is None:
         return
     ep.heartbeat.close()
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if ep.failed is None:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
