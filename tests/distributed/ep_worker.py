@@ -22,6 +22,8 @@ def main() -> None:
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.models.loader import LoadOptions, load_model
 
+    if job.get("train"):
+        return train_step(job, rank, out)
     if job.get("version", {}).get(str(rank)):
         moeswap.__version__ = job["version"][str(rank)]  # a rank started from another moeswap release
     model_dir = job["models"][rank] if "models" in job else job["model"]
@@ -64,6 +66,35 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(3)  # no clean-up that waits on peers
     torch.save(result, out)
+
+
+def train_step(job: dict, rank: int, out: str) -> None:
+    """One LoRA gradient step (every target kind, routed experts included) under expert parallelism: the
+    loss and, after reduce_expert_lora_grads, every LoRA gradient."""
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.models.loader import load_model
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.targets import prepare_model
+    from train.test_lora_grad import ALL_TARGETS, kda_in_range, set_adapter  # tests/ is on PYTHONPATH
+
+    cfg = TrainConfig(model=job["model"], mode="lora", target_modules=ALL_TARGETS, rank=3, alpha=6.0,
+                      gradient_checkpointing=job["checkpointing"])
+    load = cfg.load.replace(expert_memory=job["budget"])
+    model, store = load_model(job["model"], load)
+    ep = init_expert_parallel(model, job["model"], load, None, timeout_s=job["timeout"])
+    kda_in_range(model)
+    params = dict(prepare_model(model, cfg))
+    set_adapter(model)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 500, (2, 24), generator=gen)
+    weights = torch.randn(2, 24, 512, generator=gen, dtype=torch.float64)
+    loss = (model(tokens).double() * weights).sum()
+    loss.backward()
+    ep.reduce_expert_lora_grads(model)
+    torch.save({"loss": loss.detach(), "grads": {n: p.grad for n, p in params.items()},
+                "owners": [list(o) for o in ep.placement.owners]}, out)
+    store.close()
+    shutdown(ep)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def launch(job: dict, tmp_path: Path, world: int = 2, wait_s: float = 240) -> tu
     last one exited."""
     job = {"out": str(tmp_path / "result"), "timeout": 60, "max_tokens": MAX_TOKENS, "prompt": PROMPT, **job}
     ranks = run_ranks([sys.executable, str(WORKER), json.dumps(job)], world, wait_s,
-                      {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+                      {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SRC), str(WORKER.parents[1])])})
     results = []
     for rank in range(world):
         path = Path(f"{job['out']}.{rank}")
@@ -187,3 +187,40 @@ def test_torchrun_a_user_error_on_rank_0_ends_every_rank_at_once(tiny_k3_dir, co
                           "--ep-timeout", "100"], env=env, capture_output=True, timeout=90)  # < the EP timeout
     errors = [l for l in run.stderr.decode().splitlines() if l.startswith("moeswap: error:")]
     assert run.returncode != 0 and len(errors) == 2 and "tokenizer" in errors[0], run.stderr.decode()[-2000:]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_lora_step_gives_one_process_loss_and_gradients(tiny_k3_dir, tmp_path, checkpointing):
+    """LoRA on every target kind, routed experts included, at a 25 % budget (experts evicted and fetched
+    again for backward): loss and every LoRA gradient bit-identical to one process."""
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.targets import prepare_model
+    from train.test_lora_grad import ALL_TARGETS, kda_in_range, set_adapter
+
+    cfg = TrainConfig(model=str(tiny_k3_dir), mode="lora", target_modules=ALL_TARGETS, rank=3, alpha=6.0,
+                      gradient_checkpointing=checkpointing)
+    model, store = load_model(tiny_k3_dir, cfg.load)
+    budget = expert_bytes(store) // 4
+    store.close()
+    model, store = load_model(tiny_k3_dir, cfg.load.replace(expert_memory=budget))
+    try:
+        kda_in_range(model)
+        params = dict(prepare_model(model, cfg))
+        set_adapter(model)
+        gen = torch.Generator().manual_seed(5)
+        tokens = torch.randint(3, 500, (2, 24), generator=gen)
+        weights = torch.randn(2, 24, 512, generator=gen, dtype=torch.float64)
+        loss = (model(tokens).double() * weights).sum()
+        loss.backward()
+        want = {n: p.grad for n, p in params.items()}
+    finally:
+        store.close()
+    results, codes, _ = launch({"model": str(tiny_k3_dir), "train": True, "budget": budget,
+                                "checkpointing": checkpointing}, tmp_path)
+    assert codes == [0, 0], [r.get("error") for r in results]
+    assert any("expert_lora" in n for n in want)
+    for res in results:
+        assert torch.equal(res["loss"], loss.detach())
+        assert res["grads"].keys() == want.keys()
+        for name, g in want.items():
+            assert g is not None and torch.equal(res["grads"][name], g), name

@@ -76,20 +76,18 @@ class ExpertParallel:
         """MoE.run_experts under expert parallelism (installed on each block by apply_expert_parallel)."""
         if block.store is None:
             raise RuntimeError(f"layer {block.layer_idx}: MoE block has no expert store attached")
-        if block._experts_in_torch(h_TI, w_TK) or "served_lora" in block._modules:
-            raise NotImplementedError(f"layer {block.layer_idx}: expert parallelism runs inference without "
-                                      f"expert adapters; training and served expert LoRA are not supported under it yet")
+        if "served_lora" in block._modules:
+            raise NotImplementedError(f"layer {block.layer_idx}: served expert LoRA (serve --lora) is not supported "
+                                      f"under expert parallelism yet")
+        if block._experts_in_torch(h_TI, w_TK):
+            return self._run_experts_autograd(block, h_TI, ids_TK, w_TK)
         L, T, I = block.layer_idx, h_TI.shape[0], h_TI.shape[-1]
         st = self.stats
         t0 = time.perf_counter()
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
-        P = token_of.numel()
-        expert_of = torch.tensor(unique, dtype=torch.int64).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
-        owner_P = self.owners[L][expert_of]  # routing bookkeeping stays on the CPU; activations on h's device
+        expert_of, sel, n = self._split(L, unique, counts)  # routing bookkeeping on the CPU
         token_of = token_of.to(h_TI.device)
-        sel = [(owner_P == q).nonzero().squeeze(1) for q in range(self.world)]  # each rank's pairs, in pair order
         mine = sel[self.rank]
-        n = [int(s.numel()) for s in sel]
         if n[self.rank]:
             # one row per pair, weight 1: the block's own fast path returns each pair's expert output exactly
             # (0 + 1*y), computed by the same kernels on the same rows as in a single process
@@ -99,30 +97,12 @@ class ExpertParallel:
         else:
             y_mine = h_TI.new_zeros(0, I)
         t1 = time.perf_counter()
-        y_PI = h_TI.new_empty(P, I)
-        y_PI[mine.to(h_TI.device)] = y_mine
+        received = st.bytes_received
+        y_PI = self.exchange(L, y_mine, sel, n, token_of.numel())
         if self.world > 1:
-            others = [q for q in range(self.world) if q != self.rank]
-            send = [0 if q == self.rank else n[self.rank] for q in range(self.world)]
-            recv = [0 if q == self.rank else n[q] for q in range(self.world)]
-            inp = torch.cat([y_mine] * len(others)) if others else y_mine
-            out = h_TI.new_empty(sum(recv), I)
-            self.entered += 1
-            try:
-                dist.all_to_all_single(out, inp.contiguous(), recv, send, group=self.group)
-            except Exception as err:  # gloo/NCCL raise RuntimeError subclasses whose names vary by version
-                raise self._lost(L, err) from None
-            at = 0
-            for q in others:
-                y_PI[sel[q].to(h_TI.device)] = out[at : at + n[q]]
-                at += n[q]
-            item = h_TI.element_size()
-            st.bytes_sent += inp.numel() * item
-            got = out.numel() * item
-            st.bytes_received += got
             row = st.per_layer.setdefault(L, [0, 0])
             row[0] += T
-            row[1] += got
+            row[1] += st.bytes_received - received
         t2 = time.perf_counter()
         out_TI = _combine(y_PI, token_of, weights.to(h_TI.device), T, ids_TK.shape[1])
         t3 = time.perf_counter()
@@ -134,11 +114,117 @@ class ExpertParallel:
         st.combine_s += t3 - t2
         return out_TI.to(h_TI.dtype)
 
+    def _split(self, layer: int, ids: list[int], counts: list[int]):
+        """(expert of each pair [P], each rank's pair indices in pair order, each rank's pair count)."""
+        expert_of = torch.tensor(ids, dtype=torch.int64).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
+        owner_P = self.owners[layer][expert_of]
+        sel = [(owner_P == q).nonzero().squeeze(1) for q in range(self.world)]
+        return expert_of, sel, [int(x.numel()) for x in sel]
+
+    def exchange(self, layer: int, mine_PI: torch.Tensor, sel: list[torch.Tensor], n: list[int], P: int) -> torch.Tensor:
+        """Every pair's rows [P, I] in pair order on every rank, from each owner's rows of its pairs
+        (all_to_all_single: this rank's rows to every other rank, theirs back)."""
+        I = mine_PI.shape[-1]
+        all_PI = mine_PI.new_empty(P, I)
+        all_PI[sel[self.rank].to(all_PI.device)] = mine_PI
+        if self.world == 1:
+            return all_PI
+        others = [q for q in range(self.world) if q != self.rank]
+        send = [0 if q == self.rank else n[self.rank] for q in range(self.world)]
+        recv = [0 if q == self.rank else n[q] for q in range(self.world)]
+        inp = torch.cat([mine_PI] * len(others)).contiguous()
+        out = mine_PI.new_empty(sum(recv), I)
+        self.entered += 1
+        try:
+            dist.all_to_all_single(out, inp, recv, send, group=self.group)
+        except Exception as err:  # gloo/NCCL raise RuntimeError subclasses whose names vary by version
+            raise self._lost(layer, err) from None
+        at = 0
+        for q in others:
+            all_PI[sel[q].to(all_PI.device)] = out[at : at + n[q]]
+            at += n[q]
+        item = mine_PI.element_size()
+        self.stats.bytes_sent += inp.numel() * item
+        self.stats.bytes_received += out.numel() * item
+        return all_PI
+
+    def _run_experts_autograd(self, block: MoE, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor):
+        """MoE._run_experts_torch under expert parallelism, the same ops in the same order: each owner runs
+        its pairs through the block's torch path (autograd, expert LoRA), the outputs are exchanged, and
+        every rank combines them as that path does. Backward (_PairExchange) sends each pair's input
+        gradient from its owner to every rank, which sums them per token as index_select's backward does;
+        expert-LoRA gradients land on the owner only (`reduce_expert_lora_grads` gathers them)."""
+        lora = block._modules.get("expert_lora")
+        if lora is not None and lora.shared_a:
+            raise NotImplementedError(f"layer {block.layer_idx}: expert LoRA with a shared A sums every expert's "
+                                      f"gradient into one tensor; not supported under expert parallelism")
+        unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
+        expert_of, sel, n = self._split(block.layer_idx, unique, counts)
+        token_of = token_of.to(h_TI.device)
+        y_PI = _PairExchange.apply(h_TI, self, block, token_of, expert_of, sel, n, torch.is_grad_enabled())
+        acc = torch.promote_types(h_TI.dtype, torch.float32)  # as MoE._run_experts_torch
+        contrib_PI = y_PI.to(acc) * weights.to(device=h_TI.device, dtype=acc)[:, None]
+        out_TI = torch.zeros(h_TI.shape, dtype=acc, device=h_TI.device).index_add(0, token_of, contrib_PI)
+        self.stats.layer_steps += 1
+        self.stats.tokens += h_TI.shape[0]
+        self.stats.pairs_local += n[self.rank]
+        return out_TI.to(h_TI.dtype)
+
+    def reduce_expert_lora_grads(self, model) -> None:
+        """After backward: each routed expert's LoRA gradient is on its owner and zero elsewhere; summing
+        over ranks (x + 0 = x, exact) gives every rank the single process's gradients, so that replicated
+        optimizers step alike."""
+        for block in model.moe_blocks():
+            lora = block._modules.get("expert_lora")
+            if lora is None:
+                continue
+            for p in lora.parameters():
+                if p.grad is not None:
+                    try:
+                        dist.all_reduce(p.grad, group=self.group)
+                    except Exception as err:
+                        raise self._lost(block.layer_idx, err) from None
+
     def _lost(self, layer: int, err: BaseException) -> PeerLost:
         who = self.diagnose() if self.diagnose is not None else "another rank died, hung or left"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         self.failed = PeerLost(f"rank {self.rank}: the expert exchange of layer {layer} failed: {who} ({first})")
         return self.failed
+
+
+class _PairExchange(torch.autograd.Function):
+    """h_TI -> every pair's expert output [P, I], with this rank computing its own pairs (through the block's
+    torch path, in a graph of its own) and the others' arriving by the exchange. Backward: this rank's
+    pairs' input gradients from that graph, exchanged, then summed per token from zero in pair order
+    (what `h_TI.index_select(0, token_of)`'s backward, index_add_, does in a single process)."""
+
+    @staticmethod
+    def forward(ctx, h_TI, ep, block, token_of, expert_of, sel, n, grad):
+        mine = sel[ep.rank]
+        with torch.enable_grad() if grad else torch.no_grad():
+            x_PI = h_TI.detach().index_select(0, token_of[mine.to(h_TI.device)])
+            if grad:
+                x_PI.requires_grad_()
+            ones = torch.ones(n[ep.rank], 1, dtype=torch.float32, device=h_TI.device)
+            # K=1, weight 1: each row is its pair's expert output exactly (0 + 1*y), computed per expert on
+            # the same rows as in one process; LoRA and autograd as there
+            y_PI = MoE._run_experts_torch(block, x_PI, expert_of[mine][:, None].to(h_TI.device), ones)
+        ctx.ep, ctx.layer, ctx.sel, ctx.n, ctx.T = ep, block.layer_idx, sel, n, h_TI.shape[0]
+        ctx.x_PI, ctx.y_PI, ctx.token_of = x_PI, y_PI, token_of
+        return ep.exchange(block.layer_idx, y_PI.detach(), sel, n, token_of.numel())
+
+    @staticmethod
+    def backward(ctx, grad_PI):
+        ep, mine = ctx.ep, ctx.sel[ctx.ep.rank]
+        dx_mine = torch.zeros_like(ctx.x_PI)
+        if ctx.x_PI.numel():
+            # the owner's part of the graph: its experts (LoRA gradients accumulate here) back to its rows
+            torch.autograd.backward(ctx.y_PI, grad_PI[mine.to(grad_PI.device)].to(ctx.y_PI.dtype), inputs=None)
+            dx_mine = ctx.x_PI.grad
+        dx_all = ep.exchange(ctx.layer, dx_mine.contiguous(), ctx.sel, ctx.n, ctx.token_of.numel())
+        dh_TI = dx_all.new_zeros(ctx.T, dx_all.shape[-1]).index_add_(0, ctx.token_of, dx_all)
+        ctx.x_PI = ctx.y_PI = None
+        return dh_TI, None, None, None, None, None, None, None
 
 
 def _combine(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, T: int, K: int) -> torch.Tensor:
