@@ -151,6 +151,16 @@ def init_expert_parallel(model, model_dir: str | os.PathLike, options: LoadOptio
     return ep
 
 
+def check_same_everywhere(ep: ExpertParallel, what: str, value) -> None:
+    """ValueError on every rank unless `value` is the same on all of them (naming those that differ)."""
+    values: list = [None] * ep.world
+    dist.all_gather_object(values, value, group=ep.group)
+    differ = [r for r in range(1, ep.world) if values[r] != values[0]]
+    if differ:
+        raise ValueError(f"expert-parallel ranks must use the same {what}: "
+                         + ", ".join(f"rank {r}" for r in differ) + " differ from rank 0")
+
+
 def shutdown(ep: ExpertParallel | None) -> None:
     """Stops the heartbeat and leaves the process group: after a barrier (so no rank's store goes first)
     unless an exchange already failed (a barrier would wait on the lost rank)."""
