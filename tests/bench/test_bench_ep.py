@@ -4,7 +4,6 @@ the planner's figure (replicated attention) averaged over ranks: (N-1)/N x top-k
 
 from __future__ import annotations
 
-import json
 
 import pytest
 

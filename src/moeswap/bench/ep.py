@@ -101,11 +101,13 @@ def run_bench(model_dir: str, nproc: int, options: LoadOptions, prompt_tokens: i
     coll = [r["ep"]["collective_s"] for r in many]
     return {
         "bench": "ep", "model": str(model_dir), "nproc": nproc, "placement": placement or "contiguous",
-        "dtype": str(resolve_dtype(options.dtype, options.device)).removeprefix("torch."), "expert_memory": options.expert_memory, "prompt_tokens": prompt_tokens,
+        "dtype": str(resolve_dtype(options.dtype, options.device)).removeprefix("torch."),
+        "expert_memory": options.expert_memory, "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens, "threads_per_rank": threads, "baseline": BASELINE,
         "same_tokens": all(r["tokens"] == one["tokens"] for r in many),
         "tokens_per_s": {"1": one["decode_tokens_per_s"], str(nproc): many[0]["decode_tokens_per_s"]},
-        "speedup": (many[0]["decode_tokens_per_s"] or 0) / one["decode_tokens_per_s"] if one["decode_tokens_per_s"] else None,
+        "speedup": ((many[0]["decode_tokens_per_s"] or 0) / one["decode_tokens_per_s"]
+                    if one["decode_tokens_per_s"] else None),
         "ttft_s": {"1": one["ttft_s"], str(nproc): many[0]["ttft_s"]},
         "bytes_per_token_per_layer": {"measured_mean_over_ranks": measured, "measured_per_rank": per_rank,
                                       "planner_replicated": predicted,
@@ -132,13 +134,14 @@ def format_report(r: dict) -> str:
         "| | 1 process | " + f"{n} ranks |", "|---|---|---|",
         f"| decode tokens/s | {tps['1']:.2f} | {tps[str(n)]:.2f} ({r['speedup']:.2f}x) |",
         f"| time to first token | {r['ttft_s']['1'] * 1e3:.1f} ms | {r['ttft_s'][str(n)] * 1e3:.1f} ms |",
-        f"| experts read from disk | {r['disk_reads']['1']} | " + " / ".join(map(str, r["disk_reads"]["per_rank"])) + " |",
+        f"| experts read from disk | {r['disk_reads']['1']} | "
+        + " / ".join(map(str, r["disk_reads"]["per_rank"])) + " |",
         "",
         f"Bytes received per token per MoE layer: {b['measured_mean_over_ranks']:.1f} (mean over ranks; per rank "
         + ", ".join(f"{x:.1f}" for x in b["measured_per_rank"]) + f"), planner {b['planner_replicated']:.1f} "
         f"(replicated attention, as built; ratio {b['ratio_measured_to_planner']:.3f}); with data-parallel attention "
         f"the planner's layout would move {b['planner_data_parallel']:.1f} per direction.",
-        f"Time per rank in the exchange: " + ", ".join(
+        "Time per rank in the exchange: " + ", ".join(
             f"{c:.3f} s of {w:.3f} s ({s:.0%})" for c, w, s in
             zip(t["collective_per_rank"], t["wall_per_rank"], t["collective_share_per_rank"]))
         + "; computing the rank's experts " + ", ".join(f"{x:.3f} s" for x in t["experts_per_rank"]) + ".",

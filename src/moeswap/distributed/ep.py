@@ -7,15 +7,17 @@ experts, routers, latent projections); routing is therefore the same on every ra
 every other rank's share without asking. A rank computes its (token, expert) pairs, sends those outputs to
 every other rank (all_to_all_single with uneven splits: a rank's pairs go to all the others, nothing
 to itself), and every rank sums each token's pairs in the single process's order: experts ascending,
-each `y += w * out` in fp32 from zero, as models/layers/moe.py and ops/csrc/moe.c do. Knows nothing of
-launching or rendezvous (distributed/runtime.py). Entry point: `apply_expert_parallel(model, group, placement)`.
+each `y += w * out` in fp32 from zero, as models/layers/moe.py and ops/csrc/moe.c do. Under autograd the
+owners run their pairs through the block's torch path and backward sends each pair's input gradient back
+the same way (_PairExchange). Knows nothing of launching or rendezvous (distributed/runtime.py).
+Entry point: `apply_expert_parallel(model, group, placement)`.
 Shapes: T tokens, I expert input width, P (token, expert) pairs, K top-k.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -43,7 +45,6 @@ class EPStats:
     collective_s: float = 0.0
     expert_s: float = 0.0  # computing this rank's experts (store fetches included)
     combine_s: float = 0.0
-    per_layer: dict = field(default_factory=dict)  # layer -> [tokens, bytes received]
 
     def as_dict(self) -> dict:
         per_token = self.bytes_received / self.tokens if self.tokens else None
@@ -66,8 +67,10 @@ class ExpertParallel:
         self.stats = EPStats()
         self.entered = 0  # exchanges this rank has entered (the heartbeat publishes it: who is behind)
         self.failed: PeerLost | None = None  # set when an exchange failed: the group is unusable
-        # () -> a sentence naming the lost rank(s), set by runtime.init when it runs a heartbeat
+        # set by runtime.init_expert_parallel: () -> a sentence naming the lost rank(s), and the heartbeat
         self.diagnose: Callable[[], str] | None = None
+        self.heartbeat = None
+        self.channel = None  # serve: rank 0's commands to the others (lockstep.py)
 
     def owns(self, layer: int, expert: int) -> bool:
         return self.placement.owner(layer, expert) == self.rank
@@ -97,12 +100,7 @@ class ExpertParallel:
         else:
             y_mine = h_TI.new_zeros(0, I)
         t1 = time.perf_counter()
-        received = st.bytes_received
         y_PI = self.exchange(L, y_mine, sel, n, token_of.numel())
-        if self.world > 1:
-            row = st.per_layer.setdefault(L, [0, 0])
-            row[0] += T
-            row[1] += st.bytes_received - received
         t2 = time.perf_counter()
         out_TI = _combine(y_PI, token_of, weights.to(h_TI.device), T, ids_TK.shape[1])
         t3 = time.perf_counter()
@@ -121,7 +119,8 @@ class ExpertParallel:
         sel = [(owner_P == q).nonzero().squeeze(1) for q in range(self.world)]
         return expert_of, sel, [int(x.numel()) for x in sel]
 
-    def exchange(self, layer: int, mine_PI: torch.Tensor, sel: list[torch.Tensor], n: list[int], P: int) -> torch.Tensor:
+    def exchange(self, layer: int, mine_PI: torch.Tensor, sel: list[torch.Tensor], n: list[int],
+                 P: int) -> torch.Tensor:
         """Every pair's rows [P, I] in pair order on every rank, from each owner's rows of its pairs
         (all_to_all_single: this rank's rows to every other rank, theirs back)."""
         I = mine_PI.shape[-1]

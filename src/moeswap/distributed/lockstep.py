@@ -117,9 +117,8 @@ def leader_scheduler(ep: ExpertParallel):
 
 def stop_followers(ep: ExpertParallel) -> None:
     """Rank 0 at shutdown: the other ranks leave their loop."""
-    channel = getattr(ep, "channel", None)
-    if channel is not None and getattr(ep, "failed", None) is None:
-        channel.send([("stop",)])
+    if ep.channel is not None and ep.failed is None:
+        ep.channel.send([("stop",)])
 
 
 def follow(model, ep: ExpertParallel) -> None:

@@ -119,8 +119,9 @@ class Heartbeat:
             return ", ".join(f"rank {r}" for r in dead) + (" has" if len(dead) == 1 else " have") + " stopped"
         behind = [r for r, n in reached.items() if n < mine]
         if behind:
-            return ", ".join(f"rank {r} (at exchange {reached[r]})" for r in behind) + \
-                f" {'is' if len(behind) == 1 else 'are'} alive but never reached this rank's exchange {mine}: stuck or too slow"
+            verb = "is" if len(behind) == 1 else "are"
+            return (", ".join(f"rank {r} (at exchange {reached[r]})" for r in behind)
+                    + f" {verb} alive but never reached this rank's exchange {mine}: stuck or too slow")
         return "every rank's heartbeat is still running and each reached this exchange (the network failed?)"
 
     def close(self) -> None:
