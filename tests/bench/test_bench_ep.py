@@ -29,3 +29,8 @@ def test_bench_ep_reports_the_planners_bytes_and_the_same_tokens(tiny_k3_dir, tm
     single = r["disk_reads"]["1"]
     assert sum(r["disk_reads"]["per_rank"]) == single and all(0 < d < single for d in r["disk_reads"]["per_rank"])
     assert all(0 <= s <= 1 for s in r["time_s"]["collective_share_per_rank"])
+
+
+def test_bench_ep_bad_flags_are_one_line_errors(tiny_k3_dir, tmp_path, capsys):
+    assert main(["bench", "ep", str(tiny_k3_dir), "--nproc", "1", "--out-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == "moeswap: error: --nproc must be >= 2, got 1"

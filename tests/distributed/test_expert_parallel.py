@@ -224,3 +224,19 @@ def test_a_lora_step_gives_one_process_loss_and_gradients(tiny_k3_dir, tmp_path,
         assert res["grads"].keys() == want.keys()
         for name, g in want.items():
             assert g is not None and torch.equal(res["grads"][name], g), name
+
+
+def test_next_layer_prefetch_only_loads_owned_experts(tiny_k3_dir, tmp_path):
+    """The lookahead's guesses are filtered to the rank's experts: at a 25 % budget with prefetch, the
+    tokens are one process's and no rank ever holds another rank's expert."""
+    model, store = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
+    budget = expert_bytes(store) // 4
+    store.close()
+    results, codes, _ = launch({"model": str(tiny_k3_dir), "budgets": [budget], "prefetch": "next-layer"}, tmp_path)
+    assert codes == [0, 0], [r.get("error") for r in results]
+    ref = single_process(tiny_k3_dir, budget)
+    owners = contiguous(model.config, 2).owners
+    for rank, res in enumerate(results):
+        run = res["runs"][0]
+        assert torch.equal(run["logits"], ref["logits"]) and run["tokens"] == ref["tokens"]
+        assert run["resident"] and all(owners[l][e] == rank for l, e in run["resident"])
