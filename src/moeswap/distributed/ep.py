@@ -67,6 +67,7 @@ class ExpertParallel:
         self.stats = EPStats()
         self.entered = 0  # exchanges this rank has entered (the heartbeat publishes it: who is behind)
         self.failed: PeerLost | None = None  # set when an exchange failed: the group is unusable
+        self._local = False  # inside this rank's own expert compute (resident tables allowed)
         # set by runtime.init_expert_parallel: () -> a sentence naming the lost rank(s), and the heartbeat
         self.diagnose: Callable[[], str] | None = None
         self.heartbeat = None
@@ -96,7 +97,11 @@ class ExpertParallel:
             # (0 + 1*y), computed by the same kernels on the same rows as in a single process
             h_PI = h_TI.index_select(0, token_of[mine.to(h_TI.device)])
             ones = torch.ones(n[self.rank], 1, dtype=w_TK.dtype, device=w_TK.device)
-            y_mine = MoE._run_experts_fast(block, h_PI, expert_of[mine][:, None].to(ids_TK.device), ones)
+            self._local = True  # the block's resident table (only this rank's experts) may serve this call
+            try:
+                y_mine = MoE._run_experts_fast(block, h_PI, expert_of[mine][:, None].to(ids_TK.device), ones)
+            finally:
+                self._local = False
         else:
             y_mine = h_TI.new_zeros(0, I)
         t1 = time.perf_counter()
@@ -248,7 +253,7 @@ def apply_expert_parallel(model, group=None, placement: Placement | None = None)
     """Makes every MoE block of `model` compute only its rank's routed experts and exchange the rest over
     `group` (None: the default process group). The model's files and classes are untouched: each block gets
     an instance-level `run_experts` and no resident table (whose C paths would compute every expert
-    locally), and a next-layer prefetcher is limited to the rank's experts, so its store only ever loads
+    locally) except inside the rank's own expert compute, and a next-layer prefetcher is limited to the rank's experts, so its store only ever loads
     experts this rank owns. Returns the ExpertParallel (its `stats`)."""
     from moeswap.distributed.placement import contiguous
 
@@ -259,7 +264,9 @@ def apply_expert_parallel(model, group=None, placement: Placement | None = None)
         if not placement.owners[block.layer_idx]:
             raise ValueError(f"the expert placement has no owners for MoE layer {block.layer_idx}")
         block.run_experts = lambda h, ids, w, block=block: ep.run_experts(block, h, ids, w)
-        block.resident_table = lambda: None
+        # the native decode step and K3's latent C path would run every expert from the table: they see
+        # none; this rank's own compute (run_experts, on its pairs only) uses the table as one process does
+        block.resident_table = lambda block=block: MoE.resident_table(block) if ep._local else None
     stores = {id(b.store): b.store for b in model.moe_blocks() if b.store is not None}
     for store in stores.values():
         prefetcher = getattr(store, "prefetcher", None)
