@@ -40,7 +40,8 @@ SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "t
                "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
-           "load": "moeswap.bench.load", "serve": "moeswap.bench.serve", "train": "moeswap.bench.train"}
+           "load": "moeswap.bench.load", "serve": "moeswap.bench.serve", "train": "moeswap.bench.train",
+           "ep": "moeswap.bench.ep"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply a LoRA adapter in PEFT format (adapter_config.json + adapter_model.safetensors); "
                         "generate takes one")
     add_load_flags(p)
+    from moeswap.distributed.cli import add_ep_flags
+
+    add_ep_flags(p)
 
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
     p.add_argument("model")
@@ -157,23 +161,34 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     lora = read_lora_flag(args.lora, args.model)
+    from moeswap.distributed.cli import bind_local_device, from_lead, join_if_launched, lead
+
+    bind_local_device(args)  # under torchrun on CUDA: cuda:LOCAL_RANK
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))
+    ep = None
     try:
+        ep = join_if_launched(model, args)  # under torchrun: this rank's experts; rank 0 owns tokenizer and output
+        if ep is not None and lora is not None:
+            raise ValueError("--lora is not supported under expert parallelism yet")
         if lora is not None:  # the machinery of `serve --lora`, with one adapter in slot 1 for the request
             from moeswap.lora.serving import load_adapters
 
             load_adapters(model, [lora])
             cfg = dataclasses.replace(cfg, adapter=1)
-        tok = load_tokenizer(args.model)
+
+        def encode():  # rank 0's part under torchrun (the others get its result, or its error)
+            tok = load_tokenizer(args.model)
+            messages = [{"role": "user", "content": args.prompt}]
+            ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
+            return tok, ids, () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
+
+        tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)  # every rank runs the same sequence
         load_s = time.perf_counter() - t0
-        messages = [{"role": "user", "content": args.prompt}]
-        ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
-        cfg = dataclasses.replace(
-            cfg, stop_ids=() if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids))
-        stream = StreamDecoder(tok)
+        cfg = dataclasses.replace(cfg, stop_ids=stop_ids, seed=seed)
+        stream = StreamDecoder(tok) if tok is not None else None
         on_token = None
-        if not args.json:
+        if not args.json and tok is not None:
             print(args.prompt if not args.chat else "", end="", flush=True)
             on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
         engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
@@ -185,6 +200,12 @@ def cmd_generate(args) -> int:
             raise
     finally:
         store.close()
+    if ep is not None:
+        from moeswap.distributed.runtime import shutdown
+
+        shutdown(ep)
+        if not lead(ep):
+            return 0
     rate = result.decode_tokens_per_s  # None: nothing decoded after the first token
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
@@ -194,6 +215,8 @@ def cmd_generate(args) -> int:
         "state_bytes": result.state_bytes, "lora": None if lora is None else str(lora[1].directory),
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
+    if ep is not None:
+        stats["expert_parallel"] = {"world": ep.world, "placement": ep.placement.kind, "rank0": ep.stats.as_dict()}
     if args.json:
         print(dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
         return 0
@@ -269,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moeswap: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # failures that explain themselves in one line (distributed.ep.PeerLost)
+        if args.debug or not hasattr(err, "exit_code"):
+            raise
+        print(f"moeswap: error: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 def _reader_gone(stream) -> bool | None:

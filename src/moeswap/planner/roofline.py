@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeswap.config import ModelConfig
+
 from .hardware import Hardware
 from .layouts import Layout
 from .params import Linear, ModelParams
@@ -79,6 +81,22 @@ def collective(hw: Hardware, group: int, bytes_per_device: float) -> float:
     if link is None:
         return 0.0
     return link.latency_us * 1e-6 + bytes_per_device / (link.gbs * 1e9 * hw.engine.link_efficiency)
+
+
+def expert_exchange_bytes(cfg: ModelConfig, lay: Layout, tokens: float, itemsize: int = 2,
+                          attention: str = "data-parallel") -> float:
+    """Bytes one device receives in one direction of one MoE layer's expert exchange, for `tokens` tokens
+    of a stage. "data-parallel": each device routes its 1/stage_devices of the tokens and sends each
+    (token, expert) pair's activations to the expert's owner (dispatch; the combine returns as many), the
+    layout this planner ranks. "replicated": every device runs every token (moeswap's expert parallelism
+    today, distributed/ep.py): no dispatch, and the combine brings each device the other owners' pairs."""
+    width = cfg.moe.latent_dim or cfg.hidden_size
+    pairs = tokens * cfg.moe.top_k * (lay.ep - 1) / lay.ep  # pairs whose expert another device owns
+    if attention == "replicated":
+        return pairs * width * itemsize
+    if attention != "data-parallel":
+        raise ValueError(f"attention must be 'data-parallel' or 'replicated', got {attention!r}")
+    return pairs / lay.stage_devices * width * itemsize
 
 
 def all_reduce(hw: Hardware, group: int, size: float) -> float:
@@ -232,8 +250,7 @@ def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
     ar = tokens * d * 2
     comm = all_reduce(hw, lay.tp, ar)  # attention output
     if lp.num_experts and lay.ep > 1:
-        width = cfg.moe.latent_dim or d
-        a2a = p.tokens / lay.stage_devices * cfg.moe.top_k * width * 2 * (lay.ep - 1) / lay.ep
+        a2a = expert_exchange_bytes(cfg, lay, p.tokens)
         comm += 2 * collective(hw, lay.stage_devices, a2a) + all_reduce(hw, lay.tp, ar)
     elif lay.stage_devices > 1:
         comm += all_reduce(hw, lay.stage_devices, p.tokens * d * 2)

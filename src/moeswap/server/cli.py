@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import sys
 
 from moeswap.options import LoadOptions, add_load_flags
@@ -39,6 +40,9 @@ def add_parser(sub) -> None:
                    help="decode through the model's modules (the reference), not the native C step")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_load_flags(p)
+    from moeswap.distributed.cli import add_ep_flags
+
+    add_ep_flags(p)
 
 
 def run(args) -> int:
@@ -63,10 +67,27 @@ def run(args) -> int:
     if api_key is None and not _loopback(args.host):
         print(f"moeswap: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
+    from moeswap.distributed.cli import bind_local_device, join_if_launched, lead
+
+    bind_local_device(args)
     model, store = load_model(args.model, LoadOptions.from_args(args))
+    ep = None
     try:
+        ep = join_if_launched(model, args)  # under torchrun: rank 0 serves HTTP, the others step in lockstep
+        if ep is not None and adapters:
+            raise ValueError("--lora is not supported under expert parallelism yet")
+        if not lead(ep):
+            from moeswap.distributed.lockstep import follow
+
+            follow(model, ep)
+            return 0
+        extra = {}
+        if ep is not None:
+            from moeswap.distributed.lockstep import leader_scheduler
+
+            extra["scheduler"] = leader_scheduler(ep)
         served = load_adapters(model, adapters) if adapters else None
-        app = build_app(model, load_tokenizer(args.model), options, store, adapters=served)
+        app = build_app(model, load_tokenizer(args.model), options, store, adapters=served, **extra)
         srv = app.state.server
         print(f"moeswap: serving {srv.name!r} on http://{args.host}:{args.port}/v1 (max batch {options.max_batch}, "
               f"queue {options.max_queue}, context {srv.max_context} tokens, tool calls: "
@@ -74,10 +95,32 @@ def run(args) -> int:
               f"{srv.layout.name if srv.layout else 'not parsed'}"
               + (f", LoRA adapters: {', '.join(srv.adapters)}" if srv.adapters else "") + ")",
               file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        if ep is not None:  # uvicorn re-raises SIGTERM after its graceful stop: end here, so the ranks leave together
+            signal.signal(signal.SIGTERM, _stopped)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        except _Stopped:
+            pass
     finally:
         store.close()
+        if ep is not None:
+            from moeswap.distributed.lockstep import stop_followers
+            from moeswap.distributed.runtime import shutdown
+
+            if lead(ep):
+                stop_followers(ep)
+            shutdown(ep)
+    if ep is not None and ep.failed is not None:
+        raise ep.failed  # one line from the CLI, exit 1
     return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM after uvicorn's graceful stop, under expert parallelism (the other ranks are told to stop)."""
+
+
+def _stopped(signum, frame):
+    raise _Stopped
 
 
 def _lora_flag(value: str) -> tuple[str, str]:

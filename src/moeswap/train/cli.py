@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(args.config, args)
     result = loop.train(cfg, resume=args.resume, progress=progress)
     m = result.manifest
+    if not m:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     rate = m["tokens_per_s"]
     print(f"trained {m['steps']} steps, {m['tokens']} tokens in {m['wall_s']:.1f}s"
           + (f" ({rate:.0f} tokens/s)" if rate else "")

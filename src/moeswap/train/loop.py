@@ -230,11 +230,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     # full mode trains the dense weights themselves: they load in the compute dtype, not kept as stored bf16
     options = cfg.load if cfg.mode == "lora" else cfg.load.replace(dense_weights="compute")
     model, store = load_model(cfg.model, options)
+    ep = None
     try:
+        ep = _join_expert_parallel(model, cfg, options)  # under torchrun: experts split, rank 0 writes
+        lead = ep is None or ep.rank == 0
         tok = load_tokenizer(cfg.model)
         data = load_data(cfg, tok)
         pad_id = tok.eos_ids[0]
         data_sha = [f.sha256 for f in data.files]
+        if ep is not None:
+            from moeswap.distributed.runtime import check_same_everywhere
+
+            check_same_everywhere(ep, "training data (SHA-256 of each file)", data_sha)
         base = record.fingerprint(cfg.model)
         device = torch.device(options.device)
         params = prepare_model(model, cfg)
@@ -256,7 +263,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         else:
             history["eval"].append({"step": 0, "loss": evaluate(model, held_out, pad_id, cfg, device)})
         history["segments"].append({"from_step": history["step"]})
-        show = sys.stderr.isatty() if progress is None else progress
+        show = (sys.stderr.isatty() if progress is None else progress) and lead
         bar = tqdm(total=total, initial=history["step"], disable=not show, unit="step", dynamic_ncols=True,
                    desc="train", file=sys.stderr)
         segment_tokens, segment_s = 0, 0.0
@@ -267,6 +274,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                 group["lr"] = lr
             rows = stream.rows(history["rows"], cfg.rows_per_step)
             loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step)
+            if ep is not None:  # each routed expert's LoRA gradient is on its owner: every rank gets all of them
+                ep.reduce_expert_lora_grads(model)
             if history["no_gradient"] is None:
                 history["no_gradient"] = _warn_no_gradient(params)
             norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.grad is not None],
@@ -295,9 +304,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and not last:
                 loss_eval = evaluate(model, held_out, pad_id, cfg, device)
                 history["eval"].append({"step": step + 1, "loss": loss_eval})
-                if loss_eval is not None:
+                if loss_eval is not None and lead:
                     bar.write(f"step {step + 1}: eval loss {loss_eval:.4f}", file=sys.stderr)
-            if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last:
+            if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last and lead:
                 history["wall_s"] += time.perf_counter() - started
                 started = time.perf_counter()
                 path = save_checkpoint(out, step + 1, saved, optimizer,
@@ -309,6 +318,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         if not history["eval"] or history["eval"][-1]["step"] != total:
             history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device)})
         history["wall_s"] += time.perf_counter() - started
+        if not lead:  # the same parameters as rank 0's, which writes them
+            return TrainResult(out, {})
         manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s)
         if balanced:
             manifest["expert_load"] = load_report(model)
@@ -317,6 +328,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         return TrainResult(out, record.read_manifest(out))
     finally:
         store.close()
+        if ep is not None:
+            from moeswap.distributed.runtime import shutdown
+
+            shutdown(ep)
+
+
+def _join_expert_parallel(model, cfg: TrainConfig, options):
+    """This rank's ExpertParallel when started by torchrun (WORLD_SIZE > 1), else None. Every rank trains
+    on the same rows (the dense parts are replicated, not data-parallel); LoRA dropout draws per expert
+    from the process's generator, so ranks computing different experts would draw different masks."""
+    from moeswap.distributed.runtime import init_expert_parallel, launched
+
+    if not launched():
+        return None
+    if cfg.dropout:
+        raise ValueError("--dropout must be 0 under expert parallelism (each rank draws only for its own experts, "
+                         "so the ranks' dropout masks would differ)")
+    return init_expert_parallel(model, cfg.model, options)
 
 
 def _warn_no_gradient(params) -> list[str]:

@@ -1,0 +1,73 @@
+"""The commands' side of expert parallelism: the flags (`--ep-placement`, `--ep-timeout`), joining the
+torchrun job when the process was started by one, and handing rank 0's inputs (token ids, stop ids, seed)
+to the other ranks, which follow without a tokenizer or output of their own.
+
+Entry points: `add_ep_flags(parser)`, `join_if_launched(model, args)`, `from_lead(ep, encode, seed)`, `lead(ep)`.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer fails (a hung or lost peer)
+
+
+def add_ep_flags(parser) -> None:
+    g = parser.add_argument_group("expert parallelism (under torchrun; docs/distributed.md)")
+    g.add_argument("--ep-placement", default=None, metavar="TRACE",
+                   help="routing trace (moeswap trace) to place experts over ranks balanced by use "
+                        "(default: contiguous ranges)")
+    g.add_argument("--ep-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"a collective that waits longer fails, naming the lost rank (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def join_if_launched(model, args):
+    """The ExpertParallel of this rank when started by torchrun with WORLD_SIZE > 1, else None."""
+    from moeswap.distributed.runtime import init_expert_parallel, launched
+    from moeswap.options import LoadOptions
+
+    if not launched():
+        return None
+    if args.ep_timeout <= 0:
+        raise ValueError(f"--ep-timeout must be > 0 seconds, got {args.ep_timeout}")
+    return init_expert_parallel(model, args.model, LoadOptions.from_args(args), args.ep_placement, args.ep_timeout)
+
+
+def lead(ep) -> bool:
+    """Whether this process owns the tokenizer and the output (single process, or rank 0)."""
+    return ep is None or ep.rank == 0
+
+
+def from_lead(ep, encode, seed: int | None):
+    """(tokenizer or None, ids, stop ids, seed): `encode()` -> (tokenizer, ids, stop ids) runs on rank 0
+    only (or in the single process), and the other ranks get its ids and stop ids, or the user error it
+    raised, so that every rank fails alike instead of waiting for it. A missing seed becomes one rank 0
+    draws, so that sampling draws the same tokens on every rank."""
+    if ep is None:
+        return (*encode(), seed)
+    import torch.distributed as dist
+
+    box: list = [None]
+    tok = None
+    if ep.rank == 0:
+        try:
+            tok, ids, stop = encode()
+            box = [(ids, stop, secrets.randbits(63) if seed is None else seed, None)]
+        except (ValueError, OSError) as err:
+            box = [(None, None, None, err)]
+    dist.broadcast_object_list(box, src=0, group=ep.group)
+    ids, stop, seed, err = box[0]
+    if err is not None:
+        raise err
+    return tok, ids, stop, seed
+
+
+def bind_local_device(args) -> None:
+    """Under torchrun with --device cuda (no index): each rank takes cuda:LOCAL_RANK, as NCCL needs one
+    device per rank. Changes nothing otherwise."""
+    import os
+
+    from moeswap.distributed.runtime import launched
+
+    if launched() and getattr(args, "device", "cpu") == "cuda":
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"

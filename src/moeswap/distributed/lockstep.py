@@ -1,0 +1,146 @@
+"""Serving under expert parallelism: rank 0's scheduler (the server's engine thread owns it) and a copy of
+it on every other rank, stepped in lockstep. Rank 0 records what changes the scheduler (new engine
+config, submitted requests, aborts) and, before each step, publishes that list and "step" through the
+rendezvous store; the others apply the same calls to their own Scheduler and step it, so every rank runs
+the same forward passes and meets at the same expert exchanges. The Scheduler is deterministic given
+its calls (only its statistics read the clock); requests that sample get a seed from rank 0.
+
+Knows nothing of HTTP. Entry points: `leader_scheduler(ep)` (a factory for server.app.build_app) and
+`follow(model, ep)` (the other ranks' loop), `stop_followers(ep)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import signal
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from moeswap.distributed.ep import ExpertParallel, PeerLost
+from moeswap.engine.scheduler import Scheduler
+
+log = logging.getLogger("moeswap.server")
+KEEP = 1024  # commands kept in the store behind the newest (followers are at most a step or two behind)
+POLL_S = 2.0  # a follower waiting for work checks that rank 0 is alive this often
+
+
+class Channel:
+    """Rank 0's command lists to the other ranks, numbered, through the rendezvous store."""
+
+    def __init__(self, ep: ExpertParallel):
+        self.ep = ep
+        self.store = dist.distributed_c10d._get_default_store()
+        self.n = 0
+
+    def _key(self, n: int) -> str:
+        return f"moeswap/ep/serve/{n}"
+
+    def send(self, commands: list) -> None:
+        self.store.set(self._key(self.n), pickle.dumps(commands))
+        if self.n >= KEEP:
+            self.store.delete_key(self._key(self.n - KEEP))
+        self.n += 1
+
+    def recv(self) -> list:
+        """The next command list; waits as long as rank 0 is alive (a server may idle for hours)."""
+        key = self._key(self.n)
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=POLL_S))
+                break
+            except Exception as err:  # a timeout (idle), or the store is gone with rank 0
+                if self.ep.diagnose is None:
+                    raise
+                why = self._leader_alive()
+                if why is not None:
+                    self.ep.failed = PeerLost(f"rank {self.ep.rank}: waiting for rank 0's next step: {why}")
+                    raise self.ep.failed from err
+        self.n += 1
+        return pickle.loads(self.store.get(key))
+
+    def _leader_alive(self) -> str | None:
+        """None while rank 0's heartbeat runs, else why not."""
+        beat = self.ep.heartbeat
+        try:
+            before = beat.store.add(beat._key(0), 0)
+        except Exception:
+            return "rank 0 is gone (it hosted the rendezvous store, which no longer answers)"
+        last = getattr(self, "_beat0", None)
+        self._beat0 = before
+        return "rank 0 has stopped" if last is not None and last == before else None
+
+
+class LeaderScheduler(Scheduler):
+    """Rank 0's Scheduler: every call that changes it is also sent to the other ranks before the next step."""
+
+    def __init__(self, model, config, channel: Channel):
+        super().__init__(model, config)
+        self.channel = channel
+        self._pending: list = [("reset", config)]  # a fresh scheduler (start, or after a failed step)
+
+    def submit(self, req):
+        if req.seed is None and req.sampling.temperature > 0:
+            req.seed = secrets.randbits(63)  # every rank's sampler must draw the same tokens
+        rid = super().submit(req)  # a request it refuses is refused here only: the others never see it
+        self._pending.append(("submit", req))
+        return rid
+
+    def abort(self, request_id) -> bool:
+        done = super().abort(request_id)
+        if done:
+            self._pending.append(("abort", request_id))
+        return done
+
+    def step(self):
+        self.channel.send(self._pending + [("step",)])
+        self._pending = []
+        try:
+            return super().step()
+        except PeerLost as err:
+            # the job cannot serve without its peers: stop the server (uvicorn ends on SIGTERM) and say why
+            log.error("moeswap: error: %s", err)
+            self.channel.ep.failed = err
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise
+
+
+def leader_scheduler(ep: ExpertParallel):
+    """The `scheduler(model, config)` factory for rank 0's server."""
+    channel = Channel(ep)
+    ep.channel = channel
+    return lambda model, config: LeaderScheduler(model, config, channel)
+
+
+def stop_followers(ep: ExpertParallel) -> None:
+    """Rank 0 at shutdown: the other ranks leave their loop."""
+    if ep.channel is not None and ep.failed is None:
+        ep.channel.send([("stop",)])
+
+
+def follow(model, ep: ExpertParallel) -> None:
+    """A rank other than 0: apply rank 0's commands and step, until it stops (or is lost: PeerLost)."""
+    channel = Channel(ep)
+    sched = None
+    while True:
+        for cmd in channel.recv():
+            kind = cmd[0]
+            if kind == "reset":
+                sched = Scheduler(model, cmd[1])
+            elif kind == "submit":
+                sched.submit(cmd[1])
+            elif kind == "abort":
+                sched.abort(cmd[1])
+            elif kind == "step":
+                try:
+                    sched.step()
+                except PeerLost:
+                    raise
+                except Exception:  # noqa: BLE001 - rank 0's step failed alike; it resets, and so do we
+                    log.exception("engine step failed (rank 0 fails the same step)")
+                sched.finished.clear()  # rank 0 hands results to clients; nothing waits for them here
+            elif kind == "stop":
+                return

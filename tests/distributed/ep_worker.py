@@ -1,0 +1,101 @@
+"""One rank of the expert-parallel tests, started by test_expert_parallel.py with torchrun's environment
+variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). argv[1]: a JSON job; writes its results with
+torch.save to job["out"] + f".{rank}" (or {"error": message} when it fails)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    out = f"{job['out']}.{rank}"
+    torch.set_num_threads(1)
+    import moeswap
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.models.loader import LoadOptions, load_model
+
+    if job.get("train"):
+        return train_step(job, rank, out)
+    if job.get("version", {}).get(str(rank)):
+        moeswap.__version__ = job["version"][str(rank)]  # a rank started from another moeswap release
+    model_dir = job["models"][rank] if "models" in job else job["model"]
+    result: dict = {"runs": []}
+    ep = None
+    try:
+        for budget in job["budgets"]:
+            options = LoadOptions(dtype="float32", expert_memory=budget, prefetch=job.get("prefetch", "none"))
+            model, store = load_model(model_dir, options)
+            if ep is None:
+                ep = init_expert_parallel(model, model_dir, options, job.get("trace"), timeout_s=job["timeout"])
+            else:  # the same process group and placement for the next model
+                from moeswap.distributed.ep import apply_expert_parallel
+
+                fresh = apply_expert_parallel(model, None, ep.placement)
+                fresh.diagnose, fresh.heartbeat = ep.diagnose, ep.heartbeat
+            run = {}
+            with torch.no_grad():
+                run["logits"] = model(torch.tensor([job["prompt"]]))[0]
+                if job.get("die") == rank:
+                    os._exit(17)  # a rank lost mid-job: the others are in or about to enter an exchange
+                if job.get("hang") == rank:
+                    time.sleep(job["hang_s"])  # alive (its heartbeat runs) but never comes to the exchange
+                    os._exit(0)
+                if job.get("die") is not None or job.get("hang") is not None:
+                    model(torch.tensor([job["prompt"]]))
+            gen = generate(model, job["prompt"][:12], GenerationConfig(max_tokens=job["max_tokens"], stop_ids=()))
+            run["tokens"] = gen.tokens
+            run["native_steps"] = gen.native_steps
+            run["resident"] = sorted((k.layer, k.expert) for k in store.fast.keys())
+            run["disk_reads"] = store.stats.disk_reads
+            run["ep"] = model.expert_parallel.stats.as_dict()
+            run["owners"] = [list(o) for o in model.expert_parallel.placement.owners]
+            store.close()
+            result["runs"].append(run)
+        shutdown(ep)
+    except Exception as err:  # the test reads the message
+        result = {"error": f"{type(err).__name__}: {err}"}
+        torch.save(result, out)
+        sys.stdout.flush()
+        os._exit(3)  # no clean-up that waits on peers
+    torch.save(result, out)
+
+
+def train_step(job: dict, rank: int, out: str) -> None:
+    """One LoRA gradient step (every target kind, routed experts included) under expert parallelism: the
+    loss and, after reduce_expert_lora_grads, every LoRA gradient."""
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.models.loader import load_model
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.targets import prepare_model
+    from train.test_lora_grad import ALL_TARGETS, kda_in_range, set_adapter  # tests/ is on PYTHONPATH
+
+    cfg = TrainConfig(model=job["model"], mode="lora", target_modules=ALL_TARGETS, rank=3, alpha=6.0,
+                      gradient_checkpointing=job["checkpointing"])
+    load = cfg.load.replace(expert_memory=job["budget"])
+    model, store = load_model(job["model"], load)
+    ep = init_expert_parallel(model, job["model"], load, None, timeout_s=job["timeout"])
+    kda_in_range(model)
+    params = dict(prepare_model(model, cfg))
+    set_adapter(model)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 500, (2, 24), generator=gen)
+    weights = torch.randn(2, 24, 512, generator=gen, dtype=torch.float64)
+    loss = (model(tokens).double() * weights).sum()
+    loss.backward()
+    ep.reduce_expert_lora_grads(model)
+    torch.save({"loss": loss.detach(), "grads": {n: p.grad for n, p in params.items()},
+                "owners": [list(o) for o in ep.placement.owners]}, out)
+    store.close()
+    shutdown(ep)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""`moeswap serve` under expert parallelism: 2 ranks started as torchrun would, rank 0 serving HTTP and
+rank 1 stepping a copy of its scheduler in lockstep. Completions (greedy, seeded sampling, two at once
+in one batch) equal a single-process server's; SIGTERM to rank 0 stops both cleanly; a rank that dies
+stops the server with an error naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from live_server import serve_in_thread
+from moeswap.distributed.launch import free_port, rank_env
+from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.server.app import build_app
+from moeswap.server.options import ServeOptions
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+BODIES = [{"prompt": "hello world", "max_tokens": 8, "temperature": 0},
+          {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.9, "seed": 7},
+          {"prompt": "one two three", "max_tokens": 6, "temperature": 0}]
+
+
+def post(url: str, body: dict, timeout: float = 60) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", json.dumps({"model": "m", **body}).encode(),
+                                 {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read())
+
+
+def completions(url: str) -> list:
+    """BODIES[0] alone, then BODIES[1] and [2] at once (they share decode steps)."""
+    out = [post(url, BODIES[0])]
+    both: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i: both.__setitem__(i, post(url, BODIES[1 + i]))) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [c["choices"][0]["text"] for c in out + both]
+
+
+def start_ranks(model_dir, port: int) -> list[subprocess.Popen]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+    mport = free_port()
+    return [subprocess.Popen([sys.executable, "-m", "moeswap", "serve", str(model_dir), "--port", str(port),
+                              "--served-model-name", "m", "--log-level", "warning", "--ep-timeout", "30"],
+                             env={**env, **rank_env(r, 2, mport)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for r in range(2)]
+
+
+def wait_ready(url: str, procs, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), [p.communicate()[1].decode()[-2000:] for p in procs]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("the expert-parallel server did not start")
+
+
+def finish(procs, timeout: float = 60) -> list:
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        out.append((p.returncode, err.decode(errors="replace")))
+    return out
+
+
+def test_two_rank_server_answers_as_one_process_and_stops_cleanly(tiny_k3_dir):
+    model, store = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
+    app = build_app(model, load_tokenizer(tiny_k3_dir), ServeOptions(model_name="m"), store)
+    url, stop = serve_in_thread(app)
+    try:
+        expected = completions(url)
+    finally:
+        stop()
+        store.close()
+    port = free_port()
+    procs = start_ranks(tiny_k3_dir, port)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", procs)
+        assert completions(f"http://127.0.0.1:{port}") == expected
+        procs[0].send_signal(signal.SIGTERM)  # uvicorn's graceful stop; rank 0 then tells rank 1 to leave
+        (code0, err0), (code1, err1) = finish(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert (code0, code1) == (0, 0), (err0[-2000:], err1[-2000:])
+
+
+def test_a_rank_lost_under_serve_stops_the_server_naming_it(tiny_k3_dir):
+    port = free_port()
+    procs = start_ranks(tiny_k3_dir, port)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", procs)
+        procs[1].kill()
+        procs[1].wait()
+        answer = post(f"http://127.0.0.1:{port}", BODIES[0])
+        (code0, err0), _ = finish(procs[:1]) + [(None, "")]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "error" in json.dumps(answer), answer
+    lines = [l for l in err0.splitlines() if l.startswith("moeswap: error:")]
+    assert code0 == 1 and lines and "rank 1 has stopped" in lines[-1], err0[-3000:]
