@@ -342,6 +342,10 @@ def _join_expert_parallel(model, cfg: TrainConfig, options):
 
     if not launched():
         return None
+    if cfg.mode == "full" and cfg.target_modules is None:
+        raise ValueError("full mode with every parameter trains the routed experts as replicated weights, which "
+                         "expert parallelism does not split yet; give --target-modules (routed experts then stay "
+                         "frozen) or use --mode lora")
     if cfg.dropout:
         raise ValueError("--dropout must be 0 under expert parallelism (each rank draws only for its own experts, "
                          "so the ranks' dropout masks would differ)")
