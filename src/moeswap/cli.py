@@ -21,7 +21,7 @@ from moeswap import tuning
 from moeswap.atomic_dir import OutOfSpaceError
 from moeswap.jsonio import dumps
 from moeswap.models import REGISTRY
-from moeswap.options import LoadOptions, add_load_flags
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.tiny.sizes import SIZES
 from moeswap.units import human_bytes
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and Kimi K2 ship them; int4 = compressed-tensors pack-quantized routed experts (K2-Thinking)")
 
     p = sub.add_parser("generate", help="generate text from a model directory")
-    p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
+    add_model_argument(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--special-tokens", action="store_true",

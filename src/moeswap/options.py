@@ -10,6 +10,7 @@ CLI builds its parser without importing torch. Entry point: `LoadOptions`.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
@@ -149,3 +150,19 @@ def add_load_flags(parser: argparse.ArgumentParser, *, only: Iterable[str] | Non
         if meta["metavar"]:
             kw["metavar"] = meta["metavar"]
         group.add_argument(_flag(f), **kw)
+
+
+DEFAULT_MODEL = "stdlib-k3"  # the trained model the repository ships (models/stdlib-k3, stdlib_model/)
+
+
+def default_model_dir() -> str:
+    """models/stdlib-k3 of the checkout moeswap runs from (a pip-installed package has none: the loader
+    then says that directory has no config.json)."""
+    return str(Path(__file__).resolve().parents[2] / "models" / DEFAULT_MODEL)
+
+
+def add_model_argument(parser: argparse.ArgumentParser,
+                       help: str = "model directory (config.json + safetensors + tokenizer)") -> None:
+    """The MODEL positional of the commands that run a model, optional: the shipped default model."""
+    parser.add_argument("model", nargs="?", default=default_model_dir(),
+                        help=f"{help} (default: the shipped {DEFAULT_MODEL}, models/{DEFAULT_MODEL})")

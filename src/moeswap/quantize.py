@@ -286,11 +286,17 @@ def _write_config(out: Path, raw: dict, qconfig: dict) -> None:
     (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
 
 
+# A training output (`moeswap train --mode full`) is a model directory plus the run's record: the record
+# describes how the source was made, not what a conversion of it holds
+RUN_RECORD = ("manifest.json", "loss.csv", "loss.png", "checkpoints")
+
+
 def side_files(src: Path) -> list[Path]:
-    """Tokenizer, generation config, code: everything but the weights, their index and config.json. Each
-    must lie inside `src` (checked before any work): a link outside would copy another file into DST."""
+    """Tokenizer, generation config, code: everything but the weights, their index, config.json and a
+    training run's record. Each must lie inside `src` (checked before any work): a link outside would copy
+    another file into DST."""
     return [confined(src, path.name, ValueError, str(src)) for path in sorted(src.iterdir())
-            if path.name not in ("config.json", INDEX_NAME, REPORT_NAME) and path.suffix != ".safetensors"]
+            if path.name not in ("config.json", INDEX_NAME, REPORT_NAME, *RUN_RECORD) and path.suffix != ".safetensors"]
 
 
 def copy_side_files(side_files: list[Path], out: Path) -> None:

@@ -14,12 +14,12 @@ import os
 import time
 from pathlib import Path
 
-from moeswap.options import LoadOptions, add_load_flags
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("trace", help="record a routing trace (step, layer, experts) of a real run")
-    p.add_argument("model", help="model directory")
+    add_model_argument(p)
     p.add_argument("--prompts", required=True, metavar="FILE", help="text file with one prompt per line")
     p.add_argument("-o", "--out", required=True, metavar="TRACE", help="output file, e.g. trace.bin")
     p.add_argument("--force", action="store_true", help="overwrite TRACE if it exists")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from moeswap import jsonio
-from moeswap.options import LoadOptions, add_load_flags
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 
 BASELINE = "1 process"
 
@@ -153,7 +153,7 @@ def format_report(r: dict) -> str:
 def add_parser(benches) -> None:
     b = benches.add_parser("ep", help="expert parallelism: 1 process vs N ranks on this machine, bytes and time "
                                       "in the exchange vs the planner")
-    b.add_argument("model")
+    add_model_argument(b)
     b.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     b.add_argument("--prompt-tokens", type=int, default=16)
     b.add_argument("--max-tokens", type=int, default=32, help="decode steps timed (default 32)")

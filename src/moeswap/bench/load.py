@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from moeswap.options import add_model_argument
 from moeswap.tuning import ENV_THREADS, OPENMP_VARIABLES
 
 MODES = {"fitted": "auto", "OpenMP defaults": "spin"}  # label -> MOESWAP_THREADS
@@ -86,7 +87,7 @@ def format_markdown(r: dict) -> str:
 def add_parser(benches) -> None:
     b = benches.add_parser("load", help="time to first token quiet vs under a background load, fitted threads vs "
                                         "OpenMP defaults")
-    b.add_argument("model")
+    add_model_argument(b)
     b.add_argument("--busy", type=int, default=2, help="spinning background processes (default 2)")
     b.add_argument("--prompt-words", type=int, default=450, help="prompt length in words (default 450)")
     b.add_argument("--max-tokens", type=int, default=16)

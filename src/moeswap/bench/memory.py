@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 
-from moeswap.options import LoadOptions, add_load_flags
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.procfs import peak_rss_bytes, rss_bytes
 from moeswap.tuning import tune_process
 from moeswap import jsonio
@@ -84,7 +84,7 @@ def format_report(r: dict) -> str:
 
 
 def _add_measure_flags(b: argparse.ArgumentParser) -> None:
-    b.add_argument("model")
+    add_model_argument(b)
     b.add_argument("--prompt-tokens", type=int, default=64)
     b.add_argument("--max-tokens", type=int, default=32)
     add_load_flags(b)

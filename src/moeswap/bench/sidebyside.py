@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeswap import jsonio
-from moeswap.options import LoadOptions, add_load_flags
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.procfs import cpu_model
 
 BENCH_LOAD = LoadOptions(expert_memory=8 << 30)  # every expert of a bench model stays resident
@@ -272,7 +272,7 @@ def common_report(setup: Setup, peers: Peers) -> dict:
 
 
 def add_common_flags(b) -> None:
-    b.add_argument("model", help="checkpoint directory (K3 or Kimi Linear layout)")
+    add_model_argument(b, "checkpoint directory (K3 or Kimi Linear layout)")
     b.add_argument("--threads", type=int, default=2, help="threads for every implementation (default 2)")
     b.add_argument("--peers", default=",".join(PEERS),
                    help="comma list of peers: llama.cpp,transformers,moeswap-reference ('' = none)")

@@ -19,7 +19,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from moeswap.options import NO_CACHE, PREFETCH_MODES, LoadOptions, add_load_flags
+from moeswap.options import LoadOptions, NO_CACHE, PREFETCH_MODES, add_load_flags, add_model_argument
 from moeswap import jsonio
 
 BASELINE_RESIDENT = "all experts resident"
@@ -222,7 +222,7 @@ def format_report(r: dict) -> str:
 
 def add_parser(benches) -> None:
     b = benches.add_parser("swap", help="decode tokens/s by fast-tier budget, policy and prefetch vs all-resident")
-    b.add_argument("model")
+    add_model_argument(b)
     b.add_argument("--budgets", default="10,25,50,100", help="fast-tier budgets in %% of expert bytes (default %(default)s)")
     b.add_argument("--policies", help="comma list of cache policies (default: every one, "
                                       "from experts/policy.py POLICIES)")

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from moeswap.options import LoadOptions, add_load_flags
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 
 API_KEY_ENV = "MOESWAP_API_KEY"
 
@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
     d = ServeOptions()
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (continuous batching)")
-    p.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
+    add_model_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, metavar="KEY",

@@ -1,11 +1,35 @@
-"""`python -m moeswap.stdlib_model prepare DIR`: recipe.prepare (corpus, tokenizer, base, train.yaml)."""
+"""`python -m moeswap.stdlib_model prepare|evaluate|publish ...`: the recipe's steps that are not moeswap
+commands (scripts/train-default-model.sh runs them in order with `moeswap train` and `moeswap quantize`).
+
+  prepare WORK        corpus, tokenizer, initial K3-layout weights, train.yaml (recipe.prepare)
+  evaluate WORK       WORK/evaluation.json: held-out loss of WORK/trained and WORK/mxfp4, unigram baseline, samples
+  publish WORK OUT    OUT: the MXFP4 model, the run's record and README.md (the model card)
+"""
 
 import sys
 
-from moeswap.stdlib_model.recipe import prepare
+USAGE = "usage: python -m moeswap.stdlib_model prepare WORK | evaluate WORK | publish WORK OUT"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "prepare":
+        from moeswap.stdlib_model.recipe import prepare
+
+        print(prepare(argv[1]))
+    elif len(argv) == 2 and argv[0] == "evaluate":
+        from moeswap import jsonio
+        from moeswap.stdlib_model.card import write_evaluation
+
+        print(jsonio.dumps({k: v for k, v in write_evaluation(argv[1]).items() if k != "samples"}, indent=2))
+    elif len(argv) == 3 and argv[0] == "publish":
+        from moeswap.stdlib_model.card import publish
+
+        print(publish(argv[1], argv[2]))
+    else:
+        print(USAGE, file=sys.stderr)
+        return 2
+    return 0
+
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "prepare":
-        print("usage: python -m moeswap.stdlib_model prepare DIR", file=sys.stderr)
-        sys.exit(2)
-    print(prepare(sys.argv[2]))
+    sys.exit(main(sys.argv[1:]))

@@ -27,7 +27,6 @@ from moeswap.train.experts import expert_tensors, moe_blocks
 
 EXPERT_DTYPE = torch.bfloat16
 SHARD_BYTES = 2 << 30
-RUN_RECORD = ("manifest.json", "loss.csv", "loss.png", "checkpoints")
 
 
 def _to_stored(value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -102,6 +101,6 @@ def write_model(model: nn.Module, base_dir: str | Path, out_dir: str | Path) -> 
     for d in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
         d.pop("quantization_config", None)
     (out / "config.json").write_text(jsonio.dumps(cfg, indent=2) + "\n")
-    side = [p for p in side_files(base) if p.name not in RUN_RECORD]  # a trained base's own run record stays
+    side = side_files(base)
     copy_side_files(side, out)
     return sorted([*files, "model.safetensors.index.json", "config.json", *(p.name for p in side)])

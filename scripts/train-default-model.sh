@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Rebuilds the default model (models/stdlib-k3) from this interpreter's standard library:
+#   scripts/train-default-model.sh [WORK_DIR] [OUT_DIR]
+# corpus + tokenizer + initial weights, the training run (~1.5 h on 2 cores; resumable: rerun with
+# RESUME=1 after an interruption), MXFP4 experts, held-out evaluation, model card.
+set -euo pipefail
+WORK=${1:-runs/stdlib-k3}
+OUT=${2:-models/stdlib-k3}
+PY=${PY:-python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+if [ -z "${RESUME:-}" ]; then
+  $PY -m moeswap.stdlib_model prepare "$WORK"
+  $PY -m moeswap train "$WORK/train.yaml"
+else
+  $PY -m moeswap train "$WORK/train.yaml" --resume
+fi
+$PY -m moeswap quantize "$WORK/trained" "$WORK/mxfp4" --experts mxfp4
+$PY -m moeswap.stdlib_model evaluate "$WORK"
+$PY -m moeswap.stdlib_model publish "$WORK" "$OUT"
