@@ -1,4 +1,4 @@
-# Two entry points: `make demo` (generate with the built-in small K3) and `make test` (the whole suite);
+# Two entry points: `make demo` (the shipped stdlib-k3 writes Python) and `make test` (the whole suite);
 # `make test-fast` is `make test` without the tests marked slow (over ~3 s each), for quick checks.
 # Each creates .venv and installs what it needs. torch is pinned to the CPU build that this
 # project's machines carry; set TORCH=torch to take whatever pip resolves (a CUDA build on Linux).
@@ -7,7 +7,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 MOESWAP := $(VENV)/bin/moeswap
-DEMO_MODEL ?= models/tiny-k3
+DEMO_MODEL ?= models/stdlib-k3
 
 .PHONY: demo test test-fast install install-test clean
 
@@ -26,9 +26,9 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: install
-	@test -f $(DEMO_MODEL)/config.json || $(MOESWAP) init-tiny $(DEMO_MODEL) --arch kimi_k3 --size small --seed 0
 	$(MOESWAP) inspect $(DEMO_MODEL)
-	$(MOESWAP) generate $(DEMO_MODEL) --prompt "The quick brown fox" --max-tokens 32 --stats
+	$(MOESWAP) generate $(DEMO_MODEL) --prompt "$$(printf 'class Stack:\n    def push(self, item):\n        ')" \
+		--max-tokens 64 --stats
 
 test: install-test
 	$(PY) -m pytest -q -n 2 --dist loadfile
@@ -37,4 +37,4 @@ test-fast: install-test
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 clean:
-	rm -rf $(VENV) $(DEMO_MODEL)
+	rm -rf $(VENV)
