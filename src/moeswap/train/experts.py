@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeswap.ops.activation import glu_reference
+from moeswap.ops.activation import glu
 from moeswap.ops.expert_format import PROJS
 
 
@@ -47,7 +47,7 @@ class TrainableExperts(nn.Module):
         ys = []
         for i, e in enumerate(unique_ids):
             x = x_PI[i]
-            h = glu_reference(self.act, x @ self.w1[e].T, x @ self.w3[e].T, self.situ_betas)
+            h = glu(self.act, x @ self.w1[e].T, x @ self.w3[e].T, self.situ_betas)
             ys.append(h @ self.w2[e].T)
         y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
         acc = torch.promote_types(h_TI.dtype, torch.float32)
