@@ -13,9 +13,15 @@ import torch
 from moeswap.formats import mx
 
 
+_TENSOR_FIELDS: dict[type, tuple[str, ...]] = {}  # class -> its init fields (dataclasses.fields is slow per call)
+
+
 def tensors(w) -> dict[str, torch.Tensor]:
     """The weight tensors of an expert by field name (what a tier moves, pins or frees)."""
-    return {f.name: getattr(w, f.name) for f in fields(w) if f.init}
+    names = _TENSOR_FIELDS.get(type(w))
+    if names is None:
+        names = _TENSOR_FIELDS[type(w)] = tuple(f.name for f in fields(w) if f.init)
+    return {name: getattr(w, name) for name in names}
 
 
 class _Format:

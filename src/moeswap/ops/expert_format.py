@@ -44,6 +44,9 @@ class ExpertFormat:
     main = "weight"  # the one that holds the weights (named in messages)
     ct_format: str | None = None  # compressed-tensors' name for it (MX formats)
     keeps_bytes = False  # an expert may be kept as its stored bytes (else decoded at read)
+    # (suffix, limit): in an expert kept as bytes, the tensors whose name ends in suffix must hold no byte
+    # above limit; that is all check_finite looks for, so a reader may check it on its own thread
+    byte_limit: tuple[str, int] | None = None
 
     def __repr__(self) -> str:
         return f"<{self.label} expert format>"
@@ -353,6 +356,7 @@ class MXFP4Format(_MXFormat):
     suffixes = frozenset({"weight_packed", "weight_scale"})
     main = "weight_packed"
     keeps_bytes = True
+    byte_limit = ("_scale", mxfp4.MAX_SCALE_BYTE)  # what check_finite checks of the kept form
 
     def dtypes_fit(self, dtypes):
         return True
