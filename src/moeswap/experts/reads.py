@@ -74,7 +74,7 @@ class _Native:
         self.submit.restype, self.submit.argtypes = None, [ctypes.c_void_p, job_p, ctypes.c_int]
         self.submit_many = quick.msw_reads_submit_many
         self.submit_many.restype = None
-        self.submit_many.argtypes = [ctypes.c_void_p, ctypes.POINTER(job_p), ctypes.c_int, ctypes.c_int]
+        self.submit_many.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int]
         self.cancel = quick.msw_reads_cancel
         self.cancel.restype, self.cancel.argtypes = ctypes.c_int, [ctypes.c_void_p, job_p]
         self.done = quick.msw_reads_done
@@ -97,16 +97,28 @@ def native_library() -> _Native | None:
         return _lib[0]
 
 
+_templates: dict[Checks, tuple[bytes, int]] = {}  # a job with these checks filled in, and their end
+
+
 def _job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None) -> _Job:
-    job = _Job(fd, offset, buf.numel(), buf.data_ptr(), int(drop))
-    if checks is not None:
+    nbytes = buf.numel()
+    if checks is None:
+        return _Job(fd, offset, nbytes, buf.data_ptr(), int(drop))
+    template = _templates.get(checks)
+    if template is None:  # every expert of a model has the same checks: fill them in once (per load: a copy)
         if len(checks.ranges) > _CHECKS:
             raise ValueError(f"at most {_CHECKS} checked ranges per read, got {len(checks.ranges)}")
+        job = _Job()
         for i, (o, n) in enumerate(checks.ranges):
-            if o < 0 or o + n > buf.numel():
-                raise ValueError(f"checked range ({o}, {n}) outside a buffer of {buf.numel()} bytes")
+            if o < 0 or n < 0:
+                raise ValueError(f"checked range ({o}, {n}) must not be negative")
             job.check_off[i], job.check_len[i] = o, n
         job.nchecks, job.check_max = len(checks.ranges), checks.max_byte
+        template = _templates[checks] = (bytes(job), max((o + n for o, n in checks.ranges), default=0))
+    if template[1] > nbytes:
+        raise ValueError(f"checked ranges end at byte {template[1]}, outside a buffer of {nbytes} bytes")
+    job = _Job.from_buffer_copy(template[0])
+    job.fd, job.offset, job.nbytes, job.dst, job.drop = fd, offset, nbytes, buf.data_ptr(), int(drop)
     return job
 
 
@@ -365,10 +377,9 @@ class Reads:
             return [self.read(segments, finish, drop, urgent, checks) for segments, finish, checks in reads]
         pending = [_NativeRead(self, segments, drop, urgent, finish, checks, submit=False)
                    for segments, finish, checks in reads]
-        jobs = [job for p in pending for job in p._jobs]
+        jobs = [ctypes.addressof(job) for p in pending for job in p._jobs]
         if jobs:
-            array = (ctypes.POINTER(_Job) * len(jobs))(*[ctypes.pointer(j) for j in jobs])
-            self._lib.submit_many(self._handle, array, len(jobs), int(urgent))
+            self._lib.submit_many(self._handle, (ctypes.c_void_p * len(jobs))(*jobs), len(jobs), int(urgent))
         return pending
 
     def call(self, fn: Callable[[], object], urgent: bool = False) -> Pending:

@@ -112,6 +112,9 @@ class ExpertStore:
         self._lock = threading.RLock()
         self._loaded = threading.Condition(self._lock)  # a load is done (for a demand on another thread)
         self._waiting = 0  # demands waiting on _loaded
+        # a policy with CachePolicy's own victim() can take a run of evictions with the same pins at once
+        self._batch_victims = type(self.policies[0]).victim is CachePolicy.victim
+        self._aside: list | None = None  # pinned residents passed over in such a run
         self._reserved = [0] * (len(self.tiers) - 1)  # bytes promised to loads in flight, per cache tier
         self._inflight: dict[Key, _Load] = {}
         self._active: set[Key] = set()  # the layer step being computed
@@ -308,23 +311,15 @@ class ExpertStore:
         serves submitted to the readers in one call; returns the keys started."""
         started, reads = [], []
         with self._lock:
-            for key in keys:
-                if key in self.fast or key in self._inflight:
-                    continue
-                hint = self._hints.get(key.layer)
-                wanted = key in self._pending or (hint is not None and key in hint[2])
-                load = self._begin(key, strict=False) if wanted else None
-                if load is None:
-                    self.stats.prefetch.dropped += 1
-                    continue
-                load.background = True
-                started.append(key)
-                w = self._from_host(key)
-                if w is not None:
-                    load.pending = Done(w)
-                else:
-                    load.from_source = True
-                    reads.append(load)
+            # the pins do not change in this loop: the fast tier's policy passes over each pinned resident
+            # once for all the evictions it makes room with (same victims as one at a time)
+            self._aside = [] if self._batch_victims else None
+            try:
+                self._begin_many(keys, started, reads)
+            finally:
+                if self._aside is not None:
+                    self.policies[0].put_back(self._aside)
+                    self._aside = None
             if reads:
                 try:
                     pendings = self.source.start_many([l.key for l in reads], self.prefetcher.reads, urgent)
@@ -337,6 +332,27 @@ class ExpertStore:
                     else:
                         load.pending = pending
         return started
+
+    def _begin_many(self, keys, started: list[Key], reads: list[_Load]) -> None:
+        """Under the lock: start_background's checks and books for each key in order; the loads the
+        checkpoint must serve go to `reads`."""
+        for key in keys:
+            if key in self.fast or key in self._inflight:
+                continue
+            hint = self._hints.get(key.layer)
+            wanted = key in self._pending or (hint is not None and key in hint[2])
+            load = self._begin(key, strict=False) if wanted else None
+            if load is None:
+                self.stats.prefetch.dropped += 1
+                continue
+            load.background = True
+            started.append(key)
+            w = self._from_host(key)
+            if w is not None:
+                load.pending = Done(w)
+            else:
+                load.from_source = True
+                reads.append(load)
 
     def cancel_background(self, keys) -> None:
         """Drop the loads of `keys` that have not started reading (an older hint's)."""
@@ -471,7 +487,10 @@ class ExpertStore:
         demand goes over budget by that one load rather than wait."""
         tier, policy = self.tiers[i], self.policies[i]
         while tier.used + self._reserved[i] + need > tier.capacity:
-            victim = policy.victim(self._pins if i == 0 else ())
+            if i == 0 and self._aside is not None:
+                victim = policy.victim(self._pins, self._aside)
+            else:
+                victim = policy.victim(self._pins if i == 0 else ())
             if victim is None and strict and i == 0:
                 victim = policy.victim(())
             if victim is None:

@@ -60,6 +60,14 @@ def tensors_of(w: Weights) -> list[torch.Tensor]:
     return list(tensors(w).values())
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 class _Span(NamedTuple):
     """An expert whose tensors sit together in one file: one read of [start, end) into one buffer."""
 
@@ -69,6 +77,7 @@ class _Span(NamedTuple):
     parts: tuple  # (field name, offset in the buffer, bytes, shape) per tensor
     layout: tuple  # (field name, offset, shape) per tensor: experts laid out alike are checked once
     checks: Checks | None  # what the reader checks of the bytes (the format's byte_limit)
+    strided: tuple  # (field name, offset, shape, contiguous strides) per tensor: its view of the buffer
 
 
 def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
@@ -237,7 +246,8 @@ class CheckpointTier(Tier):
                     suffix, limit = fmt.byte_limit
                     checks = Checks(tuple((o, n) for name, o, n, _ in parts if name.endswith(suffix)), limit)
                 span = _Span(next(iter(infos.values())).file, start, end, parts,
-                             tuple((name, o, shape) for name, o, _, shape in parts), checks)
+                             tuple((name, o, shape) for name, o, _, shape in parts), checks,
+                             tuple((name, o, shape, _contiguous_strides(shape)) for name, o, _, shape in parts))
         self._spans[key] = span
         return span
 
@@ -251,7 +261,9 @@ class CheckpointTier(Tier):
         return self._views(buf, span), bad
 
     def _views(self, buf: torch.Tensor, span: _Span) -> Weights:
-        views = {name: buf[o : o + n].view(shape) for name, o, n, shape in span.parts}
+        # one as_strided per tensor: a slice and a view cost twice as much, and this runs for every load
+        base = buf.storage_offset()
+        views = {name: buf.as_strided(shape, stride, base + o) for name, o, shape, stride in span.strided}
         # every expert has the same layout: check the first one fully
         checked = span.layout in self._checked_layouts
         w = self.index.format.from_bytes(views, checked=checked)
