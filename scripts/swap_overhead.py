@@ -93,6 +93,7 @@ def main() -> None:
                 for j in range(len(ids)):
                     w = got[j]
                     del w  # as the MoE block: the store may evict it while the next one loads
+                del got  # (the MoE block's fetch result dies with its call)
         cpu = time.thread_time() - cpu
         n = loads(s) - before
         s.close()
