@@ -204,7 +204,8 @@ class _NativeRead(Pending):
 
     def ready(self) -> bool:
         # a plain read of each job's state: result() still goes through the C atomic load before the bytes
-        return all(j.state >= _DONE for j in self._jobs)
+        jobs = self._jobs
+        return jobs[0].state >= _DONE if len(jobs) == 1 else all(j.state >= _DONE for j in jobs)
 
     def wait(self) -> None:
         if self._reads._handle is None:  # closed: every job is done or cancelled

@@ -78,6 +78,7 @@ class _Span(NamedTuple):
     layout: tuple  # (field name, offset, shape) per tensor: experts laid out alike are checked once
     checks: Checks | None  # what the reader checks of the bytes (the format's byte_limit)
     strided: tuple  # (field name, offset, shape, contiguous strides) per tensor: its view of the buffer
+    nbytes: int  # the tensors' bytes (the span less any padding)
 
 
 def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
@@ -245,9 +246,11 @@ class CheckpointTier(Tier):
                 if fmt.byte_limit is not None:
                     suffix, limit = fmt.byte_limit
                     checks = Checks(tuple((o, n) for name, o, n, _ in parts if name.endswith(suffix)), limit)
-                span = _Span(next(iter(infos.values())).file, start, end, parts,
+                # the file as a str: it keys the descriptors, looked up on every read (a Path hashes in Python)
+                span = _Span(str(next(iter(infos.values())).file), start, end, parts,
                              tuple((name, o, shape) for name, o, _, shape in parts), checks,
-                             tuple((name, o, shape, _contiguous_strides(shape)) for name, o, _, shape in parts))
+                             tuple((name, o, shape, _contiguous_strides(shape)) for name, o, _, shape in parts),
+                             sum(n for _, _, n, _ in parts))
         self._spans[key] = span
         return span
 
@@ -266,12 +269,13 @@ class CheckpointTier(Tier):
         views = {name: buf.as_strided(shape, stride, base + o) for name, o, shape, stride in span.strided}
         # every expert has the same layout: check the first one fully
         checked = span.layout in self._checked_layouts
-        w = self.index.format.from_bytes(views, checked=checked)
+        w = self.index.format.from_bytes(views, checked=checked, nbytes=span.nbytes)
         if not checked:
             self._checked_layouts.add(span.layout)
         return w
 
     def _fd(self, file) -> int:
+        file = file if type(file) is str else str(file)  # one key per file, however it is named
         fd = self._fds.get(file)
         if fd is None:
             with self._fd_lock:  # reader threads may open files too

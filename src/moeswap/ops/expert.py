@@ -90,13 +90,12 @@ class MXFP4ExpertWeights:
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors(self).values())
 
     @classmethod
-    def unchecked(cls, **parts: torch.Tensor) -> MXFP4ExpertWeights:
+    def unchecked(cls, parts: dict[str, torch.Tensor], nbytes: int | None = None) -> MXFP4ExpertWeights:
         """Without __post_init__'s checks (~40 us): for tensors laid out exactly like ones that passed
-        them (the expert store's reads, whose layout it checked once)."""
+        them (the expert store's reads, whose layout it checked once). nbytes: theirs, if known."""
         w = cls.__new__(cls)
-        for name, t in parts.items():
-            setattr(w, name, t)
-        w.nbytes = sum(t.numel() for t in parts.values())  # all uint8
+        w.__dict__.update(parts)
+        w.nbytes = sum(t.numel() for t in parts.values()) if nbytes is None else nbytes  # all uint8
         return w
 
     fmt = _Format("MXFP4")

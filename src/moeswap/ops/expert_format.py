@@ -379,10 +379,14 @@ class MXFP4Format(_MXFormat):
                  for proj, kinds in names.items() for kind, n in kinds.items()}
         return MXFP4ExpertWeights(**parts)
 
-    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool) -> MXFP4ExpertWeights:
+    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool,
+                   nbytes: int | None = None) -> MXFP4ExpertWeights:
         """An expert from views of one read buffer ({proj}_packed / {proj}_scale); `checked`: laid out
-        exactly like one that passed MXFP4ExpertWeights' checks."""
-        return MXFP4ExpertWeights.unchecked(**views) if checked else MXFP4ExpertWeights(**views)
+        exactly like one that passed MXFP4ExpertWeights' checks, and then `nbytes` (their bytes, if the
+        caller knows them) spares counting them."""
+        if checked:
+            return MXFP4ExpertWeights.unchecked(views, nbytes)
+        return MXFP4ExpertWeights(**views)
 
     def check_finite(self, w, names):
         """MXFP4 elements are always finite: a scale byte above mxfp4.MAX_SCALE_BYTE (its block can decode
