@@ -91,8 +91,7 @@ def main() -> None:
             else:
                 got = s.fetch(layer, ids)
                 for j in range(len(ids)):
-                    w = got[j]
-                    del w  # as the MoE block: the store may evict it while the next one loads
+                    got[j]  # each expert handed over and let go, as the MoE block does
                 del got  # (the MoE block's fetch result dies with its call)
         cpu = time.thread_time() - cpu
         n = loads(s) - before

@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 
-from moeswap.experts.keys import Key
 from moeswap.experts.reads import Checks, Reads, native_library, read_now
 from moeswap.models.loader import LoadOptions, load_model
 

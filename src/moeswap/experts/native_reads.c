@@ -13,6 +13,7 @@
  * done / wait / free, and msw_read_now (the same read and check on the caller's thread). */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -151,6 +152,10 @@ void msw_reads_submit(void *handle, msw_job *j, int urgent) {
     pthread_cond_signal(&r->work);
     pthread_mutex_unlock(&r->lock);
 }
+
+/* The job's layout, which experts/reads.py's ctypes mirror checks before using the library. */
+int64_t msw_job_size(void) { return (int64_t)sizeof(msw_job); }
+int64_t msw_job_offset_bad(void) { return (int64_t)offsetof(msw_job, bad); }
 
 /* n jobs under one lock acquisition, in order (a layer step's reads). */
 void msw_reads_submit_many(void *handle, msw_job **jobs, int n, int urgent) {

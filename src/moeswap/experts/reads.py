@@ -61,6 +61,12 @@ class _Native:
 
     def __init__(self, path: str):
         blocking, quick = ctypes.CDLL(path), ctypes.PyDLL(path)
+        for name in ("msw_job_size", "msw_job_offset_bad"):
+            getattr(quick, name).restype, getattr(quick, name).argtypes = ctypes.c_int64, []
+        layout = (quick.msw_job_size(), quick.msw_job_offset_bad())
+        if layout != (ctypes.sizeof(_Job), _Job.bad.offset):
+            raise RuntimeError(f"msw_job is {layout[0]} bytes with `bad` at {layout[1]} in native_reads.c, "
+                               f"but {ctypes.sizeof(_Job)} and {_Job.bad.offset} in its ctypes mirror")
         job_p = ctypes.POINTER(_Job)
         self.new = blocking.msw_reads_new
         self.new.restype, self.new.argtypes = ctypes.c_void_p, [ctypes.c_int]
