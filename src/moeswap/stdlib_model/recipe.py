@@ -1,8 +1,8 @@
 """The steps that rebuild the default model from nothing but this interpreter and moeswap.
 
 `prepare(work)` writes work/corpus/ (corpus.py), work/base/ (a K3-layout model of init-tiny's "stdlib"
-size, random weights, its byte-level BPE trained on the corpus's train split) and work/train.yaml (the
-training run, relative paths). Then `moeswap train work/train.yaml` trains every weight (full mode, routed
+size, random weights, its byte-level BPE trained on the corpus's train split), work/train.yaml (the
+training run, relative paths) and work/heldout-prompts.txt (held-out openings for traces and benchmarks). Then `moeswap train work/train.yaml` trains every weight (full mode, routed
 experts included) and `moeswap quantize work/trained work/mxfp4 --experts mxfp4` stores the experts as
 MXFP4. scripts/train-default-model.sh runs all of it.
 """
@@ -46,4 +46,25 @@ def prepare(work: str | Path) -> Path:
     write_tiny_model(work / "base", "kimi_k3", SIZE, seed=SEED, progress=True,
                      tokenizer_lines=tokenizer_lines(work / "corpus" / corpus.TRAIN_FILE))
     (work / "train.yaml").write_text(yaml.safe_dump(TRAIN, sort_keys=False))
+    write_prompts(work)
     return work
+
+
+PROMPTS_FILE = "heldout-prompts.txt"
+
+
+def write_prompts(work: str | Path, count: int = 16) -> Path:
+    """work/heldout-prompts.txt: the first line of the first `count` held-out pieces that open a def or a
+    class, one per line: real prompts the model never trained on (`moeswap trace`, `bench swap --prompts`)."""
+    work = Path(work)
+    lines = []
+    with open(work / "corpus" / corpus.EVAL_FILE, encoding="utf-8") as f:
+        for line in f:
+            first = json.loads(line)["text"].split("\n", 1)[0]
+            if first.startswith(("def ", "class ")) and first not in lines:
+                lines.append(first)
+            if len(lines) == count:
+                break
+    path = work / PROMPTS_FILE
+    path.write_text("".join(p + "\n" for p in lines), encoding="utf-8")
+    return path
