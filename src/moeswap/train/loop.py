@@ -29,8 +29,8 @@ from moeswap.train import manifest as record
 from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import IGNORE, Data, RowStream, batch, eval_rows, load_data
-from moeswap.train.targets import prepare_model, save_trained
 from moeswap.train.experts import balance_routers, balanced_biases, load_report
+from moeswap.train.targets import prepare_model, save_trained
 
 # Settings a resumed run may change: when and what it writes, where experts are kept. Anything else
 # changes the math, and the run would no longer be the one its checkpoint continues.
