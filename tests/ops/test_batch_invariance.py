@@ -107,7 +107,7 @@ def test_routed_experts_rows_do_not_depend_on_the_batch(flags, kind):
     experts = _experts(kind, I, F, E, gen)
     table = torch.zeros(E, 6, dtype=torch.int64)
     for e, w in enumerate(experts):
-        table[e] = torch.tensor(cpu_kernels.resident_row(w, I, kind == "bf16")[1])
+        table[e] = torch.tensor(cpu_kernels.resident_row(w, I, kind)[1])
     # 6 experts, 3 each: with up to 17 tokens every expert gets from none to most of them
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(MAX_T)])
     weight = torch.rand(MAX_T, K, generator=gen)

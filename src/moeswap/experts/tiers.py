@@ -55,6 +55,16 @@ def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device,
     return w.fmt.convert(w, decoded, dtype, device, pin)
 
 
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes of a read buffer as `dtype` (one-byte dtypes stay uint8: the format reinterprets them): a view
+    where the offset allows one (safetensors does not align tensors), else a copy."""
+    if dtype.itemsize == 1:
+        return raw
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
 class MemoryTier(Tier):
     """A dict of experts in one form on one device. `form(w)` converts to that form (the slow part: a
     decode or a device copy, done before taking the store's lock); `put` stores an already-formed expert.
@@ -165,7 +175,7 @@ class CheckpointTier(Tier):
         check_expert(self.ckpt, self.index, key.layer, key.expert, w)
 
     def _span(self, key: Key):
-        """(file, start, end, parts) when the expert is kept as its stored bytes (MXFP4) and its tensors sit
+        """(file, start, end, parts) when the expert is kept as its stored bytes (MXFP4, FP8, INT4) and its tensors sit
         together in one file (as published checkpoints store them): one pread into one buffer, which
         eviction returns whole."""
         if key in self._spans:
@@ -177,7 +187,7 @@ class CheckpointTier(Tier):
             start = min(i.offset for i in infos.values())
             end = max(i.offset + i.nbytes for i in infos.values())
             if end - start <= sum(i.nbytes for i in infos.values()) + (64 << 10):  # at most a little padding read
-                parts = {f"{proj}_{kind.removeprefix('weight_')}": (i.offset - start, i.nbytes, i.shape)
+                parts = {f"{proj}_{kind.removeprefix('weight_')}": (i.offset - start, i.nbytes, i.shape, i.dtype)
                          for (proj, kind), i in infos.items()}
                 span = (next(iter(infos.values())).file, start, end, parts)
         self._spans[key] = span
@@ -192,8 +202,8 @@ class CheckpointTier(Tier):
         return self._views(buf, parts)
 
     def _views(self, buf: torch.Tensor, parts) -> Weights:
-        views = {name: buf[o : o + n].view(shape) for name, (o, n, shape) in parts.items()}
-        layout = tuple((name, o, tuple(shape)) for name, (o, _, shape) in parts.items())
+        views = {name: _typed(buf[o : o + n], dtype).view(shape) for name, (o, n, shape, dtype) in parts.items()}
+        layout = tuple((name, o, tuple(shape)) for name, (o, _, shape, _) in parts.items())
         # every expert has the same layout: check the first one fully
         w = self.index.format.from_bytes(views, checked=layout in self._checked_layouts)
         self._checked_layouts.add(layout)

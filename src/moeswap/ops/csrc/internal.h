@@ -104,6 +104,12 @@ static inline void linear_rows(const float *xp, int64_t T, int64_t I, const uint
         mxfp4_rows(xp + t * I, T - t < 8 ? (int)(T - t) : 8, I, packed, scale, o, n, y + t * O, O);
 }
 
+/* ---- quant.c ---- */
+/* Rows [o, o + n) of y[T, O] = x @ W^T for all T tokens, x permuted; fp8 1: block FP8 codes q [O, I] with fp32
+ * scales s per 128 x 128, 0: INT4 words q [O, I/8] with bf16 scales s [O, I/32]. */
+HIDDEN void quant_linear_rows(int fp8, const float *xp, int64_t T, int64_t I, const uint8_t *q, const void *s,
+                              int64_t O, int64_t o, int64_t n, float *y);
+
 /* ---- q8.c: the quantized rows' layout (described there) ---- */
 #define Q8_CHUNK_BYTES (128 + 16 * 4 + 16 * 4)
 

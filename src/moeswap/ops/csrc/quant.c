@@ -1,0 +1,226 @@
+/* quant.c: block-FP8 and INT4 weights (routed experts), multiplied straight from their stored bytes:
+ *   y[t, o] = sum_i x[t, i] * W[o, i]
+ * FP8 block (DeepSeek-V3): q uint8 [O, I] E4M3 codes, s fp32 [ceil(O/128), ceil(I/128)];
+ *   W[o, i] = E4M3(q[o, i]) * s[o/128, i/128], one fp32 product (S.1111.111 is NaN, as torch's float8_e4m3fn).
+ * INT4 pack-quantized (compressed-tensors): q int32 [O, I/8] (element 8w + k at bits 4k of word w, stored as
+ *   code + 8; little-endian, so byte j holds column 2j low and 2j+1 high, as MXFP4), s bf16 [O, I/32];
+ *   W[o, i] = bf16(code * s[o, i/32]): the product rounded to bf16, as compressed-tensors dequantises.
+ * Each weight is decoded in registers and used for every token of the call; no decoded copy is kept.
+ * Entry points: moeswap_quant_linear (one matrix) and, through moe.c, moeswap_quant_moe (a layer step's
+ * experts); ops/expert_quant.py holds the contract and the plain-torch references.
+ * x, y: fp32 row-major, x in `permuted` column order (internal.h). Every (row, token) sum runs in one order
+ * whatever the number of tokens or rows in the tile, so a batched row gets the bits it gets alone.
+ * AVX-512 builds decode 16 weights per vector; AVX2 and portable builds run the scalar tile (same sums per
+ * build, slower).
+ */
+#include "internal.h"
+
+#define FP8_BLOCK 128
+
+static float E4M3[256];
+static int quant_ready = 0;
+
+static void quant_tables(void) {
+    if (quant_ready) return; /* idempotent: a race writes the same values */
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf((float)m, -9);
+        if ((b & 0x7F) == 0x7F) v = NAN;
+        E4M3[b] = b & 0x80 ? -v : v;
+    }
+    quant_ready = 1;
+}
+
+/* bf16 rounding (to nearest even) of an fp32 value, kept as fp32; NaN stays NaN */
+static inline float bf16_round(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return v;
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t b = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+/* Position in `permuted` order of column k (0..31) of a 32-column block. */
+#if PERMUTED_WIDTH == 16
+#define PPOS(k) ((k) % 2 ? 16 + (k) / 2 : (k) / 2)
+#elif PERMUTED_WIDTH == 8
+#define PPOS(k) (((k) / 16) * 16 + ((k) % 2 ? 8 + ((k) % 16) / 2 : ((k) % 16) / 2))
+#else
+#define PPOS(k) (k)
+#endif
+
+INLINE float fp8_scale(const float *s, int64_t o, int64_t b, int64_t I) {
+    return s[(o / FP8_BLOCK) * ((I + FP8_BLOCK - 1) / FP8_BLOCK) + b * 32 / FP8_BLOCK];
+}
+
+/* Scalar tile (AVX2 and portable builds): one row, TT tokens; 32 weights decoded, then one sum per token. */
+INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const uint8_t *q, const void *s,
+                        int64_t o, float *y, int64_t O) {
+    const int64_t nb = I / 32;
+    float acc[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        float w[32];
+        if (fp8) {
+            const uint8_t *p = q + o * I + b * 32;
+            const float sc = fp8_scale((const float *)s, o, b, I);
+            for (int k = 0; k < 32; k++) w[PPOS(k)] = E4M3[p[k]] * sc;
+        } else {
+            const uint8_t *p = q + o * (I / 2) + b * 16;
+            const float sc = bf16_value(((const uint16_t *)s)[o * nb + b]);
+            for (int k = 0; k < 16; k++) {
+                w[PPOS(2 * k)] = bf16_round((float)((p[k] & 15) - 8) * sc);
+                w[PPOS(2 * k + 1)] = bf16_round((float)((p[k] >> 4) - 8) * sc);
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            float sum = 0.f;
+            for (int k = 0; k < 32; k++) sum += w[k] * xp[t * I + b * 32 + k];
+            acc[t] += sum;
+        }
+    }
+    for (int t = 0; t < TT; t++) y[t * O + o] = acc[t];
+}
+
+#if defined(__AVX512F__)
+/* E4M3 codes (one per 32-bit lane, in bits shift..shift+7 of `lane` after the shift) as fp32 times s:
+ * the code's exponent and mantissa bits placed under fp32's give code * 2^-120 exactly (subnormal codes
+ * become fp32 subnormals), so one product by s * 2^120 (exact while finite) is the single rounding of
+ * code * s; larger s take two products. NaN codes (S.1111.111) are set to NaN. */
+INLINE __m512 e4m3_times(__m512i bits, float s, float s120, int fold) {
+    const __m512i magmask = _mm512_set1_epi32(0x07F00000);
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, magmask), magmask);
+    __m512 v = _mm512_castsi512_ps(bits);
+    v = fold ? _mm512_mul_ps(v, _mm512_set1_ps(s120))
+             : _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(s));
+    return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
+}
+
+/* FP8: x permuted per 32 columns (16 even, 16 odd); a 32-byte load widened as 16-bit pairs gives the even
+ * code in bits 0-7 and the odd one in bits 8-15 of each lane. */
+INLINE void fp8_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const float *s,
+                     int64_t o, float *y, int64_t O) {
+    const int64_t nb = I / 32;
+    const __m512i magmask = _mm512_set1_epi32(0x07F00000), sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 acc[8][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 ve[8], vo[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *p = q + (o + r) * I + b * 32;
+            if ((b & 1) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0);
+            const float sc = fp8_scale(s, o + r, b, I), s120 = sc * 0x1p120f;
+            const int fold = !(isfinite(sc) && !isfinite(s120));
+            const __m512i lane = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+            /* (bits & magmask) | sign: exponent+mantissa to bits 20-26, the sign to bit 31 */
+            const __m512i be = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_slli_epi32(lane, 24), sign),
+                                                         _mm512_slli_epi32(lane, 20), magmask, 0xF8);
+            const __m512i bo = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_slli_epi32(lane, 16), sign),
+                                                         _mm512_slli_epi32(lane, 12), magmask, 0xF8);
+            ve[r] = e4m3_times(be, sc, s120, fold);
+            vo[r] = e4m3_times(bo, sc, s120, fold);
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
+            UNROLL for (int r = 0; r < R; r++) {
+                acc[r][t] = _mm512_fmadd_ps(ve[r], xe, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(vo[r], xo, acc[r][t]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
+        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* INT4: as mxfp4.c's tile, the 16-entry table being bf16(code * scale) for codes -8..7. */
+INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const uint16_t *s,
+                      int64_t o, float *y, int64_t O) {
+    static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
+    const __m512 lut = _mm512_loadu_ps(CODES);
+    const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32((int)0xFFFF0000u);
+    const int64_t nb = I / 32, half = I / 2;
+    __m512 acc[8][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 ve[8], vo[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *p = q + (o + r) * half + b * 16;
+            if ((b & 3) == 0) _mm_prefetch((const char *)(p + R * half), _MM_HINT_T0);
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+            const __m512 exact = _mm512_mul_ps(lut, _mm512_set1_ps(bf16_value(s[(o + r) * nb + b])));
+            const __m512i bits = _mm512_castps_si512(exact);
+            const __m512i rounded = _mm512_and_si512(
+                _mm512_add_epi32(_mm512_add_epi32(bits, round), _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)), top);
+            const __mmask16 nan = _mm512_cmp_ps_mask(exact, exact, _CMP_UNORD_Q);
+            const __m512 table = _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, exact);
+            ve[r] = _mm512_permutexvar_ps(bytes, table); /* the low 4 bits of each lane */
+            vo[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
+            UNROLL for (int r = 0; r < R; r++) {
+                acc[r][t] = _mm512_fmadd_ps(ve[r], xe, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(vo[r], xo, acc[r][t]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
+        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define FP8_TILE(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O)
+#define INT4_TILE(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O)
+#endif
+
+#define SCALAR_TILE(TT_, R_) scalar_tile(fp8, xp, TT_, I, q, s, o, y, O)
+
+/* n rows from o for a tile of TT tokens (1 to 8); fp8 1: block FP8, 0: INT4. */
+static void quant_rows(int fp8, const float *xp, int TT, int64_t I, const uint8_t *q, const void *s, int64_t o,
+                       int64_t n, float *y, int64_t O) {
+    const int64_t end = o + n;
+#if defined(__AVX512F__)
+    const int64_t step = TT <= 4 ? 4 : 2;
+    if (fp8) {
+        for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE, 4, 4, 2)
+        for (; o < end; o++) BY_TOKENS(FP8_TILE, 4, 1, 1)
+    } else {
+        for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE, 4, 4, 2)
+        for (; o < end; o++) BY_TOKENS(INT4_TILE, 4, 1, 1)
+    }
+#else
+    for (; o < end; o++) BY_TOKENS(SCALAR_TILE, 4, 1, 1)
+#endif
+}
+
+void quant_linear_rows(int fp8, const float *xp, int64_t T, int64_t I, const uint8_t *q, const void *s, int64_t O,
+                       int64_t o, int64_t n, float *y) {
+    quant_tables();
+    for (int64_t t = 0; t < T; t += 8)
+        quant_rows(fp8, xp + t * I, T - t < 8 ? (int)(T - t) : 8, I, q, s, o, n, y + t * O, O);
+}
+
+/* y[T, O] = x[T, I] @ W^T for one matrix; format 3 block FP8, 4 INT4 (moe.c's codes). Returns 0, 1 for bad
+ * sizes, 2 out of memory. */
+int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
+                         int64_t O, float *y, int nthreads) {
+    if ((format != 3 && format != 4) || I % 32 || T < 0 || O < 0) return 1;
+    quant_tables();
+    float *xp = permuted(x, T, I);
+    if (!xp) return 2;
+    const int64_t chunks = (O + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o = c * CHUNK_ROWS;
+        quant_linear_rows(format == 3, xp, T, I, (const uint8_t *)q, scale, O, o,
+                          O - o < CHUNK_ROWS ? O - o : CHUNK_ROWS, y);
+    }
+    free(xp);
+    return 0;
+}
