@@ -21,7 +21,7 @@ static int64_t list_items(work_item *items, const int64_t *off, int E, int64_t c
 enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2, FP8 = 3, INT4 = 4 };
 
 /* The activations one phase of `moe` multiplies, per pair, in the form its weight format reads: fp32 rows in
- * `permuted` column order (MXFP4 and bf16), or quantized rows (MXFP4_Q8). */
+ * `permuted` column order (MXFP4, bf16, INT4), in natural order (block FP8), or quantized rows (MXFP4_Q8). */
 typedef struct { const float *f; q8_rows q; int64_t width; } pair_rows;
 
 /* Row tokens[k] of x for each of the P pairs (tokens NULL: x already has one row per pair), in `format`'s
@@ -53,7 +53,7 @@ static void *pair_inputs(int format, const float *x, int64_t T, int64_t I, const
         for (int64_t k = 0; k < P; k++) memcpy(buf + k * I, x + tokens[k] * I, (size_t)I * sizeof(float));
         x = buf;
     }
-    float *xp = permuted(x, P, I);
+    float *xp = format == FP8 ? aligned_rows(x, P, I) : permuted(x, P, I);
     if (!xp) *ok = 0;
     out->f = xp;
     return xp;

@@ -8,14 +8,19 @@
  * Each weight is decoded in registers and used for every token of the call; no decoded copy is kept.
  * Entry points: moeswap_quant_linear (one matrix) and, through moe.c, moeswap_quant_moe (a layer step's
  * experts); ops/expert_quant.py holds the contract and the plain-torch references.
- * x, y: fp32 row-major, x in `permuted` column order (internal.h). Every (row, token) sum runs in one order
+ * x, y: fp32 row-major; x in natural column order for FP8, in `permuted` order (internal.h) for INT4. Every (row, token) sum runs in one order
  * whatever the number of tokens or rows in the tile, so a batched row gets the bits it gets alone.
- * AVX-512 builds decode 16 weights per vector; AVX2 and portable builds run the scalar tile (same sums per
- * build, slower).
+ * AVX-512 (F + BW) builds decode in vectors; AVX2 and portable builds run the scalar tile (each build sums a
+ * (row, token) in one order; slower).
  */
 #include "internal.h"
 
 #define FP8_BLOCK 128
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VECTOR 1
+#else
+#define VECTOR 0 /* the scalar tile */
+#endif
 
 static float E4M3[256];
 static int quant_ready = 0;
@@ -71,7 +76,7 @@ INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const
         if (fp8) {
             const uint8_t *p = q + o * I + b * 32;
             const float sc = fp8_scale((const float *)s, o, b, I);
-            for (int k = 0; k < 32; k++) w[PPOS(k)] = E4M3[p[k]] * sc;
+            for (int k = 0; k < 32; k++) w[k] = E4M3[p[k]] * sc; /* x in natural order */
         } else {
             const uint8_t *p = q + o * (I / 2) + b * 16;
             const float sc = bf16_value(((const uint16_t *)s)[o * nb + b]);
@@ -89,49 +94,43 @@ INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const
     for (int t = 0; t < TT; t++) y[t * O + o] = acc[t];
 }
 
-#if defined(__AVX512F__)
-/* E4M3 codes (one per 32-bit lane, in bits shift..shift+7 of `lane` after the shift) as fp32 times s:
- * the code's exponent and mantissa bits placed under fp32's give code * 2^-120 exactly (subnormal codes
- * become fp32 subnormals), so one product by s * 2^120 (exact while finite) is the single rounding of
- * code * s; larger s take two products. NaN codes (S.1111.111) are set to NaN. */
-INLINE __m512 e4m3_times(__m512i bits, float s, float s120, int fold) {
-    const __m512i magmask = _mm512_set1_epi32(0x07F00000);
-    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, magmask), magmask);
-    __m512 v = _mm512_castsi512_ps(bits);
-    v = fold ? _mm512_mul_ps(v, _mm512_set1_ps(s120))
-             : _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(0x1p120f)), _mm512_set1_ps(s));
-    return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
-}
-
-/* FP8: x permuted per 32 columns (16 even, 16 odd); a 32-byte load widened as 16-bit pairs gives the even
- * code in bits 0-7 and the odd one in bits 8-15 of each lane. */
-INLINE void fp8_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const float *s,
+#if VECTOR
+/* FP8, x in natural order: 32 codes widened to 16-bit lanes become fp16 bits by shifts (exponent and mantissa
+ * under fp16's: code * 2^-8 exactly, subnormal codes as fp16 subnormals, which the conversion to fp32 takes
+ * exactly and at full speed), NaN codes (S.1111.111) fp16 NaN; then fp32, times s * 2^8 (one product rounded
+ * once, as the published code * s; scales past 2^119 take two products, the first exact). */
+INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const uint8_t *q, const float *s,
                      int64_t o, float *y, int64_t O) {
     const int64_t nb = I / 32;
-    const __m512i magmask = _mm512_set1_epi32(0x07F00000), sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512i low7 = _mm512_set1_epi16(0x7F), mant = _mm512_set1_epi16(0x3F80), sign = _mm512_set1_epi16((short)0x8000);
+    const __m512i nan16 = _mm512_set1_epi16(0x7E00);
     __m512 acc[8][8];
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512 ve[8], vo[8];
+        __m512 w0[8], w1[8];
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = q + (o + r) * I + b * 32;
             if ((b & 1) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0);
-            const float sc = fp8_scale(s, o + r, b, I), s120 = sc * 0x1p120f;
-            const int fold = !(isfinite(sc) && !isfinite(s120));
-            const __m512i lane = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-            /* (bits & magmask) | sign: exponent+mantissa to bits 20-26, the sign to bit 31 */
-            const __m512i be = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_slli_epi32(lane, 24), sign),
-                                                         _mm512_slli_epi32(lane, 20), magmask, 0xF8);
-            const __m512i bo = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_slli_epi32(lane, 16), sign),
-                                                         _mm512_slli_epi32(lane, 12), magmask, 0xF8);
-            ve[r] = e4m3_times(be, sc, s120, fold);
-            vo[r] = e4m3_times(bo, sc, s120, fold);
+            const float sc = fp8_scale(s, o + r, b, I), s8 = sc * 256.f;
+            const int fold = !(isfinite(sc) && !isfinite(s8));
+            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+            __m512i h = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_slli_epi16(v, 8), sign),
+                                                  _mm512_slli_epi16(v, 7), mant, 0xF8);
+            h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, low7), low7), nan16);
+            __m512 a0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), a1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            if (fold) {
+                w0[r] = _mm512_mul_ps(a0, _mm512_set1_ps(s8));
+                w1[r] = _mm512_mul_ps(a1, _mm512_set1_ps(s8));
+            } else {
+                w0[r] = _mm512_mul_ps(_mm512_mul_ps(a0, _mm512_set1_ps(256.f)), _mm512_set1_ps(sc));
+                w1[r] = _mm512_mul_ps(_mm512_mul_ps(a1, _mm512_set1_ps(256.f)), _mm512_set1_ps(sc));
+            }
         }
         UNROLL for (int t = 0; t < TT; t++) {
-            __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
+            __m512 x0 = _mm512_loadu_ps(x + t * I + b * 32), x1 = _mm512_loadu_ps(x + t * I + b * 32 + 16);
             UNROLL for (int r = 0; r < R; r++) {
-                acc[r][t] = _mm512_fmadd_ps(ve[r], xe, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(vo[r], xo, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
             }
         }
     }
@@ -185,7 +184,7 @@ INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, con
 static void quant_rows(int fp8, const float *xp, int TT, int64_t I, const uint8_t *q, const void *s, int64_t o,
                        int64_t n, float *y, int64_t O) {
     const int64_t end = o + n;
-#if defined(__AVX512F__)
+#if VECTOR
     const int64_t step = TT <= 4 ? 4 : 2;
     if (fp8) {
         for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE, 4, 4, 2)
@@ -212,7 +211,7 @@ int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const
                          int64_t O, float *y, int nthreads) {
     if ((format != 3 && format != 4) || I % 32 || T < 0 || O < 0) return 1;
     quant_tables();
-    float *xp = permuted(x, T, I);
+    float *xp = format == 3 ? aligned_rows(x, T, I) : permuted(x, T, I);
     if (!xp) return 2;
     const int64_t chunks = (O + CHUNK_ROWS - 1) / CHUNK_ROWS;
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4)
