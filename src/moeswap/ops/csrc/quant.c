@@ -138,12 +138,30 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
         y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* INT4: as mxfp4.c's tile, the 16-entry table being bf16(code * scale) for codes -8..7. */
+/* INT4: the block's 16-entry table bf16(code * scale), codes -8..7, held as bf16 words twice over (32 words),
+ * and one word permute (vpermw) of it by the block's 32 nibbles: each 32-bit lane then holds the even column's
+ * weight in its low word and the odd column's in its high word, which two bit operations widen to fp32 in
+ * `permuted` order (the low words shifted up; the high words masked). */
+INLINE __m512i int4_table(__m512 lut, float sc) {
+    const __m512 exact = _mm512_mul_ps(lut, _mm512_set1_ps(sc)); /* exact: 4-bit codes times 8-bit scales */
+#if defined(__AVX512BF16__)
+    /* the bf16 conversion instruction rounds to nearest even but flushes subnormals: only a scale that is
+     * itself below 2^-126 gives subnormal products */
+    if (!(fabsf(sc) < 0x1p-126f) || sc == 0.f) return (__m512i)_mm512_cvtne2ps_pbh(exact, exact);
+#endif
+    const __m512i bits = _mm512_castps_si512(exact);
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)),
+                                       _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(exact, exact, _CMP_UNORD_Q), bits); /* NaN stays */
+    const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+}
+
 INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const uint16_t *s,
                       int64_t o, float *y, int64_t O) {
     static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
     const __m512 lut = _mm512_loadu_ps(CODES);
-    const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     const int64_t nb = I / 32, half = I / 2;
     __m512 acc[8][8];
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -153,14 +171,12 @@ INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, con
             const uint8_t *p = q + (o + r) * half + b * 16;
             if ((b & 3) == 0) _mm_prefetch((const char *)(p + R * half), _MM_HINT_T0);
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-            const __m512 exact = _mm512_mul_ps(lut, _mm512_set1_ps(bf16_value(s[(o + r) * nb + b])));
-            const __m512i bits = _mm512_castps_si512(exact);
-            const __m512i rounded = _mm512_and_si512(
-                _mm512_add_epi32(_mm512_add_epi32(bits, round), _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)), top);
-            const __mmask16 nan = _mm512_cmp_ps_mask(exact, exact, _CMP_UNORD_Q);
-            const __m512 table = _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, exact);
-            ve[r] = _mm512_permutexvar_ps(bytes, table); /* the low 4 bits of each lane */
-            vo[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+            /* lane j: byte j in the low word (vpermw reads its low 5 bits: the low nibble, and one bit that picks
+             * either copy of the table), byte j >> 4 in the high word */
+            const __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
+            const __m512i w = _mm512_permutexvar_epi16(idx, int4_table(lut, bf16_value(s[(o + r) * nb + b])));
+            ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w, top));
         }
         UNROLL for (int t = 0; t < TT; t++) {
             __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
