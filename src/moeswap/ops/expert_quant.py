@@ -6,6 +6,7 @@ FP8ExpertWeights and Int4ExpertWeights), as expert_mxfp4 does for MXFP4. For a k
                tokens or more), other devices, other scale dtypes and widths the kernel does not take;
   forward      csrc/quant.c (one call of the grouped kernel for the expert) for decode-sized inputs, else
                rows_linear; project_forward / project_backward for one matrix under autograd.
+$MOESWAP_EXPERT_KERNEL other than cpu_c (expert_mxfp4's names) takes rows_linear, as it does for MXFP4.
 The kernel's products are the decoder's weights; results differ from `reference` only in summation order,
 and each (row, token) sum runs in one order whatever the batch. Shapes: T tokens, I expert input width,
 F expert width, O/N one matrix's output/input width.
@@ -13,12 +14,14 @@ F expert width, O/N one matrix's output/input width.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moeswap.formats import fp8_block, int4
 from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu, glu_reference
-from moeswap.ops.expert_mxfp4 import GEMM_MIN_TOKENS
+from moeswap.ops.expert_mxfp4 import ENV_KERNEL, GEMM_MIN_TOKENS
 
 ROW_CHUNK_BYTES = 1 << 20  # decoded fp32 bytes per chunk of rows_linear / project_backward
 
@@ -118,8 +121,8 @@ def _kernel(w, x: torch.Tensor):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (0 < rows < GEMM_MIN_TOKENS and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)):
         return None
-    if group_kind(w) is None:
-        return None
+    if group_kind(w) is None or os.environ.get(ENV_KERNEL) not in (None, "", "cpu_c"):
+        return None  # MOESWAP_EXPERT_KERNEL=torch_rows or reference: the decoding path, as for MXFP4
     return cpu_kernels.kernel()
 
 
