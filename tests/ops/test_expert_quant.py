@@ -73,6 +73,8 @@ def test_int4_kernel_weights_are_compressed_tensors_decode_of_every_nibble(flags
     random_bits = torch.randint(0, 1 << 16, (8, 16), generator=gen, dtype=torch.int32).to(torch.int16)
     scales = [torch.full((16, 1), s).bfloat16() for s in INT4_SCALES]
     scales += [b.view(torch.bfloat16)[:, None].contiguous() for b in random_bits]  # any bf16 bit pattern
+    # rows with subnormal and normal scales side by side (the kernel converts two rows' tables at once)
+    scales.append(torch.tensor([[2.0 ** -133 if r % 3 else 1.0078125] for r in range(16)]).bfloat16())
     for scale in scales:
         W = int4.decode(q, scale, (16, 32), torch.float32)
         _exact_columns(kernel, "int4", q, scale, W)

@@ -142,12 +142,14 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
  * and one word permute (vpermw) of it by the block's 32 nibbles: each 32-bit lane then holds the even column's
  * weight in its low word and the odd column's in its high word, which two bit operations widen to fp32 in
  * `permuted` order (the low words shifted up; the high words masked). */
-INLINE __m512i int4_table(__m512 lut, float sc) {
+INLINE __m512i int4_table(__m512 lut, float sc, const int normal) {
     const __m512 exact = _mm512_mul_ps(lut, _mm512_set1_ps(sc)); /* exact: 4-bit codes times 8-bit scales */
 #if defined(__AVX512BF16__)
     /* the bf16 conversion instruction rounds to nearest even but flushes subnormals: only a scale that is
-     * itself below 2^-126 gives subnormal products */
-    if (!(fabsf(sc) < 0x1p-126f) || sc == 0.f) return (__m512i)_mm512_cvtne2ps_pbh(exact, exact);
+     * itself below 2^-126 gives subnormal products; `normal` (constant per tile) says none of its rows has one */
+    if (normal) return (__m512i)_mm512_cvtne2ps_pbh(exact, exact);
+#else
+    (void)normal;
 #endif
     const __m512i bits = _mm512_castps_si512(exact);
     __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)),
@@ -157,26 +159,54 @@ INLINE __m512i int4_table(__m512 lut, float sc) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
 }
 
+/* Two rows' tables in one vector: words 0-15 row 0's (scale s0), 16-31 row 1's; one conversion for both. */
+INLINE __m512i int4_tables2(__m512 lut, float s0, float s1, const int normal) {
+#if defined(__AVX512BF16__)
+    if (normal)
+        return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(lut, _mm512_set1_ps(s1)), _mm512_mul_ps(lut, _mm512_set1_ps(s0)));
+#endif
+    const __m512i t0 = int4_table(lut, s0, 0), t1 = int4_table(lut, s1, 0); /* each twice over */
+    return _mm512_inserti64x4(t0, _mm512_castsi512_si256(t1), 1);
+}
+
 INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const uint16_t *s,
-                      int64_t o, float *y, int64_t O) {
+                      int64_t o, float *y, int64_t O, const int normal) {
     static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
     const __m512 lut = _mm512_loadu_ps(CODES);
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F);
+    const __m512i second = _mm512_set1_epi32(0x00100010);
     const int64_t nb = I / 32, half = I / 2;
     __m512 acc[8][8];
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512 ve[8], vo[8];
-        UNROLL for (int r = 0; r < R; r++) {
+        UNROLL for (int r = 0; r < R; r += 2) {
             const uint8_t *p = q + (o + r) * half + b * 16;
             if ((b & 3) == 0) _mm_prefetch((const char *)(p + R * half), _MM_HINT_T0);
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-            /* lane j: byte j in the low word (vpermw reads its low 5 bits: the low nibble, and one bit that picks
-             * either copy of the table), byte j >> 4 in the high word */
-            const __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
-            const __m512i w = _mm512_permutexvar_epi16(idx, int4_table(lut, bf16_value(s[(o + r) * nb + b])));
-            ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w, top));
+            if (r + 1 < R) { /* rows r and r + 1 share one table vector (a compile-time choice: R is constant) */
+                if ((b & 3) == 0) _mm_prefetch((const char *)(p + half + R * half), _MM_HINT_T0);
+                const __m512i bytes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + half)));
+                const __m512i tables = int4_tables2(lut, bf16_value(s[(o + r) * nb + b]),
+                                                    bf16_value(s[(o + r + 1) * nb + b]), normal);
+                /* lane j: the low nibble of byte j in the low word, its high nibble in the high word; bit 4 of
+                 * each word picks the row's half of the table vector */
+                const __m512i i0 = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
+                const __m512i i1 = _mm512_or_si512(_mm512_ternarylogic_epi32(bytes1, _mm512_slli_epi32(bytes1, 12),
+                                                                             nibbles, 0xA8), second);
+                const __m512i w0 = _mm512_permutexvar_epi16(i0, tables), w1 = _mm512_permutexvar_epi16(i1, tables);
+                ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+                vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w0, top));
+                ve[r + 1] = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+                vo[r + 1] = _mm512_castsi512_ps(_mm512_and_si512(w1, top));
+            } else {
+                /* lane j: byte j in the low word (vpermw reads its low 5 bits: the low nibble, and one bit that
+                 * picks either copy of the table), byte j >> 4 in the high word */
+                const __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
+                const __m512i w = _mm512_permutexvar_epi16(idx, int4_table(lut, bf16_value(s[(o + r) * nb + b]), normal));
+                ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w, top));
+            }
         }
         UNROLL for (int t = 0; t < TT; t++) {
             __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
@@ -191,10 +221,18 @@ INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, con
 }
 
 #define FP8_TILE(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O)
-#define INT4_TILE(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O)
+#define INT4_TILE(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 1)
+#define INT4_TILE_SUB(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 0)
 #endif
 
 #define SCALAR_TILE(TT_, R_) scalar_tile(fp8, xp, TT_, I, q, s, o, y, O)
+
+/* Whether any of n bf16 scales is subnormal (exponent 0, mantissa not). */
+static int subnormal_scales(const uint16_t *s, int64_t n) {
+    int any = 0;
+    for (int64_t k = 0; k < n; k++) any |= (s[k] & 0x7F80) == 0 && (s[k] & 0x7F) != 0;
+    return any;
+}
 
 /* n rows from o for a tile of TT tokens (1 to 8); fp8 1: block FP8, 0: INT4. */
 static void quant_rows(int fp8, const float *xp, int TT, int64_t I, const uint8_t *q, const void *s, int64_t o,
@@ -205,9 +243,12 @@ static void quant_rows(int fp8, const float *xp, int TT, int64_t I, const uint8_
     if (fp8) {
         for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE, 4, 4, 2)
         for (; o < end; o++) BY_TOKENS(FP8_TILE, 4, 1, 1)
-    } else {
+    } else if (!subnormal_scales((const uint16_t *)s + o * (I / 32), n * (I / 32))) {
         for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE, 4, 4, 2)
         for (; o < end; o++) BY_TOKENS(INT4_TILE, 4, 1, 1)
+    } else { /* rare: some scale of these rows is a bf16 subnormal */
+        for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE_SUB, 4, 4, 2)
+        for (; o < end; o++) BY_TOKENS(INT4_TILE_SUB, 4, 1, 1)
     }
 #else
     for (; o < end; o++) BY_TOKENS(SCALAR_TILE, 4, 1, 1)
