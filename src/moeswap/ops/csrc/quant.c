@@ -102,7 +102,7 @@ INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const
 INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const uint8_t *q, const float *s,
                      int64_t o, float *y, int64_t O) {
     const int64_t nb = I / 32;
-    const __m512i low7 = _mm512_set1_epi16(0x7F), mant = _mm512_set1_epi16(0x3F80), sign = _mm512_set1_epi16((short)0x8000);
+    const __m512i low7 = _mm512_set1_epi16(0x7F), bit14 = _mm512_set1_epi16(0x4000);
     const __m512i nan16 = _mm512_set1_epi16(0x7E00);
     __m512 acc[8][8];
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
@@ -114,8 +114,10 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
             const float sc = fp8_scale(s, o + r, b, I), s8 = sc * 256.f;
             const int fold = !(isfinite(sc) && !isfinite(s8));
             const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-            __m512i h = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_slli_epi16(v, 8), sign),
-                                                  _mm512_slli_epi16(v, 7), mant, 0xF8);
+            /* code << 7: exponent and mantissa in place, the sign one bit low; adding bit 14 to itself moves
+             * it to bit 15 */
+            const __m512i a = _mm512_slli_epi16(v, 7);
+            __m512i h = _mm512_add_epi16(a, _mm512_and_si512(a, bit14));
             h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, low7), low7), nan16);
             __m512 a0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), a1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             if (fold) {
