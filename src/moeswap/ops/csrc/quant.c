@@ -100,8 +100,10 @@ INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const
  * exactly and at full speed), NaN codes (S.1111.111) fp16 NaN; then fp32, times s * 2^8 (one product rounded
  * once, as the published code * s; scales past 2^119 take two products, the first exact). */
 INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const uint8_t *q, const float *s,
-                     int64_t o, float *y, int64_t O) {
+                     int64_t o, float *y, int64_t O, const int fold) {
     const int64_t nb = I / 32;
+    const float *srow[8]; /* each row's scales: one per 128 columns, so block b of 32 reads srow[b / 4] */
+    UNROLL for (int r = 0; r < R; r++) srow[r] = s + ((o + r) / FP8_BLOCK) * ((I + FP8_BLOCK - 1) / FP8_BLOCK);
     const __m512i low7 = _mm512_set1_epi16(0x7F), bit14 = _mm512_set1_epi16(0x4000);
     const __m512i nan16 = _mm512_set1_epi16(0x7E00);
     __m512 acc[8][8];
@@ -111,8 +113,7 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
         UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = q + (o + r) * I + b * 32;
             if ((b & 1) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0);
-            const float sc = fp8_scale(s, o + r, b, I), s8 = sc * 256.f;
-            const int fold = !(isfinite(sc) && !isfinite(s8));
+            const float sc = srow[r][b >> 2];
             const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
             /* code << 7: exponent and mantissa in place, the sign one bit low; adding bit 14 to itself moves
              * it to bit 15 */
@@ -120,9 +121,9 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
             __m512i h = _mm512_add_epi16(a, _mm512_and_si512(a, bit14));
             h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, low7), low7), nan16);
             __m512 a0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), a1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-            if (fold) {
-                w0[r] = _mm512_mul_ps(a0, _mm512_set1_ps(s8));
-                w1[r] = _mm512_mul_ps(a1, _mm512_set1_ps(s8));
+            if (fold) { /* constant per tile */
+                w0[r] = _mm512_mul_ps(a0, _mm512_set1_ps(sc * 256.f));
+                w1[r] = _mm512_mul_ps(a1, _mm512_set1_ps(sc * 256.f));
             } else {
                 w0[r] = _mm512_mul_ps(_mm512_mul_ps(a0, _mm512_set1_ps(256.f)), _mm512_set1_ps(sc));
                 w1[r] = _mm512_mul_ps(_mm512_mul_ps(a1, _mm512_set1_ps(256.f)), _mm512_set1_ps(sc));
@@ -222,12 +223,23 @@ INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, con
         y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-#define FP8_TILE(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O)
+#define FP8_TILE(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O, 1)
+#define FP8_TILE_BIG(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O, 0)
 #define INT4_TILE(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 1)
 #define INT4_TILE_SUB(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 0)
 #endif
 
 #define SCALAR_TILE(TT_, R_) scalar_tile(fp8, xp, TT_, I, q, s, o, y, O)
+
+/* Whether a block-FP8 scale of rows [o, o + n) is finite while its 256-fold is not (the tile then takes two
+ * products: code * 2^-8 * 2^8, exact, then * scale). */
+static int big_scales(const float *s, int64_t o, int64_t n, int64_t I) {
+    const int64_t cols = (I + FP8_BLOCK - 1) / FP8_BLOCK;
+    int any = 0;
+    for (int64_t k = (o / FP8_BLOCK) * cols; k < ((o + n - 1) / FP8_BLOCK + 1) * cols; k++)
+        any |= isfinite(s[k]) && !isfinite(s[k] * 256.f);
+    return any;
+}
 
 /* Whether any of n bf16 scales is subnormal (exponent 0, mantissa not). */
 static int subnormal_scales(const uint16_t *s, int64_t n) {
@@ -243,8 +255,13 @@ static void quant_rows(int fp8, const float *xp, int TT, int64_t I, const uint8_
 #if VECTOR
     const int64_t step = TT <= 4 ? 4 : 2;
     if (fp8) {
-        for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE, 4, 4, 2)
-        for (; o < end; o++) BY_TOKENS(FP8_TILE, 4, 1, 1)
+        if (!big_scales((const float *)s, o, n, I)) {
+            for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE, 4, 4, 2)
+            for (; o < end; o++) BY_TOKENS(FP8_TILE, 4, 1, 1)
+        } else { /* a scale past 2^119: two products for these rows */
+            for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE_BIG, 4, 4, 2)
+            for (; o < end; o++) BY_TOKENS(FP8_TILE_BIG, 4, 1, 1)
+        }
     } else if (!subnormal_scales((const uint16_t *)s + o * (I / 32), n * (I / 32))) {
         for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE, 4, 4, 2)
         for (; o < end; o++) BY_TOKENS(INT4_TILE, 4, 1, 1)
