@@ -145,8 +145,11 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
  * and one word permute (vpermw) of it by the block's 32 nibbles: each 32-bit lane then holds the even column's
  * weight in its low word and the odd column's in its high word, which two bit operations widen to fp32 in
  * `permuted` order (the low words shifted up; the high words masked). */
-INLINE __m512i int4_table(__m512 lut, float sc, const int normal) {
-    const __m512 exact = _mm512_mul_ps(lut, _mm512_set1_ps(sc)); /* exact: 4-bit codes times 8-bit scales */
+/* A bf16 scale in every lane as fp32 (the bits widened in the vector unit). */
+INLINE __m512 bf16_lanes(uint16_t h) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)h << 16))); }
+
+INLINE __m512i int4_table(__m512 lut, uint16_t sc, const int normal) {
+    const __m512 exact = _mm512_mul_ps(lut, bf16_lanes(sc)); /* exact: 4-bit codes times 8-bit scales */
 #if defined(__AVX512BF16__)
     /* the bf16 conversion instruction rounds to nearest even but flushes subnormals: only a scale that is
      * itself below 2^-126 gives subnormal products; `normal` (constant per tile) says none of its rows has one */
@@ -163,10 +166,10 @@ INLINE __m512i int4_table(__m512 lut, float sc, const int normal) {
 }
 
 /* Two rows' tables in one vector: words 0-15 row 0's (scale s0), 16-31 row 1's; one conversion for both. */
-INLINE __m512i int4_tables2(__m512 lut, float s0, float s1, const int normal) {
+INLINE __m512i int4_tables2(__m512 lut, uint16_t s0, uint16_t s1, const int normal) {
 #if defined(__AVX512BF16__)
     if (normal)
-        return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(lut, _mm512_set1_ps(s1)), _mm512_mul_ps(lut, _mm512_set1_ps(s0)));
+        return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(lut, bf16_lanes(s1)), _mm512_mul_ps(lut, bf16_lanes(s0)));
 #endif
     const __m512i t0 = int4_table(lut, s0, 0), t1 = int4_table(lut, s1, 0); /* each twice over */
     return _mm512_inserti64x4(t0, _mm512_castsi512_si256(t1), 1);
@@ -179,6 +182,8 @@ INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, con
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F);
     const __m512i second = _mm512_set1_epi32(0x00100010);
     const int64_t nb = I / 32, half = I / 2;
+    const uint16_t *srow[8];
+    UNROLL for (int r = 0; r < R; r++) srow[r] = s + (o + r) * nb;
     __m512 acc[8][8];
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -190,8 +195,7 @@ INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, con
             if (r + 1 < R) { /* rows r and r + 1 share one table vector (a compile-time choice: R is constant) */
                 if ((b & 3) == 0) _mm_prefetch((const char *)(p + half + R * half), _MM_HINT_T0);
                 const __m512i bytes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + half)));
-                const __m512i tables = int4_tables2(lut, bf16_value(s[(o + r) * nb + b]),
-                                                    bf16_value(s[(o + r + 1) * nb + b]), normal);
+                const __m512i tables = int4_tables2(lut, srow[r][b], srow[r + 1][b], normal);
                 /* lane j: the low nibble of byte j in the low word, its high nibble in the high word; bit 4 of
                  * each word picks the row's half of the table vector */
                 const __m512i i0 = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
@@ -206,7 +210,7 @@ INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, con
                 /* lane j: byte j in the low word (vpermw reads its low 5 bits: the low nibble, and one bit that
                  * picks either copy of the table), byte j >> 4 in the high word */
                 const __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
-                const __m512i w = _mm512_permutexvar_epi16(idx, int4_table(lut, bf16_value(s[(o + r) * nb + b]), normal));
+                const __m512i w = _mm512_permutexvar_epi16(idx, int4_table(lut, srow[r][b], normal));
                 ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
                 vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w, top));
             }
