@@ -8,8 +8,9 @@
  * Each weight is decoded in registers and used for every token of the call; no decoded copy is kept.
  * Entry points: moeswap_quant_linear (one matrix) and, through moe.c, moeswap_quant_moe (a layer step's
  * experts); ops/expert_quant.py holds the contract and the plain-torch references.
- * x, y: fp32 row-major; x in natural column order for FP8, in `permuted` order (internal.h) for INT4. Every (row, token) sum runs in one order
- * whatever the number of tokens or rows in the tile, so a batched row gets the bits it gets alone.
+ * x, y: fp32 row-major; x in natural column order for FP8, in `permuted` order (internal.h) for INT4. Every
+ * (row, token) sum runs in one order whatever the number of tokens or rows in the tile, so a batched row gets
+ * the bits it gets alone.
  * AVX-512 (F + BW) builds decode in vectors; AVX2 and portable builds run the scalar tile (each build sums a
  * (row, token) in one order; slower).
  */
@@ -98,7 +99,8 @@ INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const
 /* FP8, x in natural order: 32 codes widened to 16-bit lanes become fp16 bits by shifts (exponent and mantissa
  * under fp16's: code * 2^-8 exactly, subnormal codes as fp16 subnormals, which the conversion to fp32 takes
  * exactly and at full speed), NaN codes (S.1111.111) fp16 NaN; then fp32, times s * 2^8 (one product rounded
- * once, as the published code * s; scales past 2^119 take two products, the first exact). */
+ * once, as the published code * s; scales past 2^119, whose 256-fold overflows, take two products, the first
+ * exact: chosen per row chunk). */
 INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const uint8_t *q, const float *s,
                      int64_t o, float *y, int64_t O, const int fold) {
     const int64_t nb = I / 32;
