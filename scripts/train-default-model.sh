@@ -7,7 +7,9 @@ set -euo pipefail
 WORK=${1:-runs/stdlib-k3}
 OUT=${2:-models/stdlib-k3}
 PY=${PY:-python}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# a fixed thread count (the run's sums, and so its loss curve, depend on it; --reproduce restores it) and
+# passive waiting: OpenMP's spinning threads slow a busy machine's run tenfold (docs/benchmarks.md)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 if [ -z "${RESUME:-}" ]; then
   $PY -m moeswap.stdlib_model prepare "$WORK"
   $PY -m moeswap train "$WORK/train.yaml"

@@ -83,6 +83,28 @@ def test_victim_skips_pinned():
     assert p.victim() == Key(0, 1)
 
 
+@pytest.mark.parametrize("name", ["lru", "lfu", "lfru", "static", "belady"])
+def test_a_run_of_victims_with_the_pins_set_aside_is_the_one_at_a_time_run(name):
+    """victim(pinned, aside) ... put_back(aside): the same victims as victim(pinned) each time, and
+    afterwards the pinned residents rank as before (ExpertStore's batched loads rely on it)."""
+    keys = [Key(0, e) for e in range(12)]
+    uses = [keys[i % 7] for i in range(40)] + keys
+    runs = []
+    for aside in (None, []):
+        p = make_policy(name, profile={k: k.expert % 5 for k in keys}, future=uses + uses)
+        for k in uses:
+            if k not in p._resident:
+                p.insert(k)
+            p.record(k)
+        pinned = {keys[0], keys[3], keys[8], keys[11]}
+        got = [p.victim(pinned) if aside is None else p.victim(pinned, aside) for _ in range(6)]
+        if aside is not None:
+            p.put_back(aside)
+            assert aside == []
+        runs.append(got + [p.victim() for _ in range(6)])  # the pinned ones are back in the running
+    assert runs[0] == runs[1] and set(runs[0][6:]) >= {keys[0], keys[3], keys[8], keys[11]}
+
+
 def brute_force_best(seq, slots) -> int:
     """Most hits any eviction choice achieves (exhaustive; tiny inputs only)."""
     best = 0

@@ -48,7 +48,7 @@ def test_segments_are_filled_from_their_offsets(data_file, native):
         for i in range(12):
             bufs = [torch.zeros(1000 + 37 * i, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8)]
             offsets = [4096 * i + 3, 2_000_000 + 11 * i]
-            pending = reads.read(list(zip([fd, fd], offsets, bufs)), finish=lambda err, b=bufs: (err, b),
+            pending = reads.read(list(zip([fd, fd], offsets, bufs)), finish=lambda err, bad, b=bufs: (err, b),
                                  urgent=i % 3 == 0, drop=i % 2 == 0)
             jobs.append((offsets, pending))
         for offsets, pending in jobs:
@@ -66,9 +66,9 @@ def test_a_read_past_the_end_reaches_finish_as_an_error(data_file, native):
     reads = make_reads(native)
     try:
         buf = torch.zeros(100, dtype=torch.uint8)
-        err = reads.read([(fd, data.numel() - 10, buf)], finish=lambda e: e).result()
+        err = reads.read([(fd, data.numel() - 10, buf)], finish=lambda e, bad: e).result()
         assert isinstance(err, OSError) and "shrank" in str(err)
-        err = reads.read([(-1, 0, buf)], finish=lambda e: e).result()  # a bad descriptor: errno's message
+        err = reads.read([(-1, 0, buf)], finish=lambda e, bad: e).result()  # a bad descriptor: errno's message
         assert isinstance(err, OSError) and "Bad file descriptor" in str(err)
     finally:
         reads.close()
@@ -80,7 +80,7 @@ def test_cancelled_reads_never_write_and_the_rest_complete(data_file, native):
     reads, gate, blocker = held_reader(native)
     try:
         bufs = [torch.full((1 << 20,), 7, dtype=torch.uint8) for _ in range(40)]
-        pendings = [reads.read([(fd, 4096 * i, b)], finish=lambda e: e) for i, b in enumerate(bufs)]
+        pendings = [reads.read([(fd, 4096 * i, b)], finish=lambda e, bad: e) for i, b in enumerate(bufs)]
         cancelled = [p.cancel() for p in reversed(pendings)][::-1]
         gate.set()
         blocker.result()
@@ -98,7 +98,7 @@ def test_cancelled_reads_never_write_and_the_rest_complete(data_file, native):
 def test_close_drops_queued_reads_with_an_error(data_file, native):
     fd, _ = data_file
     reads, gate, blocker = held_reader(native)
-    pendings = [reads.read([(fd, 0, torch.empty(1 << 20, dtype=torch.uint8))], finish=lambda e: e)
+    pendings = [reads.read([(fd, 0, torch.empty(1 << 20, dtype=torch.uint8))], finish=lambda e, bad: e)
                 for _ in range(30)]
     threading.Timer(0.05, gate.set).start()
     reads.close()

@@ -299,3 +299,17 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
     latent_calls.clear()
     _, small = decode_logits(LoadOptions(expert_memory=expert_bytes(store) // 2))
     assert small.can_evict and not calls and not latent_calls
+
+
+def test_bench_swap_takes_text_prompts(tiny_k3_dir, tmp_path, strict_json):
+    from moeswap.engine.tokenizer import load_tokenizer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(argv):\n\nclass Stack:\n")
+    out = tmp_path / "results"
+    assert main(["bench", "swap", str(tiny_k3_dir), "--budgets", "50", "--policies", "lru", "--max-tokens", "2",
+                 "--prompts", str(prompts), "--repeats", "1", "--warmup-tokens", "2", "--out-dir", str(out)]) == 0
+    r = strict_json(next(out.glob("swap-*.json")).read_text())
+    assert r["text_prompts"] is True
+    assert r["prompt_tokens"] == len(load_tokenizer(tiny_k3_dir).encode("def main(argv):"))
+    assert "text prompt" in next(out.glob("swap-*.md")).read_text()

@@ -65,3 +65,12 @@ def test_a_directory_without_sources_is_refused(tmp_path):
         corpus.collect(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         corpus.collect(tmp_path / "missing")
+
+
+def test_heldout_prompts_are_first_lines_of_heldout_defs_and_classes(tmp_path):
+    from moeswap.stdlib_model.recipe import write_prompts
+
+    (tmp_path / "corpus").mkdir()
+    pieces = ["x = 1\n", "def f(a):\n    return a\n", "class C:\n    pass\n", "def f(a):\n    pass\n", "import os\n"]
+    (tmp_path / "corpus" / corpus.EVAL_FILE).write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces))
+    assert write_prompts(tmp_path, count=5).read_text() == "def f(a):\nclass C:\n"

@@ -42,12 +42,15 @@ def _drop_page_cache(ckpt) -> None:
 
 def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_tokens: int = 8,
               max_tokens: int = 16, options: LoadOptions = LoadOptions(), cold: bool = True,
-              out_dir: str | Path = ".", repeats: int = 1, warmup_tokens: int = 24, log=print) -> dict:
+              out_dir: str | Path = ".", repeats: int = 1, warmup_tokens: int = 24, log=print,
+              prompts: list[str] | None = None) -> dict:
     """Every configuration `repeats` times, round-robin (so machine noise hits all alike); tokens/s is the
     median over rounds, hit rate and stall are those of the timed decode steps. Each run first generates
     `warmup_tokens` from another prompt with the same store (untimed), so the cache is measured warm, as
     in a server that has been running, not just filling up. `policies`: default every registered one;
-    `options`: how the model is loaded (its store's budget, policy and prefetch are what this varies)."""
+    `options`: how the model is loaded (its store's budget, policy and prefetch are what this varies).
+    `prompts`: texts for the timed, the profile and the warm-up prompt (cycled; encoded with the model's
+    tokenizer), real text where a trained model's routing matters; default seeded random tokens."""
     import statistics
 
     import torch
@@ -67,9 +70,16 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
     wdtype = next(model.parameters()).dtype
     keys = sorted(index.entries)
     vocab = config.vocab_size
-    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    profile_prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-    warmup_prompt = torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(2)).tolist()
+    if prompts:
+        from moeswap.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+        prompt, profile_prompt, warmup_prompt = (tok.encode(prompts[i % len(prompts)]) for i in range(3))
+        prompt_tokens = len(prompt)
+    else:
+        prompt, profile_prompt, warmup_prompt = (
+            torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(i)).tolist()
+            for i in range(3))
     gen_cfg = GenerationConfig(max_tokens=max_tokens, stop_ids=())
 
     def make(policy: str, budget: int, prefetch: str = "none", profile: str | None = None):
@@ -166,7 +176,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
 
     return {"bench": "swap", "model": str(model_dir), "experts": len(keys), "expert_bytes_total": total,
             "expert_bytes": expert_bytes, "form": "decoded" if options.decoded_experts else "mxfp4", "dtype": str(wdtype),
-            "cold_disk": cold, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "budgets": list(budgets),
+            "cold_disk": cold, "prompt_tokens": prompt_tokens, "text_prompts": bool(prompts), "max_tokens": max_tokens, "budgets": list(budgets),
             "policies": list(policies), "repeats": repeats, "warmup_tokens": warmup_tokens,
             "reference_tokens_per_s": reference,
             "baselines": rows[:2], "runs": rows[2:], "environment": environment()}
@@ -179,7 +189,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"Decode tokens/s on {Path(r['model']).name} ({r['experts']} experts, {r['expert_bytes_total'] / 2**20:.0f} MiB "
         f"as {r['form']}; {'cold' if r['cold_disk'] else 'warm'} disk; {r['max_tokens']} tokens after a "
-        f"{r['prompt_tokens']}-token prompt, cache warmed by {r['warmup_tokens']} tokens of another; torch threads {r['environment']['torch_threads']}; median of "
+        f"{r['prompt_tokens']}-token {'text' if r.get('text_prompts') else 'random'} prompt, cache warmed by {r['warmup_tokens']} tokens of another; torch threads {r['environment']['torch_threads']}; median of "
         f"{r['repeats']} round(s)). Cells: tokens/s · ratio to all-resident · decode hit rate · expert stall ms/token · "
         f"disk MB read per token.",
         "",
@@ -226,7 +236,10 @@ def add_parser(benches) -> None:
     b.add_argument("--budgets", default="10,25,50,100", help="fast-tier budgets in %% of expert bytes (default %(default)s)")
     b.add_argument("--policies", help="comma list of cache policies (default: every one, "
                                       "from experts/policy.py POLICIES)")
-    b.add_argument("--prompt-tokens", type=int, default=8)
+    b.add_argument("--prompt-tokens", type=int, default=8, help="random prompt tokens when no --prompts (default 8)")
+    b.add_argument("--prompts", metavar="FILE",
+                   help="text file, one prompt per line: the timed, profile and warm-up prompts (cycled), for real "
+                        "routing on a trained model (default: seeded random tokens)")
     b.add_argument("--max-tokens", type=int, default=16, help="decode steps timed per configuration (default 16)")
     b.add_argument("--repeats", type=int, default=3, help="rounds over all configurations; tokens/s is the median")
     b.add_argument("--warmup-tokens", type=int, default=24,
@@ -262,8 +275,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    from moeswap.trace_cmd import read_prompts
+
+    prompts = read_prompts(Path(args.prompts)) if args.prompts else None
     result = run_bench(args.model, budgets, policies, args.prompt_tokens, args.max_tokens, LoadOptions.from_args(args),
-                       not args.warm_disk, args.out_dir, args.repeats, args.warmup_tokens)
+                       not args.warm_disk, args.out_dir, args.repeats, args.warmup_tokens, prompts=prompts)
     result["elapsed_s"] = time.perf_counter() - t0
     report = format_report(result)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -66,7 +66,11 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     spare = 2 * config.moe.top_k * size(Key(*first))[0]
     disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache, spare_buffer_bytes=spare,
                           pin_background=device.type == "cuda")
+    # MXFP4 bytes kept on the CPU are the read buffer's views as they are: no form to make (and no per-load
+    # check that they already are one)
+    keep_as_read = device.type == "cpu" and packed and not options.decoded_experts
     fast = MemoryTier("fast", options.expert_memory if caching else 0, fast_cost,
+                      (lambda w: w) if keep_as_read else
                       partial(convert, decoded=options.decoded_experts, dtype=expert_dtype, device=device), device)
     tiers: list[Tier] = [fast]
     if caching and options.host_memory:

@@ -1,4 +1,5 @@
-/* native_reads.c: a pool of POSIX threads that read byte ranges of files into caller buffers.
+/* native_reads.c: a pool of POSIX threads that read byte ranges of files into caller buffers, and check
+ * what they read.
  *
  * Why C: a Python reader thread must take the GIL back after every read, and on a 2-core machine that
  * measured a 16-37 % slowdown of the model's own thread (which drops and retakes the GIL around every
@@ -6,10 +7,13 @@
  * the model's thread submits jobs and later polls or waits for them (experts/reads.py).
  *
  * A job is caller memory (a ctypes struct) that stays alive until it is done or cancelled. Jobs run
- * urgent queue first, each queue in order. Entry points: msw_reads_new / submit / cancel / done / wait /
- * free. */
+ * urgent queue first, each queue in order. A job may name up to MSW_CHECKS byte ranges of its buffer
+ * whose bytes must not exceed check_max (MXFP4's scale bytes): the thread that read it checks them, so
+ * the model's thread only looks at `bad`. Entry points: msw_reads_new / submit / submit_many / cancel /
+ * done / wait / free, and msw_read_now (the same read and check on the caller's thread). */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -17,6 +21,7 @@
 #include <unistd.h>
 
 enum { QUEUED = 0, RUNNING = 1, DONE = 2, CANCELLED = 3 };
+#define MSW_CHECKS 4
 
 typedef struct msw_job {
     int64_t fd, offset, nbytes;
@@ -24,7 +29,10 @@ typedef struct msw_job {
     int32_t drop;  /* after reading, drop these pages from the OS page cache (benchmarks' cold reads) */
     int32_t state;
     int32_t error; /* 0, an errno, or -1: the file ended before nbytes */
-    int32_t pad;
+    int32_t nchecks; /* ranges of dst to check after a good read (0..MSW_CHECKS) */
+    int64_t check_off[MSW_CHECKS], check_len[MSW_CHECKS];
+    int32_t check_max; /* every byte of those ranges must be <= this */
+    int32_t bad;       /* set by the reader: 1 when some byte is above check_max */
     struct msw_job *next;
 } msw_job;
 
@@ -83,6 +91,23 @@ static int read_all(msw_job *j) {
     return 0;
 }
 
+static void check(msw_job *j) {
+    int bad = 0;
+    for (int c = 0; c < j->nchecks && c < MSW_CHECKS && !bad; c++) {
+        const unsigned char *p = j->dst + j->check_off[c];
+        unsigned char top = 0;
+        for (int64_t i = 0; i < j->check_len[c]; i++) top = p[i] > top ? p[i] : top;
+        bad = top > j->check_max;
+    }
+    j->bad = bad;
+}
+
+static int read_and_check(msw_job *j) {
+    int error = read_all(j);
+    if (!error) check(j);
+    return error;
+}
+
 static void *worker(void *arg) {
     msw_reads *r = arg;
     pthread_mutex_lock(&r->lock);
@@ -93,7 +118,7 @@ static void *worker(void *arg) {
         if (!j) j = pop(&r->normal);
         j->state = RUNNING;
         pthread_mutex_unlock(&r->lock);
-        int error = read_all(j);
+        int error = read_and_check(j);
         pthread_mutex_lock(&r->lock);
         j->error = error;
         __atomic_store_n(&j->state, DONE, __ATOMIC_RELEASE);
@@ -126,6 +151,30 @@ void msw_reads_submit(void *handle, msw_job *j, int urgent) {
     push(urgent ? &r->urgent : &r->normal, j);
     pthread_cond_signal(&r->work);
     pthread_mutex_unlock(&r->lock);
+}
+
+/* The job's layout, which experts/reads.py's ctypes mirror checks before using the library. */
+int64_t msw_job_size(void) { return (int64_t)sizeof(msw_job); }
+int64_t msw_job_offset_bad(void) { return (int64_t)offsetof(msw_job, bad); }
+
+/* n jobs under one lock acquisition, in order (a layer step's reads). */
+void msw_reads_submit_many(void *handle, msw_job **jobs, int n, int urgent) {
+    msw_reads *r = handle;
+    pthread_mutex_lock(&r->lock);
+    for (int i = 0; i < n; i++) {
+        jobs[i]->state = QUEUED;
+        jobs[i]->error = 0;
+        push(urgent ? &r->urgent : &r->normal, jobs[i]);
+    }
+    pthread_cond_broadcast(&r->work);
+    pthread_mutex_unlock(&r->lock);
+}
+
+/* The read and its checks on the calling thread (a demand miss); returns and sets the job's error. */
+int msw_read_now(msw_job *j) {
+    j->error = read_and_check(j);
+    j->state = DONE;
+    return j->error;
 }
 
 /* 1: removed before it started (the caller may free it); 0: running or finished. */

@@ -42,8 +42,11 @@ class _Ranked:
             self._heap = list(self._entry.values())
             heapq.heapify(self._heap)
 
-    def pop_min(self, pinned: Container) -> Key | None:
-        skipped, found = [], None
+    def pop_min(self, pinned: Container, aside: list | None = None) -> Key | None:
+        """The lowest key not in `pinned`, removed. `aside`: leave the pinned entries skipped on the way
+        out of the heap, in that list, for `put_back` (a run of pops with the same pins then skips each
+        pinned entry once, not once per pop)."""
+        skipped, found = [] if aside is None else aside, None
         while self._heap:
             entry = heapq.heappop(self._heap)
             key = entry[2]
@@ -55,9 +58,15 @@ class _Ranked:
             del self._entry[key]
             found = key
             break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
+        if aside is None:
+            self.put_back(skipped)
         return found
+
+    def put_back(self, entries: list) -> None:
+        """Return entries pop_min left aside to the heap (those not superseded or removed meanwhile)."""
+        for entry in entries:
+            if self._entry.get(entry[2]) is entry:
+                heapq.heappush(self._heap, entry)
 
 
 class CachePolicy:
@@ -88,9 +97,17 @@ class CachePolicy:
         """`key` became resident (after a demand miss, or by prefetch before any demand)."""
         self._resident.set(key, self._priority(key))
 
-    def victim(self, pinned: Container = ()) -> Key | None:
-        """Remove and return the resident to evict, never one in `pinned`; None if there is none."""
-        return self._resident.pop_min(pinned)
+    def victim(self, pinned: Container = (), aside: list | None = None) -> Key | None:
+        """Remove and return the resident to evict, never one in `pinned`; None if there is none.
+        `aside` (a list): keep the pinned residents passed over out of the running until `put_back(aside)`,
+        for several evictions in a row with the same pins (ExpertStore.start_background_many); the victims
+        are the same as without it."""
+        return self._resident.pop_min(pinned, aside)
+
+    def put_back(self, aside: list) -> None:
+        """Ends a run of `victim(pinned, aside)` calls."""
+        self._resident.put_back(aside)
+        aside.clear()
 
     def _count(self, key: Key) -> None:
         raise NotImplementedError

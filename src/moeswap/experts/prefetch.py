@@ -30,10 +30,17 @@ class Prefetcher:
         """A guess of the experts `layer` will use in this step, best first."""
         store = self._store
         store.cancel_background(self._hinted)  # older guesses are for layers already computed
-        self._hinted = [k for k in store.note_hint(layer, expert_ids) if store.start_background(k, urgent=False)]
+        load = store.note_hint(layer, expert_ids)
+        if store.batch_loads:
+            self._hinted = store.start_background_many(load, urgent=False)
+        else:
+            self._hinted = [k for k in load if store.start_background(k, urgent=False)]
 
     def readahead(self, keys: Sequence[Key]) -> None:
         """The step being computed needs `keys`: load them before later hints."""
+        if self._store.batch_loads:
+            self._store.start_background_many(keys, urgent=True)
+            return
         for key in keys:
             self._store.start_background(key, urgent=True)
 

@@ -1,11 +1,13 @@
 """Background loads for the expert store: work that runs off the model's thread, and what is left of it.
 
 `Reads.read(segments, ...)` reads byte ranges of files into buffers on native threads (native_reads.c,
-compiled on first use) that never take the GIL; `Reads.call(fn)` runs any loader on a Python thread (the
-fallback when the C reader cannot be built, and for tiers that are not plain byte ranges). Both return a
-`Pending`: `ready()` never blocks, `result()` waits and then runs the caller's `finish` on the calling
-thread, so everything that touches Python objects (views, checks, the store's books) happens on the
-model's thread, and the reader threads only move bytes.
+compiled on first use) that never take the GIL, and checks the bytes it is told to (`Checks`: MXFP4's
+scale bytes); `read_many` submits a layer step's reads in one call. `Reads.call(fn)` runs any loader on a
+Python thread (the fallback when the C reader cannot be built, and for tiers that are not plain byte
+ranges). Both return a `Pending`: `ready()` never blocks, `result()` waits and then runs the caller's
+`finish` on the calling thread, so what touches Python objects (views, the store's books) happens on
+the model's thread, and the reader threads only move and check bytes. `read_now` does one read and its
+checks in C on the calling thread (a demand miss).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,44 +30,118 @@ SOURCE = Path(__file__).with_name("native_reads.c")
 # swap-bench decode with 1-6 threads was within its noise, 2 as good as any
 DEFAULT_THREADS = 2
 
-_CANCELLED = 3  # msw_job.state
+_DONE, _CANCELLED = 2, 3  # msw_job.state
+_CHECKS = 4  # MSW_CHECKS
 
 
 class _Job(ctypes.Structure):  # msw_job in native_reads.c
     _fields_ = [("fd", ctypes.c_int64), ("offset", ctypes.c_int64), ("nbytes", ctypes.c_int64),
                 ("dst", ctypes.c_void_p), ("drop", ctypes.c_int32), ("state", ctypes.c_int32),
-                ("error", ctypes.c_int32), ("pad", ctypes.c_int32), ("next", ctypes.c_void_p)]
+                ("error", ctypes.c_int32), ("nchecks", ctypes.c_int32),
+                ("check_off", ctypes.c_int64 * _CHECKS), ("check_len", ctypes.c_int64 * _CHECKS),
+                ("check_max", ctypes.c_int32), ("bad", ctypes.c_int32), ("next", ctypes.c_void_p)]
+
+
+class Checks(NamedTuple):
+    """Byte ranges (offset, length) of a read's buffer whose bytes must all be <= `max_byte`; the reader
+    checks them after the read (MXFP4's scale bytes: ExpertFormat.byte_checks)."""
+
+    ranges: tuple[tuple[int, int], ...]
+    max_byte: int
 
 
 _lib_lock = threading.Lock()
 _lib: list = []  # [the loaded library or None], once tried
 
 
-def native_library():
+class _Native:
+    """The compiled reader's functions. Those that can block (wait, free, a read on this thread) drop the
+    GIL (CDLL); the quick ones (submit, cancel, done: a mutex held only for queue operations) keep it
+    (PyDLL), since dropping and retaking it per call cost more than the call on a busy 2-core machine."""
+
+    def __init__(self, path: str):
+        blocking, quick = ctypes.CDLL(path), ctypes.PyDLL(path)
+        for name in ("msw_job_size", "msw_job_offset_bad"):
+            getattr(quick, name).restype, getattr(quick, name).argtypes = ctypes.c_int64, []
+        layout = (quick.msw_job_size(), quick.msw_job_offset_bad())
+        if layout != (ctypes.sizeof(_Job), _Job.bad.offset):
+            raise RuntimeError(f"msw_job is {layout[0]} bytes with `bad` at {layout[1]} in native_reads.c, "
+                               f"but {ctypes.sizeof(_Job)} and {_Job.bad.offset} in its ctypes mirror")
+        job_p = ctypes.POINTER(_Job)
+        self.new = blocking.msw_reads_new
+        self.new.restype, self.new.argtypes = ctypes.c_void_p, [ctypes.c_int]
+        self.wait = blocking.msw_reads_wait
+        self.wait.restype, self.wait.argtypes = None, [ctypes.c_void_p, job_p]
+        self.free = blocking.msw_reads_free
+        self.free.restype, self.free.argtypes = None, [ctypes.c_void_p]
+        self.read_now = blocking.msw_read_now
+        self.read_now.restype, self.read_now.argtypes = ctypes.c_int, [job_p]
+        self.submit = quick.msw_reads_submit
+        self.submit.restype, self.submit.argtypes = None, [ctypes.c_void_p, job_p, ctypes.c_int]
+        self.submit_many = quick.msw_reads_submit_many
+        self.submit_many.restype = None
+        self.submit_many.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int]
+        self.cancel = quick.msw_reads_cancel
+        self.cancel.restype, self.cancel.argtypes = ctypes.c_int, [ctypes.c_void_p, job_p]
+        self.done = quick.msw_reads_done
+        self.done.restype, self.done.argtypes = ctypes.c_int, [job_p]
+
+
+def native_library() -> _Native | None:
     """The compiled reader, or None where it cannot be built (a warning says why, once)."""
     with _lib_lock:
         if not _lib:
             from moeswap.ops.native_build import build
 
             try:
-                lib = ctypes.CDLL(str(build("native_reads", [SOURCE], flags=())))
-            except (OSError, RuntimeError) as err:
+                lib = _Native(str(build("native_reads", [SOURCE], flags=())))
+            except (OSError, RuntimeError, AttributeError) as err:
                 warnings.warn(f"moeswap: native expert reader unavailable, reading on Python threads: {err}",
                               RuntimeWarning, stacklevel=3)
                 lib = None
-            if lib is not None:
-                lib.msw_reads_new.restype = ctypes.c_void_p
-                lib.msw_reads_new.argtypes = [ctypes.c_int]
-                for name in ("msw_reads_submit", "msw_reads_cancel", "msw_reads_wait"):
-                    getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.POINTER(_Job)] + (
-                        [ctypes.c_int] if name == "msw_reads_submit" else [])
-                lib.msw_reads_submit.restype = None
-                lib.msw_reads_wait.restype = None
-                lib.msw_reads_done.argtypes = [ctypes.POINTER(_Job)]
-                lib.msw_reads_free.argtypes = [ctypes.c_void_p]
-                lib.msw_reads_free.restype = None
             _lib.append(lib)
         return _lib[0]
+
+
+_templates: dict[Checks, tuple[bytes, int]] = {}  # a job with these checks filled in, and their end
+
+
+def _job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None) -> _Job:
+    nbytes = buf.numel()
+    if checks is None:
+        return _Job(fd, offset, nbytes, buf.data_ptr(), int(drop))
+    template = _templates.get(checks)
+    if template is None:  # every expert of a model has the same checks: fill them in once (per load: a copy)
+        if len(checks.ranges) > _CHECKS:
+            raise ValueError(f"at most {_CHECKS} checked ranges per read, got {len(checks.ranges)}")
+        job = _Job()
+        for i, (o, n) in enumerate(checks.ranges):
+            if o < 0 or n < 0:
+                raise ValueError(f"checked range ({o}, {n}) must not be negative")
+            job.check_off[i], job.check_len[i] = o, n
+        job.nchecks, job.check_max = len(checks.ranges), checks.max_byte
+        template = _templates[checks] = (bytes(job), max((o + n for o, n in checks.ranges), default=0))
+    if template[1] > nbytes:
+        raise ValueError(f"checked ranges end at byte {template[1]}, outside a buffer of {nbytes} bytes")
+    job = _Job.from_buffer_copy(template[0])
+    job.fd, job.offset, job.nbytes, job.dst, job.drop = fd, offset, nbytes, buf.data_ptr(), int(drop)
+    return job
+
+
+def read_now(fd: int, offset: int, buf: torch.Tensor, checks: Checks | None = None) -> bool | None:
+    """Fill `buf` from `offset` of `fd` on this thread (OSError if the file ends first or the read
+    fails); returns whether a checked byte is over its limit (None: not checked, no native reader)."""
+    lib = native_library() if checks is not None else None
+    if lib is None:
+        pread_exactly(fd, buf, offset)
+        return None
+    job = _job(fd, offset, buf, False, checks)
+    error = lib.read_now(job)
+    if error == -1:
+        raise OSError(f"file shrank since open: expected {job.nbytes} bytes at offset {offset}")
+    if error:
+        raise OSError(error, os.strerror(error))
+    return bool(job.bad)
 
 
 Segment = tuple[int, int, torch.Tensor]  # (file descriptor, offset, uint8 CPU buffer to fill completely)
@@ -77,7 +154,9 @@ def pread_exactly(fd: int, buf: torch.Tensor, offset: int) -> None:
         raise OSError(f"file shrank since open: expected {buf.numel()} bytes at offset {offset}, got {done}")
 
 
-Finish = Callable[[OSError | None], object]  # the read's error (or None) -> the loaded value, or raises
+# (the read's error or None, whether a checked byte was over its limit: None when not checked) -> the loaded
+# value, or raises
+Finish = Callable[[OSError | None, bool | None], object]
 
 
 class Pending:
@@ -115,22 +194,31 @@ class Done(Pending):
 
 
 class _NativeRead(Pending):
-    def __init__(self, reads: Reads, segments: Sequence[Segment], drop: bool, urgent: bool, finish: Finish):
+    """One read's jobs on the native threads. `submit=False`: the caller submits them (read_many)."""
+
+    def __init__(self, reads: Reads, segments: Sequence[Segment], drop: bool, urgent: bool, finish: Finish,
+                 checks: Checks | None = None, submit: bool = True):
         self._reads, self._finish = reads, finish
         self._buffers = [buf for _, _, buf in segments]  # kept alive while C writes into them
-        self._jobs = [_Job(fd, offset, buf.numel(), buf.data_ptr(), int(drop)) for fd, offset, buf in segments]
-        for job in self._jobs:
-            reads._lib.msw_reads_submit(reads._handle, job, int(urgent))
+        if checks is not None and len(segments) != 1:
+            raise ValueError("checked reads have one segment")
+        self._checked = checks is not None
+        self._jobs = [_job(fd, offset, buf, drop, checks) for fd, offset, buf in segments]
+        if submit:
+            for job in self._jobs:
+                reads._lib.submit(reads._handle, job, int(urgent))
 
     def ready(self) -> bool:
-        return all(self._reads._lib.msw_reads_done(j) for j in self._jobs)
+        # a plain read of each job's state: result() still goes through the C atomic load before the bytes
+        jobs = self._jobs
+        return jobs[0].state >= _DONE if len(jobs) == 1 else all(j.state >= _DONE for j in jobs)
 
     def wait(self) -> None:
         if self._reads._handle is None:  # closed: every job is done or cancelled
             return
         for job in self._jobs:
-            if not self._reads._lib.msw_reads_done(job):
-                self._reads._lib.msw_reads_wait(self._reads._handle, job)  # ctypes drops the GIL meanwhile
+            if not self._reads._lib.done(job):
+                self._reads._lib.wait(self._reads._handle, job)  # ctypes drops the GIL meanwhile
 
     def result(self):
         self.wait()
@@ -142,17 +230,18 @@ class _NativeRead(Pending):
                 error = OSError(f"file shrank since open: expected {job.nbytes} bytes at offset {job.offset}")
             elif job.error:
                 error = OSError(job.error, os.strerror(job.error))
-        return self._finish(error)
+        bad = bool(self._jobs[0].bad) if self._checked and error is None else None
+        return self._finish(error, bad)
 
     def cancel(self) -> bool:
         if self._reads._handle is None:
             return False
-        removed = [bool(self._reads._lib.msw_reads_cancel(self._reads._handle, j)) for j in self._jobs]
+        removed = [bool(self._reads._lib.cancel(self._reads._handle, j)) for j in self._jobs]
         if all(removed):
             return True
         for job, gone in zip(self._jobs, removed):  # a few started: re-queue the rest (rare; keeps it simple)
             if gone:
-                self._reads._lib.msw_reads_submit(self._reads._handle, job, 0)
+                self._reads._lib.submit(self._reads._handle, job, 0)
         return False
 
     def __del__(self):  # never free memory a reader thread may still write into
@@ -255,7 +344,7 @@ class Reads:
         if threads < 1:
             raise ValueError(f"reader threads must be at least 1, got {threads}")
         self._lib = native_library() if native else None
-        self._handle = self._lib.msw_reads_new(threads) if self._lib is not None else None
+        self._handle = self._lib.new(threads) if self._lib is not None else None
         if self._lib is not None and not self._handle:
             raise MemoryError("cannot start the native expert reader")
         self._pool = _Pool(threads)
@@ -264,11 +353,13 @@ class Reads:
     def native(self) -> bool:
         return self._handle is not None
 
-    def read(self, segments: Sequence[Segment], finish: Finish, drop: bool = False, urgent: bool = False) -> Pending:
-        """Fill each segment's buffer from its file; `result()` returns finish(error or None).
-        drop: then drop those pages from the OS page cache."""
+    def read(self, segments: Sequence[Segment], finish: Finish, drop: bool = False, urgent: bool = False,
+             checks: Checks | None = None) -> Pending:
+        """Fill each segment's buffer from its file; `result()` returns finish(error or None, bad), bad saying
+        whether a byte in `checks` (one segment's) is over its limit, None where not checked (the Python
+        threads do not check: the caller does). drop: then drop those pages from the OS page cache."""
         if self.native:
-            return _NativeRead(self, segments, drop, urgent, finish)
+            return _NativeRead(self, segments, drop, urgent, finish, checks)
 
         def read_all() -> None:
             for fd, offset, buf in segments:
@@ -279,11 +370,24 @@ class Reads:
         def finish_call(_, error):
             if error is not None and not isinstance(error, OSError):
                 raise error
-            return finish(error)
+            return finish(error, None)
 
         call = _Call(read_all, finish_call, self._pool)
         self._pool.submit(call, urgent)
         return call
+
+    def read_many(self, reads: Sequence[tuple[Sequence[Segment], Finish, Checks | None]], drop: bool = False,
+                  urgent: bool = False) -> list[Pending]:
+        """`read` for each (segments, finish, checks), submitted to the native threads in one call and in
+        this order (a layer step's loads)."""
+        if not self.native:
+            return [self.read(segments, finish, drop, urgent, checks) for segments, finish, checks in reads]
+        pending = [_NativeRead(self, segments, drop, urgent, finish, checks, submit=False)
+                   for segments, finish, checks in reads]
+        jobs = [ctypes.addressof(job) for p in pending for job in p._jobs]
+        if jobs:
+            self._lib.submit_many(self._handle, (ctypes.c_void_p * len(jobs))(*jobs), len(jobs), int(urgent))
+        return pending
 
     def call(self, fn: Callable[[], object], urgent: bool = False) -> Pending:
         """fn() on a Python thread; `result()` returns its value or raises its error."""
@@ -301,5 +405,5 @@ class Reads:
         """Waits for reads in progress; queued ones are dropped (their result() raises)."""
         self._pool.close()
         if self._handle is not None:
-            self._lib.msw_reads_free(self._handle)
+            self._lib.free(self._handle)
             self._handle = None

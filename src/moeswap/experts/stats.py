@@ -8,6 +8,7 @@ and (later) the server export, `summary()` the one line the CLI prints.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 
 @dataclass
@@ -62,7 +63,7 @@ class StoreStats:
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
     graph: GraphStats = field(default_factory=GraphStats)
 
-    @property
+    @cached_property  # (the store counts into it on every hit and miss; tiers are fixed once made)
     def fast(self) -> TierStats:
         return next(iter(self.tiers.values()))
 

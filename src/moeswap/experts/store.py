@@ -5,8 +5,9 @@ host tier, then the checkpoint. A miss is read from the first tier below that ha
 promoted into every cache tier above, each evicting by its own CachePolicy within its byte budget.
 Experts of the layer step being computed and those hinted for the next layer are pinned: a prefetch
 never evicts them (a demand may, so nothing waits forever). With a prefetcher, reads run on background
-threads that only move bytes; the rest of a load (checks, the books, the copy up) happens on the model's
-thread, at its next fetch or when it needs that expert. An autograd graph keeps an expert for its
+threads that only move and check bytes, a layer step's (or a hint's) loads begun under one lock and
+submitted in one call (`start_background_many`); the rest of a load (views, the books, the copy up)
+happens on the model's thread, at its next fetch or when it needs that expert. An autograd graph keeps an expert for its
 backward only through `hold`, and only while the fast tier holds it: evicting it lets the graph's hold
 go, and the backward fetches it again, so graphs never keep bytes outside the budget. Knows nothing of
 models: the loader builds it with `experts.build.build_store`.
@@ -31,14 +32,15 @@ from moeswap.formats.checkpoint import Checkpoint
 
 class _Load:
     """One expert on its way into the fast tier. A background load has `pending` (its read, running on
-    the prefetcher's reader threads); the model's thread finishes it when it is needed or ready."""
+    the prefetcher's reader threads); the model's thread finishes it when it is needed or ready. `done`
+    once it is over (another thread's demand waits for that on the store's `_loaded` condition)."""
 
-    __slots__ = ("key", "need", "pending", "from_source", "background", "finished", "value", "error", "event")
+    __slots__ = ("key", "need", "pending", "from_source", "background", "done", "value", "error", "event")
 
     def __init__(self, key: Key, need: int):
-        self.key, self.need, self.finished = key, need, threading.Event()
+        self.key, self.need = key, need
         self.pending = None
-        self.from_source = self.background = False
+        self.from_source = self.background = self.done = False
         self.value = self.error = self.event = None
 
 
@@ -104,7 +106,15 @@ class ExpertStore:
         # False when the fast tier can hold every expert (build_store knows): then no eviction ever
         # asks the policy, and hits skip its books (~1 us each, 8-16 per layer step)
         self.can_evict = True
+        # True: a layer step's (or a hint's) background loads are begun under one lock and submitted to the
+        # readers in one call; False: one call each (the same decisions, kept as the oracle of tests/benches)
+        self.batch_loads = True
         self._lock = threading.RLock()
+        self._loaded = threading.Condition(self._lock)  # a load is done (for a demand on another thread)
+        self._waiting = 0  # demands waiting on _loaded
+        # a policy with CachePolicy's own victim() can take a run of evictions with the same pins at once
+        self._batch_victims = type(self.policies[0]).victim is CachePolicy.victim
+        self._aside: list | None = None  # pinned residents passed over in such a run
         self._reserved = [0] * (len(self.tiers) - 1)  # bytes promised to loads in flight, per cache tier
         self._inflight: dict[Key, _Load] = {}
         self._active: set[Key] = set()  # the layer step being computed
@@ -250,9 +260,12 @@ class ExpertStore:
         elif pending is not None:
             pending.wait()  # outside the lock: the read runs on a reader thread
         else:
-            load.finished.wait()  # another thread's demand for the same expert
+            with self._lock:  # another thread's demand for the same expert
+                self._waiting += 1
+                self._loaded.wait_for(lambda: load.done)
+                self._waiting -= 1
         with self._lock:
-            if not load.finished.is_set():
+            if not load.done:
                 self._finish(load)
             self.stats.stall_s += time.perf_counter() - t0
             if load.error is None:
@@ -292,6 +305,54 @@ class ExpertStore:
                 load.error = err
                 self._complete(load, None)
             return True
+
+    def start_background_many(self, keys, urgent: bool) -> list[Key]:
+        """start_background for each key in order, under one lock, with the reads of those the checkpoint
+        serves submitted to the readers in one call; returns the keys started."""
+        started, reads = [], []
+        with self._lock:
+            # the pins do not change in this loop: the fast tier's policy passes over each pinned resident
+            # once for all the evictions it makes room with (same victims as one at a time)
+            self._aside = [] if self._batch_victims else None
+            try:
+                self._begin_many(keys, started, reads)
+            finally:
+                if self._aside is not None:
+                    self.policies[0].put_back(self._aside)
+                    self._aside = None
+            if reads:
+                try:
+                    pendings = self.source.start_many([l.key for l in reads], self.prefetcher.reads, urgent)
+                except BaseException as err:  # e.g. the reader is closed: the demands will say so
+                    pendings = [err] * len(reads)
+                for load, pending in zip(reads, pendings):
+                    if isinstance(pending, BaseException):
+                        load.error = pending
+                        self._complete(load, None)
+                    else:
+                        load.pending = pending
+        return started
+
+    def _begin_many(self, keys, started: list[Key], reads: list[_Load]) -> None:
+        """Under the lock: start_background's checks and books for each key in order; the loads the
+        checkpoint must serve go to `reads`."""
+        for key in keys:
+            if key in self.fast or key in self._inflight:
+                continue
+            hint = self._hints.get(key.layer)
+            wanted = key in self._pending or (hint is not None and key in hint[2])
+            load = self._begin(key, strict=False) if wanted else None
+            if load is None:
+                self.stats.prefetch.dropped += 1
+                continue
+            load.background = True
+            started.append(key)
+            w = self._from_host(key)
+            if w is not None:
+                load.pending = Done(w)
+            else:
+                load.from_source = True
+                reads.append(load)
 
     def cancel_background(self, keys) -> None:
         """Drop the loads of `keys` that have not started reading (an older hint's)."""
@@ -333,8 +394,10 @@ class ExpertStore:
         """A demand miss: read on this thread, outside the lock."""
         t0 = time.perf_counter()
         try:
-            with self._lock:
-                w = self._from_host(load.key)
+            w = None
+            if len(self.tiers) > 2:
+                with self._lock:
+                    w = self._from_host(load.key)
             if w is None:
                 w = self._promote(load.key, self.source.get(load.key))
             load.value = self.fast.form(w)
@@ -385,7 +448,9 @@ class ExpertStore:
                 self._unused.add(key)
                 self.stats.prefetch.loaded += 1
         load.value = value
-        load.finished.set()
+        load.done = True
+        if self._waiting:
+            self._loaded.notify_all()
 
     def _from_host(self, key: Key) -> Weights | None:
         """Under the lock: the expert from a host tier between the fast tier and the checkpoint."""
@@ -422,7 +487,10 @@ class ExpertStore:
         demand goes over budget by that one load rather than wait."""
         tier, policy = self.tiers[i], self.policies[i]
         while tier.used + self._reserved[i] + need > tier.capacity:
-            victim = policy.victim(self._pins if i == 0 else ())
+            if i == 0 and self._aside is not None:
+                victim = policy.victim(self._pins, self._aside)
+            else:
+                victim = policy.victim(self._pins if i == 0 else ())
             if victim is None and strict and i == 0:
                 victim = policy.victim(())
             if victim is None:

@@ -3,8 +3,9 @@
 MemoryTier is accelerator memory (CUDA) or host memory (pinned when an accelerator is present); it keeps
 experts in its own form: the stored MXFP4 bytes (default) or decoded copies. CheckpointTier is the disk:
 the checkpoint itself, read per expert by byte range (pread), never a whole file; `start(key, reads)`
-begins such a read on the background reader threads. Tiers do no eviction: ExpertStore decides what
-goes where, under its lock.
+begins such a read on the background reader threads, `start_many(keys, reads)` a layer step's reads in
+one submission, and the reader threads check the bytes the format names (MXFP4's scale bytes). Tiers do
+no eviction: ExpertStore decides what goes where, under its lock.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import math
 import os
 import threading
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from moeswap.experts.buffers import BufferPool
 from moeswap.experts.keys import Key
-from moeswap.experts.reads import Pending, Reads, pread_exactly
+from moeswap.experts.reads import Checks, Pending, Reads, read_now
 from moeswap.experts.source import ExpertIndex, check_expert, load_expert
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
@@ -41,6 +42,16 @@ class Tier:
         """Begin loading `key` off the caller's thread; `result()` gives what get() would have."""
         return reads.call(partial(self.get, key), urgent)
 
+    def start_many(self, keys, reads: Reads, urgent: bool = False) -> list[Pending | BaseException]:
+        """`start` for each key, in order; a key that cannot start gets its error in its place."""
+        out: list[Pending | BaseException] = []
+        for key in keys:
+            try:
+                out.append(self.start(key, reads, urgent))
+            except BaseException as err:  # the demand for it will say so
+                out.append(err)
+        return out
+
     def evicted(self, w: Weights) -> None:
         """A cache tier above dropped `w` (what this tier gave it, perhaps): nothing to do here by default."""
 
@@ -49,10 +60,19 @@ def tensors_of(w: Weights) -> list[torch.Tensor]:
     return list(tensors(w).values())
 
 
-def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
-    """`w` in a tier's form: its stored MXFP4 bytes or decoded `dtype` weights, on `device` (pinned if asked);
-    the format of its form does it (ops.expert_format)."""
-    return w.fmt.convert(w, decoded, dtype, device, pin)
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _byte_shape(shape, dtype: torch.dtype) -> tuple[int, ...]:
+    """The uint8 shape of a tensor's bytes: its shape, the last dim times its item size."""
+    if dtype.itemsize == 1 or not shape:
+        return tuple(shape) if shape else (dtype.itemsize,)
+    return (*shape[:-1], shape[-1] * dtype.itemsize)
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,6 +83,25 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if raw.data_ptr() % dtype.itemsize:
         raw = raw.clone()
     return raw.view(dtype)
+
+
+class _Span(NamedTuple):
+    """An expert whose tensors sit together in one file: one read of [start, end) into one buffer."""
+
+    file: object
+    start: int
+    end: int
+    parts: tuple  # (field name, offset in the buffer, bytes, shape) per tensor
+    layout: tuple  # (field name, offset, shape) per tensor: experts laid out alike are checked once
+    checks: Checks | None  # what the reader checks of the bytes (the format's byte_limit)
+    strided: tuple  # (field name, offset, byte shape, contiguous strides, dtype) per tensor: its view of the buffer
+    nbytes: int  # the tensors' bytes (the span less any padding)
+
+
+def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
+    """`w` in a tier's form: its stored MXFP4 bytes or decoded `dtype` weights, on `device` (pinned if asked);
+    the format of its form does it (ops.expert_format)."""
+    return w.fmt.convert(w, decoded, dtype, device, pin)
 
 
 class MemoryTier(Tier):
@@ -126,90 +165,138 @@ class CheckpointTier(Tier):
         self._fd_lock = threading.Lock()
         self._checked_layouts: set = set()
         self._spans: dict = {}
+        self._stored: dict = {}  # key -> stored bytes (the disk counter's, asked on every read)
 
     def get(self, key: Key) -> Weights:
         span = self._span(key)
-        w = self._read_span(key, *span) if span else load_expert(self.ckpt, self.index, key.layer, key.expert,
-                                                                 self.dtype, decode=False)
-        self._check(key, w)
+        if span is None:
+            w, bad = load_expert(self.ckpt, self.index, key.layer, key.expert, self.dtype, decode=False), None
+        else:
+            w, bad = self._read_span(key, span)
+        if bad is not False:  # not checked by the reader, or it found a bad byte: say which tensor
+            self._check(key, w)
         if self.drop_page_cache:
             self._drop_pages(key)
         return w
 
     def start(self, key: Key, reads: Reads, urgent: bool = False) -> Pending:
         """An expert kept as its bytes (MXFP4) in one span is read by the reader threads straight into a pooled
-        buffer; its views and checks are made by whoever takes the result. Anything else loads whole on a thread."""
+        buffer, and its scale bytes checked there; its views are made by whoever takes the result. Anything
+        else loads whole on a thread."""
         span = self._span(key)
         if span is None:
             return super().start(key, reads, urgent)
-        file, start, end, parts = span
+        segments, finish, checks = self._read_job(key, span)
+        return reads.read(segments, finish, drop=self.drop_page_cache, urgent=urgent, checks=checks)
+
+    def start_many(self, keys, reads: Reads, urgent: bool = False) -> list[Pending | BaseException]:
+        """A layer step's reads: those of spans submitted to the reader threads in one call, in order."""
+        jobs, where, out = [], [], []
+        for key in keys:
+            span = self._span(key)
+            try:
+                if span is None:
+                    out.append(super().start(key, reads, urgent))
+                    continue
+                jobs.append(self._read_job(key, span))
+                where.append(len(out))
+                out.append(None)
+            except BaseException as err:  # the demand for it will say so
+                out.append(err)
+        for i, pending in zip(where, reads.read_many(jobs, drop=self.drop_page_cache, urgent=urgent)):
+            out[i] = pending
+        return out
+
+    def _read_job(self, key: Key, span: _Span):
+        """(segments, finish, checks) of one span's background read."""
         try:
-            fd = self._fd(file)
+            fd = self._fd(span.file)
         except OSError as err:
-            raise CheckpointError(f"{key}: cannot open {file}: {err}") from err
-        n = end - start
+            raise CheckpointError(f"{key}: cannot open {span.file}: {err}") from err
+        n = span.end - span.start
         buf = torch.empty(n, dtype=torch.uint8, pin_memory=True) if self.pin_background else self.buffers.take(n)
 
-        def finish(error: OSError | None) -> Weights:
+        def finish(error: OSError | None, bad: bool | None) -> Weights:
             if error is not None:
-                raise CheckpointError(f"{key}: cannot read its tensors from {file}: {error}") from error
-            w = self._views(buf, parts)
-            self._check(key, w)
+                raise CheckpointError(f"{key}: cannot read its tensors from {span.file}: {error}") from error
+            w = self._views(buf, span)
+            if bad is not False:  # not checked by the reader, or a bad byte: name the tensor
+                self._check(key, w)
             return w
 
-        return reads.read([(fd, start, buf)], finish, drop=self.drop_page_cache, urgent=urgent)
+        return [(fd, span.start, buf)], finish, span.checks
 
     def put(self, key: Key, weights: Weights) -> Weights:
         raise TypeError("the checkpoint tier is read-only")
 
     def evicted(self, w: Weights) -> None:
         """A cache tier dropped w: if it lives in one of our read buffers, the next read may reuse it."""
-        first = tensors_of(w)[0]
+        first = next(iter(tensors(w).values()))
         if first.device.type == "cpu":
             self.buffers.released(first)  # (nothing, for tensors that are not views of a read buffer)
 
     def stored_bytes(self, key: Key) -> int:
-        return self.index.stored_bytes(self.ckpt, key.layer, key.expert)
+        n = self._stored.get(key)
+        if n is None:
+            n = self._stored[key] = self.index.stored_bytes(self.ckpt, key.layer, key.expert)
+        return n
 
     def _check(self, key: Key, w: Weights) -> None:
         check_expert(self.ckpt, self.index, key.layer, key.expert, w)
 
-    def _span(self, key: Key):
-        """(file, start, end, parts) when the expert is kept as its stored bytes (MXFP4, FP8, INT4) and its tensors sit
-        together in one file (as published checkpoints store them): one pread into one buffer, which
-        eviction returns whole."""
+    def _span(self, key: Key) -> _Span | None:
+        """Where the expert is kept as its stored bytes (MXFP4, block FP8, INT4) and its tensors sit together in
+        one file (as published checkpoints store them): one pread into one buffer, which eviction returns whole."""
         if key in self._spans:
             return self._spans[key]
         infos = {(proj, kind): self.ckpt.info(name) for proj, kinds in self.index.names(*key).items()
                  for kind, name in kinds.items()}
         span = None
-        if self.index.format.keeps_bytes and len({i.file for i in infos.values()}) == 1:
+        fmt = self.index.format
+        if fmt.keeps_bytes and len({i.file for i in infos.values()}) == 1:
             start = min(i.offset for i in infos.values())
             end = max(i.offset + i.nbytes for i in infos.values())
             if end - start <= sum(i.nbytes for i in infos.values()) + (64 << 10):  # at most a little padding read
-                parts = {f"{proj}_{kind.removeprefix('weight_')}": (i.offset - start, i.nbytes, i.shape, i.dtype)
-                         for (proj, kind), i in infos.items()}
-                span = (next(iter(infos.values())).file, start, end, parts)
+                parts = tuple((f"{proj}_{kind.removeprefix('weight_')}", i.offset - start, i.nbytes, tuple(i.shape))
+                              for (proj, kind), i in infos.items())
+                dtypes = {f"{proj}_{kind.removeprefix('weight_')}": i.dtype for (proj, kind), i in infos.items()}
+                checks = None
+                if fmt.byte_limit is not None:
+                    suffix, limit = fmt.byte_limit
+                    checks = Checks(tuple((o, n) for name, o, n, _ in parts if name.endswith(suffix)), limit)
+                # the file as a str: it keys the descriptors, looked up on every read (a Path hashes in Python)
+                span = _Span(str(next(iter(infos.values())).file), start, end, parts,
+                             tuple((name, o, shape) for name, o, _, shape in parts), checks,
+                             tuple((name, o, _byte_shape(shape, dtypes[name]),
+                                    _contiguous_strides(_byte_shape(shape, dtypes[name])), dtypes[name])
+                                   for name, o, _, shape in parts),
+                             sum(n for _, _, n, _ in parts))
         self._spans[key] = span
         return span
 
-    def _read_span(self, key: Key, file, start: int, end: int, parts) -> Weights:
-        buf = self.buffers.take(end - start)
+    def _read_span(self, key: Key, span: _Span) -> tuple[Weights, bool | None]:
+        """The expert read on this thread, and whether a checked byte is bad (None: not checked)."""
+        buf = self.buffers.take(span.end - span.start)
         try:
-            pread_exactly(self._fd(file), buf, start)
+            bad = read_now(self._fd(span.file), span.start, buf, span.checks)
         except OSError as err:
-            raise CheckpointError(f"{key}: cannot read its tensors from {file}: {err}") from err
-        return self._views(buf, parts)
+            raise CheckpointError(f"{key}: cannot read its tensors from {span.file}: {err}") from err
+        return self._views(buf, span), bad
 
-    def _views(self, buf: torch.Tensor, parts) -> Weights:
-        views = {name: _typed(buf[o : o + n], dtype).view(shape) for name, (o, n, shape, dtype) in parts.items()}
-        layout = tuple((name, o, tuple(shape)) for name, (o, _, shape, _) in parts.items())
+    def _views(self, buf: torch.Tensor, span: _Span) -> Weights:
+        # one as_strided per tensor: a slice and a view cost twice as much, and this runs for every load
+        base = buf.storage_offset()
+        views = {name: _typed(buf.as_strided(shape, stride, base + o), dtype)
+                 for name, o, shape, stride, dtype in span.strided}
         # every expert has the same layout: check the first one fully
-        w = self.index.format.from_bytes(views, checked=layout in self._checked_layouts)
-        self._checked_layouts.add(layout)
+        checked = span.layout in self._checked_layouts
+        w = self.index.format.from_bytes(views, checked=checked, nbytes=span.nbytes)
+        if not checked:
+            self._checked_layouts.add(span.layout)
         return w
 
     def _fd(self, file) -> int:
+        file = file if type(file) is str else str(file)  # one key per file, however it is named
         fd = self._fds.get(file)
         if fd is None:
             with self._fd_lock:  # reader threads may open files too
@@ -222,7 +309,7 @@ class CheckpointTier(Tier):
         span = self._spans.get(key)
         if span:
             try:
-                os.posix_fadvise(self._fd(span[0]), span[1], span[2] - span[1], os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self._fd(span.file), span.start, span.end - span.start, os.POSIX_FADV_DONTNEED)
             except (AttributeError, OSError):
                 pass
             return

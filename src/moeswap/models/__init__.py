@@ -35,3 +35,15 @@ def routed_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     [F, I], w2 (down) [I, F], where I is the latent width when the MoE has one (K3), else the model width."""
     width, f = config.moe.latent_dim or config.hidden_size, config.moe.expert_dim
     return {"w1": (f, width), "w3": (f, width), "w2": (width, f)}
+
+
+def classify_name(checkpoint_map, name: str):
+    """A (prefix-stripped) checkpoint name through an architecture's CHECKPOINT_MAP, (pattern, target)
+    pairs, first match wins: ('expert' | 'skip' | the parameter's name, the match)."""
+    import re
+
+    for pattern, target in checkpoint_map:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return (target if target in ("expert", "skip") else m.expand(target)), m
+    raise AssertionError("CHECKPOINT_MAP ends with a catch-all")

@@ -19,6 +19,7 @@ import re
 import torch
 
 from moeswap.config import ModelConfig
+from moeswap.models import classify_name
 from moeswap.models.kimi_k3 import KimiModel
 
 # Checkpoint tensor name -> what it is (as kimi_k3.CHECKPOINT_MAP). First match wins.
@@ -53,12 +54,8 @@ def sanitize(param_name: str, tensor: torch.Tensor, config: ModelConfig) -> torc
 
 
 def classify(name: str) -> tuple[str, re.Match]:
-    """('expert'|'skip'|param name, match) of a checkpoint name through CHECKPOINT_MAP."""
-    for pattern, target in CHECKPOINT_MAP:
-        m = re.fullmatch(pattern, name)
-        if m:
-            return (target if target in ("expert", "skip") else m.expand(target)), m
-    raise AssertionError("CHECKPOINT_MAP ends with a catch-all")
+    """A (prefix-stripped) checkpoint name through CHECKPOINT_MAP: ('expert'|'skip'|param name, match)."""
+    return classify_name(CHECKPOINT_MAP, name)
 
 
 def published_name(param_name: str) -> str:

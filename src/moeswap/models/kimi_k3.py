@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moeswap.config import ModelConfig
+from moeswap.models import classify_name
 from moeswap.models.layers.attn_res import mix, score_vector
 from moeswap.models.layers.basic import FUSABLE, GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
@@ -192,9 +193,5 @@ def expert_name(layer: int, expert: int, proj: str) -> str:
 
 
 def classify(name: str) -> tuple[str, re.Match]:
-    """Map a (prefix-stripped) checkpoint name through CHECKPOINT_MAP: ('expert'|'skip'|param name, match)."""
-    for pattern, target in CHECKPOINT_MAP:
-        m = re.fullmatch(pattern, name)
-        if m:
-            return (target if target in ("expert", "skip") else m.expand(target)), m
-    raise AssertionError("CHECKPOINT_MAP ends with a catch-all")
+    """A (prefix-stripped) checkpoint name through CHECKPOINT_MAP: ('expert'|'skip'|param name, match)."""
+    return classify_name(CHECKPOINT_MAP, name)

@@ -381,6 +381,22 @@ class CpuKernels:
             self._fail(status, f"glu ({act}, {tuple(gate.shape)})")
         return out
 
+    def glu_backward(self, gate: torch.Tensor, up: torch.Tensor, d_out: torch.Tensor, act: str,
+                     situ_betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d gate, d up) of `glu` from its output's gradient, in one pass (fp32 CPU tensors of one shape)."""
+        if (not gate.shape == up.shape == d_out.shape
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (gate, up, d_out))):
+            raise ValueError(f"glu_backward: gate {tuple(gate.shape)}, up {tuple(up.shape)}, d_out "
+                             f"{tuple(d_out.shape)} (expected fp32 CPU tensors of one shape)")
+        gate, up, d_out = gate.contiguous(), up.contiguous(), d_out.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        status = self.lib.moeswap_glu_backward(gate.data_ptr(), up.data_ptr(), d_out.data_ptr(), dg.data_ptr(),
+                                               du.data_ptr(), gate.numel(), _act(act), float(situ_betas[0]),
+                                               float(situ_betas[1]), self._threads())
+        if status:
+            self._fail(status, f"glu_backward ({act}, {tuple(gate.shape)})")
+        return dg, du
+
     def bf16_mlp(self, x_TD: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor, act: str,
                  situ_betas: tuple[float, float]) -> torch.Tensor:
         """down(act(gate x) * up x) for fp32 x [T, D] and bf16 weights w_gu [2H, D] (gate rows, then up rows)

@@ -14,9 +14,15 @@ import torch
 from moeswap.formats import mx
 
 
+_TENSOR_FIELDS: dict[type, tuple[str, ...]] = {}  # class -> its init fields (dataclasses.fields is slow per call)
+
+
 def tensors(w) -> dict[str, torch.Tensor]:
     """The weight tensors of an expert by field name (what a tier moves, pins or frees)."""
-    return {f.name: getattr(w, f.name) for f in fields(w) if f.init}
+    names = _TENSOR_FIELDS.get(type(w))
+    if names is None:
+        names = _TENSOR_FIELDS[type(w)] = tuple(f.name for f in fields(w) if f.init)
+    return {name: getattr(w, name) for name in names}
 
 
 class _Format:
@@ -85,13 +91,12 @@ class MXFP4ExpertWeights:
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors(self).values())
 
     @classmethod
-    def unchecked(cls, **parts: torch.Tensor) -> MXFP4ExpertWeights:
+    def unchecked(cls, parts: dict[str, torch.Tensor], nbytes: int | None = None) -> MXFP4ExpertWeights:
         """Without __post_init__'s checks (~40 us): for tensors laid out exactly like ones that passed
-        them (the expert store's reads, whose layout it checked once)."""
+        them (the expert store's reads, whose layout it checked once). nbytes: theirs, if known."""
         w = cls.__new__(cls)
-        for name, t in parts.items():
-            setattr(w, name, t)
-        w.nbytes = sum(t.numel() for t in parts.values())  # all uint8
+        w.__dict__.update(parts)
+        w.nbytes = sum(t.numel() for t in parts.values()) if nbytes is None else nbytes  # all uint8
         return w
 
     fmt = _Format("MXFP4")

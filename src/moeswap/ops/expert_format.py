@@ -45,6 +45,9 @@ class ExpertFormat:
     main = "weight"  # the one that holds the weights (named in messages)
     ct_format: str | None = None  # compressed-tensors' name for it (MX formats)
     keeps_bytes = False  # an expert may be kept as its stored bytes (else decoded at read)
+    # (suffix, limit): in an expert kept as bytes, the tensors whose name ends in suffix must hold no byte
+    # above limit; that is all check_finite looks for, so a reader may check it on its own thread
+    byte_limit: tuple[str, int] | None = None
 
     def __repr__(self) -> str:
         return f"<{self.label} expert format>"
@@ -280,8 +283,9 @@ class _KeptBytes(FloatFormat):
         return self._kept({f"{proj}_{kind.removeprefix('weight_')}": read(n).to(device)
                            for proj, kinds in names.items() for kind, n in kinds.items()})
 
-    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool):
-        """An expert from views of one read buffer (experts.tiers: one-byte tensors as uint8)."""
+    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool, nbytes: int | None = None):
+        """An expert from views of one read buffer (experts.tiers: one-byte tensors as uint8, the others in their
+        dtype); the kept form counts its own bytes (INT4 leaves weight_shape out)."""
         return self._kept(views)
 
     def check_finite(self, w, names):
@@ -452,6 +456,7 @@ class MXFP4Format(_MXFormat):
     suffixes = frozenset({"weight_packed", "weight_scale"})
     main = "weight_packed"
     keeps_bytes = True
+    byte_limit = ("_scale", mxfp4.MAX_SCALE_BYTE)  # what check_finite checks of the kept form
 
     def dtypes_fit(self, dtypes):
         return True
@@ -474,10 +479,14 @@ class MXFP4Format(_MXFormat):
                  for proj, kinds in names.items() for kind, n in kinds.items()}
         return MXFP4ExpertWeights(**parts)
 
-    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool) -> MXFP4ExpertWeights:
+    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool,
+                   nbytes: int | None = None) -> MXFP4ExpertWeights:
         """An expert from views of one read buffer ({proj}_packed / {proj}_scale); `checked`: laid out
-        exactly like one that passed MXFP4ExpertWeights' checks."""
-        return MXFP4ExpertWeights.unchecked(**views) if checked else MXFP4ExpertWeights(**views)
+        exactly like one that passed MXFP4ExpertWeights' checks, and then `nbytes` (their bytes, if the
+        caller knows them) spares counting them."""
+        if checked:
+            return MXFP4ExpertWeights.unchecked(views, nbytes)
+        return MXFP4ExpertWeights(**views)
 
     def check_finite(self, w, names):
         """MXFP4 elements are always finite: a scale byte above mxfp4.MAX_SCALE_BYTE (its block can decode

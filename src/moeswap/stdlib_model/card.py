@@ -11,6 +11,7 @@ from pathlib import Path
 
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
+from moeswap.stdlib_model.recipe import PROMPTS_FILE
 
 RECORD = ("manifest.json", "loss.csv", "loss.png")
 
@@ -137,6 +138,7 @@ def publish(work: str | Path, out: str | Path) -> Path:
                 shutil.copy2(work / "trained" / name, tmp / name)
         shutil.copy2(work / "evaluation.json", tmp / "evaluation.json")
         shutil.copy2(work / "corpus" / "corpus.json", tmp / "corpus.json")
+        shutil.copy2(work / PROMPTS_FILE, tmp / PROMPTS_FILE)
         (tmp / "README.md").write_text(card_text(work, tmp))
     return out
 

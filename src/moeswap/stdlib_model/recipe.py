@@ -1,8 +1,8 @@
 """The steps that rebuild the default model from nothing but this interpreter and moeswap.
 
 `prepare(work)` writes work/corpus/ (corpus.py), work/base/ (a K3-layout model of init-tiny's "stdlib"
-size, random weights, its byte-level BPE trained on the corpus's train split) and work/train.yaml (the
-training run, relative paths). Then `moeswap train work/train.yaml` trains every weight (full mode, routed
+size, random weights, its byte-level BPE trained on the corpus's train split), work/train.yaml (the
+training run, relative paths) and work/heldout-prompts.txt (held-out openings for traces and benchmarks). Then `moeswap train work/train.yaml` trains every weight (full mode, routed
 experts included) and `moeswap quantize work/trained work/mxfp4 --experts mxfp4` stores the experts as
 MXFP4. scripts/train-default-model.sh runs all of it.
 """
@@ -17,15 +17,18 @@ from moeswap.stdlib_model import corpus
 SIZE = "stdlib"
 SEED = 0
 # The run: rows of 1024 tokens packed from whole pieces (a 2000-character piece is ~600 tokens; the rare
-# denser one is cut), 4 rows a step, AdamW with warm-up and cosine decay to a tenth. 1200 steps see ~4.9 M
-# tokens, about 1.6 passes over the train split, in ~1.5 h on 2 cores of this machine.
+# denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 200 steps see ~0.4 M
+# tokens, an eighth of the train split: what under an hour of this shared 2-core machine afforded on
+# 2026-12-01. MAX_STEPS is the knob for a longer run (the schedule follows it).
+MAX_STEPS = 200
 TRAIN = {
     "model": "base", "train_data": "corpus/train.jsonl", "eval_data": "corpus/eval.jsonl", "output": "trained",
-    "mode": "full", "seq_len": 1024, "truncate": True, "packing": "concat", "micro_batch": 4, "grad_accum": 1,
-    "lr": 1.5e-3, "min_lr_ratio": 0.1, "warmup_steps": 100, "weight_decay": 0.1, "betas": [0.9, 0.95],
-    "max_grad_norm": 1.0, "max_steps": 1200, "router_bias_rate": 1.0e-3, "eval_interval": 200,
-    "save_interval": 100, "keep_checkpoints": 2, "loss_chunk": 1024, "seed": SEED,
+    "mode": "full", "seq_len": 1024, "truncate": True, "packing": "concat", "micro_batch": 2, "grad_accum": 1,
+    "lr": 2.0e-3, "min_lr_ratio": 0.1, "warmup_steps": 20, "weight_decay": 0.1, "betas": [0.9, 0.95],
+    "max_grad_norm": 1.0, "max_steps": MAX_STEPS, "router_bias_rate": 1.0e-3, "eval_interval": 50,
+    "save_interval": 25, "keep_checkpoints": 2, "loss_chunk": 1024, "seed": SEED,
 }
+EVAL_PER_MILLE = 20  # ~2 % of the files held out: ~80 k tokens, a minute to evaluate
 
 
 def tokenizer_lines(train_jsonl: Path) -> list[str]:
@@ -39,8 +42,29 @@ def prepare(work: str | Path) -> Path:
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    corpus.write_corpus(work / "corpus")
+    corpus.write_corpus(work / "corpus", eval_per_mille=EVAL_PER_MILLE)
     write_tiny_model(work / "base", "kimi_k3", SIZE, seed=SEED, progress=True,
                      tokenizer_lines=tokenizer_lines(work / "corpus" / corpus.TRAIN_FILE))
     (work / "train.yaml").write_text(yaml.safe_dump(TRAIN, sort_keys=False))
+    write_prompts(work)
     return work
+
+
+PROMPTS_FILE = "heldout-prompts.txt"
+
+
+def write_prompts(work: str | Path, count: int = 16) -> Path:
+    """work/heldout-prompts.txt: the first line of the first `count` held-out pieces that open a def or a
+    class, one per line: real prompts the model never trained on (`moeswap trace`, `bench swap --prompts`)."""
+    work = Path(work)
+    lines = []
+    with open(work / "corpus" / corpus.EVAL_FILE, encoding="utf-8") as f:
+        for line in f:
+            first = json.loads(line)["text"].split("\n", 1)[0]
+            if first.startswith(("def ", "class ")) and first not in lines:
+                lines.append(first)
+            if len(lines) == count:
+                break
+    path = work / PROMPTS_FILE
+    path.write_text("".join(p + "\n" for p in lines), encoding="utf-8")
+    return path

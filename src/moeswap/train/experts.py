@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeswap.ops.activation import glu_reference
+from moeswap.ops.activation import glu
 from moeswap.ops.expert_format import PROJS
 
 
@@ -44,11 +44,14 @@ class TrainableExperts(nn.Module):
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         token_of = token_of.to(h_TI.device)
         x_PI = h_TI.index_select(0, token_of).split(counts)
+        # one unbind per projection: indexing the stacked weight per expert would give each expert's use a
+        # backward that zero-fills and adds a whole [E, ., .] gradient (E times the work)
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
         ys = []
         for i, e in enumerate(unique_ids):
             x = x_PI[i]
-            h = glu_reference(self.act, x @ self.w1[e].T, x @ self.w3[e].T, self.situ_betas)
-            ys.append(h @ self.w2[e].T)
+            h = glu(self.act, x @ w1[e].T, x @ w3[e].T, self.situ_betas)
+            ys.append(h @ w2[e].T)
         y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
         acc = torch.promote_types(h_TI.dtype, torch.float32)
         contrib_PI = y_PI.to(acc) * weights.to(device=h_TI.device, dtype=acc)[:, None]

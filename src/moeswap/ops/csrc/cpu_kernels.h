@@ -176,6 +176,8 @@ int moeswap_mla_decode(const float *q, const float *latent, int64_t cap, const i
 
 /* ---- glue.c: norms, the AttnRes mix, the router, gated activations, the MLA output gate ---- */
 int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2, int nthreads);
+int moeswap_glu_backward(const float *g, const float *u, const float *dout, float *dg, float *du, int64_t n, int act,
+                         float b1, float b2, int nthreads);
 int moeswap_rms_norm(const float *x, int64_t N, int64_t D, const float *w, float eps, float *y, int nthreads);
 int moeswap_res_mix(const float *const *src, int S, int64_t N, int64_t D, const float *score, float eps,
                     float *out, int nthreads);

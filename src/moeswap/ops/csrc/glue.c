@@ -66,6 +66,36 @@ int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, 
     return 0;
 }
 
+/* The gradient of moeswap_glu for training: from dout, the gate's and the up half's gradients (dg, du),
+ * recomputing the activation's parts from g and u instead of keeping them. silu: dg = dout u s (1 + g (1 - s)),
+ * du = dout g s with s = sigmoid(g); SiTU with A = b1 tanh(g/b1) s, B = b2 tanh(u/b2):
+ * dg = dout B ((1 - tanh^2(g/b1)) s + A (1 - s)), du = dout A (1 - tanh^2(u/b2)). */
+int moeswap_glu_backward(const float *g, const float *u, const float *dout, float *dg, float *du, int64_t n, int act,
+                         float b1, float b2, int nthreads) {
+    if (n < 0 || (act != 0 && act != 1)) return 1;
+    const int64_t span = 16384;
+    const int64_t spans = (n + span - 1) / span;
+    #pragma omp parallel for num_threads(spans > 1 ? nthreads : 1) schedule(static)
+    for (int64_t sp = 0; sp < spans; sp++) {
+        const int64_t o = sp * span, m = n - o < span ? n - o : span;
+        #pragma omp simd
+        for (int64_t i = o; i < o + m; i++) {
+            const float gv = g[i], uv = u[i], d = dout[i], s = act_sigmoid(gv);
+            if (act == 0) {
+                const float silu = gv * s;
+                dg[i] = d * uv * s * (1.0f + gv * (1.0f - s));
+                du[i] = d * silu;
+            } else {
+                const float tg = act_tanh(gv / b1), tu = act_tanh(uv / b2);
+                const float A = b1 * tg * s, B = b2 * tu;
+                dg[i] = d * B * ((1.0f - tg * tg) * s + A * (1.0f - s));
+                du[i] = d * A * (1.0f - tu * tu);
+            }
+        }
+    }
+    return 0;
+}
+
 /* Rows at once are worth a fork/join only when there is this much work. */
 #define GLUE_PARALLEL_ELEMENTS (1 << 16)
 
