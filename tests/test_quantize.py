@@ -1,5 +1,6 @@
 """`moeswap quantize`: bf16, block-FP8 and MXFP4 sources become MXFP4/MXFP8 checkpoints that moeswap and
-compressed-tensors both load and decode to the same bits; the error report; failures leave nothing."""
+compressed-tensors both load and decode to the same bits; block-FP8 experts from bf16, INT4 and block-FP8
+sources; the error report; failures leave nothing."""
 
 from __future__ import annotations
 
@@ -446,3 +447,48 @@ def test_non_finite_mx_source_is_refused(tiny_k3_dir, copy_model, tmp_path):
                                                   rf"values \(32 NaN, 0 infinite\)"):
             quantize(src, tmp_path / fmt, QuantizeOptions(fmt))
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_experts_to_block_fp8_from_bf16_int4_and_block_fp8(tmp_path):
+    """--experts fp8: a bf16 DeepSeek-V3 gets block-FP8 experts that are fp8_block.encode of its weights, DeepSeek's
+    quantization_config, and loads as FP8 experts kept in their bytes whose logits stay near the source's;
+    an INT4 source converts from its decoded values; a block-FP8 source is copied byte for byte, its block-FP8
+    dense weights too."""
+    from moeswap.ops.expert import FP8ExpertWeights
+    from moeswap.tiny import write_tiny_model
+
+    src = write_tiny_model(tmp_path / "bf16", "deepseek_v3", "tiny", seed=0)
+    report = quantize(src, tmp_path / "fp8", QuantizeOptions("fp8"))
+    assert report["format"] == "fp8 block 128x128" and report["summary"]["copied"] == 0
+    assert 0 < report["summary"]["max_rel_error"] < 0.05 and not report["dequantized_to_bf16"]
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "fp8" and cfg["weight_block_size"] == [128, 128]
+    name = "model.layers.1.mlp.experts.2.down_proj"
+    with Checkpoint.open(src) as a, Checkpoint.open(tmp_path / "fp8") as b:
+        q, s = fp8_block.encode(a.read(name + ".weight"))
+        assert torch.equal(bits(b.read(name + ".weight")), bits(q)) and torch.equal(b.read(name + ".weight_scale_inv"), s)
+        dense = "model.layers.1.self_attn.q_a_proj.weight"
+        assert torch.equal(bits(b.read(dense)), bits(a.read(dense)))  # non-expert weights as they were
+    # the experts computed from their bytes give the logits of the same experts decoded (the weights' error
+    # itself is the report's; a random tiny model's routing magnifies it in the logits)
+    logits = []
+    for decoded in (False, True):
+        model, store = load_model(tmp_path / "fp8", LoadOptions(dtype="float32", decoded_experts=decoded))
+        assert isinstance(store.fetch(1, [2])[0], FP8ExpertWeights) != decoded
+        with torch.no_grad():
+            logits.append(model(torch.arange(10).unsqueeze(0)))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5 * logits[1].abs().max().item())
+
+    int4_src = write_tiny_model(tmp_path / "int4", "deepseek_v3", "tiny", seed=0, quant="int4")
+    report = quantize(int4_src, tmp_path / "int4-fp8", QuantizeOptions("fp8"))
+    assert {r["source"] for r in report["tensors"]} == {"int4"} and report["summary"]["encoded"] > 0
+    with Checkpoint.open(int4_src) as a, Checkpoint.open(tmp_path / "int4-fp8") as b:
+        w = ct.decode_weight("int4", {k: a.read(f"{name}.{k}") for k in ct.stored_names("int4")}, torch.float32)
+        assert torch.equal(bits(b.read(name + ".weight")), bits(fp8_block.encode(w)[0]))
+
+    fp8_src = write_tiny_model(tmp_path / "ds-fp8", "deepseek_v3", "tiny", seed=0, quant="fp8")
+    report = quantize(fp8_src, tmp_path / "copy", QuantizeOptions("fp8"))
+    assert report["summary"]["encoded"] == 0 and not report["dequantized_to_bf16"]
+    with Checkpoint.open(fp8_src) as a, Checkpoint.open(tmp_path / "copy") as b:
+        assert sorted(a.names()) == sorted(b.names())
+        assert all(torch.equal(bits(a.read(n)), bits(b.read(n))) for n in a.names())

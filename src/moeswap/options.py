@@ -62,8 +62,8 @@ class LoadOptions:
                 "none keeps no cache and reads every expert from disk every time", choices=_policy_choices)
     prefetch: str = _option("none", "next-layer: guess the next layer's experts with its router and load them "
                                     "while this layer computes", choices=PREFETCH_MODES)
-    decoded_experts: bool = _option(False, "keep decoded copies in the fast tier instead of the stored MXFP4 "
-                                           "bytes (4.25 bits)", kind="bool")
+    decoded_experts: bool = _option(False, "keep decoded copies in the fast tier instead of the stored MXFP4, "
+                                           "block-FP8 or INT4 bytes", kind="bool")
     expert_profile: str | None = _option(None, "routing trace (moeswap trace) for --expert-policy static",
                                          metavar="TRACE")
     # benchmarks: every disk read comes from the device, not the OS page cache

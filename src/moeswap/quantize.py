@@ -1,11 +1,13 @@
-"""`moeswap quantize SRC DST --experts mxfp4|mxfp8 [--mode even|floor|rceil]`: re-store a checkpoint's
-routed experts as compressed-tensors MXFP4 or MXFP8 and report the error that introduces.
+"""`moeswap quantize SRC DST --experts mxfp4|mxfp8|int4|fp8 [--mode even|floor|rceil]`: re-store a checkpoint's
+routed experts as compressed-tensors MXFP4, MXFP8 or INT4, or as DeepSeek block FP8, and report the error that
+introduces.
 
 Streams shard by shard, tensor by tensor (each tensor is read with pread, converted if it is an expert
 weight, written and dropped: peak memory is about one tensor), into a temporary sibling renamed to DST
 only when everything is written, so a failure leaves no output. A source value that is NaN or infinite
 is refused, naming the tensor. Sources: bf16/fp16/fp32, DeepSeek block FP8 (non-expert FP8 weights are
-written dequantised to bf16) and compressed-tensors MX (same-format experts are copied byte for byte).
+written dequantised to bf16, or copied when the target is block FP8) and compressed-tensors MX or INT4
+(same-format experts are copied byte for byte).
 Entry points: `quantize(src, dst, QuantizeOptions)` and `compare_models` (logit error).
 """
 
@@ -40,11 +42,22 @@ from moeswap.ops.expert_format import ExpertFormat
 EXPERT_PATTERN = r"(?:.*\.)?experts\.\d+\.(?:w[123]|gate_proj|up_proj|down_proj)"
 REPORT_NAME = "quantization_report.json"
 DENSE_DTYPE = torch.bfloat16  # what quantised non-expert weights (block FP8) are written as
+FP8 = "fp8"  # --experts fp8: DeepSeek block FP8 (not a compressed-tensors format)
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+EXPERT_CHOICES = (*ct.FORMATS, FP8)
+
+
+def _short(fmt: str) -> str:
+    return FP8 if fmt in (FP8, "fp8_block") else ct.short_name(fmt)
+
+
+def _label(fmt: str) -> str:
+    return "fp8 block 128x128" if fmt == FP8 else ct.FORMATS[fmt]
 
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    experts: str = "mxfp4"  # mxfp4 | mxfp8 (or the compressed-tensors format names)
+    experts: str = "mxfp4"  # mxfp4 | mxfp8 | int4 (or the compressed-tensors format names) | fp8 (block FP8)
     mode: str = "even"  # block exponent: even (compressed-tensors) | floor (OCP spec) | rceil
     expert_pattern: str = EXPERT_PATTERN  # full-match regex on module names
     progress: bool = False
@@ -52,7 +65,7 @@ class QuantizeOptions:
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOptions = QuantizeOptions()) -> dict:
     """Writes DST and returns the report (also saved as DST/quantization_report.json)."""
-    fmt = ct.short_name(options.experts)
+    fmt = _short(options.experts)
     mx.check_mode(options.mode)
     try:
         pattern = re.compile(options.expert_pattern)
@@ -69,7 +82,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
             report = plan.write(tmp, options)
             report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
             with writing(tmp / "config.json"):
-                _write_config(tmp, raw, ct.quantization_config(fmt, plan.ignore))
+                _write_config(tmp, raw, dict(FP8_CONFIG) if fmt == FP8 else ct.quantization_config(fmt, plan.ignore))
             copy_side_files(extra_files, tmp)
             with writing(tmp / REPORT_NAME):
                 (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
@@ -85,7 +98,7 @@ class _Unit:
     """Source tensors that become output tensors together: one passthrough tensor or one module."""
 
     outputs: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # output name -> spec
-    action: str  # "copy" | "encode" | "dequantize"
+    action: str  # "copy" | "keep" (a quantised non-expert module already in the target format) | "encode" | "dequantize"
     weight: StoredWeight | None = None
 
 
@@ -93,7 +106,7 @@ class _Plan:
     def __init__(self, ckpt: Checkpoint, declared: Declared, fmt: str, shards: dict[str, list[_Unit]],
                  ignore: list[str], experts: int):
         self.ckpt, self.declared, self.fmt, self.shards, self.ignore = ckpt, declared, fmt, shards, ignore
-        self.target = expert_format.FORMATS[fmt]  # what the experts are written as
+        self.target = _target(fmt)  # what the experts are written as
         self.expert_count = experts
 
     @classmethod
@@ -122,7 +135,7 @@ class _Plan:
                 if module in placed:
                     continue
                 placed.add(module)
-                units.append(cls._module_unit(ckpt, weights[module], module in experts, expert_format.FORMATS[fmt]))
+                units.append(cls._module_unit(ckpt, weights[module], module in experts, _target(fmt)))
         dense_2d = [m for m, w in weights.items() if m not in experts and len(w.shape(ckpt)) == 2]
         ignore = ct.ignore_patterns(dense_2d)
         caught = sorted(m for m in experts if ct.matches(m, ignore))
@@ -133,6 +146,8 @@ class _Plan:
 
     @staticmethod
     def _module_unit(ckpt: Checkpoint, weight: StoredWeight, is_expert: bool, target: ExpertFormat) -> _Unit:
+        if not is_expert and weight.format is target:  # block FP8 into block FP8: the config still declares it
+            return _Unit({n: (ckpt.info(n).dtype, ckpt.info(n).shape) for n in weight.tensors.values()}, "keep", weight)
         if not is_expert:  # a quantised dense weight: written dequantised (the new config leaves it unquantised)
             return _Unit({f"{weight.module}.weight": (DENSE_DTYPE, weight.shape(ckpt))}, "dequantize", weight)
         if weight.format is target:  # already in the target format: keep the shipped codes
@@ -161,7 +176,8 @@ class _Plan:
         bar.close()
         with writing(out / INDEX_NAME):
             write_index(out, weight_map, total)
-        return _report(rows, dequantized, self.fmt, options.mode, self.ckpt.total_bytes, total)
+        return _report(rows, dequantized, self.fmt, options.mode if self.fmt != FP8 else "amax/448",
+                       self.ckpt.total_bytes, total)
 
     def _produce(self, specs, by_output: dict[str, _Unit], options: QuantizeOptions, rows: list,
                  bar) -> Iterator[tuple[str, torch.Tensor]]:
@@ -184,6 +200,11 @@ class _Plan:
             rows.append({"name": weight.module, "shape": list(weight.shape(self.ckpt)), "source": weight.kind,
                          "action": "copied", "rel_error": 0.0, "max_abs_error": 0.0})
             bar.update()
+            tensors = {n: self.ckpt.read(n) for n in unit.outputs}
+            self._check_finite(weight.format.decode({n.rpartition(".")[2]: t for n, t in tensors.items()},
+                                                    torch.float32), decoded)
+            return tensors
+        if unit.action == "keep":
             tensors = {n: self.ckpt.read(n) for n in unit.outputs}
             self._check_finite(weight.format.decode({n.rpartition(".")[2]: t for n, t in tensors.items()},
                                                     torch.float32), decoded)
@@ -225,8 +246,14 @@ class _Plan:
                               f"source checkpoint is damaged: re-download or re-convert it (nothing was written)")
 
 
+def _target(fmt: str) -> ExpertFormat:
+    return expert_format.FP8_BLOCK if fmt == FP8 else expert_format.FORMATS[fmt]
+
+
 def _check_expert_shape(ckpt: Checkpoint, weight: StoredWeight, target: ExpertFormat) -> None:
     shape = weight.shape(ckpt)
+    if target is expert_format.FP8_BLOCK and len(shape) == 2:  # any shape: edge blocks are partial
+        return
     if len(shape) != 2 or shape[1] % mx.BLOCK:
         raise ValueError(f"routed expert {weight.module}: shape {list(shape)} cannot be stored as "
                          f"{target.ct_format}: the input (last) dim must be a multiple of {mx.BLOCK}")
@@ -249,7 +276,7 @@ def _report(rows: list[dict], dequantized: list[str], fmt: str, mode: str, bytes
         summary.update(mean_rel_error=sum(r["rel_error"] for r in encoded) / len(encoded),
                        max_rel_error=worst["rel_error"], worst_tensor=worst["name"],
                        max_abs_error=max(r["max_abs_error"] for r in encoded))
-    return {"format": ct.FORMATS[fmt], "mode": mode, "summary": summary,
+    return {"format": _label(fmt), "mode": mode, "summary": summary,
             "dequantized_to_bf16": dequantized, "tensors": rows}
 
 
@@ -344,10 +371,12 @@ def compare_models(reference: str | os.PathLike, candidate: str | os.PathLike, t
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("quantize", help="store a checkpoint's routed experts as MXFP4 or MXFP8 (+ error report)")
+    p = subparsers.add_parser("quantize", help="store a checkpoint's routed experts as MXFP4, MXFP8, INT4 or block FP8 "
+                                               "(+ error report)")
     p.add_argument("src", help="model directory (bf16, block-FP8 or compressed-tensors checkpoint)")
     p.add_argument("dst", help="output directory (must not exist or be empty)")
-    p.add_argument("--experts", required=True, choices=tuple(ct.FORMATS), help="format of the routed experts")
+    p.add_argument("--experts", required=True, choices=EXPERT_CHOICES,
+                   help="format of the routed experts (fp8: DeepSeek block FP8, E4M3 with fp32 scales per 128x128)")
     p.add_argument("--mode", default="even", choices=mx.MODES,
                    help="block scale rule: even (compressed-tensors, default), floor (OCP spec), rceil (never clips)")
     p.add_argument("--expert-pattern", default=EXPERT_PATTERN, help="regex matching routed-expert module names")

@@ -34,3 +34,13 @@ def test_tiny_kernel_bench_reports_every_variant(tmp_path, monkeypatch, capsys, 
     assert g["fraction_of_read_bandwidth"] == pytest.approx(g["packed_GBps"] / r["bandwidth"]["read_GBps"])
     assert g["met"] == (g["fraction_of_read_bandwidth"] >= 0.5)
     assert "goal:" in md and "| tokens |" in md and f"(target >= 50%: {'met' if g['met'] else 'NOT met'})" in md
+    # block FP8 and INT4: their direct kernels over their own stored bytes, each with its goal line
+    assert {"fp8 direct (cpu_c)", "int4 direct (cpu_c)"} <= variants
+    assert r["expert"]["stored_bytes"] == {"mxfp4": packed, "fp8": 3 * 64 * 96 + 3 * 4,  # one partial scale block each
+                                           "int4": 3 * 64 * 96 // 2 + 3 * 2 * 64 * 96 // 32}
+    for kind, fg in r["format_goals"].items():
+        row = next(row for row in r["rows"] if row["tokens"] == 1 and row["variant"] == f"{kind} direct (cpu_c)")
+        assert row["bytes_per_call"] == fg["stored_bytes"] == r["expert"]["stored_bytes"][kind]
+        assert fg["fraction_of_read_bandwidth"] == pytest.approx(row["GBps"] / r["bandwidth"]["read_GBps"])
+        assert fg["met"] == (fg["fraction_of_read_bandwidth"] >= 0.5)
+        assert f"goal: {kind} direct (cpu_c) at 1 token" in md

@@ -1,6 +1,6 @@
 """DeepSeek-V3 checkpoints beyond the float parity: init-tiny's block-FP8 layout loads to the decoded
-values (dense at load, routed experts through the store's FP8_BLOCK format, also under an evicting
-cache), the multi-token-prediction layer is skipped, and malformed FP8 tensors fail naming the tensor."""
+values (dense at load; routed experts kept as their stored bytes by the store's FP8_BLOCK format, computing
+from them, also under an evicting cache), the multi-token-prediction layer is skipped, and malformed FP8 tensors fail naming the tensor."""
 
 import shutil
 
@@ -13,6 +13,8 @@ from moeswap.formats.files import read_json
 from moeswap.jsonio import dumps
 from moeswap.models import deepseek_v3
 from moeswap.models.loader import LoadOptions, load_model
+from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
+from moeswap.experts.keys import Key
 from moeswap.tiny import write_tiny_model
 
 
@@ -39,15 +41,18 @@ def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny):
         assert ckpt.info("lm_head.weight").dtype == torch.bfloat16  # not quantised, as published
         layer = next(i for i, k in enumerate(model.config.mlp_kinds) if k == "moe")
         (expert,) = store.fetch(layer, [5])
-        for proj, field in (("gate_proj", "w1_FI"), ("up_proj", "w3_FI"), ("down_proj", "w2_IF")):
+        assert isinstance(expert, FP8ExpertWeights)  # kept as stored: a cached expert costs its stored bytes
+        assert expert.nbytes == store.source.stored_bytes(Key(layer, 5))
+        for proj, mat in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
             want = _decoded(ckpt, f"model.layers.{layer}.mlp.experts.5.{proj}")
-            assert torch.equal(getattr(expert, field), want), proj
+            assert torch.equal(getattr(expert, f"{mat}_weight").view(torch.uint8),
+                               ckpt.read(f"model.layers.{layer}.mlp.experts.5.{proj}.weight").view(torch.uint8))
+            assert torch.equal(expert.fmt.weight(expert, mat, torch.float32), want), proj
 
 
 def test_block_fp8_model_decodes_incrementally_with_an_evicting_expert_cache(fp8_tiny):
-    """The swap core on the FP8 experts: a fast tier of 6 decoded experts (of 16 per layer, 5 MoE layers)
-    gives the logits of
-    one holding them all."""
+    """The swap core on the FP8 experts: a fast tier of about 24 experts at their stored size (of 16 per
+    layer, 5 MoE layers) gives the logits of one holding them all."""
     tokens = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
     outs = []
     for memory in (1 << 30, 6 * 3 * 64 * 64 * 4):
@@ -145,7 +150,8 @@ def test_native_step_turns_halves_as_the_forward_does(tmp_path):
 
 def test_int4_experts_load_as_compressed_tensors_decodes_them(tmp_path):
     """init-tiny --quant int4: Kimi K2-Thinking's layout (pack-quantized routed experts, the rest bf16); the
-    store hands out the decoded experts, and the native step runs (dense weights stay bf16)."""
+    store hands out the experts as their stored codes and scales, which decode as compressed-tensors does,
+    and the native step runs, experts included (dense weights stay bf16)."""
     from moeswap.engine.native_step import NativeDecode
     from moeswap.engine.scheduler import fuse_projections
     from moeswap.formats import compressed_tensors as ct
@@ -159,7 +165,9 @@ def test_int4_experts_load_as_compressed_tensors_decodes_them(tmp_path):
         stored = {k: ckpt.read(f"{module}.{k}") for k in ct.stored_names("int4")}
         assert stored["weight_packed"].dtype == torch.int32
         (expert,) = store.fetch(2, [9])
-        assert torch.equal(expert.w2_IF, ct.decode_weight("int4", stored, torch.float32))
+        assert isinstance(expert, Int4ExpertWeights)
+        assert torch.equal(expert.w2_packed, stored["weight_packed"]) and torch.equal(expert.w2_scale, stored["weight_scale"])
+        assert torch.equal(expert.fmt.weight(expert, "w2", torch.float32), ct.decode_weight("int4", stored, torch.float32))
         assert ckpt.info("model.layers.2.mlp.shared_experts.up_proj.weight").dtype == torch.bfloat16
     if cpu_kernels.kernel() is not None:
         fuse_projections(model)

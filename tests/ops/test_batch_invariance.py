@@ -1,6 +1,6 @@
 """A token's outputs do not depend on the other tokens of a call: every row of a T-token call of the decode
-kernels (bf16 linear, its bf16-input form, the gated MLP, the routed experts and K3's latent form around
-them) equals, bit for bit, the call on that token alone, in every build this machine can run; and each row
+kernels (bf16 linear, its bf16-input form, the gated MLP, the routed experts in MXFP4, bf16, block FP8
+and INT4, and K3's latent form around them) equals, bit for bit, the call on that token alone, in every build this machine can run; and each row
 still matches the plain-torch reference. What a server's continuous batching needs for a request to decode
 to the tokens it gets alone."""
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeswap.formats import mxfp4
+from moeswap.formats import fp8_block, int4, mxfp4
 from moeswap.ops import cpu_kernels
 from moeswap.ops import expert_mxfp4
 from moeswap.ops.activation import glu_reference
-from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
+from moeswap.ops.expert import ExpertWeights, FP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights
 
 BUILDS = cpu_kernels.build_variants()
 BUILD_IDS = ["native" if f is None else " ".join(f) for f in BUILDS]
@@ -79,6 +79,9 @@ def _experts(kind: str, I: int, F: int, E: int, gen: torch.Generator) -> list:
     def make():
         if kind == "bf16":
             return ExpertWeights(*(torch.randn(*s, generator=gen).bfloat16() for s in ((F, I), (F, I), (I, F))))
+        if kind in ("fp8", "int4"):
+            cls, encode = (FP8ExpertWeights, fp8_block.encode) if kind == "fp8" else (Int4ExpertWeights, int4.encode)
+            return cls(*(t for s in ((F, I), (F, I), (I, F)) for t in encode(torch.randn(*s, generator=gen))))
         return MXFP4ExpertWeights(*mxfp4.encode(torch.randn(F, I, generator=gen)),
                                   *mxfp4.encode(torch.randn(F, I, generator=gen)),
                                   *mxfp4.encode(torch.randn(I, F, generator=gen)))
@@ -89,11 +92,13 @@ def _experts(kind: str, I: int, F: int, E: int, gen: torch.Generator) -> list:
 def _expert_reference(kind: str, w, x_TI: torch.Tensor) -> torch.Tensor:
     if kind == "mxfp4":
         return expert_mxfp4.reference(w, x_TI, "situ", BETAS)
+    if kind in ("fp8", "int4"):
+        return w.fmt.reference(w, x_TI, "situ", BETAS)
     return glu_reference("situ", x_TI @ w.w1_FI.float().T, x_TI @ w.w3_FI.float().T, BETAS) @ w.w2_IF.float().T
 
 
 @pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
-@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-int8", "bf16"])
+@pytest.mark.parametrize("kind", ["mxfp4", "mxfp4-int8", "bf16", "fp8", "int4"])
 def test_routed_experts_rows_do_not_depend_on_the_batch(flags, kind):
     """The experts group a step's tokens by expert, so how many tokens an expert gets (its tiles) depends on
     the others: a token's rows must not. K3's latent form (bf16 down and up projections around them) too."""
@@ -101,13 +106,14 @@ def test_routed_experts_rows_do_not_depend_on_the_batch(flags, kind):
     int8 = kind == "mxfp4-int8"
     if int8 and not kernel.has_int8_activations:
         pytest.skip("this build has no int8-activation path")
-    kind = "bf16" if kind == "bf16" else "mxfp4"
+    kind = "mxfp4" if int8 else kind
     gen = torch.Generator().manual_seed(13)
-    I, F, E, K, D = 96, 64 if kind == "mxfp4" else 100, 6, 3, 80
+    # FP8: 160 rows are a whole 128-row scale block and part of one; 96 columns part of one
+    I, F, E, K, D = 96, {"mxfp4": 64, "bf16": 100}.get(kind, 160), 6, 3, 80
     experts = _experts(kind, I, F, E, gen)
     table = torch.zeros(E, 6, dtype=torch.int64)
     for e, w in enumerate(experts):
-        table[e] = torch.tensor(cpu_kernels.resident_row(w, I, kind == "bf16")[1])
+        table[e] = torch.tensor(cpu_kernels.resident_row(w, I, kind)[1])
     # 6 experts, 3 each: with up to 17 tokens every expert gets from none to most of them
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(MAX_T)])
     weight = torch.rand(MAX_T, K, generator=gen)
@@ -138,3 +144,18 @@ def test_routed_experts_rows_do_not_depend_on_the_batch(flags, kind):
     alone = torch.cat([latent(slice(t, t + 1)) for t in range(MAX_T)])
     for T in range(1, MAX_T + 1):
         assert torch.equal(latent(slice(0, T)), alone[:T]), f"latent, {T} tokens"
+
+
+@pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_quant_linear_rows_do_not_depend_on_the_batch(flags, kind):
+    """One block-FP8 or INT4 matrix (a projection under autograd's forward): 39 rows (a 32-row chunk, then 7)."""
+    kernel = _kernel(flags)
+    gen = torch.Generator().manual_seed(14)
+    O, I = 39, 160
+    q, scale = (fp8_block.encode if kind == "fp8" else int4.encode)(torch.randn(O, I, generator=gen))
+    x = torch.randn(MAX_T, I, generator=gen)
+    alone = _assert_rows_alone(lambda xt: kernel.quant_linear(kind, xt.contiguous(), q, scale), x)
+    W = fp8_block.decode(q, scale, dtype=torch.float32) if kind == "fp8" else int4.decode(q, scale, (O, I), torch.float32)
+    want = x @ W.T
+    torch.testing.assert_close(alone, want, rtol=2e-6, atol=4e-6 * want.abs().max().item())

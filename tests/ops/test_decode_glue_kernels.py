@@ -199,7 +199,7 @@ def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
     experts = [make() for _ in range(E)]
     table = torch.zeros(E, 6, dtype=torch.int64)
     for e in range(E - 1):  # the last expert has no row
-        F_got, row = cpu_kernels.resident_row(experts[e], I, kind == "bf16")
+        F_got, row = cpu_kernels.resident_row(experts[e], I, kind)
         table[e] = torch.tensor(row)
     assert F_got == F_
     x = torch.randn(T, I, generator=g)

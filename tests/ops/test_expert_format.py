@@ -49,7 +49,7 @@ def test_formats_are_classified_by_their_tensors_once():
     assert ef.for_suffixes({"weight_packed"}) is None and ef.for_suffixes({"weight", "weight_packed"}) is None
     assert MXFP4ExpertWeights.fmt is not None and mxfp4_expert(64, 32).fmt is ef.MXFP4
     assert dense_expert(32, 32, torch.float32).fmt is ef.FLOAT  # every decoded expert computes as FLOAT
-    assert [f.keeps_bytes for f in (ef.FLOAT, ef.MXFP4, ef.MXFP8, ef.FP8_BLOCK)] == [False, True, False, False]
+    assert [f.keeps_bytes for f in (ef.FLOAT, ef.MXFP4, ef.MXFP8, ef.FP8_BLOCK, ef.INT4)] == [False, True, False, True, True]
 
 
 def test_each_format_decodes_as_its_codec():

@@ -1,9 +1,12 @@
-"""`moeswap bench kernels`: µs per routed-expert call from MXFP4 bytes, against named baselines.
+"""`moeswap bench kernels`: µs per routed-expert call from MXFP4, block-FP8 and INT4 bytes, against named
+baselines.
 
-Variants: "mxfp4 direct" (every available ops.expert_mxfp4 implementation), "dequantise then matmul"
-(expert_mxfp4.reference) and "bf16 resident" (a decoded bf16 expert, ops.expert.ExpertWeights). Experts
-are cycled so their bytes come from DRAM, not cache, and the machine's read bandwidth is measured in
-the same run (a large fp32 sum). Variants are interleaved round by round and the median is reported.
+Variants: "mxfp4 direct" (every available ops.expert_mxfp4 implementation), "fp8 direct" and "int4 direct"
+(ops.expert_quant's kernel path: csrc/quant.c), "dequantise then matmul" for each (the formats' torch
+references) and "bf16 resident" (a decoded bf16 expert, ops.expert.ExpertWeights). Experts are cycled so
+their bytes come from DRAM, not cache, and the machine's read bandwidth is measured in the same run (a large
+fp32 sum). Variants are interleaved round by round and the median is reported; each format's goal is its
+direct kernel's stored bytes per second at the fewest tokens against that read bandwidth.
 """
 
 from __future__ import annotations
@@ -61,6 +64,28 @@ def random_experts(n: int, in_dim: int, expert_dim: int, seed: int = 0):
     return experts
 
 
+def random_quant_experts(kind: str, n: int, in_dim: int, expert_dim: int, seed: int = 0) -> list:
+    """n block-FP8 ("fp8": random non-NaN E4M3 codes, fp32 scales per 128 x 128) or INT4 ("int4": random
+    nibbles, bf16 scales per 32) experts whose weights have std ~ 1/sqrt(fan_in)."""
+    from moeswap.formats import fp8_block, int4
+    from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(out_dim: int, fan_in: int):
+        if kind == "fp8":
+            codes = torch.randint(0, 256, (out_dim, fan_in), dtype=torch.uint8, generator=gen)
+            codes = torch.where((codes | 0x80) == 0xFF, codes ^ 0x01, codes)  # no NaN codes
+            scale = torch.full(fp8_block.scale_shape((out_dim, fan_in)), 1 / (60 * math.sqrt(fan_in)))
+            return codes.view(torch.float8_e4m3fn), scale
+        words = torch.randint(0, 256, (out_dim, fan_in // 2), dtype=torch.uint8, generator=gen).view(torch.int32)
+        return words, torch.full(int4.scale_shape((out_dim, fan_in)), 1 / (4.6 * math.sqrt(fan_in))).bfloat16()
+
+    cls = FP8ExpertWeights if kind == "fp8" else Int4ExpertWeights
+    return [cls(*matrix(expert_dim, in_dim), *matrix(expert_dim, in_dim), *matrix(in_dim, expert_dim))
+            for _ in range(n)]
+
+
 def _compiled_variant(act: str, betas: tuple[float, float]):
     """torch.compile of decode + matmul (inductor fuses the table lookup into the GEMV loops)."""
     from moeswap.formats import mxfp4
@@ -89,8 +114,8 @@ def _bf16_resident(w):
 
 def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens=(1, 4, 16), n_experts: int = 16,
               rounds: int = 5, min_seconds: float = 0.2, act: str = "situ", slow_variants: bool = True,
-              with_compile: bool = False) -> dict:
-    from moeswap.ops import cpu_kernels, expert_mxfp4
+              with_compile: bool = False, formats: tuple[str, ...] = ("mxfp4", "fp8", "int4")) -> dict:
+    from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant
 
     betas = (4.0, 25.0)
     experts = random_experts(n_experts, in_dim, expert_dim)
@@ -113,6 +138,14 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
             compiled(torch.zeros(t, in_dim), *fields(experts[0]))
         compile_seconds = time.perf_counter() - t0
         variants["mxfp4 direct (torch.compile)"] = (lambda i, x, xb: compiled(x, *fields(experts[i])), packed_bytes)
+    stored = {"mxfp4": packed_bytes}
+    for kind in (k for k in ("fp8", "int4") if k in formats):
+        quant = random_quant_experts(kind, n_experts, in_dim, expert_dim)
+        stored[kind] = quant[0].nbytes
+        variants[f"{kind} direct (cpu_c)"] = (lambda i, x, xb, q=quant: q[i](x, act, betas), stored[kind])
+        if slow_variants:
+            variants[f"{kind} dequantise then matmul"] = (
+                lambda i, x, xb, q=quant: expert_quant.reference(q[i], x, act, betas), stored[kind])
     resident = [_bf16_resident(w) for w in experts]
     variants["bf16 resident"] = (lambda i, x, xb: resident[i](xb, act, betas), resident[0].nbytes)
 
@@ -145,9 +178,18 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
     selected = f"mxfp4 direct ({expert_mxfp4.best_name()})"
     best = next(r for r in rows if r["tokens"] == min(tokens) and r["variant"] == selected)
     kernel = cpu_kernels.kernel()
+    goals = {}
+    for kind in (k for k in ("fp8", "int4") if k in formats):
+        row = next(r for r in rows if r["tokens"] == min(tokens) and r["variant"] == f"{kind} direct (cpu_c)")
+        goals[kind] = {"tokens": row["tokens"], "variant": row["variant"], "stored_bytes": stored[kind],
+                       "GBps": row["GBps"], "fraction_of_read_bandwidth": row["GBps"] / bandwidth["read_GBps"],
+                       "fraction_per_cpu_s": (stored[kind] / (row["cpu_us_per_call"] * 1e-6) / 1e9)
+                       / bandwidth["read_GBps_per_cpu_s"], "target": 0.5,
+                       "met": row["GBps"] >= 0.5 * bandwidth["read_GBps"]}
     return {
         "expert": {"in_dim": in_dim, "expert_dim": expert_dim, "act": act, "packed_bytes": packed_bytes,
-                   "bf16_bytes": resident[0].nbytes, "experts_cycled": n_experts},
+                   "stored_bytes": stored, "bf16_bytes": resident[0].nbytes, "experts_cycled": n_experts},
+        "format_goals": goals,
         "bandwidth": bandwidth, "rows": rows,
         "goal": {"tokens": best["tokens"], "variant": best["variant"], "packed_GBps": best["packed_GBps"],
                  "fraction_of_read_bandwidth": best["packed_GBps"] / bandwidth["read_GBps"],
@@ -197,6 +239,11 @@ def format_report(r: dict) -> str:
     lines += ["", f"goal: {g['variant']} at {g['tokens']} token reads packed bytes at {g['packed_GBps']:.1f} GB/s = "
               f"{g['fraction_of_read_bandwidth']:.0%} of the measured read bandwidth (target >= 50%: "
               f"{'met' if g['met'] else 'NOT met'}); per CPU second: {g['fraction_per_cpu_s']:.0%}"]
+    for kind, fg in r.get("format_goals", {}).items():
+        lines.append(f"goal: {fg['variant']} at {fg['tokens']} token reads its {fg['stored_bytes'] / 1e6:.2f} MB of "
+                     f"stored bytes at {fg['GBps']:.1f} GB/s = {fg['fraction_of_read_bandwidth']:.0%} of the measured "
+                     f"read bandwidth (target >= 50%: {'met' if fg['met'] else 'NOT met'}); per CPU second: "
+                     f"{fg['fraction_per_cpu_s']:.0%}")
     if r.get("compile_seconds") is not None:
         graphs = len({x["tokens"] for x in r["rows"]})
         lines.append(f"torch.compile variant: {r['compile_seconds']:.0f} s to compile {graphs} graphs")
@@ -207,7 +254,8 @@ def format_report(r: dict) -> str:
 
 
 def add_parser(benches) -> None:
-    b = benches.add_parser("kernels", help="µs per MXFP4 expert call: direct kernel vs dequantise+matmul vs bf16")
+    b = benches.add_parser("kernels", help="µs per MXFP4 / block-FP8 / INT4 expert call: direct kernel vs "
+                                           "dequantise+matmul vs bf16")
     b.add_argument("--in-dim", type=int, default=K3_EXPERT[0], help="expert input width (K3 latent: 3584)")
     b.add_argument("--expert-dim", type=int, default=K3_EXPERT[1], help="expert width (K3: 3072)")
     b.add_argument("--tokens", default="1,4,16", help="comma-separated token counts per call")
@@ -217,6 +265,8 @@ def add_parser(benches) -> None:
     b.add_argument("--act", default="situ", choices=("situ", "silu"))
     b.add_argument("--fast-only", action="store_true", help="skip the slow torch variants")
     b.add_argument("--with-compile", action="store_true", help="add a torch.compile variant (compiles for minutes)")
+    b.add_argument("--formats", default="mxfp4,fp8,int4",
+                   help="stored formats besides MXFP4 to measure: fp8 (block FP8), int4 (pack-quantized)")
     b.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
 
 
@@ -226,10 +276,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must list positive integers, got {args.tokens!r}")
     if args.in_dim % 32 or args.expert_dim % 32:
         raise ValueError(f"--in-dim and --expert-dim must be multiples of 32, got {args.in_dim} and {args.expert_dim}")
+    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    unknown = [f for f in formats if f not in ("mxfp4", "fp8", "int4")]
+    if unknown:
+        raise ValueError(f"--formats: unknown format {unknown[0]!r} (expected mxfp4, fp8 or int4)")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_bench(args.in_dim, args.expert_dim, tokens, args.experts, args.rounds, act=args.act,
-                       slow_variants=not args.fast_only, with_compile=args.with_compile)
+                       slow_variants=not args.fast_only, with_compile=args.with_compile, formats=formats)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:

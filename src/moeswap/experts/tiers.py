@@ -68,6 +68,23 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _byte_shape(shape, dtype: torch.dtype) -> tuple[int, ...]:
+    """The uint8 shape of a tensor's bytes: its shape, the last dim times its item size."""
+    if dtype.itemsize == 1 or not shape:
+        return tuple(shape) if shape else (dtype.itemsize,)
+    return (*shape[:-1], shape[-1] * dtype.itemsize)
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes of a read buffer as `dtype` (one-byte dtypes stay uint8: the format reinterprets them): a view
+    where the offset allows one (safetensors does not align tensors), else a copy."""
+    if dtype.itemsize == 1:
+        return raw
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
 class _Span(NamedTuple):
     """An expert whose tensors sit together in one file: one read of [start, end) into one buffer."""
 
@@ -77,7 +94,7 @@ class _Span(NamedTuple):
     parts: tuple  # (field name, offset in the buffer, bytes, shape) per tensor
     layout: tuple  # (field name, offset, shape) per tensor: experts laid out alike are checked once
     checks: Checks | None  # what the reader checks of the bytes (the format's byte_limit)
-    strided: tuple  # (field name, offset, shape, contiguous strides) per tensor: its view of the buffer
+    strided: tuple  # (field name, offset, byte shape, contiguous strides, dtype) per tensor: its view of the buffer
     nbytes: int  # the tensors' bytes (the span less any padding)
 
 
@@ -228,8 +245,8 @@ class CheckpointTier(Tier):
         check_expert(self.ckpt, self.index, key.layer, key.expert, w)
 
     def _span(self, key: Key) -> _Span | None:
-        """Where the expert is kept as its stored bytes (MXFP4) and its tensors sit together in one file (as
-        published checkpoints store them): one pread into one buffer, which eviction returns whole."""
+        """Where the expert is kept as its stored bytes (MXFP4, block FP8, INT4) and its tensors sit together in
+        one file (as published checkpoints store them): one pread into one buffer, which eviction returns whole."""
         if key in self._spans:
             return self._spans[key]
         infos = {(proj, kind): self.ckpt.info(name) for proj, kinds in self.index.names(*key).items()
@@ -242,6 +259,7 @@ class CheckpointTier(Tier):
             if end - start <= sum(i.nbytes for i in infos.values()) + (64 << 10):  # at most a little padding read
                 parts = tuple((f"{proj}_{kind.removeprefix('weight_')}", i.offset - start, i.nbytes, tuple(i.shape))
                               for (proj, kind), i in infos.items())
+                dtypes = {f"{proj}_{kind.removeprefix('weight_')}": i.dtype for (proj, kind), i in infos.items()}
                 checks = None
                 if fmt.byte_limit is not None:
                     suffix, limit = fmt.byte_limit
@@ -249,7 +267,9 @@ class CheckpointTier(Tier):
                 # the file as a str: it keys the descriptors, looked up on every read (a Path hashes in Python)
                 span = _Span(str(next(iter(infos.values())).file), start, end, parts,
                              tuple((name, o, shape) for name, o, _, shape in parts), checks,
-                             tuple((name, o, shape, _contiguous_strides(shape)) for name, o, _, shape in parts),
+                             tuple((name, o, _byte_shape(shape, dtypes[name]),
+                                    _contiguous_strides(_byte_shape(shape, dtypes[name])), dtypes[name])
+                                   for name, o, _, shape in parts),
                              sum(n for _, _, n, _ in parts))
         self._spans[key] = span
         return span
@@ -266,7 +286,8 @@ class CheckpointTier(Tier):
     def _views(self, buf: torch.Tensor, span: _Span) -> Weights:
         # one as_strided per tensor: a slice and a view cost twice as much, and this runs for every load
         base = buf.storage_offset()
-        views = {name: buf.as_strided(shape, stride, base + o) for name, o, shape, stride in span.strided}
+        views = {name: _typed(buf.as_strided(shape, stride, base + o), dtype)
+                 for name, o, shape, stride, dtype in span.strided}
         # every expert has the same layout: check the first one fully
         checked = span.layout in self._checked_layouts
         w = self.index.format.from_bytes(views, checked=checked, nbytes=span.nbytes)

@@ -213,8 +213,9 @@ class CpuKernels:
             weights: torch.Tensor, act: str, situ_betas: tuple[float, float], y_TI: torch.Tensor,
             int8_activations: bool = False) -> None:
         """The experts of one layer step, summed into y: for pair k of expert e (k in offsets[e]..offsets[e+1]),
-        y[tokens[k]] += weights[k] * expert_e(x[tokens[k]]). Experts all MXFP4 (MXFP4ExpertWeights) or all
-        bf16 (ExpertWeights with bf16 tensors). x, y fp32 contiguous [T, I]; tokens int64 [P]; weights fp32 [P].
+        y[tokens[k]] += weights[k] * expert_e(x[tokens[k]]). Experts all of one `grouped_kind`: MXFP4
+        (MXFP4ExpertWeights), bf16 (ExpertWeights with bf16 tensors), block FP8 (FP8ExpertWeights) or INT4
+        (Int4ExpertWeights). x, y fp32 contiguous [T, I]; tokens int64 [P]; weights fp32 [P].
         int8_activations (MXFP4 only, needs `has_int8_activations`): the inputs of each matrix are quantized
         to int8 per 32-column block and the dot products run in integers (expert_mxfp4.reference_int8)."""
         T, I = x_TI.shape
@@ -225,11 +226,11 @@ class CpuKernels:
             raise ValueError(f"moe: {E} experts, offsets {list(offsets)[:4]}..., tokens "
                              f"{tuple(tokens.shape)} {tokens.dtype}, weights {tuple(weights.shape)} {weights.dtype}, "
                              f"y {tuple(y_TI.shape)} {y_TI.dtype} do not fit x {tuple(x_TI.shape)}")
-        bf16 = grouped_kind(experts[0]) == "bf16"  # one kind per call (the caller groups them so)
-        if int8_activations and bf16:
-            raise ValueError("moe: int8 activations are for MXFP4 experts, not bf16 ones")
+        kind = grouped_kind(experts[0])  # one kind per call (the caller groups them so)
+        if int8_activations and kind != "mxfp4":
+            raise ValueError(f"moe: int8 activations are for MXFP4 experts, not {kind} ones")
         held: list[torch.Tensor] = []  # contiguous copies that must outlive the call
-        widths, table = zip(*[_kernel_pointers(w, I, bf16, held) for w in experts])
+        widths, table = zip(*[_kernel_pointers(w, I, kind, held) for w in experts])
         F = widths[0]
         if any(f != F for f in widths):
             raise ValueError("moe: experts of one call must share their width")
@@ -238,9 +239,14 @@ class CpuKernels:
         args = [x_TI.data_ptr(), T, I, F, E, *[(ctypes.c_void_p * E)(*c) for c in columns],
                 (ctypes.c_int64 * (E + 1))(*offsets), tokens.data_ptr(), weights.data_ptr(), _act(act),
                 float(situ_betas[0]), float(situ_betas[1]), y_TI.data_ptr(), self._threads()]
-        status = self.lib.moeswap_bf16_moe(*args) if bf16 else self.lib.moeswap_mxfp4_moe(*args, int(int8_activations))
+        if kind == "bf16":
+            status = self.lib.moeswap_bf16_moe(*args)
+        elif kind == "mxfp4":
+            status = self.lib.moeswap_mxfp4_moe(*args, int(int8_activations))
+        else:
+            status = self.lib.moeswap_quant_moe(FORMAT_CODES[kind], *args)
         if status:
-            self._fail(status, f"moe (x {tuple(x_TI.shape)}, {E} {'bf16' if bf16 else 'MXFP4'} experts, "
+            self._fail(status, f"moe (x {tuple(x_TI.shape)}, {E} {kind} experts, "
                                f"{offsets[-1]} pairs)")
 
     def moe_resident(self, x_TI: torch.Tensor, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
@@ -248,7 +254,7 @@ class CpuKernels:
                      int8_activations: bool = False) -> int | None:
         """`moe` for a decode step straight from the router's output: ids [T, K] int64 and weights [T, K] fp32
         choose rows of `table_E6` (int64 [E, 6], an expert's `resident_row` each; zeros where unknown), and
-        the kernel groups the pairs as `moe`'s caller would, so y gets the same sums. kind "mxfp4" or "bf16".
+        the kernel groups the pairs as `moe`'s caller would, so y gets the same sums. kind: a `grouped_kind`.
         Returns the number of distinct experts, or None when a chosen expert has no row (nothing computed)."""
         T, I = x_TI.shape
         fmt = _resident_format("moe_resident", table_E6, ids_TK, w_TK, T, kind, int8_activations)
@@ -297,6 +303,26 @@ class CpuKernels:
         if status:
             self._fail(status, f"latent_moe_resident (x {tuple(x_TD.shape)}, latent {I}, {kind} experts)")
         return y, used.value
+
+    def quant_linear(self, kind: str, x_TI: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Block FP8 (kind "fp8": E4M3 codes [O, I] + fp32 scales [ceil(O/128), ceil(I/128)]) or INT4 ("int4": int32
+        words [O, I/8] + bf16 scales [O, I/32]): x fp32 contiguous [T, I] -> x W^T fp32 [T, O] (csrc/quant.c)."""
+        T, I = x_TI.shape
+        O = q.shape[0] if q.ndim == 2 else 0
+        expected = {"fp8": ((O, I), (-(-O // 128), -(-I // 128)), torch.float32),
+                    "int4": ((O, I // 8), (O, I // 32), torch.bfloat16)}.get(kind)
+        if (expected is None or I % 32 or tuple(q.shape) != expected[0] or q.element_size() != (1 if kind == "fp8" else 4)
+                or tuple(scale.shape) != expected[1] or scale.dtype != expected[2] or x_TI.dtype != torch.float32
+                or not all(t.is_cpu and t.is_contiguous() for t in (x_TI, q, scale))):
+            raise ValueError(f"quant_linear: {kind} weights {tuple(q.shape)} {q.dtype} with scales {tuple(scale.shape)} "
+                             f"{scale.dtype} do not fit x {tuple(x_TI.shape)} {x_TI.dtype} (expected contiguous CPU "
+                             f"tensors, inputs a multiple of 32)")
+        y = torch.empty(T, O, dtype=torch.float32)
+        status = self.lib.moeswap_quant_linear(FORMAT_CODES[kind], x_TI.data_ptr(), T, I, q.data_ptr(),
+                                               scale.data_ptr(), O, y.data_ptr(), self._threads())
+        if status:
+            self._fail(status, f"quant_linear ({kind}, x {tuple(x_TI.shape)}, weights {tuple(q.shape)})")
+        return y
 
     def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -613,29 +639,32 @@ def _act(act: str) -> int:
     return ACTS[act]
 
 
+FORMAT_CODES = {"mxfp4": 0, "bf16": 1, "fp8": 3, "int4": 4}  # moe.c's format codes (2: MXFP4 on int8 activations)
+
+
 def grouped_kind(w) -> str | None:
-    """"mxfp4" or "bf16": which of the grouped kernels (`moe`, the *_resident tables) runs expert w, as its
+    """"mxfp4", "bf16", "fp8" or "int4": which of the grouped kernels (`moe`, the *_resident tables) runs expert w, as its
     format says (ops.expert_format); None: neither (another kind of expert, or not on the CPU)."""
     fmt = getattr(w, "fmt", None)
     return None if fmt is None else fmt.group_kind(w)
 
 
-def _kernel_pointers(w, I: int, bf16: bool, held: list) -> tuple[int, tuple[int, ...]]:
+def _kernel_pointers(w, I: int, kind: str, held: list) -> tuple[int, tuple[int, ...]]:
     """(F, data pointers of the expert's matrices in moe()'s order) for input width I, kept on the expert:
     a decode step hands the same experts over every step, and gathering six tensors' pointers per expert
     was ~5 us each. Experts are values (tiers make new objects, never swap a tensor in place), so the
     pointers stay valid while the expert lives; a non-contiguous matrix is copied into `held` instead."""
     kept = w.__dict__.get("_kernel_pointers")
-    if kept is not None and kept[0] == I and kept[1] == bf16:
+    if kept is not None and kept[0] == I and kept[1] == kind:
         return kept[2], kept[3]
-    if grouped_kind(w) != ("bf16" if bf16 else "mxfp4"):
-        raise ValueError(f"moe: experts of one call must be all MXFP4 or all bf16 (on the CPU), got a "
-                         f"{type(w).__name__} ({grouped_kind(w) or 'neither'}) among {'bf16' if bf16 else 'MXFP4'} ones")
+    if grouped_kind(w) != kind:
+        raise ValueError(f"moe: experts of one call must be of one kind (MXFP4, bf16, FP8 or INT4, on the CPU), got "
+                         f"a {type(w).__name__} ({grouped_kind(w) or 'none'}) among {kind} ones")
     originals = list(tensors(w).values())
     mats = w.fmt.kernel_mats(w, I)
     F, ptrs = mats[0].shape[0], tuple(t.data_ptr() for t in mats)
     if all(m is o for m, o in zip(mats, originals)):
-        w.__dict__["_kernel_pointers"] = (I, bf16, F, ptrs)
+        w.__dict__["_kernel_pointers"] = (I, kind, F, ptrs)
     else:
         held.extend(mats)
     return F, ptrs
@@ -645,7 +674,7 @@ def _resident_format(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_
                      kind: str, int8_activations: bool) -> int:
     """The *_resident kernels' format code (0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations), once the router's
     output and the resident table are as they read them; else a ValueError."""
-    if (kind not in ("mxfp4", "bf16") or ids_TK.dtype != torch.int64 or ids_TK.ndim != 2 or ids_TK.shape[0] != T
+    if (kind not in FORMAT_CODES or ids_TK.dtype != torch.int64 or ids_TK.ndim != 2 or ids_TK.shape[0] != T
             or w_TK.shape != ids_TK.shape or w_TK.dtype != torch.float32 or table_E6.dtype != torch.int64
             or table_E6.ndim != 2 or table_E6.shape[1] != 6
             or not all(t.is_contiguous() and t.is_cpu for t in (table_E6, ids_TK, w_TK))):
@@ -656,19 +685,19 @@ def _resident_format(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_
 
 
 def resident_format_code(kind: str | None, int8_activations: bool) -> int:
-    """0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations (the *_resident kernels' `format`; int8 activations are
-    for MXFP4 experts only)."""
-    return 1 if kind == "bf16" else 2 if int8_activations and kind == "mxfp4" else 0
+    """0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations, 3 block FP8, 4 INT4 (the *_resident kernels' `format`;
+    int8 activations are for MXFP4 experts only)."""
+    return 2 if int8_activations and kind == "mxfp4" else FORMAT_CODES.get(kind or "mxfp4", 0)
 
 
-def resident_row(w, I: int, bf16: bool) -> tuple[int, tuple[int, ...]] | None:
+def resident_row(w, I: int, kind: str) -> tuple[int, tuple[int, ...]] | None:
     """(F, the expert's six `moe_resident` table entries) for input width I, or None where its matrices
     are not laid out for the kernel as they are (a copy would have to outlive the table)."""
     held: list[torch.Tensor] = []
-    F, ptrs = _kernel_pointers(w, I, bf16, held)
+    F, ptrs = _kernel_pointers(w, I, kind, held)
     if held:
         return None
-    return F, ((ptrs[0], 0, ptrs[1], 0, ptrs[2], 0) if bf16 else ptrs)
+    return F, ((ptrs[0], 0, ptrs[1], 0, ptrs[2], 0) if kind == "bf16" else ptrs)
 
 
 def _checked(packed: torch.Tensor, scale: torch.Tensor, in_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

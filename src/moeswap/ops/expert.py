@@ -1,6 +1,7 @@
-"""The two forms an expert is kept in: `ExpertWeights` (decoded matrices) and `MXFP4ExpertWeights` (the
-stored MXFP4 bytes). Both compute y = w2 (act(w1 x) * w3 x) when called, through `fmt`, the format
-object of their form (ops/expert_format.py: FLOAT and MXFP4), which owns the kernels.
+"""The forms an expert is kept in: `ExpertWeights` (decoded matrices) and its stored bytes:
+`MXFP4ExpertWeights`, `FP8ExpertWeights` (block FP8) and `Int4ExpertWeights` (INT4 pack-quantized). All
+compute y = w2 (act(w1 x) * w3 x) when called, through `fmt`, the format object of their form
+(ops/expert_format.py: FLOAT, MXFP4, FP8_BLOCK, INT4), which owns the kernels and checks the bytes.
 Shapes: T tokens, I expert input width (latent or model width), F expert width.
 """
 
@@ -99,6 +100,66 @@ class MXFP4ExpertWeights:
         return w
 
     fmt = _Format("MXFP4")
+
+    def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+        return self.fmt.forward(self, x_TI, act, situ_betas)
+
+
+def _unchecked(cls, parts: dict[str, torch.Tensor]):
+    w = cls.__new__(cls)
+    for name, t in parts.items():
+        setattr(w, name, t)
+    w.nbytes = sum(t.numel() * t.element_size() for t in parts.values())
+    return w
+
+
+@dataclass
+class FP8ExpertWeights:
+    """An expert kept as its stored block-FP8 bytes (1 byte per weight, fp32 scales per 128 x 128 block);
+    computes from them (ops.expert_quant). Made by ops.expert_format.FP8_BLOCK, which checks the layout."""
+
+    w1_weight: torch.Tensor  # float8_e4m3fn [F, I]
+    w1_scale_inv: torch.Tensor  # fp32 [ceil(F/128), ceil(I/128)]
+    w3_weight: torch.Tensor
+    w3_scale_inv: torch.Tensor
+    w2_weight: torch.Tensor  # float8_e4m3fn [I, F]
+    w2_scale_inv: torch.Tensor
+    nbytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors(self).values())
+
+    @classmethod
+    def unchecked(cls, **parts: torch.Tensor) -> FP8ExpertWeights:
+        return _unchecked(cls, parts)
+
+    fmt = _Format("FP8_BLOCK")
+
+    def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+        return self.fmt.forward(self, x_TI, act, situ_betas)
+
+
+@dataclass
+class Int4ExpertWeights:
+    """An expert kept as its stored INT4 pack-quantized bytes (int32 words of 8 codes, bf16 scales per 32
+    inputs; 4.5 bits per weight); computes from them (ops.expert_quant). Made by ops.expert_format.INT4."""
+
+    w1_packed: torch.Tensor  # int32 [F, I/8]
+    w1_scale: torch.Tensor  # bf16 [F, I/32]
+    w3_packed: torch.Tensor
+    w3_scale: torch.Tensor
+    w2_packed: torch.Tensor  # int32 [I, F/8]
+    w2_scale: torch.Tensor  # bf16 [I, F/32]
+    nbytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors(self).values())
+
+    @classmethod
+    def unchecked(cls, **parts: torch.Tensor) -> Int4ExpertWeights:
+        return _unchecked(cls, parts)
+
+    fmt = _Format("INT4")
 
     def __call__(self, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
         return self.fmt.forward(self, x_TI, act, situ_betas)

@@ -3,8 +3,9 @@
 `weight_scale_inv`; INT4 `weight_packed` + `weight_scale` + `weight_shape`), chosen once at load from the
 tensors' suffixes (`for_suffixes`) and used instead of per-call checks (vLLM's quantization methods). Each
 owns its facts: what the tensors must look like, bytes stored and decoded, decoding and encoding, how an
-expert is read and kept (MXFP4 stays its bytes, ops.expert.MXFP4ExpertWeights; the others are decoded,
-ExpertWeights), and the compute of a kept expert through `w.fmt` (the format of its kept form): `forward` (the
+expert is read and kept (MXFP4, block FP8 and INT4 stay their bytes: ops.expert's MXFP4ExpertWeights,
+FP8ExpertWeights, Int4ExpertWeights; float and MXFP8 are decoded, ExpertWeights), and the compute of a kept
+expert through `w.fmt` (the format of its kept form): `forward` (the
 kernel choice), `reference` (plain torch), `project` (x W^T under autograd: the fast kernel forward, backward
 dx = dy W decoded in row chunks, no weight gradient) and `train_forward` (an expert from three `project`s,
 plus adapters).
@@ -23,9 +24,9 @@ import torch
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import fp8_block, int4, mxfp4, mxfp8
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo
-from moeswap.ops import cpu_kernels, expert_mxfp4
+from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant
 from moeswap.ops.activation import glu, glu_reference
-from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
+from moeswap.ops.expert import ExpertWeights, FP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights, tensors
 from moeswap.ops.linear import linear
 
 PROJS = ("w1", "w2", "w3")  # gate, down, up
@@ -148,7 +149,7 @@ class ExpertFormat:
         raise NotImplementedError
 
     def group_kind(self, w) -> str | None:
-        """"mxfp4" or "bf16" where the grouped CPU kernel (cpu_kernels.moe) runs this expert, else None."""
+        """"mxfp4", "bf16", "fp8" or "int4" where the grouped CPU kernel (cpu_kernels.moe) runs this expert, else None."""
         return None
 
     def width(self, w) -> int:
@@ -265,14 +266,101 @@ class MXFP8Format(_MXFormat):
         return mxfp8.decode(stored["weight"], stored["weight_scale"], torch.float32).to(dtype)
 
 
-class Int4Format(FloatFormat):
+class _KeptBytes(FloatFormat):
+    """Block FP8 and INT4 routed experts, kept as their stored bytes (FP8ExpertWeights, Int4ExpertWeights)
+    unless decoded copies are asked for, computed from them by ops.expert_quant (csrc/quant.c)."""
+
+    keeps_bytes = True
+    kept: type = object  # the kept form
+    scale_suffix = ""
+
+    def _kept(self, parts: Mapping[str, torch.Tensor]):
+        raise NotImplementedError
+
+    def read_expert(self, read, names, dtype, device, keep_bytes):
+        if not keep_bytes:
+            return super().read_expert(read, names, dtype, device, keep_bytes)
+        return self._kept({f"{proj}_{kind.removeprefix('weight_')}": read(n).to(device)
+                           for proj, kinds in names.items() for kind, n in kinds.items()})
+
+    def from_bytes(self, views: Mapping[str, torch.Tensor], checked: bool, nbytes: int | None = None):
+        """An expert from views of one read buffer (experts.tiers: one-byte tensors as uint8, the others in their
+        dtype); the kept form counts its own bytes (INT4 leaves weight_shape out)."""
+        return self._kept(views)
+
+    def check_finite(self, w, names):
+        if not isinstance(w, self.kept):
+            problem = super().check_finite(w, names)  # decoded: blamed on the scale, as the kept form's check
+            return problem if problem is None else (names[problem[1]][self.scale_suffix], *problem[1:])
+        return self._check_kept(w, names)
+
+    def _check_kept(self, w, names) -> tuple[str, str, str] | None:
+        raise NotImplementedError
+
+    # the kept form
+
+    def forward(self, w, x_TI, act, situ_betas):
+        return expert_quant.forward(w, x_TI, act, situ_betas)
+
+    def reference(self, w, x_TI, act, situ_betas):
+        return expert_quant.reference(w, x_TI, act, situ_betas)
+
+    def weight(self, w, proj, dtype):
+        return expert_quant.weight(w, proj, dtype)
+
+    def shape(self, w, proj):
+        return expert_quant.shape(w, proj)
+
+    def project_forward(self, w, proj, x):
+        return expert_quant.project_forward(w, proj, x)
+
+    def project_backward(self, w, proj, dy):
+        return expert_quant.project_backward(w, proj, dy)
+
+    def group_kind(self, w):
+        return expert_quant.group_kind(w)
+
+    def width(self, w):
+        return expert_quant.shape(w, "w1")[0]
+
+    def kernel_mats(self, w, I):
+        return expert_quant.kernel_mats(w, I)
+
+    def convert(self, w, decoded, dtype, device, pin=False):
+        if decoded:
+            mats = {p: self.weight(w, p, dtype) for p in PROJS}
+            return _placed(ExpertWeights(w1_FI=mats["w1"], w3_FI=mats["w3"], w2_IF=mats["w2"]), device, pin)
+        return _placed(w, device, pin)
+
+
+def _first_true(mask: torch.Tensor) -> list[int]:
+    return [int(i) for i in mask.nonzero()[0]]
+
+
+class Int4Format(_KeptBytes):
     """compressed-tensors `pack-quantized` INT4 (Kimi K2-Thinking's routed experts: `weight_packed` int32,
-    bf16 `weight_scale` per 32 inputs, `weight_shape`), read and decoded to float (kept as FLOAT experts);
-    the bf16 products compressed-tensors forms are the weights (formats/int4.py)."""
+    bf16 `weight_scale` per 32 inputs, `weight_shape`); the bf16 products compressed-tensors forms are the
+    weights (formats/int4.py). Kept as Int4ExpertWeights (the codes and scales; weight_shape is checked at
+    load and not kept)."""
 
     name, label, ct_format = "int4", "INT4", ct.FORMATS["int4"]
     suffixes = frozenset({"weight_packed", "weight_scale", "weight_shape"})
     main = "weight_packed"
+    kept, scale_suffix = Int4ExpertWeights, "weight_scale"
+
+    def _kept(self, parts):
+        return Int4ExpertWeights.unchecked(**{k: (v.view(torch.int32) if k.endswith("_packed") and v.dtype == torch.uint8
+                                                  else v) for k, v in parts.items() if not k.endswith("_shape")})
+
+    def _check_kept(self, w, names):
+        # codes are finite: a weight is not when its scale is not, or when code * scale overflows the scale's dtype
+        for proj in PROJS:
+            scale = getattr(w, f"{proj}_scale")
+            bad = ~(scale.float() * -8).to(scale.dtype).isfinite()
+            if bool(bad.any()):
+                return (names[proj]["weight_scale"], proj, f"decodes to non-finite weights (NaN or Inf), first at "
+                        f"scale {_first_true(bad)}; expected finite scales")
+        return None
 
     def dtypes_fit(self, dtypes):
         return dtypes["weight_packed"] == torch.int32
@@ -294,11 +382,6 @@ class Int4Format(FloatFormat):
     def decode(self, stored, dtype, block=None):
         return ct.decode_weight("int4", stored, dtype)
 
-    def check_finite(self, w, names):
-        # INT4 codes are finite: a non-finite weight comes from its scale
-        problem = super().check_finite(w, names)
-        return problem if problem is None else (names[problem[1]]["weight_scale"], *problem[1:])
-
     def stored_specs(self, shape):
         return ct.stored_specs(self.name, shape)
 
@@ -306,12 +389,35 @@ class Int4Format(FloatFormat):
         return ct.encode_weight(self.name, w, mode)
 
 
-class FP8BlockFormat(FloatFormat):
+class FP8BlockFormat(_KeptBytes):
     """DeepSeek block FP8 (float8_e4m3fn `weight` + fp32 `weight_scale_inv` per 128 x 128 block): dense
-    modules and routed experts, decoded to float at read (kept as FLOAT experts)."""
+    modules (decoded at load, formats/weights.py) and routed experts, kept as FP8ExpertWeights (the codes,
+    and the scales as fp32: exact from bf16 or fp16)."""
 
     name, label = "fp8_block", "block FP8"
     suffixes = frozenset({"weight", "weight_scale_inv"})
+    kept, scale_suffix = FP8ExpertWeights, "weight_scale_inv"
+
+    def _kept(self, parts):
+        return FP8ExpertWeights.unchecked(**{
+            k: (v.view(torch.float8_e4m3fn) if v.dtype == torch.uint8 else v) if k.endswith("_weight")
+            else v.to(torch.float32) for k, v in parts.items()})
+
+    def _check_kept(self, w, names):
+        # a weight is NaN for a NaN code (S.1111.111) or scale, infinite for an infinite scale or a product past
+        # fp32's range (a scale above 3.4e38 / 448)
+        for proj in PROJS:
+            codes = getattr(w, f"{proj}_weight").view(torch.uint8)
+            nan = (codes | 0x80) == 0xFF
+            if bool(nan.any()):
+                return (names[proj]["weight"], proj, f"holds NaN codes (E4M3 S.1111.111), first at "
+                        f"{_first_true(nan)}; expected finite weights")
+            scale = getattr(w, f"{proj}_scale_inv")
+            bad = ~(scale * fp8_block.E4M3_MAX).isfinite()
+            if bool(bad.any()):
+                return (names[proj]["weight_scale_inv"], proj, f"decodes to non-finite weights (NaN or Inf), "
+                        f"first at block {_first_true(bad)}; expected finite scales below 3.4e38 / 448")
+        return None
 
     def dtypes_fit(self, dtypes):
         return True  # fp8_block.decode names a wrong dtype
@@ -332,12 +438,6 @@ class FP8BlockFormat(FloatFormat):
 
     def decode(self, stored, dtype, block=None):
         return fp8_block.decode(stored["weight"], stored["weight_scale_inv"], block or fp8_block.BLOCK, dtype)
-
-    def check_finite(self, w, names):
-        # blamed on the scale: an E4M3 code is finite unless it is NaN, and a NaN scale is what encode writes
-        # for a block that held NaN/Inf
-        problem = super().check_finite(w, names)
-        return problem if problem is None else (names[problem[1]]["weight_scale_inv"], *problem[1:])
 
     def stored_specs(self, shape):
         return {"weight": (torch.float8_e4m3fn, tuple(shape)),

@@ -313,7 +313,7 @@ class _ResidentTable:
             kind = grouped_kind(w)
             if kind is None or self.kind not in (None, kind):
                 continue
-            row = cpu_kernels.resident_row(w, I, kind == "bf16")
+            row = cpu_kernels.resident_row(w, I, kind)
             if row is not None:
                 self.kind, self.F = kind, row[0]
                 self.rows[e] = torch.tensor(row[1], dtype=torch.int64)

@@ -143,6 +143,15 @@ int moeswap_latent_moe_resident(int format, const float *x, int64_t T, int64_t D
                                 int64_t E_total, const int64_t *table, const int64_t *ids, const float *weight,
                                 int64_t K, int act, float b1, float b2, float *y, int nthreads, int64_t *used);
 
+int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
+                      const void *const *s1, const void *const *p3, const void *const *s3, const void *const *p2,
+                      const void *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
+                      float b1, float b2, float *y, int nthreads);
+
+/* ---- quant.c: block-FP8 (format 3) and INT4 (format 4) weights straight from their stored bytes ---- */
+int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
+                         int64_t O, float *y, int nthreads);
+
 /* ---- kda.c: Kimi Delta Attention ---- */
 int moeswap_kda_decode(const float *q, const float *k, const float *v, const float *g, const float *beta,
                        float *S, float *o, int64_t N, int64_t K, int64_t V, float scale, float eps, int nthreads);

@@ -93,6 +93,14 @@ static inline float *permuted(const float *x, int64_t T, int64_t I) {
     return xp;
 }
 
+/* x [T, I] copied in natural column order into a 64-byte aligned block (block FP8 reads its codes in order);
+ * NULL when out of memory. */
+static inline float *aligned_rows(const float *x, int64_t T, int64_t I) {
+    float *xa = (float *)aligned_alloc(64, ((size_t)(T * I) * sizeof(float) + 127) / 64 * 64);
+    if (xa) memcpy(xa, x, (size_t)(T * I) * sizeof(float));
+    return xa;
+}
+
 /* n rows from o of y[TT, O] = x @ W^T for a tile of TT tokens (1 to 8), x permuted. */
 HIDDEN void mxfp4_rows(const float *xp, int TT, int64_t I, const uint8_t *packed, const uint8_t *scale, int64_t o,
                        int64_t n, float *y, int64_t O);
@@ -103,6 +111,13 @@ static inline void linear_rows(const float *xp, int64_t T, int64_t I, const uint
     for (int64_t t = 0; t < T; t += 8)
         mxfp4_rows(xp + t * I, T - t < 8 ? (int)(T - t) : 8, I, packed, scale, o, n, y + t * O, O);
 }
+
+/* ---- quant.c ---- */
+/* Rows [o, o + n) of y[T, O] = x @ W^T for all T tokens; fp8 1: block FP8 codes q [O, I] with fp32 scales s per
+ * 128 x 128, x in natural order (aligned_rows); 0: INT4 words q [O, I/8] with bf16 scales s [O, I/32], x
+ * permuted. */
+HIDDEN void quant_linear_rows(int fp8, const float *xp, int64_t T, int64_t I, const uint8_t *q, const void *s,
+                              int64_t O, int64_t o, int64_t n, float *y);
 
 /* ---- q8.c: the quantized rows' layout (described there) ---- */
 #define Q8_CHUNK_BYTES (128 + 16 * 4 + 16 * 4)

@@ -1,5 +1,5 @@
-/* moe.c: the routed experts of a layer step in one call, MXFP4 (fp32 or int8 activations) or bf16:
- * moeswap_mxfp4_moe / moeswap_bf16_moe from the caller's grouping, moeswap_moe_resident straight from the
+/* moe.c: the routed experts of a layer step in one call, MXFP4 (fp32 or int8 activations), bf16, block FP8
+ * or INT4 (quant.c): moeswap_mxfp4_moe / moeswap_bf16_moe / moeswap_quant_moe from the caller's grouping, moeswap_moe_resident straight from the
  * router's output and a table of resident experts, moeswap_latent_moe_resident with K3's latent projections
  * around them. One call and two thread fork/joins per layer step; models/layers/moe.py is the reference.
  */
@@ -18,10 +18,10 @@ static int64_t list_items(work_item *items, const int64_t *off, int E, int64_t c
     return n;
 }
 
-enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2 };
+enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2, FP8 = 3, INT4 = 4 };
 
 /* The activations one phase of `moe` multiplies, per pair, in the form its weight format reads: fp32 rows in
- * `permuted` column order (MXFP4 and bf16), or quantized rows (MXFP4_Q8). */
+ * `permuted` column order (MXFP4, bf16, INT4), in natural order (block FP8), or quantized rows (MXFP4_Q8). */
 typedef struct { const float *f; q8_rows q; int64_t width; } pair_rows;
 
 /* Row tokens[k] of x for each of the P pairs (tokens NULL: x already has one row per pair), in `format`'s
@@ -53,19 +53,21 @@ static void *pair_inputs(int format, const float *x, int64_t T, int64_t I, const
         for (int64_t k = 0; k < P; k++) memcpy(buf + k * I, x + tokens[k] * I, (size_t)I * sizeof(float));
         x = buf;
     }
-    float *xp = permuted(x, P, I);
+    float *xp = format == FP8 ? aligned_rows(x, P, I) : permuted(x, P, I);
     if (!xp) *ok = 0;
     out->f = xp;
     return xp;
 }
 
 /* Rows [o, o + n) of one expert matrix for the nt pairs from k0, in any of the weight formats (p: packed
- * MXFP4 with scale s, or bf16 with s unused). */
+ * MXFP4 with scale s, bf16 with s unused, block FP8 codes with fp32 scales, or INT4 words with bf16 scales). */
 static void expert_rows(int format, pair_rows a, int64_t k0, int64_t nt, const void *p, const uint8_t *s, int64_t O,
                         int64_t o, int64_t n, float *y) {
     const int64_t I = a.width;
     if (format == BF16) bf16_rows(a.f + k0 * I, nt, I, (const uint16_t *)p, O, o, n, y);
     else if (format == MXFP4) linear_rows(a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
+    else if (format == FP8 || format == INT4)
+        quant_linear_rows(format == FP8, a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
     else q8_linear_rows((q8_rows){a.q.base + k0 * a.q.chunks * Q8_CHUNK_BYTES, a.q.chunks}, nt, I,
                         (const uint8_t *)p, s, O, o, n, y);
 }
@@ -85,6 +87,7 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
                const uint8_t *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
                float b1, float b2, float *y, int nthreads) {
     if (format == MXFP4_Q8 && !Q8) return 3;
+    if (format < MXFP4 || format > INT4) return 1;
     if ((format != BF16 && (I % 32 || F % 32)) || act < 0 || act > 1 || E < 1 || off[0] != 0) return 1;
     mxfp4_tables();
     const int64_t P = off[E];
@@ -152,6 +155,17 @@ int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, con
                (const void *const *)w2, NULL, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 
+/* The same for block-FP8 (format 3: E4M3 codes [O, N] + fp32 scales per 128 x 128) or INT4 experts (4: int32
+ * words [O, N/8] + bf16 scales per 32), quant.c's math. */
+int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
+                      const void *const *s1, const void *const *p3, const void *const *s3, const void *const *p2,
+                      const void *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
+                      float b1, float b2, float *y, int nthreads) {
+    if (format != FP8 && format != INT4) return 1;
+    return moe(format, x, T, I, F, E, p1, (const uint8_t *const *)s1, p3, (const uint8_t *const *)s3, p2,
+               (const uint8_t *const *)s2, off, tokens, weight, act, b1, b2, y, nthreads);
+}
+
 /* 0 when every one of the P chosen ids has a row in the table, 1 for an id out of range, 4 for one without. */
 static int resident_ids(const int64_t *table, int64_t E_total, const int64_t *ids, int64_t P) {
     for (int64_t k = 0; k < P; k++) {
@@ -163,17 +177,18 @@ static int resident_ids(const int64_t *table, int64_t E_total, const int64_t *id
 
 /* A decode step's routed experts straight from the router's choice, for experts that stay resident:
  * table [E_total, 6] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
- * bf16: w1 0 w3 0 w2 0), a row of zeros where the caller has none; ids, weight [T, K] are the router's
+ * bf16: w1 0 w3 0 w2 0; FP8 and INT4: codes and scales as MXFP4), a row of zeros where the caller has none;
+ * ids, weight [T, K] are the router's
  * output. The pairs are grouped by expert, experts in id order and each one's tokens in order (as
  * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format:
- * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations. *used: the distinct experts. Returns moe()'s status,
+ * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations, 3 block FP8, 4 INT4. *used: the distinct experts. Returns moe()'s status,
  * 1 for an id out of range, 4 when a chosen expert has no pointers (the caller takes the store's path). */
 
 int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64_t F, int64_t E_total,
                          const int64_t *table, const int64_t *ids, const float *weight, int64_t K, int act,
                          float b1, float b2, float *y, int nthreads, int64_t *used) {
     const int64_t P = T * K;
-    if (T < 1 || K < 1 || E_total < 1 || format < MXFP4 || format > MXFP4_Q8) return 1;
+    if (T < 1 || K < 1 || E_total < 1 || format < MXFP4 || format > INT4) return 1;
     const int checked = resident_ids(table, E_total, ids, P);
     if (checked) return checked;
     int64_t *at = (int64_t *)calloc((size_t)E_total, sizeof(int64_t)); /* pairs per expert, then next slot */

@@ -1,0 +1,307 @@
+/* quant.c: block-FP8 and INT4 weights (routed experts), multiplied straight from their stored bytes:
+ *   y[t, o] = sum_i x[t, i] * W[o, i]
+ * FP8 block (DeepSeek-V3): q uint8 [O, I] E4M3 codes, s fp32 [ceil(O/128), ceil(I/128)];
+ *   W[o, i] = E4M3(q[o, i]) * s[o/128, i/128], one fp32 product (S.1111.111 is NaN, as torch's float8_e4m3fn).
+ * INT4 pack-quantized (compressed-tensors): q int32 [O, I/8] (element 8w + k at bits 4k of word w, stored as
+ *   code + 8; little-endian, so byte j holds column 2j low and 2j+1 high, as MXFP4), s bf16 [O, I/32];
+ *   W[o, i] = bf16(code * s[o, i/32]): the product rounded to bf16, as compressed-tensors dequantises.
+ * Each weight is decoded in registers and used for every token of the call; no decoded copy is kept.
+ * Entry points: moeswap_quant_linear (one matrix) and, through moe.c, moeswap_quant_moe (a layer step's
+ * experts); ops/expert_quant.py holds the contract and the plain-torch references.
+ * x, y: fp32 row-major; x in natural column order for FP8, in `permuted` order (internal.h) for INT4. Every
+ * (row, token) sum runs in one order whatever the number of tokens or rows in the tile, so a batched row gets
+ * the bits it gets alone.
+ * AVX-512 (F + BW) builds decode in vectors; AVX2 and portable builds run the scalar tile (each build sums a
+ * (row, token) in one order; slower).
+ */
+#include "internal.h"
+
+#define FP8_BLOCK 128
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VECTOR 1
+#else
+#define VECTOR 0 /* the scalar tile */
+#endif
+
+static float E4M3[256];
+static int quant_ready = 0;
+
+static void quant_tables(void) {
+    if (quant_ready) return; /* idempotent: a race writes the same values */
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf((float)m, -9);
+        if ((b & 0x7F) == 0x7F) v = NAN;
+        E4M3[b] = b & 0x80 ? -v : v;
+    }
+    quant_ready = 1;
+}
+
+/* bf16 rounding (to nearest even) of an fp32 value, kept as fp32; NaN stays NaN */
+static inline float bf16_round(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return v;
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t b = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+/* Position in `permuted` order of column k (0..31) of a 32-column block. */
+#if PERMUTED_WIDTH == 16
+#define PPOS(k) ((k) % 2 ? 16 + (k) / 2 : (k) / 2)
+#elif PERMUTED_WIDTH == 8
+#define PPOS(k) (((k) / 16) * 16 + ((k) % 2 ? 8 + ((k) % 16) / 2 : ((k) % 16) / 2))
+#else
+#define PPOS(k) (k)
+#endif
+
+INLINE float fp8_scale(const float *s, int64_t o, int64_t b, int64_t I) {
+    return s[(o / FP8_BLOCK) * ((I + FP8_BLOCK - 1) / FP8_BLOCK) + b * 32 / FP8_BLOCK];
+}
+
+/* Scalar tile (AVX2 and portable builds): one row, TT tokens; 32 weights decoded, then one sum per token. */
+INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const uint8_t *q, const void *s,
+                        int64_t o, float *y, int64_t O) {
+    const int64_t nb = I / 32;
+    float acc[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        float w[32];
+        if (fp8) {
+            const uint8_t *p = q + o * I + b * 32;
+            const float sc = fp8_scale((const float *)s, o, b, I);
+            for (int k = 0; k < 32; k++) w[k] = E4M3[p[k]] * sc; /* x in natural order */
+        } else {
+            const uint8_t *p = q + o * (I / 2) + b * 16;
+            const float sc = bf16_value(((const uint16_t *)s)[o * nb + b]);
+            for (int k = 0; k < 16; k++) {
+                w[PPOS(2 * k)] = bf16_round((float)((p[k] & 15) - 8) * sc);
+                w[PPOS(2 * k + 1)] = bf16_round((float)((p[k] >> 4) - 8) * sc);
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            float sum = 0.f;
+            for (int k = 0; k < 32; k++) sum += w[k] * xp[t * I + b * 32 + k];
+            acc[t] += sum;
+        }
+    }
+    for (int t = 0; t < TT; t++) y[t * O + o] = acc[t];
+}
+
+#if VECTOR
+/* FP8, x in natural order: 32 codes widened to 16-bit lanes become fp16 bits by shifts (exponent and mantissa
+ * under fp16's: code * 2^-8 exactly, subnormal codes as fp16 subnormals, which the conversion to fp32 takes
+ * exactly and at full speed), NaN codes (S.1111.111) fp16 NaN; then fp32, times s * 2^8 (one product rounded
+ * once, as the published code * s; scales past 2^119, whose 256-fold overflows, take two products, the first
+ * exact: chosen per row chunk). */
+INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const uint8_t *q, const float *s,
+                     int64_t o, float *y, int64_t O, const int fold) {
+    const int64_t nb = I / 32;
+    const float *srow[8]; /* each row's scales: one per 128 columns, so block b of 32 reads srow[b / 4] */
+    UNROLL for (int r = 0; r < R; r++) srow[r] = s + ((o + r) / FP8_BLOCK) * ((I + FP8_BLOCK - 1) / FP8_BLOCK);
+    const __m512i low7 = _mm512_set1_epi16(0x7F), bit14 = _mm512_set1_epi16(0x4000);
+    const __m512i nan16 = _mm512_set1_epi16(0x7E00);
+    __m512 acc[8][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 w0[8], w1[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *p = q + (o + r) * I + b * 32;
+            if ((b & 1) == 0) _mm_prefetch((const char *)(p + R * I), _MM_HINT_T0);
+            const float sc = srow[r][b >> 2];
+            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+            /* code << 7: exponent and mantissa in place, the sign one bit low; adding bit 14 to itself moves
+             * it to bit 15 */
+            const __m512i a = _mm512_slli_epi16(v, 7);
+            __m512i h = _mm512_add_epi16(a, _mm512_and_si512(a, bit14));
+            h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, low7), low7), nan16);
+            __m512 a0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), a1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            if (fold) { /* constant per tile */
+                w0[r] = _mm512_mul_ps(a0, _mm512_set1_ps(sc * 256.f));
+                w1[r] = _mm512_mul_ps(a1, _mm512_set1_ps(sc * 256.f));
+            } else {
+                w0[r] = _mm512_mul_ps(_mm512_mul_ps(a0, _mm512_set1_ps(256.f)), _mm512_set1_ps(sc));
+                w1[r] = _mm512_mul_ps(_mm512_mul_ps(a1, _mm512_set1_ps(256.f)), _mm512_set1_ps(sc));
+            }
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            __m512 x0 = _mm512_loadu_ps(x + t * I + b * 32), x1 = _mm512_loadu_ps(x + t * I + b * 32 + 16);
+            UNROLL for (int r = 0; r < R; r++) {
+                acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
+        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* INT4: the block's 16-entry table bf16(code * scale), codes -8..7, held as bf16 words twice over (32 words),
+ * and one word permute (vpermw) of it by the block's 32 nibbles: each 32-bit lane then holds the even column's
+ * weight in its low word and the odd column's in its high word, which two bit operations widen to fp32 in
+ * `permuted` order (the low words shifted up; the high words masked). */
+/* A bf16 scale in every lane as fp32 (the bits widened in the vector unit). */
+INLINE __m512 bf16_lanes(uint16_t h) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)h << 16))); }
+
+INLINE __m512i int4_table(__m512 lut, uint16_t sc, const int normal) {
+    const __m512 exact = _mm512_mul_ps(lut, bf16_lanes(sc)); /* exact: 4-bit codes times 8-bit scales */
+#if defined(__AVX512BF16__)
+    /* the bf16 conversion instruction rounds to nearest even but flushes subnormals: only a scale that is
+     * itself below 2^-126 gives subnormal products; `normal` (constant per tile) says none of its rows has one */
+    if (normal) return (__m512i)_mm512_cvtne2ps_pbh(exact, exact);
+#else
+    (void)normal;
+#endif
+    const __m512i bits = _mm512_castps_si512(exact);
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)),
+                                       _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(exact, exact, _CMP_UNORD_Q), bits); /* NaN stays */
+    const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+}
+
+/* Two rows' tables in one vector: words 0-15 row 0's (scale s0), 16-31 row 1's; one conversion for both. */
+INLINE __m512i int4_tables2(__m512 lut, uint16_t s0, uint16_t s1, const int normal) {
+#if defined(__AVX512BF16__)
+    if (normal)
+        return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(lut, bf16_lanes(s1)), _mm512_mul_ps(lut, bf16_lanes(s0)));
+#endif
+    const __m512i t0 = int4_table(lut, s0, 0), t1 = int4_table(lut, s1, 0); /* each twice over */
+    return _mm512_inserti64x4(t0, _mm512_castsi512_si256(t1), 1);
+}
+
+INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const uint16_t *s,
+                      int64_t o, float *y, int64_t O, const int normal) {
+    static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
+    const __m512 lut = _mm512_loadu_ps(CODES);
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F);
+    const __m512i second = _mm512_set1_epi32(0x00100010);
+    const int64_t nb = I / 32, half = I / 2;
+    const uint16_t *srow[8];
+    UNROLL for (int r = 0; r < R; r++) srow[r] = s + (o + r) * nb;
+    __m512 acc[8][8];
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 ve[8], vo[8];
+        UNROLL for (int r = 0; r < R; r += 2) {
+            const uint8_t *p = q + (o + r) * half + b * 16;
+            if ((b & 3) == 0) _mm_prefetch((const char *)(p + R * half), _MM_HINT_T0);
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+            if (r + 1 < R) { /* rows r and r + 1 share one table vector (a compile-time choice: R is constant) */
+                if ((b & 3) == 0) _mm_prefetch((const char *)(p + half + R * half), _MM_HINT_T0);
+                const __m512i bytes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + half)));
+                const __m512i tables = int4_tables2(lut, srow[r][b], srow[r + 1][b], normal);
+                /* lane j: the low nibble of byte j in the low word, its high nibble in the high word; bit 4 of
+                 * each word picks the row's half of the table vector */
+                const __m512i i0 = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
+                const __m512i i1 = _mm512_or_si512(_mm512_ternarylogic_epi32(bytes1, _mm512_slli_epi32(bytes1, 12),
+                                                                             nibbles, 0xA8), second);
+                const __m512i w0 = _mm512_permutexvar_epi16(i0, tables), w1 = _mm512_permutexvar_epi16(i1, tables);
+                ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+                vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w0, top));
+                ve[r + 1] = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+                vo[r + 1] = _mm512_castsi512_ps(_mm512_and_si512(w1, top));
+            } else {
+                /* lane j: byte j in the low word (vpermw reads its low 5 bits: the low nibble, and one bit that
+                 * picks either copy of the table), byte j >> 4 in the high word */
+                const __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
+                const __m512i w = _mm512_permutexvar_epi16(idx, int4_table(lut, srow[r][b], normal));
+                ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w, top));
+            }
+        }
+        UNROLL for (int t = 0; t < TT; t++) {
+            __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
+            UNROLL for (int r = 0; r < R; r++) {
+                acc[r][t] = _mm512_fmadd_ps(ve[r], xe, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(vo[r], xo, acc[r][t]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
+        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define FP8_TILE(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O, 1)
+#define FP8_TILE_BIG(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O, 0)
+#define INT4_TILE(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 1)
+#define INT4_TILE_SUB(TT_, R_) int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 0)
+#endif
+
+#define SCALAR_TILE(TT_, R_) scalar_tile(fp8, xp, TT_, I, q, s, o, y, O)
+
+/* Whether a block-FP8 scale of rows [o, o + n) is finite while its 256-fold is not (the tile then takes two
+ * products: code * 2^-8 * 2^8, exact, then * scale). */
+static int big_scales(const float *s, int64_t o, int64_t n, int64_t I) {
+    const int64_t cols = (I + FP8_BLOCK - 1) / FP8_BLOCK;
+    int any = 0;
+    for (int64_t k = (o / FP8_BLOCK) * cols; k < ((o + n - 1) / FP8_BLOCK + 1) * cols; k++)
+        any |= isfinite(s[k]) && !isfinite(s[k] * 256.f);
+    return any;
+}
+
+/* Whether any of n bf16 scales is subnormal (exponent 0, mantissa not). */
+static int subnormal_scales(const uint16_t *s, int64_t n) {
+    int any = 0;
+    for (int64_t k = 0; k < n; k++) any |= (s[k] & 0x7F80) == 0 && (s[k] & 0x7F) != 0;
+    return any;
+}
+
+/* n rows from o for a tile of TT tokens (1 to 8); fp8 1: block FP8, 0: INT4. */
+static void quant_rows(int fp8, const float *xp, int TT, int64_t I, const uint8_t *q, const void *s, int64_t o,
+                       int64_t n, float *y, int64_t O) {
+    const int64_t end = o + n;
+#if VECTOR
+    const int64_t step = TT <= 4 ? 4 : 2;
+    if (fp8) {
+        if (!big_scales((const float *)s, o, n, I)) {
+            for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE, 4, 4, 2)
+            for (; o < end; o++) BY_TOKENS(FP8_TILE, 4, 1, 1)
+        } else { /* a scale past 2^119: two products for these rows */
+            for (; o + step <= end; o += step) BY_TOKENS(FP8_TILE_BIG, 4, 4, 2)
+            for (; o < end; o++) BY_TOKENS(FP8_TILE_BIG, 4, 1, 1)
+        }
+    } else if (!subnormal_scales((const uint16_t *)s + o * (I / 32), n * (I / 32))) {
+        for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE, 4, 4, 2)
+        for (; o < end; o++) BY_TOKENS(INT4_TILE, 4, 1, 1)
+    } else { /* rare: some scale of these rows is a bf16 subnormal */
+        for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE_SUB, 4, 4, 2)
+        for (; o < end; o++) BY_TOKENS(INT4_TILE_SUB, 4, 1, 1)
+    }
+#else
+    for (; o < end; o++) BY_TOKENS(SCALAR_TILE, 4, 1, 1)
+#endif
+}
+
+void quant_linear_rows(int fp8, const float *xp, int64_t T, int64_t I, const uint8_t *q, const void *s, int64_t O,
+                       int64_t o, int64_t n, float *y) {
+    quant_tables();
+    for (int64_t t = 0; t < T; t += 8)
+        quant_rows(fp8, xp + t * I, T - t < 8 ? (int)(T - t) : 8, I, q, s, o, n, y + t * O, O);
+}
+
+/* y[T, O] = x[T, I] @ W^T for one matrix; format 3 block FP8, 4 INT4 (moe.c's codes). Returns 0, 1 for bad
+ * sizes, 2 out of memory. */
+int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
+                         int64_t O, float *y, int nthreads) {
+    if ((format != 3 && format != 4) || I % 32 || T < 0 || O < 0) return 1;
+    quant_tables();
+    float *xp = format == 3 ? aligned_rows(x, T, I) : permuted(x, T, I);
+    if (!xp) return 2;
+    const int64_t chunks = (O + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o = c * CHUNK_ROWS;
+        quant_linear_rows(format == 3, xp, T, I, (const uint8_t *)q, scale, O, o,
+                          O - o < CHUNK_ROWS ? O - o : CHUNK_ROWS, y);
+    }
+    free(xp);
+    return 0;
+}
