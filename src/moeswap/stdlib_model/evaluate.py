@@ -59,8 +59,8 @@ def heldout_loss(model_dir: str | Path, rows, pad_id: int, cfg) -> float:
         store.close()
 
 
-def samples(model_dir: str | Path, prompts=PROMPTS, max_tokens: int = 96, seed: int = 0) -> list[dict]:
-    """Greedy and sampled (temperature 0.8, top-p 0.95, seeded) continuations of each prompt."""
+def samples(model_dir: str | Path, prompts=None, max_tokens: int = 96, seed: int = 0) -> list[dict]:
+    """Greedy and sampled (temperature 0.8, top-p 0.95, seeded) continuations of each prompt (default PROMPTS)."""
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.tokenizer import load_tokenizer
@@ -71,7 +71,7 @@ def samples(model_dir: str | Path, prompts=PROMPTS, max_tokens: int = 96, seed: 
     model, store = load_model(model_dir, LoadOptions())
     out = []
     try:
-        for prompt in prompts:
+        for prompt in PROMPTS if prompts is None else prompts:
             ids = tok.encode(prompt)
             entry = {"prompt": prompt}
             for name, sampling in (("greedy", SamplingParams()), ("sampled", SamplingParams(0.8, 0, 0.95))):

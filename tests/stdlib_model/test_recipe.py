@@ -1,0 +1,51 @@
+"""The default model's recipe end to end on a tiny scale: a made-up standard library's corpus, full
+training of a tiny K3 on it, MXFP4 experts by `moeswap quantize`, the evaluation and the published
+directory, whose card quotes the evaluation and whose model loads and generates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from moeswap.quantize import quantize
+from moeswap.stdlib_model import card, corpus, recipe
+from moeswap.train.config import TrainConfig
+from moeswap.train.loop import train
+
+
+@pytest.mark.slow
+def test_tiny_recipe_publishes_a_card_that_quotes_its_measurements(tiny_k3_dir, tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    for i in range(12):
+        (lib / f"m{i}.py").parent.mkdir(parents=True, exist_ok=True)
+        (lib / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x + {j}\n\n" for j in range(i + 3)))
+    work = tmp_path / "work"
+    corpus.write_corpus(work / "corpus", lib, max_chars=200, eval_per_mille=300)
+    recipe.write_prompts(work)
+    shutil.copytree(tiny_k3_dir, work / "base")
+    cfg = TrainConfig(model=str(work / "base"), train_data=str(work / "corpus" / corpus.TRAIN_FILE),
+                      eval_data=str(work / "corpus" / corpus.EVAL_FILE), output=str(work / "trained"), mode="full",
+                      seq_len=96, truncate=True, packing="concat", micro_batch=2, max_steps=2, lr=1e-3)
+    train(cfg, progress=False)
+    quantize(work / "trained", work / "mxfp4")
+    monkeypatch.setattr("moeswap.stdlib_model.evaluate.PROMPTS", ("def ",))
+    report = card.write_evaluation(work)
+    out = card.publish(work, tmp_path / "published")
+
+    text = (out / "README.md").read_text()
+    mx = report["models"]["MXFP4 experts"]
+    assert f"{mx['loss']:.4f}" in text and f"{report['unigram']['perplexity']:.1f}" in text
+    assert report["samples"][0]["prompt"] == "def " and report["samples"][0]["greedy"] in text
+    assert json.loads((out / "manifest.json").read_text())["steps"] == 2
+    assert (out / recipe.PROMPTS_FILE).read_text().startswith("def f0(x):")
+    assert not (out / "checkpoints").exists()
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.models.loader import load_model
+
+    model, store = load_model(out)
+    try:
+        assert len(generate(model, [1, 2, 3], GenerationConfig(max_tokens=3, stop_ids=())).tokens) == 3
+    finally:
+        store.close()
