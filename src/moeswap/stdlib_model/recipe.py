@@ -17,14 +17,14 @@ from moeswap.stdlib_model import corpus
 SIZE = "stdlib"
 SEED = 0
 # The run: rows of 1024 tokens packed from whole pieces (a 2000-character piece is ~600 tokens; the rare
-# denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 450 steps see ~0.7 M
-# tokens, a quarter of the train split: what under an hour of this shared 2-core machine afforded on
+# denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 350 steps see ~0.5 M
+# tokens, a sixth of the train split: what under an hour of this shared 2-core machine afforded on
 # 2026-12-01. MAX_STEPS is the knob for a longer run (the schedule follows it).
-MAX_STEPS = 450
+MAX_STEPS = 350
 TRAIN = {
     "model": "base", "train_data": "corpus/train.jsonl", "eval_data": "corpus/eval.jsonl", "output": "trained",
     "mode": "full", "seq_len": 1024, "truncate": True, "packing": "concat", "micro_batch": 2, "grad_accum": 1,
-    "lr": 2.0e-3, "min_lr_ratio": 0.1, "warmup_steps": 30, "weight_decay": 0.1, "betas": [0.9, 0.95],
+    "lr": 1.0e-3, "min_lr_ratio": 0.1, "warmup_steps": 30, "weight_decay": 0.1, "betas": [0.9, 0.95],
     "max_grad_norm": 1.0, "max_steps": MAX_STEPS, "router_bias_rate": 1.0e-3, "eval_interval": 150,
     "save_interval": 50, "keep_checkpoints": 2, "loss_chunk": 1024, "seed": SEED,
 }
@@ -36,6 +36,32 @@ def tokenizer_lines(train_jsonl: Path) -> list[str]:
         return [json.loads(line)["text"] for line in f]
 
 
+def initial_weights(random_dir: Path, out: Path) -> Path:
+    """The run's starting point: init-tiny's random K3 with its attention-residual pseudo-queries zeroed,
+    so every mix over depth starts as the plain average (init-tiny's ~1 vectors make each mix a nearly
+    one-hot pick of one source, through which little gradient flows), routed experts as bf16."""
+    import torch
+
+    from moeswap.atomic_dir import atomic_directory
+    from moeswap.models.loader import load_model
+    from moeswap.options import LoadOptions
+    from moeswap.train.experts import make_experts_trainable
+    from moeswap.train.export import write_model
+
+    model, store = load_model(random_dir, LoadOptions(dense_weights="compute"))
+    try:
+        make_experts_trainable(model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("res_proj.weight"):
+                    p.zero_()
+        with atomic_directory(out) as tmp:
+            write_model(model, random_dir, tmp)
+    finally:
+        store.close()
+    return out
+
+
 def prepare(work: str | Path) -> Path:
     from moeswap.tiny.model import write_tiny_model
     import yaml
@@ -43,8 +69,9 @@ def prepare(work: str | Path) -> Path:
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     corpus.write_corpus(work / "corpus", eval_per_mille=EVAL_PER_MILLE)
-    write_tiny_model(work / "base", "kimi_k3", SIZE, seed=SEED, progress=True,
+    write_tiny_model(work / "random", "kimi_k3", SIZE, seed=SEED, progress=True,
                      tokenizer_lines=tokenizer_lines(work / "corpus" / corpus.TRAIN_FILE))
+    initial_weights(work / "random", work / "base")
     (work / "train.yaml").write_text(yaml.safe_dump(TRAIN, sort_keys=False))
     write_prompts(work)
     return work
