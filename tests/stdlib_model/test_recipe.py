@@ -49,3 +49,27 @@ def test_tiny_recipe_publishes_a_card_that_quotes_its_measurements(tiny_k3_dir, 
         assert len(generate(model, [1, 2, 3], GenerationConfig(max_tokens=3, stop_ids=())).tokens) == 3
     finally:
         store.close()
+
+
+def test_initial_weights_zero_the_pseudo_queries_and_keep_the_rest(tiny_k3_dir, tmp_path):
+    import torch
+
+    from moeswap.models.loader import load_model
+    from moeswap.options import LoadOptions
+
+    out = recipe.initial_weights(tiny_k3_dir, tmp_path / "base")
+    new, new_store = load_model(out, LoadOptions(dense_weights="compute"))
+    old, old_store = load_model(tiny_k3_dir, LoadOptions(dense_weights="compute"))
+    try:
+        before = dict(old.named_parameters())
+        zeroed = 0
+        for name, p in new.named_parameters():
+            if name.endswith("res_proj.weight"):
+                assert not p.any(), name
+                zeroed += 1
+            else:
+                assert torch.equal(p, before[name].to(p.dtype)), name
+        assert zeroed > 0
+    finally:
+        new_store.close()
+        old_store.close()
