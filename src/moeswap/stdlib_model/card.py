@@ -30,6 +30,23 @@ def _params(model_dir: Path) -> tuple[int, int]:
     return dense + moe_layers * cfg.moe.num_experts * one, dense - embed + moe_layers * cfg.moe.top_k * one
 
 
+def _evals(m: dict) -> str:
+    return ", ".join(f"{e['step']}: {e['loss']:.3f}" for e in m["eval"])
+
+
+def _status(m: dict) -> str:
+    """Whether the run had converged: the last eval interval's drop per step against the run's average."""
+    evals = m["eval"]
+    if len(evals) < 3:
+        return ""
+    (s0, l0), (s1, l1), (s2, l2) = [(e["step"], e["loss"]) for e in (evals[0], evals[-2], evals[-1])]
+    late, overall = (l1 - l2) / max(1, s2 - s1), (l0 - l2) / max(1, s2 - s0)
+    if late > 0.05 * overall:
+        return ("The loss was still falling when the run ended: a short run, what one session of a shared 2-core "
+                "machine afforded; a longer one (recipe.MAX_STEPS) should write much better code.")
+    return "The loss had levelled off."
+
+
 def card_text(work: Path, out: Path) -> str:
     m = json.loads((work / "trained" / "manifest.json").read_text())
     ev = json.loads((work / "evaluation.json").read_text())
@@ -86,6 +103,7 @@ def card_text(work: Path, out: Path) -> str:
         f"- Final expert load: worst layer max/mean {m.get('expert_load', {}).get('worst_max_over_mean')}.",
         "- `manifest.json` records everything (data hashes, base fingerprint, config, versions, the loss curve);",
         "  `loss.png` plots it.",
+        f"- Held-out loss by step: {_evals(m)}. {_status(m)}",
         "",
         "## Held-out results",
         "",

@@ -7,7 +7,7 @@ SIZES = {
     # `make demo`: a few tens of MB
     "small": dict(hidden=256, layers=8, vocab=2048, heads=4, head_dim=32, kv_lora=64, q_lora=64, nope=32, rope=16,
                   experts=64, top_k=8, expert_dim=256, latent=128, dense=512, res_block=4),
-    # the trained default model (stdlib_model/): ~36 M parameters (28 M in 32 routed experts a layer), ~9 M
+    # the trained default model (stdlib_model/): 30.5 M parameters (22 M in 32 routed experts a layer), ~10 M
     # active a token; vocab from its own BPE
     "stdlib": dict(hidden=256, layers=8, vocab=4096, heads=4, head_dim=64, kv_lora=64, q_lora=96, nope=32, rope=16,
                    experts=32, top_k=4, expert_dim=256, latent=128, dense=768, res_block=4),
