@@ -28,7 +28,7 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(MOESWAP) inspect $(DEMO_MODEL)
 	$(MOESWAP) generate $(DEMO_MODEL) --prompt "$$(printf 'class Stack:\n    def push(self, item):\n        ')" \
-		--max-tokens 64 --stats
+		--max-tokens 64 --temperature 0.7 --top-p 0.95 --seed 1 --stats
 
 test: install-test
 	$(PY) -m pytest -q -n 2 --dist loadfile
