@@ -253,7 +253,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kw, message", [
     ({"arch": "llama"}, r"--arch 'llama': expected one of kimi_k3, kimi_linear"),
-    ({"size": "huge"}, r"--size 'huge': expected one of tiny, small, bench"),
+    ({"size": "huge"}, r"--size 'huge': expected one of tiny, small, stdlib, bench"),
 ])
 def test_bad_arch_or_size(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
