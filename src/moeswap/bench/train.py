@@ -329,6 +329,9 @@ def run(args: argparse.Namespace) -> int:
     for d in (args.model, args.k3):
         if d is not None and not (Path(d) / "config.json").is_file():
             raise FileNotFoundError(f"{d}: no config.json; give a checkpoint directory")
+    # absolute: the runs' CONFIG.yaml lives in a temporary directory, and its relative paths resolve there
+    args.model = os.path.abspath(args.model)
+    args.k3 = None if args.k3 is None else os.path.abspath(args.k3)
     with tempfile.TemporaryDirectory(prefix="moeswap-bench-train-") as work:
         report = measure(args, Path(work))
     md = format_markdown(report)
