@@ -16,20 +16,6 @@ from moeswap.stdlib_model.recipe import PROMPTS_FILE
 RECORD = ("manifest.json", "loss.csv", "loss.png")
 
 
-def _params(model_dir: Path) -> tuple[int, int]:
-    """(total, active per token) parameters of the model, routed experts included (from the meta model)."""
-    from moeswap.config import load_config
-    from moeswap.models import build_model, routed_expert_shapes
-
-    cfg = load_config(model_dir)
-    model = build_model(cfg, device="meta")
-    dense = sum(p.numel() for p in model.parameters())
-    one = sum(a * b for a, b in routed_expert_shapes(cfg).values())
-    moe_layers = sum(k == "moe" for k in cfg.mlp_kinds)
-    embed = cfg.vocab_size * cfg.hidden_size
-    return dense + moe_layers * cfg.moe.num_experts * one, dense - embed + moe_layers * cfg.moe.top_k * one
-
-
 def _evals(m: dict) -> str:
     return ", ".join(f"{e['step']}: {e['loss']:.3f}" for e in m["eval"])
 
@@ -53,7 +39,11 @@ def card_text(work: Path, out: Path) -> str:
     corpus = json.loads((work / "corpus" / "corpus.json").read_text())
     config = json.loads((out / "config.json").read_text())
     text = config.get("text_config", config)
-    total, active = _params(out)
+    from moeswap.config import load_config
+    from moeswap.planner.params import model_params
+
+    params = model_params(load_config(out))
+    total, active = params.total, params.active
     models = ev["models"]
     bf16, mx = models["bf16 experts"], models["MXFP4 experts"]
     env = m["environment"]
