@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moeswap.distributed.placement import Placement
-from moeswap.models.layers.moe import MoE, pairs_by_expert
+from moeswap.models.layers.moe import MoE, combine_pairs, pairs_by_expert
 
 
 class PeerLost(RuntimeError):
@@ -166,9 +166,7 @@ class ExpertParallel:
         expert_of, sel, n = self._split(block.layer_idx, unique, counts)
         token_of = token_of.to(h_TI.device)
         y_PI = _PairExchange.apply(h_TI, self, block, token_of, expert_of, sel, n, torch.is_grad_enabled())
-        acc = torch.promote_types(h_TI.dtype, torch.float32)  # as MoE._run_experts_torch
-        contrib_PI = y_PI.to(acc) * weights.to(device=h_TI.device, dtype=acc)[:, None]
-        out_TI = torch.zeros(h_TI.shape, dtype=acc, device=h_TI.device).index_add(0, token_of, contrib_PI)
+        out_TI = combine_pairs(h_TI, y_PI, weights, token_of)  # as MoE._run_experts_torch
         self.stats.layer_steps += 1
         self.stats.tokens += h_TI.shape[0]
         self.stats.pairs_local += n[self.rank]

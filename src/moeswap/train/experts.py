@@ -37,7 +37,7 @@ class TrainableExperts(nn.Module):
         self.register_buffer("load", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        from moeswap.models.layers.moe import pairs_by_expert
+        from moeswap.models.layers.moe import combine_pairs, pairs_by_expert
 
         if self.training:  # balancing counts training steps only, not evals
             self.load += torch.bincount(ids_TK.detach().flatten(), minlength=self.num_experts).to(self.load.device)
@@ -53,10 +53,7 @@ class TrainableExperts(nn.Module):
             h = glu(self.act, x @ w1[e].T, x @ w3[e].T, self.situ_betas)
             ys.append(h @ w2[e].T)
         y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
-        acc = torch.promote_types(h_TI.dtype, torch.float32)
-        contrib_PI = y_PI.to(acc) * weights.to(device=h_TI.device, dtype=acc)[:, None]
-        out_TI = torch.zeros(h_TI.shape, dtype=acc, device=h_TI.device).index_add(0, token_of, contrib_PI)
-        return out_TI.to(h_TI.dtype)
+        return combine_pairs(h_TI, y_PI, weights, token_of).to(h_TI.dtype)
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:

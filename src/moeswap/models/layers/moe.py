@@ -234,10 +234,7 @@ class MoE(nn.Module):
             ys.append(expert_format.train_forward(held, x_PI[i], self.act, self.situ_betas, adapters[i]))
             del held
         y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
-        acc = torch.promote_types(h_TI.dtype, torch.float32)  # fp32 sums, as at inference (float64 stays)
-        contrib_PI = y_PI.to(acc) * weights.to(device=h_TI.device, dtype=acc)[:, None]
-        out_TI = torch.zeros(h_TI.shape, dtype=acc, device=h_TI.device).index_add(0, token_of, contrib_PI)
-        return out_TI.to(h_TI.dtype)
+        return combine_pairs(h_TI, y_PI, weights, token_of).to(h_TI.dtype)
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
         """K3's latent routed part of a decode step in one C call (cpu_kernels.latent_moe_resident: the down
@@ -330,6 +327,14 @@ class _ResidentTable:
             return False
         self.store.count_resident_hits(used)
         return True
+
+
+def combine_pairs(h_TI: torch.Tensor, y_PI: torch.Tensor, weights: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
+    """Each token's routed output under autograd: its pairs' outputs times their routing weights, added from
+    zero in pair order in fp32 (float64 stays), as the inference kernels sum; [T, I] in that accumulator dtype."""
+    acc = torch.promote_types(h_TI.dtype, torch.float32)
+    contrib_PI = y_PI.to(acc) * weights.to(device=h_TI.device, dtype=acc)[:, None]
+    return torch.zeros(h_TI.shape, dtype=acc, device=h_TI.device).index_add(0, token_of, contrib_PI)
 
 
 PAIRS_IN_PYTHON = 256  # up to this many (token, slot) pairs, on the CPU: Python lists beat ~7 torch ops
