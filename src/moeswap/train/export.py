@@ -11,6 +11,7 @@ vision tower) are copied byte for byte. Entry point: `write_model(model, base_di
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from moeswap import jsonio
 from moeswap.config import parse_config
 from moeswap.formats.checkpoint import Checkpoint
 from moeswap.formats.files import read_json
-from moeswap.formats.writer import write_index, write_shard
+from moeswap.formats.writer import layout, write_index, write_shard
 from moeswap.models.loader import checkpoint_map_module
 from moeswap.quantize import copy_side_files, side_files
 from moeswap.train.experts import expert_tensors, moe_blocks
@@ -32,9 +33,7 @@ SHARD_BYTES = 2 << 30
 def _to_stored(value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
     """A model parameter in the base tensor's layout: reshaped (same size) or zero-padded (K3's A_log)."""
     flat = value.detach().reshape(-1).to(dtype)
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if flat.numel() == numel:
         return flat.reshape(shape)
     if len(shape) == 1 and flat.numel() < numel:
@@ -75,7 +74,7 @@ def write_model(model: nn.Module, base_dir: str | Path, out_dir: str | Path) -> 
     shards: list[list] = [[]]
     size = 0
     for entry in plan:
-        nbytes = entry[1].itemsize * max(1, int(torch.Size(entry[2]).numel()))
+        nbytes = entry[1].itemsize * math.prod(entry[2])
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -87,7 +86,6 @@ def write_model(model: nn.Module, base_dir: str | Path, out_dir: str | Path) -> 
         by_name = {n: src for n, _, _, src in shard}
 
         def produce(specs, by_name=by_name):
-            from moeswap.formats.writer import layout
             for n, dtype, _ in layout(specs):
                 kind, src = by_name[n]
                 yield n, (ckpt.read(src) if kind == "copy" else src).to(dtype).contiguous()
