@@ -313,3 +313,13 @@ def test_bench_swap_takes_text_prompts(tiny_k3_dir, tmp_path, strict_json):
     assert r["text_prompts"] is True
     assert r["prompt_tokens"] == len(load_tokenizer(tiny_k3_dir).encode("def main(argv):"))
     assert "text prompt" in next(out.glob("swap-*.md")).read_text()
+
+
+def test_bench_swap_prompts_file_problems_are_one_line_errors(tiny_k3_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    for path, message in ((tmp_path / "missing.txt", "expected a text file with one prompt per line"),
+                          (empty, "the file has no prompts")):
+        assert main(["bench", "swap", str(tiny_k3_dir), "--prompts", str(path), "--out-dir", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moeswap: error: ") and message in err and err.count("\n") == 1

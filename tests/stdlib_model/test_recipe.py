@@ -73,3 +73,10 @@ def test_initial_weights_zero_the_pseudo_queries_and_keep_the_rest(tiny_k3_dir, 
     finally:
         new_store.close()
         old_store.close()
+
+
+def test_the_recipe_module_refuses_bad_usage_with_exit_2(capsys):
+    from moeswap.stdlib_model.__main__ import USAGE, main
+
+    assert main([]) == 2 and main(["publish", "only-one"]) == 2 and main(["train", "x"]) == 2
+    assert capsys.readouterr().err.count(USAGE) == 3
