@@ -17,15 +17,15 @@ from moeswap.stdlib_model import corpus
 SIZE = "stdlib"
 SEED = 0
 # The run: rows of 1024 tokens packed from whole pieces (a 2000-character piece is ~600 tokens; the rare
-# denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 350 steps see ~0.5 M
-# tokens, a sixth of the train split: what under an hour of this shared 2-core machine afforded on
-# 2026-12-01. MAX_STEPS is the knob for a longer run (the schedule follows it).
-MAX_STEPS = 350
+# denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 1000 steps see ~2 M
+# tokens, about two thirds of the train split: what ~70 minutes of this 2-core machine afford when nothing
+# else runs. MAX_STEPS is the knob for a longer run (the schedule follows it).
+MAX_STEPS = 1000
 TRAIN = {
     "model": "base", "train_data": "corpus/train.jsonl", "eval_data": "corpus/eval.jsonl", "output": "trained",
     "mode": "full", "seq_len": 1024, "truncate": True, "packing": "concat", "micro_batch": 2, "grad_accum": 1,
     "lr": 1.0e-3, "min_lr_ratio": 0.1, "warmup_steps": 30, "weight_decay": 0.1, "betas": [0.9, 0.95],
-    "max_grad_norm": 1.0, "max_steps": MAX_STEPS, "router_bias_rate": 1.0e-3, "eval_interval": 150,
+    "max_grad_norm": 1.0, "max_steps": MAX_STEPS, "router_bias_rate": 1.0e-3, "eval_interval": 250,
     "save_interval": 50, "keep_checkpoints": 2, "loss_chunk": 1024, "seed": SEED,
 }
 EVAL_PER_MILLE = 20  # ~2 % of the files held out: ~80 k tokens, a minute to evaluate
