@@ -255,7 +255,7 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
     """With every expert resident for good (the fast tier holds them all), decode steps go from the router
     to the grouped kernel through each layer's pointer table (cpu_kernels.moe_resident; K3's latent MoE
     in one call, latent_moe_resident): the same logits bit for bit as the store's fetch, and the same hit
-    count; never with a budget that can evict."""
+    count; with a budget that evicts, the tables follow the fast tier and the store's books are the same."""
     import torch
 
     from moeswap.models.layers import moe as moe_module
@@ -292,13 +292,16 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
     monkeypatch.setattr(moe_module.MoE, "_resident_table", lambda self, h, ids: None)  # both table paths off
     fetch_logits, fetch_store = decode_logits(LoadOptions(expert_memory=1 << 30))
     assert torch.equal(table_logits, fetch_logits) and fetch_store.stats.fast.hits == hits
+    # a store that evicts: the tables mirror its fast tier, the same logits and the same books as the fetches
+    small_budget = LoadOptions(expert_memory=expert_bytes(store) * 9 // 10)  # some layer steps hit every expert
+    fetch_logits, fetch_store = decode_logits(small_budget)
     monkeypatch.undo()
-    monkeypatch.setattr(cpu_kernels.CpuKernels, "moe_resident", lambda self, *a: calls.append(1) or real(self, *a))
     monkeypatch.setattr(cpu_kernels.CpuKernels, "latent_moe_resident", latent)
-    calls.clear()
     latent_calls.clear()
-    _, small = decode_logits(LoadOptions(expert_memory=expert_bytes(store) // 2))
-    assert small.can_evict and not calls and not latent_calls
+    table_logits, small = decode_logits(small_budget)
+    books = lambda s: (s.stats.hits, s.stats.misses, s.stats.tiers["fast"].evictions, sorted(s.fast.keys()))
+    assert small.can_evict and any(latent_calls) and small.stats.tiers["fast"].evictions > 0
+    assert torch.equal(table_logits, fetch_logits) and books(small) == books(fetch_store)
 
 
 def test_bench_swap_takes_text_prompts(tiny_k3_dir, tmp_path, strict_json):

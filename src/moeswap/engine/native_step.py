@@ -11,12 +11,15 @@ whenever this does not apply:
 - dense weights kept bf16 (the loader's default on the CPU) with each attention's input projections and
   each gated MLP's gate/up fused (EngineConfig.fuse).
 
-Routed experts run in the call from the layers' resident tables (models/layers/moe.py) when the store
-never evicts. Otherwise the call stops after a MoE layer's attention and the model runs that FFN (the
-store's fetch, its trace, an expert lookahead), then the call resumes at the next
-layer; so does a layer whose chosen experts are not in its table yet (the store then fills the table).
-A next-layer lookahead runs only while a store can evict: with every expert resident it has nothing to
-load (its precision and recall are then not scored).
+Routed experts run in the call from the layers' resident tables (models/layers/moe.py), which mirror what
+the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
+call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). Where a chosen expert is not
+in its layer's table, the call stops after that layer's attention; here the expert lookahead runs (a
+store that can evict: the next MoE layer's guess is loaded in the background), the layer's experts are
+fetched through the store (the same books and loads as the model's own fetch), and the call resumes at
+that FFN with them. A layer without a table (a store that records a trace or keeps nothing) stops and
+the model runs that FFN. So the store sees the same fetches, in the same order, as under the model's
+forward (tests/engine/test_native_step.py), but the lookahead guesses only at layers that missed.
 
 MLA with a rotary shared key (DeepSeek-V3 / Kimi K2): each step's cos/sin come from the model's Rotary
 (the same values), and the C step turns q and k_r with them as the forward does; group-limited routing is
@@ -236,29 +239,36 @@ class _Plan:
         for t in self.rope_layers:
             t.rope_cos, t.rope_sin = self._rope[0].data_ptr(), self._rope[1].data_ptr()
 
-    def scratch(self, B: int) -> tuple[torch.Tensor, torch.Tensor, ctypes.Array]:
-        """The call's bank [max_bank, B, D] and stop output [B, D], and the experts-per-layer array, kept
-        per batch size (the call overwrites them; nothing of them is returned)."""
+    def scratch(self, B: int) -> tuple[torch.Tensor, torch.Tensor, ctypes.Array, torch.Tensor]:
+        """The call's bank [max_bank, B, D], stop output [B, D], experts-per-layer array and router choices
+        [layers, B * topk], kept per batch size (the call overwrites them; nothing of them is returned);
+        the MoE rows point at this size's choices."""
         if B not in self._scratch:
             with torch.inference_mode(False):
+                K = max((self.table[i].topk for i, _ in self.moe), default=1)
                 self._scratch[B] = (torch.empty(max(self.max_bank, 1), B, self.D), torch.empty(B, self.D),
-                                    (_i64 * len(self.table))())
+                                    (_i64 * len(self.table))(), torch.zeros(len(self.table), B * K, dtype=torch.int64))
+        chosen = self._scratch[B][3]
+        for i, _ in self.moe:
+            self.table[i].chosen = chosen[i].data_ptr()
         return self._scratch[B]
 
-    def refresh(self, lookahead: bool) -> None:
-        """Per step, what may change between steps: which layers stop for the model to run their FFN (all
-        of them under an expert lookahead, which runs there; MoE layers without a resident table: a store
-        that can evict, traces or prefetches), and each table's expert width and format, which it learns
-        from the first experts it is given."""
-        for i, t in enumerate(self.table):
-            t.stop = int(lookahead or i in self.module_ffn)
+    def refresh(self) -> dict[int, object]:
+        """Per step, what may change between steps: which MoE layers stop for the model to run their FFN
+        (no fp32 router, no resident table, or a table that has no format yet) and each table's expert width
+        and format. Returns the tables by layer."""
+        tables = {}
         for i, moe in self.moe:
             t, table = self.table[i], moe.resident_table()
-            if table is None or i in self.module_ffn:
+            if table is None or table.kind is None:
                 t.stop, t.table = 1, None
                 continue
-            t.table, t.F = table.rows.data_ptr(), table.F  # MoE.resident_table keeps it alive
+            t.stop, t.table, t.F = 0, table.rows.data_ptr(), table.F  # MoE.resident_table keeps it alive
             t.format = cpu_kernels.resident_format_code(table.kind, moe.int8_activations)
+            tables[i] = table
+        for i in self.module_ffn:
+            self.table[i].stop = 1
+        return tables
 
 
 class NativeDecode:
@@ -353,41 +363,72 @@ class NativeDecode:
         plan.set_rope(next((st.lengths_B for st in state.layers if isinstance(st, MLACache)), None))
         # a lookahead runs only where a store can evict: with every expert resident it has nothing to load
         lookahead = m.expert_lookahead if any(getattr(s, "can_evict", True) for s in plan.stores) else None
-        plan.refresh(lookahead is not None)
+        tables = plan.refresh()
         partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
-        bank, m_out, used = plan.scratch(B)
+        bank, m_out, used, chosen = plan.scratch(B)
         logits = torch.empty(B, plan.V) if plan.head else None
         n_layers = len(plan.table)
         n_bank, stopped = _i64(0), _i64(-1)
-        first = 0
+        first, ffn_first = 0, 0
         while True:
             status = plan.kernel.lib.moeswap_decode_layers(
                 plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
                 ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, plan.final_norm, plan.head, plan.V,
                 None if logits is None else logits.data_ptr(), B, D, plan.eps, L2_EPS, plan.act,
-                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), int(m.gemm_precision == "bf16"),
+                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), ffn_first, int(m.gemm_precision == "bf16"),
                 max(1, torch.get_num_threads()))
+            if ffn_first:  # the resumed layer's experts are back from their own table
+                plan.table[first].table = tables[first].rows.data_ptr()
+            end = stopped.value if status == 4 else n_layers
+            self._book(plan, tables, used, chosen, first + ffn_first, end, B)
             if status != 4:
                 break
-            # a layer whose FFN the model runs (through the store, after its lookahead), then the rest
             i = stopped.value
             layer, x = m.model.layers[i], m_out.view(B, 1, D)
             if lookahead is not None:
                 lookahead(i, x)
+            rows = None if plan.table[i].stop else self._fetched_rows(tables[i], i, chosen[i, :B * plan.table[i].topk])
+            if rows is not None:  # resume at this FFN with its experts (their rows kept alive by `rows`)
+                plan.table[i].table, first, ffn_first = rows[0].data_ptr(), i, 1
+                continue
+            # a layer whose FFN the model runs (through the store), then the rest
             partial += layer.feed_forward(layer.post_attention_layernorm(x)).view(B, D)
-            plan.refresh(lookahead is not None)
-            first = i + 1
+            tables = plan.refresh()
+            first, ffn_first = i + 1, 0
         if status:
             why = {1: "bad sizes", 2: "out of memory"}.get(status, f"status {status}")
             raise RuntimeError(f"native decode step failed ({why}); the sequences' state is no longer consistent")
         for st, n in zip((st for st in state.layers if isinstance(st, MLACache)), longest):
             st.max_length = n + 1
-        for store in plan.stores:
-            hits = sum(used[i] for i, moe in plan.moe if moe.store is store)
-            if hits:
-                store.count_resident_hits(hits)
         if logits is not None:
             return logits.view(B, 1, plan.V)
         hidden = m.model.norm(partial.view(B, 1, D))
         head = m.model.embed_tokens.weight if m.config.tie_word_embeddings else m.lm_head.weight
         return linear(hidden, head)
+
+    @staticmethod
+    def _book(plan: _Plan, tables: dict, used, chosen: torch.Tensor, start: int, end: int, B: int) -> None:
+        """The store's books of the MoE layers in [start, end) that the call ran from their tables."""
+        for i, moe in plan.moe:
+            if start <= i < end and used[i] and i in tables:
+                if moe.store.can_evict:
+                    moe.store.table_hits(i, chosen[i, :B * plan.table[i].topk].unique().tolist())
+                else:
+                    moe.store.count_resident_hits(used[i])
+
+    @staticmethod
+    def _fetched_rows(table, i: int, ids: torch.Tensor) -> tuple | None:
+        """Layer i's chosen experts fetched through the store (its books, its loads; the evictions may or
+        may not leave them all in the tier), as a copy of the table with their rows: (rows, the experts
+        they point into). None where one cannot be in the table (the model runs the FFN then, and the
+        store books this layer step twice)."""
+        unique = ids.unique().tolist()
+        experts = table.store.fetch(i, unique)
+        rows, kept = table.rows.clone(), []
+        for j, e in enumerate(unique):
+            kept.append(experts[j])
+            row = table.row(kept[-1])
+            if row is None:
+                return None
+            rows[e] = torch.tensor(row, dtype=torch.int64)
+        return rows, kept

@@ -125,6 +125,7 @@ class ExpertStore:
         self._events: dict[Key, object] = {}  # CUDA: copy-done events of prefetched experts
         self._pins = _Pinned(self)
         self._holds: dict[Key, weakref.WeakSet] = {}  # experts that live graphs keep, and their holds
+        self._mirrors: dict[int, object] = {}  # layer -> what mirrors its fast-tier experts (`mirror`)
 
     # -- the API --------------------------------------------------------------------------------------
 
@@ -144,17 +145,7 @@ class ExpertStore:
         with self._lock:
             if self.trace is not None:
                 self.trace.record(layer, ids)
-            hint = self._hints.pop(layer, None)
-            if hint is not None:  # score the lookahead's guess for this layer step
-                p = self.stats.prefetch
-                p.predicted += len(hint[1])
-                p.actual += len(set(ids))
-                p.correct += len(hint[1].intersection(ids))
-            # hints older than the previous fetch are for layer steps that are gone
-            self._hints = {l: h for l, h in self._hints.items() if h[0] >= self._fetches}
-            self._fetches += 1
-            self._active = set(keys)
-            self._harvest()
+            self._begin_step(layer, ids, keys)
             if not self._events:  # (CUDA: a prefetched expert's copy must be waited for when indexed)
                 resident = [self.fast.get(k) for k in keys]
                 if None not in resident:  # all hits: hand them over now; pinned (_active) for the step
@@ -167,6 +158,28 @@ class ExpertStore:
         if self.prefetcher is not None and missing:
             self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
         return Fetched(self, keys)
+
+    def mirror(self, layer: int, table) -> None:
+        """Keep `table` told of `layer`'s experts in the fast tier: `table.added(expert, w)` for each one now
+        and each one stored later, `table.removed(expert)` before one is evicted (under the store's lock, on
+        the thread that made the store call). A decode step then reads the table for the experts it can
+        compute without a fetch (models/layers/moe.py) and books those hits with `table_hits`."""
+        with self._lock:
+            self._mirrors[layer] = table
+            for key in self.fast.keys():
+                if key.layer == layer:
+                    table.added(key.expert, self.fast.get(key))
+
+    def table_hits(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """A layer step served from `layer`'s mirror table without a fetch: the books a fetch of these
+        (all resident) experts keeps: hits, the policy's recency, prefetch use, the layer's hint scored."""
+        ids = [int(e) for e in expert_ids]
+        keys = [Key(layer, e) for e in ids]
+        with self._lock:
+            self._begin_step(layer, ids, keys)
+            self._pending = set()
+            for key in keys:
+                self._hit(key)
 
     def hold(self, layer: int, expert: int, w: Weights) -> Held:
         """What an autograd graph keeps of expert `w` (just fetched) for its backward: `w` itself while the
@@ -200,8 +213,8 @@ class ExpertStore:
         return w
 
     def count_resident_hits(self, n: int) -> None:
-        """n fast-tier hits served without a fetch: a decode step through a layer's table of resident
-        experts (models/layers/moe.py), which runs only while nothing can be evicted (can_evict False)."""
+        """n fast-tier hits served without a fetch by a store that never evicts (can_evict False: no policy
+        to tell); an evicting store's table hits go through `table_hits`."""
         with self._lock:
             self.stats.fast.hits += n
 
@@ -274,6 +287,21 @@ class ExpertStore:
         if load.error is not None:
             raise load.error
         return self._ready(key, load.value)
+
+    def _begin_step(self, layer: int, ids: list[int], keys: list[Key]) -> None:
+        """Under the lock: a layer step begins: its hint scored, older hints dropped, its experts pinned,
+        finished background loads taken in."""
+        hint = self._hints.pop(layer, None)
+        if hint is not None:  # score the lookahead's guess for this layer step
+            p = self.stats.prefetch
+            p.predicted += len(hint[1])
+            p.actual += len(set(ids))
+            p.correct += len(hint[1].intersection(ids))
+        # hints older than the previous fetch are for layer steps that are gone
+        self._hints = {l: h for l, h in self._hints.items() if h[0] >= self._fetches}
+        self._fetches += 1
+        self._active = set(keys)
+        self._harvest()
 
     def _hit(self, key: Key) -> None:
         """Under the lock: the books of a fast-tier hit."""
@@ -441,6 +469,9 @@ class ExpertStore:
         if stored and load.error is None and self.fast.capacity:
             self.fast.put(key, value)
             self.policies[0].insert(key)
+            mirror = self._mirrors.get(key.layer)
+            if mirror is not None:
+                mirror.added(key.expert, value)
             self.stats.fast.bytes_in += load.need
             if load.event is not None:
                 self._events[key] = load.event
@@ -495,6 +526,8 @@ class ExpertStore:
                 victim = policy.victim(())
             if victim is None:
                 return strict
+            if i == 0 and victim.layer in self._mirrors:  # before its bytes can go
+                self._mirrors[victim.layer].removed(victim.expert)
             dropped = tier.drop(victim)
             if i == 0:
                 for held in self._holds.pop(victim, ()):  # graphs let go of it too: its bytes leave the budget

@@ -91,6 +91,7 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(d, m.num_shared_experts * m.expert_dim, self.act, self.situ_betas, device)
         self.num_experts = m.num_experts
         self.expert_shapes = routed_expert_shapes(cfg)  # one routed expert's [out, in] per projection
+        self.expert_width = m.latent_dim or d  # what the routed experts read (I)
         self.store: ExpertProvider | None = None  # attached by the loader; never part of state_dict
         self.int8_activations = False  # LoadOptions.expert_activations: int8 activations in the grouped kernel
 
@@ -176,15 +177,10 @@ class MoE(nn.Module):
         # it hands each expert over when indexed, one at a time (unless all are resident): a prefill step
         # may route to every expert of the layer, and holding them all would defeat the memory budget.
         experts = self.store.fetch(self.layer_idx, unique_ids)
-        # a store that never evicts keeps what it hands over: the table takes it (prefill too), so that
-        # later decode steps skip the fetch for these experts
-        keep = table if table is not None else self.resident_table() if h_TI.is_cpu else None
         group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
         start = 0
         for i, n in enumerate(counts):
             expert = experts[i]
-            if keep is not None:
-                keep.note((unique_ids[i],), (expert,), h_TI.shape[-1])
             if not group.add(expert, start, n):
                 rows = token_of[start : start + n]
                 y = expert(h_TI[rows], self.act, self.situ_betas)
@@ -264,57 +260,79 @@ class MoE(nn.Module):
             self.int8_activations)
         if got is None:
             return None
-        self.store.count_resident_hits(got[1])
+        table.book(self.layer_idx, ids_TK, got[1])
         return got[0]
 
     def _resident_table(self, h_TI: torch.Tensor, ids_TK: torch.Tensor) -> _ResidentTable | None:
         """`resident_table` for this step: eager CPU inference with too few tokens for any expert to take
         the GEMM path."""
-        if (ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None
-                or "expert_lora" in self._modules or "experts" in self._modules):
+        if ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None:
             return None
         return self.resident_table()
 
     def resident_table(self) -> _ResidentTable | None:
-        """The layer's table of resident experts where decode steps may use it: a store that never evicts
-        (ExpertStore.can_evict: a prefetcher then has nothing to load, and the table skips its guesses'
-        scoring) and records no trace, experts on the grouped CPU kernel. (Anything that would change what
-        an expert computes, such as per-request adapters, must take the fetch path instead.)"""
+        """The layer's table of the experts its store's fast tier holds, where decode steps may use it: a
+        store that mirrors its fast tier into it (ExpertStore.mirror) and keeps some experts there, records
+        no trace (a trace wants every fetch), experts on the grouped CPU kernel. (Anything that would change
+        what an expert computes, such as an attached expert LoRA or trainable experts, takes no table; served
+        adapters' rows must take the fetch path.)"""
         s = self.store
-        if getattr(s, "can_evict", True) or getattr(s, "trace", None) is not None or expert_mxfp4.grouped() is None:
+        fast = getattr(s, "fast", None)
+        if (not hasattr(s, "mirror") or fast is None or not fast.capacity or fast.device.type != "cpu"
+                or s.trace is not None or expert_mxfp4.grouped() is None
+                or "expert_lora" in self._modules or "experts" in self._modules):
             return None
         table = self.__dict__.get("_resident")
         if table is None or table.store is not s:
-            table = self.__dict__["_resident"] = _ResidentTable(s, self.num_experts)
+            table = self.__dict__["_resident"] = _ResidentTable(s, self.num_experts, self.expert_width)
+            s.mirror(self.layer_idx, table)
         return table
 
 
 class _ResidentTable:
-    """Kernel pointers of a layer's experts held by a store that never evicts them: a decode step goes from
-    the router's choice to the grouped kernel in one call (cpu_kernels.moe_resident: it groups the pairs
-    itself, the same way) instead of the store's fetch and the per-expert grouping here, and the store
-    only counts the hits. Filled from the experts the store hands over, which it keeps alive too."""
+    """Kernel pointers of the layer's experts that its store's fast tier holds, kept by the store as it
+    stores and evicts them (ExpertStore.mirror): a decode step goes from the router's choice to the grouped
+    kernel in one call (cpu_kernels.moe_resident: it groups the pairs itself, the same way) instead of the
+    store's fetch and the per-expert grouping here, and books the hits with the store (`book`). The store
+    changes the table only inside its own calls, on the thread that makes them, which is the thread that
+    runs the steps reading it."""
 
-    def __init__(self, store, num_experts: int):
-        self.store = store
+    def __init__(self, store, num_experts: int, I: int):
+        self.store, self.I = store, I
         with torch.inference_mode(False):  # made in a scheduler step, written to outside one too
-            self.rows = torch.zeros(num_experts, 6, dtype=torch.int64)  # zeros: not known yet
-        self.experts: dict[int, object] = {}
+            self.rows = torch.zeros(num_experts, 6, dtype=torch.int64)  # zeros: not resident
+        self.experts: dict[int, object] = {}  # what the rows point into, kept alive with them
         self.kind: str | None = None
         self.F = 0
 
-    def note(self, ids: Sequence[int], experts: Sequence, I: int) -> None:
-        for e, w in zip(ids, experts):
-            if e in self.experts:
-                continue
-            kind = grouped_kind(w)
-            if kind is None or self.kind not in (None, kind):
-                continue
-            row = cpu_kernels.resident_row(w, I, kind)
-            if row is not None:
-                self.kind, self.F = kind, row[0]
-                self.rows[e] = torch.tensor(row[1], dtype=torch.int64)
-                self.experts[e] = w
+    def added(self, e: int, w) -> None:
+        row = self.row(w)
+        if row is not None:
+            self.rows[e] = torch.tensor(row, dtype=torch.int64)
+            self.experts[e] = w
+
+    def removed(self, e: int) -> None:
+        if self.experts.pop(e, None) is not None:
+            self.rows[e] = 0
+
+    def row(self, w) -> tuple[int, ...] | None:
+        """Expert w's six table entries, or None where it cannot be in this table (another format, or
+        matrices not laid out for the kernel); the first one fixes the table's format."""
+        kind = grouped_kind(w)
+        if kind is None or self.kind not in (None, kind):
+            return None
+        got = cpu_kernels.resident_row(w, self.I, kind)
+        if got is None:
+            return None
+        self.kind, self.F = kind, got[0]
+        return got[1]
+
+    def book(self, layer: int, ids_TK: torch.Tensor, used: int) -> None:
+        """The store's books of a step this table served (`used` distinct experts)."""
+        if self.store.can_evict:
+            self.store.table_hits(layer, ids_TK.unique().tolist())
+        else:
+            self.store.count_resident_hits(used)
 
     def run(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, out_TI: torch.Tensor, moe: MoE) -> bool:
         """Adds the step's experts into out_TI; False (nothing done) when one of them is not in the table."""
@@ -325,7 +343,7 @@ class _ResidentTable:
             moe.act, moe.situ_betas, out_TI, moe.int8_activations)
         if used is None:
             return False
-        self.store.count_resident_hits(used)
+        self.book(moe.layer_idx, ids_TK, used)
         return True
 
 

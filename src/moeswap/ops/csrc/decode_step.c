@@ -115,6 +115,7 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
     if (!status)
         status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
                                (float)l->route_scale, l->groups, l->topk_group, ids, w, nt);
+    if (!status && l->chosen) memcpy(l->chosen, ids, (size_t)(N * l->topk) * sizeof(int64_t));
     if (!status && l->lat_down)
         status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps, l->lat_up,
                             l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed, nt, used);
@@ -149,13 +150,15 @@ static int mixed(const float *score, const float *bank, int64_t n_bank, const fl
  * does: logits [N, V] = rmsnorm(partial; final_norm, eps) @ head^T.
  * Returns 0; 4 when layer *stopped is marked `stop` or its experts are not all resident: its attention is
  * done, m_out [N, D] holds its FFN input before the norm, and the caller runs that FFN (and whatever the
- * model does there, such as an expert lookahead) and resumes at *stopped + 1; else 1 bad
- * sizes, 2 out of memory (the step's state is then not to be trusted). */
+ * model does there, such as an expert lookahead) and resumes at *stopped + 1, or calls again with
+ * first = *stopped, ffn_first = 1 and m_out as it was to run that FFN here (its experts now in the table).
+ * Each MoE layer whose `chosen` is set gets its router's ids there. Else 1 bad sizes, 2 out of memory (the
+ * step's state is then not to be trusted). */
 int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t first, const int64_t *state,
                           float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
                           const float *score_out, const float *final_norm, const uint16_t *head, int64_t V,
                           float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
-                          int64_t *used, int64_t *stopped, int bf16_in, int nt) {
+                          int64_t *used, int64_t *stopped, int64_t ffn_first, int bf16_in, int nt) {
     if (N < 1 || D < 1 || first < 0 || first > n_layers || *n_bank < 0 || *n_bank > max_bank) return 1;
     float *buf = (float *)malloc((size_t)(3 * N * D) * sizeof(float) + 64);
     if (!buf) return 2;
@@ -166,25 +169,29 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
     for (int64_t i = first; !status && i < n_layers; i++) {
         const decode_layer *l = layers + i;
         const int64_t *st = state + 3 * i;
-        status = mixed(l->score_attn, bank, *n_bank, partial, N, D, eps, h, nt);
-        if (!status && l->bank_before) {
-            if (*n_bank >= max_bank) { status = 1; break; }
-            memcpy(bank + *n_bank * N * D, partial, (size_t)(N * D) * sizeof(float));
-            (*n_bank)++;
-            memset(partial, 0, (size_t)(N * D) * sizeof(float));
+        if (ffn_first && i == first) { /* resumed at the FFN the last call stopped before */
+            memcpy(h, m_out, (size_t)(N * D) * sizeof(float));
+        } else {
+            status = mixed(l->score_attn, bank, *n_bank, partial, N, D, eps, h, nt);
+            if (!status && l->bank_before) {
+                if (*n_bank >= max_bank) { status = 1; break; }
+                memcpy(bank + *n_bank * N * D, partial, (size_t)(N * D) * sizeof(float));
+                (*n_bank)++;
+                memset(partial, 0, (size_t)(N * D) * sizeof(float));
+            }
+            if (!status) status = moeswap_rms_norm(h, N, D, l->ln_in, eps, xn, nt);
+            free(proj);
+            proj = status ? NULL : (float *)malloc((size_t)(N * l->in_rows) * sizeof(float) + 64);
+            if (!status && !proj) status = 2;
+            if (!status) status = dense_linear(bf16_in, xn, N, D, l->w_in, l->in_rows, proj, nt);
+            if (!status)
+                status = l->mla ? mla_block(bf16_in, l, (float *)(intptr_t)st[0], (int64_t *)(intptr_t)st[1], st[2],
+                                            proj, N, eps, y, D, nt)
+                                : kda_block(bf16_in, l, (float *)(intptr_t)st[0], (float *)(intptr_t)st[1], proj, N,
+                                            eps, l2_eps, y, D, nt);
+            for (int64_t j = 0; !status && j < N * D; j++) partial[j] += y[j];
+            if (!status) status = mixed(l->score_ffn, bank, *n_bank, partial, N, D, eps, h, nt);
         }
-        if (!status) status = moeswap_rms_norm(h, N, D, l->ln_in, eps, xn, nt);
-        free(proj);
-        proj = status ? NULL : (float *)malloc((size_t)(N * l->in_rows) * sizeof(float) + 64);
-        if (!status && !proj) status = 2;
-        if (!status) status = dense_linear(bf16_in, xn, N, D, l->w_in, l->in_rows, proj, nt);
-        if (!status)
-            status = l->mla ? mla_block(bf16_in, l, (float *)(intptr_t)st[0], (int64_t *)(intptr_t)st[1], st[2],
-                                        proj, N, eps, y, D, nt)
-                            : kda_block(bf16_in, l, (float *)(intptr_t)st[0], (float *)(intptr_t)st[1], proj, N,
-                                        eps, l2_eps, y, D, nt);
-        for (int64_t j = 0; !status && j < N * D; j++) partial[j] += y[j];
-        if (!status) status = mixed(l->score_ffn, bank, *n_bank, partial, N, D, eps, h, nt);
         if (!status) status = moeswap_rms_norm(h, N, D, l->ln_post, eps, xn, nt);
         if (!status) status = ffn_block(bf16_in, l, xn, N, D, eps, act, b1, b2, y, nt, used + i);
         if (status == 4) {
