@@ -412,7 +412,7 @@ class NativeDecode:
         for i, moe in plan.moe:
             if start <= i < end and used[i] and i in tables:
                 if moe.store.can_evict:
-                    moe.store.table_hits(i, chosen[i, :B * plan.table[i].topk].unique().tolist())
+                    moe.store.table_hits(i, sorted(set(chosen[i, :B * plan.table[i].topk].tolist())))
                 else:
                     moe.store.count_resident_hits(used[i])
 
@@ -422,13 +422,14 @@ class NativeDecode:
         may not leave them all in the tier), as a copy of the table with their rows: (rows, the experts
         they point into). None where one cannot be in the table (the model runs the FFN then, and the
         store books this layer step twice)."""
-        unique = ids.unique().tolist()
+        unique = sorted(set(ids.tolist()))
         experts = table.store.fetch(i, unique)
-        rows, kept = table.rows.clone(), []
-        for j, e in enumerate(unique):
-            kept.append(experts[j])
-            row = table.row(kept[-1])
-            if row is None:
-                return None
-            rows[e] = torch.tensor(row, dtype=torch.int64)
+        kept = [experts[j] for j in range(len(unique))]  # loaded (and evicting) before the table is read
+        rows = table.rows.clone()
+        for e, w in zip(unique, kept):
+            if table.experts.get(e) is not w:  # not (or no longer) in the tier: its row here only
+                row = table.row(w)
+                if row is None:
+                    return None
+                rows[e] = torch.tensor(row, dtype=torch.int64)
         return rows, kept

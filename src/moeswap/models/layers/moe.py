@@ -13,6 +13,7 @@ Shapes: T tokens, D model width, I expert input width, E experts, K top-k, P (to
 
 from __future__ import annotations
 
+import ctypes
 from typing import Protocol, Sequence
 
 import torch
@@ -289,6 +290,9 @@ class MoE(nn.Module):
         return table
 
 
+_ZEROS = (0,) * 6
+
+
 class _ResidentTable:
     """Kernel pointers of the layer's experts that its store's fast tier holds, kept by the store as it
     stores and evicts them (ExpertStore.mirror): a decode step goes from the router's choice to the grouped
@@ -301,6 +305,8 @@ class _ResidentTable:
         self.store, self.I = store, I
         with torch.inference_mode(False):  # made in a scheduler step, written to outside one too
             self.rows = torch.zeros(num_experts, 6, dtype=torch.int64)  # zeros: not resident
+        # the same memory for the store's writes: a ctypes slice assignment is ~20x cheaper than a tensor's
+        self._cells = (ctypes.c_int64 * (num_experts * 6)).from_address(self.rows.data_ptr())
         self.experts: dict[int, object] = {}  # what the rows point into, kept alive with them
         self.kind: str | None = None
         self.F = 0
@@ -308,12 +314,12 @@ class _ResidentTable:
     def added(self, e: int, w) -> None:
         row = self.row(w)
         if row is not None:
-            self.rows[e] = torch.tensor(row, dtype=torch.int64)
+            self._cells[6 * e : 6 * e + 6] = row
             self.experts[e] = w
 
     def removed(self, e: int) -> None:
         if self.experts.pop(e, None) is not None:
-            self.rows[e] = 0
+            self._cells[6 * e : 6 * e + 6] = _ZEROS
 
     def row(self, w) -> tuple[int, ...] | None:
         """Expert w's six table entries, or None where it cannot be in this table (another format, or
@@ -330,7 +336,7 @@ class _ResidentTable:
     def book(self, layer: int, ids_TK: torch.Tensor, used: int) -> None:
         """The store's books of a step this table served (`used` distinct experts)."""
         if self.store.can_evict:
-            self.store.table_hits(layer, ids_TK.unique().tolist())
+            self.store.table_hits(layer, sorted(set(ids_TK.flatten().tolist())))  # (torch.unique: ~0.2 ms)
         else:
             self.store.count_resident_hits(used)
 
