@@ -70,6 +70,17 @@ def test_reproduce_reruns_a_manifest_and_checks_the_curve(small_run, lora_settin
                      "--no-progress"]) == 1
     assert "NOT reproduced: step 3 loss: recorded" in capsys.readouterr().err
 
+    # the first 3 steps only: step 3's curve point is the tampered one; the first 2 and the step-0 eval match
+    assert cli.main(["train", "--reproduce", str(tmp_path / "tampered.json"), "--first-steps", "2", "--output",
+                     str(tmp_path / "prefix"), "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip() == "reproduced: 2 steps and 1 evals reproduced exactly"
+    assert not (tmp_path / "prefix" / WEIGHTS_NAME).exists()
+    assert cli.main(["train", "--reproduce", str(tmp_path / "tampered.json"), "--first-steps", "3", "--output",
+                     str(tmp_path / "prefix3"), "--no-progress"]) == 1
+    assert "NOT reproduced: step 3 loss: recorded" in capsys.readouterr().err
+    for bad in (["--first-steps", "5"], ["--first-steps", "0"]):
+        assert cli.main(["train", "--reproduce", str(manifest), *bad, "--output", str(tmp_path / "z")]) == 2
+        assert "--first-steps must be between 1 and the recorded run's 4 steps" in capsys.readouterr().err
     assert cli.main(["train", "--reproduce", str(manifest), "--lr", "0.5", "--output", str(tmp_path / "x")]) == 2
     assert "--lr cannot be given with it" in capsys.readouterr().err
     data = json.loads(manifest.read_text())["config"]["train_data"]

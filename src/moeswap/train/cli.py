@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
                    help="run a finished run's manifest.json again into --output and check its loss curve")
     p.add_argument("--tolerance", type=float, default=0.0,
                    help="--reproduce: largest absolute loss difference accepted (default 0: identical)")
+    p.add_argument("--first-steps", type=int, metavar="N",
+                   help="--reproduce: run and check only the first N steps, on the recorded schedule (minutes "
+                        "instead of the whole run; writes no model)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
     add_train_flags(p)
 
@@ -32,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     progress = False if args.no_progress else None
     if args.reproduce:
         return _reproduce(args, progress)
+    if args.first_steps is not None:
+        raise ValueError("--first-steps goes with --reproduce MANIFEST")
     cfg = resolve(args.config, args)
     result = loop.train(cfg, resume=args.resume, progress=progress)
     m = result.manifest
@@ -59,6 +64,7 @@ def _reproduce(args: argparse.Namespace, progress) -> int:
     output = getattr(args, "output", None)
     if output is None:
         raise ValueError("--reproduce needs --output DIR for the new run")
-    ok, message, _ = loop.reproduce(args.reproduce, output, tolerance=args.tolerance, progress=progress)
+    ok, message, _ = loop.reproduce(args.reproduce, output, tolerance=args.tolerance, progress=progress,
+                                    first_steps=args.first_steps)
     print(("reproduced: " if ok else "NOT reproduced: ") + message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

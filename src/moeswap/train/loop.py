@@ -212,9 +212,11 @@ def _no_gradient(params) -> list[str]:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = None,
-          on_checkpoint: Callable[[int, Path], None] | None = None) -> TrainResult:
+          on_checkpoint: Callable[[int, Path], None] | None = None, stop_after: int | None = None) -> TrainResult:
     """Runs `cfg` to the end (or continues its output's run with resume=True) and writes the trained
-    weights or adapter, manifest.json, loss.csv and loss.png into cfg.output."""
+    weights or adapter, manifest.json, loss.csv and loss.png into cfg.output. stop_after=N: only the run's
+    first N steps, on its own schedule, writing nothing but checkpoints; the result's manifest then holds
+    just the curve and the evals so far (a prefix for `reproduce`)."""
     from tqdm import tqdm
 
     from moeswap.engine.tokenizer import load_tokenizer
@@ -267,7 +269,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         bar = tqdm(total=total, initial=history["step"], disable=not show, unit="step", dynamic_ncols=True,
                    desc="train", file=sys.stderr)
         segment_tokens, segment_s = 0, 0.0
-        for step in range(history["step"], total):
+        end = total if stop_after is None else min(total, stop_after)
+        for step in range(history["step"], end):
             t0 = time.perf_counter()
             lr = cfg.lr * lr_factor(step, total, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
             for group in optimizer.param_groups:
@@ -315,6 +318,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                 if on_checkpoint is not None:
                     on_checkpoint(step + 1, path)
         bar.close()
+        if end < total:
+            evals = [e for e in history["eval"] if e["loss"] is not None]
+            return TrainResult(out, {"curve": history["curve"], "eval": evals})
         if not history["eval"] or history["eval"][-1]["step"] != total:
             history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device)})
         history["wall_s"] += time.perf_counter() - started
@@ -388,9 +394,11 @@ def _manifest(cfg: TrainConfig, data: Data, base: dict[str, Any], params, histor
 
 
 def reproduce(manifest_path: str | Path, output: str | Path, *, tolerance: float = 0.0,
-              progress: bool | None = None) -> tuple[bool, str, TrainResult]:
+              progress: bool | None = None, first_steps: int | None = None) -> tuple[bool, str, TrainResult]:
     """Runs a manifest's config again into `output` (at its thread count) and compares the loss curves.
-    The data files and the base model must be the recorded ones (checked first)."""
+    The data files and the base model must be the recorded ones (checked first). first_steps=N: only the
+    run's first N steps (on the recorded schedule) against the recorded curve's first N, and the evals
+    up to step N."""
     from moeswap.train.checkpoint import file_sha256
 
     old = record.read_manifest(manifest_path)
@@ -405,6 +413,11 @@ def reproduce(manifest_path: str | Path, output: str | Path, *, tolerance: float
     threads = old.get("environment", {}).get("hardware", {}).get("torch_threads")
     if isinstance(threads, int) and threads > 0:
         torch.set_num_threads(threads)  # GEMMs sum in another order at another thread count
-    result = train(cfg, progress=progress)
+    if first_steps is not None:
+        if not 0 < first_steps <= len(old["curve"]):
+            raise ValueError(f"--first-steps must be between 1 and the recorded run's {len(old['curve'])} steps, "
+                             f"got {first_steps}")
+        old = {**old, "curve": old["curve"][:first_steps], "eval": [e for e in old["eval"] if e["step"] <= first_steps]}
+    result = train(cfg, progress=progress, stop_after=first_steps)
     ok, message = record.check_reproduction(old, result.manifest, tolerance)
     return ok, message, result
