@@ -29,6 +29,8 @@ def test_tiny_recipe_publishes_a_card_that_quotes_its_measurements(tiny_k3_dir, 
                       eval_data=str(work / "corpus" / corpus.EVAL_FILE), output=str(work / "trained"), mode="full",
                       seq_len=96, truncate=True, packing="concat", micro_batch=2, max_steps=2, lr=1e-3)
     train(cfg, progress=False)
+    monkeypatch.setattr(recipe, "CHECK_STEPS", 1)
+    assert recipe.check(work) == (True, "reproduced: 1 steps and 1 evals reproduced exactly")
     quantize(work / "trained", work / "mxfp4")
     monkeypatch.setattr("moeswap.stdlib_model.evaluate.PROMPTS", ("def ",))
     report = card.write_evaluation(work)
@@ -38,6 +40,7 @@ def test_tiny_recipe_publishes_a_card_that_quotes_its_measurements(tiny_k3_dir, 
     mx = report["models"]["MXFP4 experts"]
     assert f"{mx['loss']:.4f}" in text and f"{report['unigram']['perplexity']:.1f}" in text
     assert report["samples"][0]["prompt"] == "def " and report["samples"][0]["greedy"] in text
+    assert "`reproduced: 1 steps and 1 evals reproduced exactly`" in text
     assert json.loads((out / "manifest.json").read_text())["steps"] == 2
     assert (out / recipe.PROMPTS_FILE).read_text().startswith("def f0(x):")
     assert not (out / "checkpoints").exists()

@@ -1,14 +1,15 @@
-"""`python -m moeswap.stdlib_model prepare|evaluate|publish ...`: the recipe's steps that are not moeswap
+"""`python -m moeswap.stdlib_model prepare|check|evaluate|publish ...`: the recipe's steps that are not moeswap
 commands (scripts/train-default-model.sh runs them in order with `moeswap train` and `moeswap quantize`).
 
   prepare WORK        corpus, tokenizer, initial K3-layout weights, train.yaml (recipe.prepare)
+  check WORK          the finished run's first steps again from its manifest; exit 1 if they differ
   evaluate WORK       WORK/evaluation.json: held-out loss of WORK/trained and WORK/mxfp4, unigram baseline, samples
   publish WORK OUT    OUT: the MXFP4 model, the run's record and README.md (the model card)
 """
 
 import sys
 
-USAGE = "usage: python -m moeswap.stdlib_model prepare WORK | evaluate WORK | publish WORK OUT"
+USAGE = "usage: python -m moeswap.stdlib_model prepare WORK | check WORK | evaluate WORK | publish WORK OUT"
 
 
 def main(argv: list[str]) -> int:
@@ -16,6 +17,12 @@ def main(argv: list[str]) -> int:
         from moeswap.stdlib_model.recipe import prepare
 
         print(prepare(argv[1]))
+    elif len(argv) == 2 and argv[0] == "check":
+        from moeswap.stdlib_model.recipe import check
+
+        ok, line = check(argv[1])
+        print(line, file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     elif len(argv) == 2 and argv[0] == "evaluate":
         from moeswap import jsonio
         from moeswap.stdlib_model.card import write_evaluation

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
-from moeswap.stdlib_model.recipe import PROMPTS_FILE
+from moeswap.stdlib_model import recipe
+from moeswap.stdlib_model.recipe import PROMPTS_FILE, REPRODUCTION
 
 RECORD = ("manifest.json", "loss.csv", "loss.png")
 
@@ -129,6 +130,13 @@ def card_text(work: Path, out: Path) -> str:
         "agree to rounding early and drift apart slowly. The corpus is this interpreter's standard library: another",
         "Python version gives other data (its SHA-256 then differs from the manifest's and --reproduce says so).",
         "",
+    ]
+    check = work / REPRODUCTION
+    if check.is_file():
+        lines += [f"Checked after the run (`python -m moeswap.stdlib_model check`: `moeswap train --reproduce "
+                  f"trained/manifest.json --first-steps {recipe.CHECK_STEPS}`, the run's first {recipe.CHECK_STEPS} steps on its "
+                  f"schedule, same machine and thread count): `{check.read_text().strip()}`.", ""]
+    lines += [
         "Licence: the weights Apache-2.0 (as moeswap); the training text is the PSF-licensed standard library.",
     ]
     return "\n".join(lines) + "\n"

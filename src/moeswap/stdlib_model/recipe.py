@@ -77,6 +77,23 @@ def prepare(work: str | Path) -> Path:
     return work
 
 
+CHECK_STEPS = 20  # what `check` runs again of the finished run
+REPRODUCTION = "reproduction.txt"  # ... and where it leaves its verdict, which the card quotes
+
+
+def check(work: str | Path) -> tuple[bool, str]:
+    """The finished run's first CHECK_STEPS steps again from its manifest (train --reproduce --first-steps),
+    into work/reproduce-check; the verdict line goes to work/reproduction.txt too."""
+    from moeswap.train.loop import reproduce
+
+    work = Path(work)
+    ok, message, _ = reproduce(work / "trained" / "manifest.json", work / "reproduce-check", progress=False,
+                               first_steps=CHECK_STEPS)
+    line = ("reproduced: " if ok else "NOT reproduced: ") + message
+    (work / REPRODUCTION).write_text(line + "\n")
+    return ok, line
+
+
 PROMPTS_FILE = "heldout-prompts.txt"
 
 
