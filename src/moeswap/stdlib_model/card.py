@@ -133,9 +133,10 @@ def card_text(work: Path, out: Path) -> str:
     ]
     check = work / REPRODUCTION
     if check.is_file():
+        n = recipe.CHECK_STEPS
         lines += [f"Checked after the run (`python -m moeswap.stdlib_model check`: `moeswap train --reproduce "
-                  f"trained/manifest.json --first-steps {recipe.CHECK_STEPS}`, the run's first {recipe.CHECK_STEPS} steps on its "
-                  f"schedule, same machine and thread count): `{check.read_text().strip()}`.", ""]
+                  f"trained/manifest.json --first-steps {n}`, the run's first {n} steps on its schedule, same "
+                  f"machine and thread count): `{check.read_text().strip()}`.", ""]
     lines += [
         "Licence: the weights Apache-2.0 (as moeswap); the training text is the PSF-licensed standard library.",
     ]
