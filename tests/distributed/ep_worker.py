@@ -24,6 +24,8 @@ def main() -> None:
 
     if job.get("train"):
         return train_step(job, rank, out)
+    if job.get("data_parallel"):
+        return data_parallel_runs(job, rank, out)
     if job.get("version", {}).get(str(rank)):
         moeswap.__version__ = job["version"][str(rank)]  # a rank started from another moeswap release
     model_dir = job["models"][rank] if "models" in job else job["model"]
@@ -65,6 +67,41 @@ def main() -> None:
         torch.save(result, out)
         sys.stdout.flush()
         os._exit(3)  # no clean-up that waits on peers
+    torch.save(result, out)
+
+
+def data_parallel_runs(job: dict, rank: int, out: str) -> None:
+    """Data-parallel attention with token dispatch: prompt i on rank i % world, for each budget its logits
+    (one forward pass over the whole prompt) and greedy tokens; every rank saves every prompt's results."""
+    from moeswap.distributed.cli import data_parallel_map
+    from moeswap.distributed.ep import apply_expert_parallel
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.models.loader import LoadOptions, load_model
+
+    prompts, result, ep = job["prompts"], {"runs": []}, None
+    for budget in job["budgets"]:
+        options = LoadOptions(dtype="float32", expert_memory=budget)
+        model, store = load_model(job["model"], options)
+        if ep is None:
+            ep = init_expert_parallel(model, job["model"], options, None, timeout_s=job["timeout"], data_parallel=True)
+        else:  # the same process group and placement for the next model
+            fresh = apply_expert_parallel(model, None, ep.placement, data_parallel=True)
+            fresh.diagnose, fresh.heartbeat = ep.diagnose, ep.heartbeat
+
+        def one(i):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompts[i]]))[0]
+            gen = generate(model, prompts[i], GenerationConfig(max_tokens=job["max_tokens"][i], stop_ids=()))
+            return {"logits": logits, "tokens": gen.tokens, "rank": rank, "native_steps": gen.native_steps}
+
+        run = {"results": data_parallel_map(model.expert_parallel, len(prompts), one)}
+        run["resident"] = sorted((k.layer, k.expert) for k in store.fast.keys())
+        run["disk_reads"] = store.stats.disk_reads
+        run["dispatch"] = model.expert_parallel.dispatch.stats.as_dict()
+        store.close()
+        result["runs"].append(run)
+    shutdown(ep)
     torch.save(result, out)
 
 
