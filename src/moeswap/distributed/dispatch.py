@@ -124,7 +124,8 @@ class TokenDispatch:
         counts_SE = table[:, HEAD:]
         send_SQ = torch.stack([counts_SE[:, owners == q].sum(1) for q in range(ep.world)], dim=1)  # [S, S]
         if layer is not None:
-            expert_of = torch.tensor(unique, dtype=torch.int64).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
+            expert_of = torch.tensor(unique, dtype=torch.int64).repeat_interleave(
+                torch.tensor(counts, dtype=torch.int64))
             # by owner, stably: within an owner the pairs stay in expert order, as the owner expects them
             order = owners[expert_of].argsort(stable=True)
             h_send = h_TI.index_select(0, token_of[order].to(h_TI.device))
