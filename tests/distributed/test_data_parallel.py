@@ -2,8 +2,9 @@
 launched here on loopback: each rank runs its own prompts, and every prompt's logits and greedy tokens are
 bit-identical to one process running that prompt alone, for tiny K3 and Kimi Linear at 100 % and 25 %
 expert budgets, with uneven prompt counts and lengths (a rank idles while the other still has tokens, a
-rank that never has any); the bytes each rank receives are the pairs the other sent; `torchrun generate`
-with several prompts prints one process's outputs in order."""
+rank that never has any); the bytes each rank receives are the pairs the other sent; a rank that dies is
+named by the other, which exits; `torchrun generate` with several prompts prints one process's outputs in
+order."""
 
 from __future__ import annotations
 
@@ -114,3 +115,13 @@ def test_torchrun_generate_with_several_prompts_prints_one_process_outputs_in_or
     assert [o["rank"] for o in ep["outputs"]] == [0, 1, 0] and [o["prompt_index"] for o in ep["outputs"]] == [0, 1, 2]
     par = ep["expert_parallel"]
     assert par["world"] == 2 and par["mode"] == "data-parallel" and par["rank0"]["dispatch_bytes_received"] > 0
+
+
+def test_a_rank_that_dies_is_named_and_the_other_exits(tiny_k3_dir, tmp_path):
+    results, codes, elapsed = launch({"model": str(tiny_k3_dir), "budgets": [1 << 30], "data_parallel": True,
+                                      "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "die": 1, "timeout": 30},
+                                     tmp_path, wait_s=120)
+    assert codes == [3, 17]
+    assert elapsed < 120  # rank 0 exited on its own: launch kills only at wait_s
+    error = results[0]["error"]
+    assert error.startswith("PeerLost: rank 0: the expert exchange of layer") and "rank 1 has stopped" in error, error
