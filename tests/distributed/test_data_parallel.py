@@ -110,6 +110,10 @@ def test_torchrun_generate_with_several_prompts_prints_one_process_outputs_in_or
     lines = [l for l in two.stdout.decode().splitlines() if l.strip()]
     assert len(lines) == 1  # rank 1 writes nothing
     single, ep = strict_json(one.stdout.decode()), strict_json(lines[0])
+    alone = subprocess.run([sys.executable, *args[:4], "--prompt", "a", *args[-4:]], env=env, capture_output=True,
+                           timeout=120)
+    assert alone.returncode == 0, alone.stderr.decode()
+    assert strict_json(alone.stdout.decode())["tokens"] == single["outputs"][2]["tokens"]  # each prompt on its own
     assert [o["tokens"] for o in ep["outputs"]] == [o["tokens"] for o in single["outputs"]]
     assert [o["text"] for o in ep["outputs"]] == [o["text"] for o in single["outputs"]]
     assert [o["rank"] for o in ep["outputs"]] == [0, 1, 0] and [o["prompt_index"] for o in ep["outputs"]] == [0, 1, 2]
@@ -125,3 +129,10 @@ def test_a_rank_that_dies_is_named_and_the_other_exits(tiny_k3_dir, tmp_path):
     assert elapsed < 120  # rank 0 exited on its own: launch kills only at wait_s
     error = results[0]["error"]
     assert error.startswith("PeerLost: rank 0: the expert exchange of layer") and "rank 1 has stopped" in error, error
+
+
+def test_several_prompts_with_lora_is_a_one_line_error(tiny_k3_dir, capsys):
+    from moeswap.cli import main
+
+    assert main(["generate", str(tiny_k3_dir), "--prompt", "a", "--prompt", "b", "--lora", "x"]) == 2
+    assert capsys.readouterr().err.strip() == "moeswap: error: --lora takes a single --prompt"
