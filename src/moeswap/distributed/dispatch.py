@@ -191,7 +191,10 @@ class TokenDispatch:
             ep._local = False
 
     def _gather(self, header: torch.Tensor, layer: int) -> torch.Tensor:
+        """Every rank's header [S, HEAD + E], on the CPU (sent from the model's device: NCCL takes only
+        CUDA tensors)."""
         ep = self.ep
+        header = header.to(self.device)
         rows = [torch.empty_like(header) for _ in range(ep.world)]
         ep.entered += 1
         try:
@@ -199,7 +202,7 @@ class TokenDispatch:
         except Exception as err:  # gloo/NCCL raise RuntimeError subclasses whose names vary by version
             raise ep._lost(layer, err) from None
         self.stats.header_bytes_received += (ep.world - 1) * header.numel() * header.element_size()
-        return torch.stack(rows)
+        return torch.stack(rows).cpu()
 
     def _all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int], layer: int, what: str) -> torch.Tensor:
         ep = self.ep
