@@ -24,6 +24,8 @@ def main() -> None:
 
     if job.get("train"):
         return train_step(job, rank, out)
+    if job.get("split_lora"):
+        return split_lora_step(job, rank, out)
     if job.get("data_parallel"):
         try:
             return data_parallel_runs(job, rank, out)
@@ -110,6 +112,53 @@ def data_parallel_runs(job: dict, rank: int, out: str) -> None:
         result["runs"].append(run)
     shutdown(ep)
     torch.save(result, out)
+
+
+def lora_step_inputs(model_dir: str, budget: int):
+    """(model, store, cfg, params, tokens, weights) of a LoRA step on every target kind, the adapter non-zero."""
+    from moeswap.models.loader import load_model
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.targets import prepare_model
+    from train.test_lora_grad import ALL_TARGETS, kda_in_range, set_adapter  # tests/ is on PYTHONPATH
+
+    cfg = TrainConfig(model=model_dir, mode="lora", target_modules=ALL_TARGETS, rank=3, alpha=6.0)
+    model, store = load_model(model_dir, cfg.load.replace(expert_memory=budget))
+    kda_in_range(model)
+    params = prepare_model(model, cfg)
+    set_adapter(model)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 500, (2, 24), generator=gen)
+    weights = torch.randn(2, 24, 512, generator=gen, dtype=torch.float64)
+    return model, store, cfg, params, tokens, weights
+
+
+def split_lora_step(job: dict, rank: int, out: str) -> None:
+    """Two AdamW steps with clipping, each routed expert's LoRA and optimizer state on its owner only
+    (distributed/lora_shards.py): the shapes each rank holds, the gradient norms, and the parameters and
+    optimizer state gathered whole."""
+    from moeswap.distributed.lora_shards import LoRAShards
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.train.loop import make_optimizer
+
+    model, store, cfg, params, tokens, weights = lora_step_inputs(job["model"], job["budget"])
+    ep = init_expert_parallel(model, job["model"], cfg.load.replace(expert_memory=job["budget"]), None,
+                              timeout_s=job["timeout"])
+    optimizer = make_optimizer(params, cfg)
+    shards, params, optimizer = LoRAShards.split(ep, model, params, optimizer, lambda ps: make_optimizer(ps, cfg))
+    norms = []
+    for _ in range(2):
+        (model(tokens).double() * weights).sum().backward()
+        norms.append(shards.clip_gradients(params, 1e-3))  # small: the clip scales every gradient
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    held = {n: tuple(p.shape) for n, p in params if "expert_lora" in n}
+    state = {tuple(st["exp_avg"].shape) for p, st in optimizer.state.items() if any(p is q for n, q in params
+                                                                                    if "expert_lora" in n)}
+    whole, whole_opt = shards.whole(params, optimizer)
+    torch.save({"norms": norms, "held": held, "state_shapes": state, "params": {n: p.detach() for n, p in whole},
+                "optimizer": whole_opt.state_dict()}, out)
+    store.close()
+    shutdown(ep)
 
 
 def train_step(job: dict, rank: int, out: str) -> None:

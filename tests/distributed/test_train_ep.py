@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from moeswap.distributed.launch import free_port
@@ -45,3 +46,41 @@ def test_torchrun_lora_training_equals_one_process(tiny_k3_dir, tmp_path):
     assert manifests[0]["eval"] == manifests[1]["eval"]
     for name in (WEIGHTS_NAME, CONFIG_NAME):  # one PEFT file, routed experts' adapters included
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_expert_lora_and_its_optimizer_state_live_on_the_owner_only(tiny_k3_dir, tmp_path):
+    """Two clipped AdamW steps with the routed experts' LoRA split by owner (distributed/lora_shards.py):
+    each rank holds E/N experts' rows of every expert-LoRA tensor and of their AdamW moments, and the
+    gradient norms, parameters and optimizer state gathered whole are one process's, bit for bit."""
+    from distributed.ep_worker import lora_step_inputs
+    from distributed.test_expert_parallel import launch
+    from moeswap.train.loop import make_optimizer
+
+    model, store, cfg, params, tokens, weights = lora_step_inputs(str(tiny_k3_dir), 1 << 30)
+    try:
+        optimizer = make_optimizer(params, cfg)
+        norms = []
+        for _ in range(2):
+            (model(tokens).double() * weights).sum().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_([p for _, p in params if p.grad is not None], 1e-3).item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        want = {n: p.detach() for n, p in params}
+        want_opt = optimizer.state_dict()
+    finally:
+        store.close()
+    E = model.config.moe.num_experts
+    results, codes, _ = launch({"model": str(tiny_k3_dir), "split_lora": True, "budget": 1 << 30}, tmp_path)
+    assert codes == [0, 0], [r.get("error") for r in results]
+    for res in results:
+        assert res["held"] and all(shape[0] == E // 2 for shape in res["held"].values())
+        assert res["state_shapes"] and all(shape[0] == E // 2 for shape in res["state_shapes"])
+        assert res["norms"] == norms
+        assert res["params"].keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(res["params"][name], value), name
+        assert res["optimizer"]["param_groups"] == want_opt["param_groups"]
+        assert res["optimizer"]["state"].keys() == want_opt["state"].keys()
+        for i, st in want_opt["state"].items():
+            for k, v in st.items():
+                assert torch.equal(res["optimizer"]["state"][i][k], v), (i, k)

@@ -179,7 +179,7 @@ class ExpertParallel:
         optimizers step alike."""
         for block in model.moe_blocks():
             lora = block._modules.get("expert_lora")
-            if lora is None:
+            if lora is None or len(lora.experts) != lora.num_experts:  # split by owner (lora_shards.py): own rows
                 continue
             for p in lora.parameters():
                 if p.grad is not None:
