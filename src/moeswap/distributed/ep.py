@@ -176,7 +176,8 @@ class ExpertParallel:
     def reduce_expert_lora_grads(self, model) -> None:
         """After backward: each routed expert's LoRA gradient is on its owner and zero elsewhere; summing
         over ranks (x + 0 = x, exact) gives every rank the single process's gradients, so that replicated
-        optimizers step alike."""
+        optimizers step alike. An expert LoRA split by owner (lora_shards.py, what `train` does) holds its
+        own experts' rows, whose gradients are whole already: skipped."""
         for block in model.moe_blocks():
             lora = block._modules.get("expert_lora")
             if lora is None or len(lora.experts) != lora.num_experts:  # split by owner (lora_shards.py): own rows
