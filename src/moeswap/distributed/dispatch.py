@@ -1,28 +1,9 @@
-"""Data-parallel attention with token dispatch, the layout the planner's DPn×EPn plans assume: every rank runs
-its own sequences through the replicated parts (embeddings, attention, dense MLPs, routers, latent
-projections, shared experts), and at each MoE layer sends each of its (token, expert) pairs' input row to
-the rank that owns the expert, which computes it from its own tiered store and sends the output back; the
-source rank then sums its tokens' pairs in the single process's order (`ep._combine`), so that each
-sequence's results are the bits one process computes for that sequence alone.
-
-One exchange per MoE layer step, three collectives: an all_gather of every rank's routing counts per
-expert (the header: whether the rank has tokens, the layer, its token count, dtype), then two
-all_to_all_single with uneven splits (dispatch: input rows to the owners; combine: outputs back). Ranks
-need not run the same number of forward passes: a rank whose sequences are done calls `finish()`, which
-answers the others' exchanges with no tokens of its own until every rank has finished, so no collective
-waits for it. Every forward pass visits the MoE layers in order, so the ranks with tokens always meet at
-the same layer (checked: ranks at different layers raise instead of mixing them).
-
-Exactness: an expert's rows give the same bits whatever other rows the grouped kernel computes with them,
-but not on the GEMM path (GEMM_MIN_TOKENS rows or more), whose bits depend on how many rows it runs. An
-owner therefore computes all received pairs in one call when every expert has fewer than GEMM_MIN_TOKENS
-of them, and otherwise each source rank's pairs in a call of their own: the rows and counts that rank's
-single process computes. Inference only (autograd and served adapters raise).
-
-Knows nothing of launching (runtime.py) or of the commands (cli.py). Entry point: `TokenDispatch`, made by
-`apply_expert_parallel(..., data_parallel=True)` as `ep.dispatch`. Shapes: T tokens, I expert input width,
-K top-k, P pairs, E experts, S source ranks.
-"""
+"""Data-parallel attention with token dispatch (docs/distributed.md): each rank runs its own sequences, and
+at each MoE layer sends its (token, expert) pairs' input rows to the experts' owners, which compute them
+and send the outputs back; the source sums its tokens' pairs as one process does (`ep._combine`), so each
+sequence gets one process's bits. Inference only; knows nothing of launching (runtime.py) or the commands.
+Entry point: `TokenDispatch` (`apply_expert_parallel(..., data_parallel=True)` makes it as `ep.dispatch`).
+Shapes: T tokens, I expert input width, K top-k, P pairs, E experts, S source ranks."""
 
 from __future__ import annotations
 
@@ -74,7 +55,14 @@ class DispatchStats:
 
 
 class TokenDispatch:
-    """One rank's token dispatch for `model`'s MoE blocks under `ep` (an ExpertParallel)."""
+    """One rank's token dispatch for `model`'s MoE blocks under `ep` (an ExpertParallel).
+
+    One exchange per MoE layer step, three collectives: an all_gather of every rank's pair count per expert
+    (the header, which also says whether the rank has tokens, the layer, its token count and dtype), then
+    two all_to_all_single with uneven splits (dispatch: input rows to the owners; combine: outputs back).
+    Every forward pass visits the MoE layers in order, so the ranks with tokens meet at the same layer
+    (checked); a rank whose sequences are done calls `finish()` and answers the others with no tokens of
+    its own until every rank has finished, so ranks may run different numbers of forward passes."""
 
     def __init__(self, ep, model):
         self.ep = ep
@@ -169,7 +157,10 @@ class TokenDispatch:
         return layers[0], DTYPES[codes.pop()]
 
     def _compute(self, block: MoE, h_PI: torch.Tensor, expert_of: torch.Tensor, per_source_SO: torch.Tensor):
-        """Each received row's expert output, exactly as the source rank's single process computes it."""
+        """Each received row's expert output, exactly as the source rank's single process computes it. The
+        grouped kernel computes each row on its own, but the GEMM path (GEMM_MIN_TOKENS rows of an expert or
+        more) gives bits that depend on its row count: then each source's rows run in a call of their own,
+        the rows and counts that source's single process runs."""
         if h_PI.shape[0] == 0:
             return h_PI.new_zeros(0, h_PI.shape[-1])
         ep = self.ep

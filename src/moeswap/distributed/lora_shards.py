@@ -1,16 +1,8 @@
-"""Routed-expert LoRA split by expert over the ranks of expert-parallel training: each expert's LoRA rows
-(ExpertLoRA.keep_rows) and their AdamW state live on the rank that owns the expert, which is the only rank
-that computes its pairs and so the only one with its gradient. Other parameters stay replicated.
-
-Full views, gathered over the ranks, exist only where one process's layout is needed: each step's gradient
-norm (the whole tensors, so the norm is one process's bits; gradients only, then dropped), checkpoints
-(parameters and optimizer state in one process's layout, so a checkpoint resumes under any rank count),
-and the end of the run (the adapter is one PEFT file). A run starts and resumes with the whole LoRA, then
-splits it (`split`).
-
-Knows nothing of the loop's schedule (train/loop.py calls it). Entry point: `LoRAShards.split(ep, model,
-params, optimizer, make_optimizer)`.
-"""
+"""Routed-expert LoRA split by owner in expert-parallel training: each expert's LoRA rows (ExpertLoRA.keep_rows)
+and AdamW state live on the rank that computes its pairs; whole views are gathered only for each step's
+gradient norm, checkpoints (one process's layout) and the adapter at the end. Other parameters stay
+replicated. Knows nothing of the loop's schedule (train/loop.py calls it).
+Entry point: `LoRAShards.split(ep, model, params, optimizer, make_optimizer)`."""
 
 from __future__ import annotations
 
