@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text from a model directory")
     add_model_argument(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, action="append",
+                   help="the prompt; give it several times for several sequences, generated one after another "
+                        "(under torchrun: split over the ranks, data-parallel attention; docs/distributed.md)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--special-tokens", action="store_true",
                    help="read special-token strings in --prompt (e.g. <|im_end|>) as those tokens; by default "
@@ -156,7 +158,11 @@ def cmd_generate(args) -> int:
     from moeswap.engine.tokenizer import StreamDecoder, load_tokenizer
     from moeswap.models.loader import load_model
 
-    check_text("--prompt", args.prompt)
+    for text in args.prompt:
+        check_text("--prompt", text)
+    if len(args.prompt) > 1:
+        return generate_many(args)
+    args.prompt = args.prompt[0]
     # every flag is checked before the model loads
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
@@ -232,6 +238,77 @@ def cmd_generate(args) -> int:
         print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; "
               f"sequence state {human_bytes(result.state_bytes)}; torch threads {stats['threads']}"
               + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)
+    return 0
+
+
+def generate_many(args) -> int:
+    """`generate` with several --prompt: each sequence on its own (max_batch 1), in order; under torchrun
+    prompt i runs on rank i % world with data-parallel attention and token dispatch, and rank 0 prints every
+    output in the prompts' order. Sampling uses seed + i for prompt i. No streaming: whole outputs."""
+    import torch
+
+    from moeswap.distributed.cli import bind_local_device, data_parallel_map, from_lead, join_if_launched, lead
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.engine.sampling import SamplingParams
+    from moeswap.engine.scheduler import EngineConfig
+    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.models.loader import load_model
+
+    if args.lora:
+        raise ValueError("--lora takes a single --prompt")
+    cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
+                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+    bind_local_device(args)
+    t0 = time.perf_counter()
+    model, store = load_model(args.model, LoadOptions.from_args(args))
+    ep = None
+    try:
+        ep = join_if_launched(model, args, data_parallel=True)
+
+        def encode():  # rank 0's part under torchrun (the others get its result, or its error)
+            tok = load_tokenizer(args.model)
+            ids = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else
+                   tok.encode(p, specials=args.special_tokens) for p in args.prompt]
+            return tok, ids, () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
+
+        tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)
+        load_s = time.perf_counter() - t0
+
+        def one(i: int) -> dict:
+            c = dataclasses.replace(cfg, stop_ids=stop_ids, seed=None if seed is None else seed + i)
+            engine = EngineConfig(max_batch=1, max_len=len(ids[i]) + c.max_tokens, native=not args.reference_step)
+            r = generate(model, ids[i], c, engine=engine)
+            rate = r.decode_tokens_per_s
+            return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
+                    "finish_reason": r.finish_reason, "ttft_ms": round(r.ttft_s * 1e3, 2),
+                    "decode_tokens_per_s": None if rate is None else round(rate, 2),
+                    "rank": 0 if ep is None else ep.rank}
+
+        outputs = data_parallel_map(ep, len(ids), one)
+        wall_s = time.perf_counter() - t0 - load_s
+    finally:
+        store.close()
+    if ep is not None:
+        from moeswap.distributed.runtime import shutdown
+
+        shutdown(ep)
+        if not lead(ep):
+            return 0
+    for i, out in enumerate(outputs):
+        out["text"] = tok.decode(out["tokens"])
+        out["prompt_index"] = i
+    stats = {"outputs": outputs, "load_s": round(load_s, 3), "generate_s": round(wall_s, 3),
+             "expert_store": store.stats.as_dict(), "threads": torch.get_num_threads()}
+    if ep is not None:
+        stats["expert_parallel"] = {"world": ep.world, "placement": ep.placement.kind, "mode": "data-parallel",
+                                    "rank0": ep.dispatch.stats.as_dict()}
+    if args.json:
+        print(dumps(stats))
+        return 0
+    for prompt, out in zip(args.prompt, outputs):
+        print((prompt if not args.chat else "") + out["text"], flush=True)
+        print(f"[prompt {out['prompt_index']}: {out['completion_tokens']} tokens, finish: {out['finish_reason']}"
+              + (f", rank {out['rank']}" if ep is not None else "") + "]", file=sys.stderr)
     return 0
 
 

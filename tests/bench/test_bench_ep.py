@@ -1,9 +1,11 @@
 """`moeswap bench ep` end to end on a tiny K3 (2 ranks on loopback): the N-rank run gives the 1-process
 tokens, each rank read only its half of the experts, and the bytes exchanged per token per layer equal
-the planner's figure (replicated attention) averaged over ranks: (N-1)/N x top-k x width x itemsize."""
+the planner's figure (replicated attention) averaged over ranks: (N-1)/N x top-k x width x itemsize; in the
+data-parallel mode (rank r its own sequence) the same tokens as one process generating the sequences one
+after another, and dispatch bytes within 10 % of the planner's dispatch term, (N-1)/N^2 x top-k x width x
+itemsize per token of the whole batch."""
 
 from __future__ import annotations
-
 
 import pytest
 
@@ -29,6 +31,13 @@ def test_bench_ep_reports_the_planners_bytes_and_the_same_tokens(tiny_k3_dir, tm
     single = r["disk_reads"]["1"]
     assert sum(r["disk_reads"]["per_rank"]) == single and all(0 < d < single for d in r["disk_reads"]["per_rank"])
     assert all(0 <= s <= 1 for s in r["time_s"]["collective_share_per_rank"])
+    d = r["data_parallel"]
+    assert d["same_tokens"] and d["sequences"] == 2 and len(d["runs"]["1"][0]["sequences"]) == 2
+    b = d["bytes_per_token_per_layer"]
+    assert b["planner_data_parallel"] == cfg.moe.top_k * (cfg.moe.latent_dim or cfg.hidden_size) * 4 / 4
+    assert abs(b["ratio_measured_to_planner"] - 1) < 0.10
+    assert b["combine_mean_over_ranks"] == pytest.approx(b["measured_mean_over_ranks"], rel=1e-12)
+    assert all(0 < x < d["disk_reads"]["1"] for x in d["disk_reads"]["per_rank"])  # each rank its own experts
 
 
 def test_bench_ep_bad_flags_are_one_line_errors(tiny_k3_dir, tmp_path, capsys):

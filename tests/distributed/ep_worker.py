@@ -24,6 +24,15 @@ def main() -> None:
 
     if job.get("train"):
         return train_step(job, rank, out)
+    if job.get("split_lora"):
+        return split_lora_step(job, rank, out)
+    if job.get("data_parallel"):
+        try:
+            return data_parallel_runs(job, rank, out)
+        except Exception as err:  # the test reads the message
+            torch.save({"error": f"{type(err).__name__}: {err}"}, out)
+            sys.stdout.flush()
+            os._exit(3)  # no clean-up that waits on peers
     if job.get("version", {}).get(str(rank)):
         moeswap.__version__ = job["version"][str(rank)]  # a rank started from another moeswap release
     model_dir = job["models"][rank] if "models" in job else job["model"]
@@ -66,6 +75,90 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(3)  # no clean-up that waits on peers
     torch.save(result, out)
+
+
+def data_parallel_runs(job: dict, rank: int, out: str) -> None:
+    """Data-parallel attention with token dispatch: prompt i on rank i % world, for each budget its logits
+    (one forward pass over the whole prompt) and greedy tokens; every rank saves every prompt's results."""
+    from moeswap.distributed.cli import data_parallel_map
+    from moeswap.distributed.ep import apply_expert_parallel
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.models.loader import LoadOptions, load_model
+
+    prompts, result, ep = job["prompts"], {"runs": []}, None
+    for budget in job["budgets"]:
+        options = LoadOptions(dtype="float32", expert_memory=budget)
+        model, store = load_model(job["model"], options)
+        if ep is None:
+            ep = init_expert_parallel(model, job["model"], options, None, timeout_s=job["timeout"], data_parallel=True)
+        else:  # the same process group and placement for the next model
+            fresh = apply_expert_parallel(model, None, ep.placement, data_parallel=True)
+            fresh.diagnose, fresh.heartbeat = ep.diagnose, ep.heartbeat
+
+        def one(i):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompts[i]]))[0]
+            if job.get("die") == rank:
+                os._exit(17)  # lost between its forward passes: the other rank is in an exchange or enters one
+            gen = generate(model, prompts[i], GenerationConfig(max_tokens=job["max_tokens"][i], stop_ids=()))
+            return {"logits": logits, "tokens": gen.tokens, "rank": rank, "native_steps": gen.native_steps}
+
+        run = {"results": data_parallel_map(model.expert_parallel, len(prompts), one)}
+        run["resident"] = sorted((k.layer, k.expert) for k in store.fast.keys())
+        run["disk_reads"] = store.stats.disk_reads
+        run["dispatch"] = model.expert_parallel.dispatch.stats.as_dict()
+        store.close()
+        result["runs"].append(run)
+    shutdown(ep)
+    torch.save(result, out)
+
+
+def lora_step_inputs(model_dir: str, budget: int):
+    """(model, store, cfg, params, tokens, weights) of a LoRA step on every target kind, the adapter non-zero."""
+    from moeswap.models.loader import load_model
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.targets import prepare_model
+    from train.test_lora_grad import ALL_TARGETS, kda_in_range, set_adapter  # tests/ is on PYTHONPATH
+
+    cfg = TrainConfig(model=model_dir, mode="lora", target_modules=ALL_TARGETS, rank=3, alpha=6.0)
+    model, store = load_model(model_dir, cfg.load.replace(expert_memory=budget))
+    kda_in_range(model)
+    params = prepare_model(model, cfg)
+    set_adapter(model)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 500, (2, 24), generator=gen)
+    weights = torch.randn(2, 24, 512, generator=gen, dtype=torch.float64)
+    return model, store, cfg, params, tokens, weights
+
+
+def split_lora_step(job: dict, rank: int, out: str) -> None:
+    """Two AdamW steps with clipping, each routed expert's LoRA and optimizer state on its owner only
+    (distributed/lora_shards.py): the shapes each rank holds, the gradient norms, and the parameters and
+    optimizer state gathered whole."""
+    from moeswap.distributed.lora_shards import LoRAShards
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.train.loop import make_optimizer
+
+    model, store, cfg, params, tokens, weights = lora_step_inputs(job["model"], job["budget"])
+    ep = init_expert_parallel(model, job["model"], cfg.load.replace(expert_memory=job["budget"]), None,
+                              timeout_s=job["timeout"])
+    optimizer = make_optimizer(params, cfg)
+    shards, params, optimizer = LoRAShards.split(ep, model, params, optimizer, lambda ps: make_optimizer(ps, cfg))
+    norms = []
+    for _ in range(2):
+        (model(tokens).double() * weights).sum().backward()
+        norms.append(shards.clip_gradients(params, 1e-3))  # small: the clip scales every gradient
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    held = {n: tuple(p.shape) for n, p in params if "expert_lora" in n}
+    state = {tuple(st["exp_avg"].shape) for p, st in optimizer.state.items() if any(p is q for n, q in params
+                                                                                    if "expert_lora" in n)}
+    whole, whole_opt = shards.whole(params, optimizer)
+    torch.save({"norms": norms, "held": held, "state_shapes": state, "params": {n: p.detach() for n, p in whole},
+                "optimizer": whole_opt.state_dict()}, out)
+    store.close()
+    shutdown(ep)
 
 
 def train_step(job: dict, rank: int, out: str) -> None:

@@ -1,6 +1,7 @@
 """Routed-expert LoRA on an MoE block: PEFT's initialisation and math, PEFT key names and shapes in and
 out (shared A written under every expert), loads that refuse what does not fit, dropout only in
-training, and the whole block (with its one-call latent decode path) following the adapter."""
+training, the whole block (with its one-call latent decode path) following the adapter, and an adapter
+holding some experts' rows only (keep_rows)."""
 
 from __future__ import annotations
 
@@ -164,3 +165,35 @@ def test_attached_expert_lora_follows_the_block_s_mode(k3):
     finally:
         block.eval()
         block.detach_expert_lora()
+
+
+def test_keep_rows_holds_some_experts_with_the_same_deltas_and_peft_keys():
+    """keep_rows (expert parallelism: each rank the LoRA of its own experts) keeps those experts' rows only;
+    their deltas and PEFT tensors are the whole adapter's, and the rows come back whole from tensors."""
+    full = ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for B in full.lora_B.values():
+            B.normal_(generator=torch.Generator().manual_seed(2))
+    part = ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, generator=torch.Generator().manual_seed(1))
+    part.load_state_dict(full.state_dict())
+    part.keep_rows([1, 4, 5])
+    assert part.experts == (1, 4, 5) and all(p.shape[0] == 3 for p in part.parameters())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    for got, want in zip(part.adapters([1, 5]), full.adapters([1, 5])):
+        assert torch.equal(got("w1", x), want("w1", x))
+    y = torch.randn(2, 12, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(part.delta("w2", 4, y), full.delta("w2", 4, y))
+    assert torch.equal(part.merged_delta("w3", 4), full.merged_delta("w3", 4))
+    whole = full.peft_state_dict(7)
+    mine = part.peft_state_dict(7)
+    assert sorted(mine) == sorted(k for k in whole if any(f".experts.{e}." in k for e in (1, 4, 5)))
+    assert all(torch.equal(v, whole[k]) for k, v in mine.items())
+    with pytest.raises(KeyError):
+        part.adapters([2])
+    back = {f"{n}.{p}": getattr(full, n)[p].detach() for n in ("lora_A", "lora_B") for p in full.projections}
+    part.keep_rows(range(6), back)
+    assert part.experts == tuple(range(6)) and part.peft_state_dict(7).keys() == whole.keys()
+    assert all(torch.equal(v, whole[k]) for k, v in part.peft_state_dict(7).items())
+    shared = ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, shared_a=True)
+    with pytest.raises(ValueError, match="shared A"):
+        shared.keep_rows([0, 1])

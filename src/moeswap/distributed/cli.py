@@ -2,7 +2,8 @@
 torchrun job when the process was started by one, and handing rank 0's inputs (token ids, stop ids, seed)
 to the other ranks, which follow without a tokenizer or output of their own.
 
-Entry points: `add_ep_flags(parser)`, `join_if_launched(model, args)`, `from_lead(ep, encode, seed)`, `lead(ep)`.
+Entry points: `add_ep_flags(parser)`, `join_if_launched(model, args)`, `from_lead(ep, encode, seed)`, `lead(ep)`,
+`data_parallel_map(ep, n, run)` (items split over the ranks, every result back on every rank).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ def add_ep_flags(parser) -> None:
                    help=f"a collective that waits longer fails, naming the lost rank (default {DEFAULT_TIMEOUT_S:g})")
 
 
-def join_if_launched(model, args):
-    """The ExpertParallel of this rank when started by torchrun with WORLD_SIZE > 1, else None."""
+def join_if_launched(model, args, data_parallel: bool = False):
+    """The ExpertParallel of this rank when started by torchrun with WORLD_SIZE > 1, else None.
+    data_parallel: each rank runs its own sequences, tokens dispatched to the experts' owners."""
     from moeswap.distributed.runtime import init_expert_parallel, launched
     from moeswap.options import LoadOptions
 
@@ -30,7 +32,8 @@ def join_if_launched(model, args):
         return None
     if args.ep_timeout <= 0:
         raise ValueError(f"--ep-timeout must be > 0 seconds, got {args.ep_timeout}")
-    return init_expert_parallel(model, args.model, LoadOptions.from_args(args), args.ep_placement, args.ep_timeout)
+    return init_expert_parallel(model, args.model, LoadOptions.from_args(args), args.ep_placement, args.ep_timeout,
+                                data_parallel)
 
 
 def lead(ep) -> bool:
@@ -71,3 +74,31 @@ def bind_local_device(args) -> None:
 
     if launched() and getattr(args, "device", "cpu") == "cuda":
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def data_parallel_map(ep, n: int, run) -> list:
+    """[run(i) for i in range(n)], item i on rank i % world under data-parallel expert parallelism (every
+    item here when `ep` is None); every rank gets the whole list, in item order. A rank whose items are done
+    (or that has none) keeps answering the others' expert exchanges until all are (TokenDispatch.finish).
+    A user error (ValueError, OSError) in one item stops that rank's items and is raised on every rank,
+    after the others finish theirs."""
+    if ep is None:
+        return [run(i) for i in range(n)]
+    import torch.distributed as dist
+
+    mine: dict = {}
+    err = None
+    for i in range(ep.rank, n, ep.world):
+        try:
+            mine[i] = run(i)
+        except (ValueError, OSError) as e:  # a forward that stopped part-way leaves the others in step:
+            err = (i, e)  # they meet at the same layers, and this rank answers them with no tokens
+            break
+    ep.dispatch.finish()
+    everyone: list = [None] * ep.world
+    dist.all_gather_object(everyone, (mine, err), group=ep.group)
+    errors = sorted((e for _, e in everyone if e is not None), key=lambda x: x[0])
+    if errors:
+        raise errors[0][1]
+    merged = {i: r for m, _ in everyone for i, r in m.items()}
+    return [merged[i] for i in range(n)]

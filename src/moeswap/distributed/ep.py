@@ -72,6 +72,7 @@ class ExpertParallel:
         self.diagnose: Callable[[], str] | None = None
         self.heartbeat = None
         self.channel = None  # serve: rank 0's commands to the others (lockstep.py)
+        self.dispatch = None  # data-parallel attention: each rank's own tokens dispatched (dispatch.py)
 
     def owns(self, layer: int, expert: int) -> bool:
         return self.placement.owner(layer, expert) == self.rank
@@ -175,10 +176,11 @@ class ExpertParallel:
     def reduce_expert_lora_grads(self, model) -> None:
         """After backward: each routed expert's LoRA gradient is on its owner and zero elsewhere; summing
         over ranks (x + 0 = x, exact) gives every rank the single process's gradients, so that replicated
-        optimizers step alike."""
+        optimizers step alike. An expert LoRA split by owner (lora_shards.py, what `train` does) holds its
+        own experts' rows, whose gradients are whole already: skipped."""
         for block in model.moe_blocks():
             lora = block._modules.get("expert_lora")
-            if lora is None:
+            if lora is None or len(lora.experts) != lora.num_experts:  # split by owner (lora_shards.py): own rows
                 continue
             for p in lora.parameters():
                 if p.grad is not None:
@@ -247,21 +249,29 @@ def _combine(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, 
     return out_TI
 
 
-def apply_expert_parallel(model, group=None, placement: Placement | None = None) -> ExpertParallel:
+def apply_expert_parallel(model, group=None, placement: Placement | None = None,
+                          data_parallel: bool = False) -> ExpertParallel:
     """Makes every MoE block of `model` compute only its rank's routed experts and exchange the rest over
     `group` (None: the default process group). The model's files and classes are untouched: each block gets
     an instance-level `run_experts` and no resident table (whose C paths would compute every expert
-    locally) except inside the rank's own expert compute, and a next-layer prefetcher is limited to the rank's experts, so its store only ever loads
-    experts this rank owns. Returns the ExpertParallel (its `stats`)."""
+    locally) except inside the rank's own expert compute, and a next-layer prefetcher is limited to the
+    rank's experts, so its store only ever loads experts this rank owns. data_parallel: every rank runs its
+    own sequences and dispatches its tokens to the experts' owners (distributed/dispatch.py; inference
+    only), instead of every rank running the same tokens. Returns the ExpertParallel (its `stats`)."""
     from moeswap.distributed.placement import contiguous
 
     if placement is None:
         placement = contiguous(model.config, dist.get_world_size(group))
     ep = ExpertParallel(group, placement)
+    if data_parallel:
+        from moeswap.distributed.dispatch import TokenDispatch
+
+        ep.dispatch = TokenDispatch(ep, model)
     for block in model.moe_blocks():
         if not placement.owners[block.layer_idx]:
             raise ValueError(f"the expert placement has no owners for MoE layer {block.layer_idx}")
-        block.run_experts = lambda h, ids, w, block=block: ep.run_experts(block, h, ids, w)
+        run = ep.dispatch.run_experts if data_parallel else ep.run_experts
+        block.run_experts = lambda h, ids, w, block=block, run=run: run(block, h, ids, w)
         # the native decode step and K3's latent C path would run every expert from the table: they see
         # none; this rank's own compute (run_experts, on its pairs only) uses the table as one process does
         block.resident_table = lambda block=block: MoE.resident_table(block) if ep._local else None

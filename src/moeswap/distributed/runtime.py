@@ -129,10 +129,11 @@ class Heartbeat:
 
 
 def init_expert_parallel(model, model_dir: str | os.PathLike, options: LoadOptions, trace_path: str | None = None,
-                         timeout_s: float = DEFAULT_TIMEOUT_S) -> ExpertParallel:
+                         timeout_s: float = DEFAULT_TIMEOUT_S, data_parallel: bool = False) -> ExpertParallel:
     """Joins the job described by the environment (torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
-    refuses ranks that differ (ValueError on every rank), applies expert parallelism to `model` and starts
-    the heartbeat. Collectives that wait more than `timeout_s` fail."""
+    refuses ranks that differ (ValueError on every rank), applies expert parallelism to `model` (with token
+    dispatch when `data_parallel`: each rank runs its own sequences) and starts the heartbeat. Collectives
+    that wait more than `timeout_s` fail."""
     if not dist.is_initialized():
         dist.init_process_group(backend_for(options.device), init_method="env://",
                                 timeout=timedelta(seconds=timeout_s))
@@ -140,9 +141,10 @@ def init_expert_parallel(model, model_dir: str | os.PathLike, options: LoadOptio
     placement = make_placement(model.config, world, trace_path)
     mine = fingerprint(model_dir, options, placement)
     everyone: list = [None] * world
+    mine["mode"] = "data-parallel" if data_parallel else "replicated"
     dist.all_gather_object(everyone, {"fingerprint": mine, "model": str(model_dir)})
     check_same([e["fingerprint"] for e in everyone], [e["model"] for e in everyone])
-    ep = apply_expert_parallel(model, None, placement)
+    ep = apply_expert_parallel(model, None, placement, data_parallel)
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store (no public accessor)
     # without torchrun's agent, rank 0's process hosts the TCP store (init_method env://)
     host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0

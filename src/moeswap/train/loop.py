@@ -264,6 +264,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             history = state["history"]
         else:
             history["eval"].append({"step": 0, "loss": evaluate(model, held_out, pad_id, cfg, device)})
+        shards = None
+        if ep is not None:  # each routed expert's LoRA and AdamW state from here on only on its owner's rank
+            from moeswap.distributed.lora_shards import LoRAShards
+
+            shards, params, optimizer = LoRAShards.split(ep, model, params, optimizer,
+                                                         lambda ps: make_optimizer(ps, cfg))
+            saved = params + balanced
         history["segments"].append({"from_step": history["step"]})
         show = (sys.stderr.isatty() if progress is None else progress) and lead
         bar = tqdm(total=total, initial=history["step"], disable=not show, unit="step", dynamic_ncols=True,
@@ -277,12 +284,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                 group["lr"] = lr
             rows = stream.rows(history["rows"], cfg.rows_per_step)
             loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step)
-            if ep is not None:  # each routed expert's LoRA gradient is on its owner: every rank gets all of them
+            if ep is not None:  # expert LoRA not split by owner (none is, today): every rank sums its gradients
                 ep.reduce_expert_lora_grads(model)
+            if shards is not None:  # the norm over whole gradients; zeros where an owner's experts got none
+                norm = shards.clip_gradients(params, cfg.max_grad_norm)
             if history["no_gradient"] is None:
                 history["no_gradient"] = _warn_no_gradient(params)
-            norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.grad is not None],
-                                                  cfg.max_grad_norm or math.inf).item()
+            if shards is None:
+                norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.grad is not None],
+                                                      cfg.max_grad_norm or math.inf).item()
             if not math.isfinite(norm):
                 raise NonFiniteError(f"step {step + 1}: the gradient norm is {norm}; stopping without saving "
                                      f"(lower --lr or set --max-grad-norm)")
@@ -309,14 +319,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                 history["eval"].append({"step": step + 1, "loss": loss_eval})
                 if loss_eval is not None and lead:
                     bar.write(f"step {step + 1}: eval loss {loss_eval:.4f}", file=sys.stderr)
-            if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last and lead:
-                history["wall_s"] += time.perf_counter() - started
-                started = time.perf_counter()
-                path = save_checkpoint(out, step + 1, saved, optimizer,
-                                       {"history": history, "config": cfg.as_dict(), "data_sha256": data_sha,
-                                        "base_digest": base["digest"]}, cfg.keep_checkpoints)
-                if on_checkpoint is not None:
-                    on_checkpoint(step + 1, path)
+            if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last:
+                # split expert LoRA: every rank hands its rows over, rank 0 writes one process's layout
+                whole, whole_opt = shards.whole(saved, optimizer) if shards is not None else (saved, optimizer)
+                if lead:
+                    history["wall_s"] += time.perf_counter() - started
+                    started = time.perf_counter()
+                    path = save_checkpoint(out, step + 1, whole, whole_opt,
+                                           {"history": history, "config": cfg.as_dict(), "data_sha256": data_sha,
+                                            "base_digest": base["digest"]}, cfg.keep_checkpoints)
+                    if on_checkpoint is not None:
+                        on_checkpoint(step + 1, path)
+                del whole, whole_opt
         bar.close()
         if end < total:
             evals = [e for e in history["eval"] if e["loss"] is not None]
@@ -324,6 +338,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         if not history["eval"] or history["eval"][-1]["step"] != total:
             history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device)})
         history["wall_s"] += time.perf_counter() - started
+        if shards is not None:  # the adapter is one PEFT file: every expert's LoRA whole again
+            params = shards.join(params)
         if not lead:  # the same parameters as rank 0's, which writes them
             return TrainResult(out, {})
         manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s)

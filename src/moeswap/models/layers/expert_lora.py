@@ -56,10 +56,37 @@ class ExpertLoRA(nn.Module):
                 A.uniform_(-bound, bound, generator=generator)
             self.lora_A[p] = nn.Parameter(A)
             self.lora_B[p] = nn.Parameter(torch.zeros(num_experts, O, rank, device=device, dtype=dtype))
+        self.experts: tuple[int, ...] = tuple(range(num_experts))  # the expert of each row (keep_rows: a subset)
+        self._row: dict[int, int] | None = None  # expert -> row when the rows are a subset
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, "
                 f"projections={list(self.projections)}, shared_a={self.shared_a}")
+
+    def keep_rows(self, experts: Sequence[int], tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Holds the rows of `experts` only (ascending; expert parallelism keeps each expert's LoRA on the rank
+        that owns it, distributed/lora_shards.py), in new parameters: taken from the current rows, or the
+        whole [len(experts), ...] values from `tensors` ({"lora_A.w1": ..., "lora_B.w1": ...}). Not with a
+        shared A."""
+        experts = tuple(int(e) for e in experts)
+        if self.shared_a:
+            raise ValueError("expert LoRA with a shared A cannot be split by expert")
+        if list(experts) != sorted(set(experts)) or not set(experts) <= set(range(self.num_experts)):
+            raise ValueError(f"expert LoRA rows: expected ascending distinct experts below {self.num_experts}")
+        idx = None if tensors is not None else torch.tensor([self.row(e) for e in experts], dtype=torch.int64)
+        for part in (self.lora_A, self.lora_B):
+            for p in self.projections:
+                old = part[p]
+                name = f"{'lora_A' if part is self.lora_A else 'lora_B'}.{p}"
+                value = tensors[name] if tensors is not None else old.detach().index_select(0, idx.to(old.device))
+                part[p] = nn.Parameter(value.to(device=old.device, dtype=old.dtype).clone(),
+                                       requires_grad=old.requires_grad)
+        self.experts = experts
+        self._row = None if experts == tuple(range(self.num_experts)) else {e: i for i, e in enumerate(experts)}
+
+    def row(self, expert: int) -> int:
+        """The parameters' row of `expert` (KeyError: held by another rank)."""
+        return expert if self._row is None else self._row[expert]
 
     def adapters(self, expert_ids: Sequence[int]) -> list:
         """One adapter per expert of a step, `adapter(proj, x) -> delta or None` (ops.expert_format.Adapter).
@@ -68,7 +95,7 @@ class ExpertLoRA(nn.Module):
         if not len(expert_ids):
             return []
         first = next(iter(self.lora_B.values()))
-        idx = torch.as_tensor(list(expert_ids), dtype=torch.int64, device=first.device)
+        idx = torch.as_tensor([self.row(e) for e in expert_ids], dtype=torch.int64, device=first.device)
         pairs: dict[str, tuple] = {}
         for p in self.projections:
             A, B = self.lora_A[p], self.lora_B[p]
@@ -80,8 +107,8 @@ class ExpertLoRA(nn.Module):
         """What the adapter adds to `proj`'s output for expert `expert` on input x (None: not adapted)."""
         if proj not in self.lora_A:
             return None
-        A = self.lora_A[proj][0 if self.shared_a else expert]
-        return self._apply(x, A, self.lora_B[proj][expert])
+        A = self.lora_A[proj][0 if self.shared_a else self.row(expert)]
+        return self._apply(x, A, self.lora_B[proj][self.row(expert)])
 
     def _apply(self, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         x = F.dropout(x.to(A.dtype), self.dropout, self.training) if self.dropout else x.to(A.dtype)
@@ -90,7 +117,8 @@ class ExpertLoRA(nn.Module):
     def merged_delta(self, proj: str, expert: int) -> torch.Tensor:
         """The adapter as a change of the expert's weight, scaling B A [O, N] (for merging into the base)."""
         with torch.no_grad():
-            return self.lora_B[proj][expert] @ self.lora_A[proj][0 if self.shared_a else expert] * self.scaling
+            r = self.row(expert)
+            return self.lora_B[proj][r] @ self.lora_A[proj][0 if self.shared_a else r] * self.scaling
 
     # -- PEFT names ------------------------------------------------------------------------------------
 
@@ -101,9 +129,9 @@ class ExpertLoRA(nn.Module):
         out = {}
         for p in self.projections:
             A, B = self.lora_A[p].detach(), self.lora_B[p].detach()
-            for e in range(self.num_experts):
-                out[peft_key(layer, e, p, "lora_A")] = A[0 if self.shared_a else e].clone()
-                out[peft_key(layer, e, p, "lora_B")] = B[e].clone()
+            for r, e in enumerate(self.experts):  # only the rows held here (keep_rows)
+                out[peft_key(layer, e, p, "lora_A")] = A[0 if self.shared_a else r].clone()
+                out[peft_key(layer, e, p, "lora_B")] = B[r].clone()
         return out
 
     def load_peft_state_dict(self, layer: int, sd: Mapping[str, torch.Tensor]) -> list[str]:
@@ -123,7 +151,7 @@ class ExpertLoRA(nn.Module):
                 for part, shape, param in (("lora_A", (self.rank, N), self.lora_A[p]),
                                            ("lora_B", (O, self.rank), self.lora_B[p])):
                     values = []
-                    for e in range(self.num_experts):
+                    for e in self.experts:  # the rows held here
                         key = peft_key(layer, e, p, part)
                         if key not in sd:
                             raise ValueError(f"adapter is missing {key} (expert LoRA on layer {layer} has "
