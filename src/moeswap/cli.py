@@ -167,7 +167,7 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     lora = read_lora_flag(args.lora, args.model)
-    from moeswap.distributed.cli import bind_local_device, from_lead, join_if_launched, lead
+    from moeswap.distributed.cli import bind_local_device, from_lead, finish, join_if_launched
 
     bind_local_device(args)  # under torchrun on CUDA: cuda:LOCAL_RANK
     t0 = time.perf_counter()
@@ -206,12 +206,8 @@ def cmd_generate(args) -> int:
             raise
     finally:
         store.close()
-    if ep is not None:
-        from moeswap.distributed.runtime import shutdown
-
-        shutdown(ep)
-        if not lead(ep):
-            return 0
+    if not finish(ep):
+        return 0
     rate = result.decode_tokens_per_s  # None: nothing decoded after the first token
     stats = {
         "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
@@ -247,7 +243,7 @@ def generate_many(args) -> int:
     output in the prompts' order. Sampling uses seed + i for prompt i. No streaming: whole outputs."""
     import torch
 
-    from moeswap.distributed.cli import bind_local_device, data_parallel_map, from_lead, join_if_launched, lead
+    from moeswap.distributed.cli import bind_local_device, data_parallel_map, from_lead, finish, join_if_launched
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.scheduler import EngineConfig
@@ -288,12 +284,8 @@ def generate_many(args) -> int:
         wall_s = time.perf_counter() - t0 - load_s
     finally:
         store.close()
-    if ep is not None:
-        from moeswap.distributed.runtime import shutdown
-
-        shutdown(ep)
-        if not lead(ep):
-            return 0
+    if not finish(ep):
+        return 0
     for i, out in enumerate(outputs):
         out["text"] = tok.decode(out["tokens"])
         out["prompt_index"] = i

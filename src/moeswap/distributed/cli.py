@@ -41,6 +41,16 @@ def lead(ep) -> bool:
     return ep is None or ep.rank == 0
 
 
+def finish(ep) -> bool:
+    """After a command's work: the process group shut down (under torchrun); whether this process reports."""
+    if ep is None:
+        return True
+    from moeswap.distributed.runtime import shutdown
+
+    shutdown(ep)
+    return lead(ep)
+
+
 def from_lead(ep, encode, seed: int | None):
     """(tokenizer or None, ids, stop ids, seed): `encode()` -> (tokenizer, ids, stop ids) runs on rank 0
     only (or in the single process), and the other ranks get its ids and stop ids, or the user error it
