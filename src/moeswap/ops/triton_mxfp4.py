@@ -1,0 +1,198 @@
+"""triton_mxfp4: MXFP4 expert matmuls in Triton for CUDA tensors, reading the packed E2M1 bytes and E8M0
+scale bytes (formats/mxfp4.py's layout) and dequantising them in registers; no decoded copy is ever written.
+Owns one kernel and its launches: `linear` (x W^T, one matrix), `grouped_linear` (one launch over the
+(token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers),
+`expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's).
+Few rows per expert (decode) multiply in fp32 FMAs; from DOT_MIN_ROWS on, tiles go to `tl.dot` (bf16 on the
+tensor cores for bf16 inputs, 3-pass TF32 for fp32: the decoded weights are exact in both). Knows nothing
+of models or stores; triton is optional (`available`). CPU tensors run under Triton's interpreter: for
+parity tests only, it is very slow. Shapes: P rows (pairs), N input width, O output width, G experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from moeswap.ops.activation import glu
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # not installed, or an install that does not load here: either way "not available"
+    triton = tl = None
+
+DOT_MIN_ROWS = 16  # tl.dot's smallest M; below it the rows multiply as broadcast FMAs (GEMV-like)
+GEMV_TILE = 8192  # elements of one [rows, BLOCK_N, BLOCK_K] product tile in the FMA path (registers)
+FP32_DOT_PRECISION = "tf32x3"  # fp32 inputs: x split in two TF32 halves, the weights exact in one
+
+
+def importable() -> bool:
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported: the
+    mode of its own library functions is fixed then), which takes CPU tensors and no CUDA ones."""
+    return importable() and bool(triton.knobs.runtime.interpret)
+
+
+def available() -> bool:
+    """Whether the kernels can run on CUDA tensors here (triton imports, compiles, and a CUDA device is present)."""
+    return importable() and not interpreted() and torch.cuda.is_available()
+
+
+def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, N, O, stride_x, stride_out,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+          DOT_BF16: tl.constexpr, FP32_PRECISION: tl.constexpr):
+    """Program (g, n, m): rows offsets[g] + m*BLOCK_M ... of expert g times columns n*BLOCK_N ... of its W^T.
+    packed_tab / scale_tab: int64 addresses of each expert's packed [O, N/2] and scale [O, N/32] bytes
+    (annotations are strings, from __future__: this module imports without triton)."""
+    g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    row_end = tl.load(offsets_ptr + g + 1)
+    m0 = tl.load(offsets_ptr + g) + pid_m * BLOCK_M
+    if m0 < row_end:  # the grid is sized for the largest expert's rows
+        packed = tl.load(packed_tab + g).to(tl.pointer_type(tl.uint8))
+        scale = tl.load(scale_tab + g).to(tl.pointer_type(tl.uint8))
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < O
+        half = tl.arange(0, BLOCK_K // 2)
+        blk = tl.arange(0, BLOCK_K // 32)
+        kk = tl.arange(0, BLOCK_K)
+        w_row = cols.to(tl.int64)[:, None]
+        x_row = rows.to(tl.int64)[:, None] * stride_x
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
+            b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
+            s = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
+            # byte j holds column 2j in its low nibble: join puts (low, high) last, so reshape interleaves them
+            c = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.uint32)
+            # E2M1 as fp32 bits: index i = c & 7 is 0, 0.5 (biased exponent 126), or (1 + (i & 1) / 2) * 2^((i >> 1) - 1)
+            mag = c & 7
+            bits = tl.where(mag >= 2, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22), (mag & 1) * (126 << 23))
+            val = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+            # E8M0 byte s is 2^(s - 127): byte 0 is the subnormal 2^-127, 0xFF is NaN
+            sb = s.to(tl.uint32)
+            sbits = tl.where(sb == 0, 0x400000, tl.where(sb == 255, 0x7FC00000, sb << 23))
+            sf = sbits.to(tl.float32, bitcast=True)
+            w = (val.reshape(BLOCK_N, BLOCK_K // 32, 32) * sf[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+            x = tl.load(x_ptr + x_row + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+            if DOT:
+                if DOT_BF16:  # E2M1 times a power of two is exact in bf16
+                    acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+                else:
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=FP32_PRECISION)
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@functools.cache
+def _kernel():
+    """The kernel, decorated at first use (so that importing this module costs nothing more)."""
+    return triton.jit(_body)
+
+
+def _check_device(device: torch.device) -> None:
+    if triton is None:
+        raise RuntimeError("the Triton MXFP4 kernels need the triton package, which does not import here")
+    # the interpreter reads the pointer table's addresses as host memory; compiled kernels as device memory
+    if device.type == "cpu" and not interpreted():
+        raise RuntimeError("the Triton MXFP4 kernels take CPU tensors only under Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported")
+    if device.type == "cuda" and interpreted():
+        raise RuntimeError("the Triton MXFP4 kernels take CUDA tensors only compiled: TRITON_INTERPRET=1 is set")
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"the Triton MXFP4 kernels take CUDA tensors, got {device.type} ones")
+
+
+def _block_k(N: int) -> int:
+    return next(b for b in (128, 64, 32) if N % b == 0)
+
+
+def _tiles(max_rows: int, N: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, DOT) for experts of at most max_rows rows and input width N."""
+    block_k = _block_k(N)
+    if max_rows >= DOT_MIN_ROWS:
+        block_m = 16 if max_rows <= 16 else 32 if max_rows <= 32 else 64
+        return block_m, 64, block_k, True
+    block_m = 1 << max(0, (max_rows - 1).bit_length())
+    block_n = max(16, min(64, GEMV_TILE // (block_m * block_k)))
+    return block_m, block_n, block_k, False
+
+
+def grouped_linear(x_PN: torch.Tensor, offsets: Sequence[int], mats: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   out_PO: torch.Tensor | None = None) -> torch.Tensor:
+    """y[P, O]: rows offsets[g]:offsets[g+1] of x (fp32 or bf16, rows sorted by expert) times expert g's W^T,
+    mats[g] = (packed uint8 [O, N/2], scale uint8 [O, N/32]), all on x's device, all of one shape. One launch."""
+    G = len(mats)
+    if len(offsets) != G + 1:
+        raise ValueError(f"grouped_linear: {len(offsets)} offsets for {G} experts; expected {G + 1}")
+    if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grouped_linear: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
+    _check_device(x_PN.device)
+    P, N = x_PN.shape
+    if N % 32:
+        raise ValueError(f"grouped_linear: input width {N} is not a multiple of the MXFP4 block (32)")
+    O = mats[0][0].shape[0] if G else 0
+    held = []  # contiguous copies (if any) live until the launch is done
+    for packed, scale in mats:
+        if (packed.dtype != torch.uint8 or tuple(packed.shape) != (O, N // 2) or tuple(scale.shape) != (O, N // 32)
+                or packed.device != x_PN.device or scale.device != x_PN.device):
+            raise ValueError(f"grouped_linear: expert bytes {packed.dtype} {list(packed.shape)} + scales "
+                             f"{list(scale.shape)} on {packed.device}; expected uint8 [{O}, {N // 2}] + [{O}, {N // 32}] "
+                             f"on {x_PN.device}")
+        held.append((packed.contiguous(), scale.contiguous().view(torch.uint8)))
+    if out_PO is None:
+        out_PO = torch.empty(P, O, dtype=x_PN.dtype, device=x_PN.device)
+    if P == 0 or O == 0 or G == 0:
+        return out_PO
+    x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
+    counts = [offsets[g + 1] - offsets[g] for g in range(G)]
+    block_m, block_n, block_k, dot = _tiles(max(counts), N)
+    dev = x.device
+    tables = torch.tensor([[p.data_ptr() for p, _ in held], [s.data_ptr() for _, s in held]], dtype=torch.int64)
+    offs = torch.tensor(list(offsets), dtype=torch.int32)
+    if dev.type != "cpu":
+        tables, offs = tables.to(dev, non_blocking=True), offs.to(dev, non_blocking=True)
+    grid = (G, -(-O // block_n), -(-max(counts) // block_m))
+    _kernel()[grid](
+        x, out_PO, tables[0], tables[1], offs, N, O, x.stride(0), out_PO.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, DOT_BF16=x.dtype == torch.bfloat16,
+        FP32_PRECISION=FP32_DOT_PRECISION)
+    return out_PO
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for one MXFP4 matrix (x [..., N] fp32 or bf16; the result in x's dtype)."""
+    x_PN = x.reshape(-1, x.shape[-1])
+    y = grouped_linear(x_PN, [0, x_PN.shape[0]], [(packed, scale)])
+    return y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def expert(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+    """w2 act(w1 x, w3 x) for one MXFP4ExpertWeights, in x's dtype (the activation in torch, as the reference)."""
+    h_TF = glu(act, linear(x_TI, w.w1_packed, w.w1_scale), linear(x_TI, w.w3_packed, w.w3_scale), situ_betas)
+    return linear(h_TF, w.w2_packed, w.w2_scale)
+
+
+def grouped_experts(h_TI: torch.Tensor, experts: Sequence, tokens_P: torch.Tensor, offsets: Sequence[int],
+                    weights_P: torch.Tensor, act: str, situ_betas: tuple[float, float], out_TI: torch.Tensor,
+                    int8_activations: bool = False) -> None:
+    """Adds each expert's weighted output to out_TI (fp32 [T, I]) for its pairs: three launches for all the
+    experts of a group (gate, up, down), the activation in torch between them. int8_activations is the CPU
+    kernel's option (ops.expert_mxfp4.reference_int8) and has no effect here."""
+    dev = h_TI.device
+    tokens = tokens_P.to(dev)
+    x_PI = h_TI.index_select(0, tokens)
+    gate = grouped_linear(x_PI, offsets, [(e.w1_packed, e.w1_scale) for e in experts])
+    up = grouped_linear(x_PI, offsets, [(e.w3_packed, e.w3_scale) for e in experts])
+    y_PI = grouped_linear(glu(act, gate, up, situ_betas), offsets, [(e.w2_packed, e.w2_scale) for e in experts])
+    out_TI.index_add_(0, tokens, y_PI.float() * weights_P.to(device=dev, dtype=torch.float32)[:, None])
