@@ -46,7 +46,7 @@ def available() -> bool:
 
 def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, N, O, stride_x, stride_out,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-          DOT_BF16: tl.constexpr, FP32_PRECISION: tl.constexpr):
+          BF16: tl.constexpr, BF16_DOT: tl.constexpr, FP32_PRECISION: tl.constexpr):
     """Program (g, n, m): rows offsets[g] + m*BLOCK_M ... of expert g times columns n*BLOCK_N ... of its W^T.
     packed_tab / scale_tab: int64 addresses of each expert's packed [O, N/2] and scale [O, N/32] bytes
     (annotations are strings, from __future__: this module imports without triton)."""
@@ -84,14 +84,19 @@ def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, N, O, stride_x, st
             w = (val.reshape(BLOCK_N, BLOCK_K // 32, 32) * sf[:, :, None]).reshape(BLOCK_N, BLOCK_K)
             x = tl.load(x_ptr + x_row + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
             if DOT:
-                if DOT_BF16:  # E2M1 times a power of two is exact in bf16
+                if BF16_DOT:  # x is bf16; E2M1 times a power of two is exact in bf16
                     acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
                 else:
                     acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=FP32_PRECISION)
             else:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+        if BF16:  # round to nearest even on the bits, as torch does (Triton's interpreter casts by truncating)
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = tl.where(acc != acc, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+            tl.store(out, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=rmask[:, None] & cmask[None, :])
+        else:
+            tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
 
 
 @functools.cache
@@ -163,9 +168,13 @@ def grouped_linear(x_PN: torch.Tensor, offsets: Sequence[int], mats: Sequence[tu
     if dev.type != "cpu":
         tables, offs = tables.to(dev, non_blocking=True), offs.to(dev, non_blocking=True)
     grid = (G, -(-O // block_n), -(-max(counts) // block_m))
+    # Triton 3.8's interpreter multiplies bf16 tl.dot operands as their uint16 bits: there bf16 tiles
+    # multiply as fp32 instead, which gives the same exact products and fp32 sums
+    bf16 = x.dtype == torch.bfloat16
     _kernel()[grid](
         x, out_PO, tables[0], tables[1], offs, N, O, x.stride(0), out_PO.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, DOT_BF16=x.dtype == torch.bfloat16,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16,
+        BF16_DOT=bf16 and not interpreted(),
         FP32_PRECISION=FP32_DOT_PRECISION)
     return out_PO
 
