@@ -178,6 +178,41 @@ def test_grouped_experts_is_the_weighted_sum_of_references():
     torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
 
 
+@needs_triton
+@interpreted
+def test_moe_block_groups_experts_through_the_triton_step(tiny_k3_dir, monkeypatch):
+    """The tiny K3's MoE blocks with the CUDA grouping (ops.expert_mxfp4.grouped / group_kind as they answer
+    for CUDA tensors) swapped in on CPU tensors: the same routed outputs as the CPU kernels give."""
+    from moeswap.models.layers.moe import MoE
+    from moeswap.models.loader import LoadOptions, load_model
+
+    model, _ = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    gen = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(MoE, "_resident_table", lambda self, h, ids: None)  # the table is the CPU kernel's
+    with torch.no_grad():
+        cases = []
+        for m in moes[:2]:
+            h = torch.randn(3, m.routed_expert_down_proj.out_features if hasattr(m, "routed_expert_down_proj")
+                            else model.config.hidden_size, generator=gen)
+            ids, w = m.gate(torch.randn(3, model.config.hidden_size, generator=gen))
+            cases.append((m, h, ids, w, m.run_experts(h, ids, w)))
+        calls = []
+
+        def grouped(device_type="cpu"):
+            def run(*args, **kwargs):
+                calls.append(len(args[1]))
+                return tm.grouped_experts(*args, **kwargs)
+            return run
+
+        monkeypatch.setattr(em, "grouped", grouped)
+        monkeypatch.setattr(em, "group_kind", lambda w, device_type: "mxfp4" if w.fmt.name == "mxfp4" else None)
+        for m, h, ids, w, want in cases:
+            got = m.run_experts(h, ids, w)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert len(calls) == len(cases) and all(n == len(set(ids.flatten().tolist())) for n, (_, _, ids, _, _) in zip(calls, cases))
+
+
 def test_cpu_selection_does_not_change():
     """Without CUDA tensors nothing routes to triton: CPU experts group on cpu_c as before, CUDA grouping is
     unavailable without a GPU, and forcing triton there is an error naming what it needs."""

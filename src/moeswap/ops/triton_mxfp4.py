@@ -12,6 +12,7 @@ parity tests only, it is very slow. Shapes: P rows (pairs), N input width, O out
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +37,10 @@ def importable() -> bool:
 def interpreted() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported: the
     mode of its own library functions is fixed then), which takes CPU tensors and no CUDA ones."""
-    return importable() and bool(triton.knobs.runtime.interpret)
+    if not importable():
+        return False
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; before it, the variable alone said it
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available() -> bool:
