@@ -281,12 +281,13 @@ def test_cuda_grouped_experts_match_the_cpu_reference():
 def test_cuda_moe_layers_on_triton_equal_torch_rows(tmp_path, monkeypatch):
     """The tiny K3's MoE blocks on CUDA: the triton path (grouped and per expert) against torch_rows
     (MOESWAP_EXPERT_KERNEL=torch_rows), decode-sized and prefill-sized inputs."""
+    from moeswap.models.layers.moe import MoE
     from moeswap.models.loader import LoadOptions, load_model
     from moeswap.tiny import write_tiny_model
 
     model, _ = load_model(write_tiny_model(tmp_path / "k3", "kimi_k3", "tiny", seed=1),
                           LoadOptions(dtype="float32", device="cuda"))
-    moes = [layer.feed_forward for layer in model.model.layers if hasattr(layer.feed_forward, "run_experts")]
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
     assert moes
     for tokens in (1, 3, 40):
         x = torch.randn(1, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens)).cuda()
