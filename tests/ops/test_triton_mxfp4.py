@@ -133,14 +133,32 @@ def test_grouped_linear_is_each_expert_on_its_rows(counts):
 
 @needs_triton
 @interpreted
+def test_grouped_linears_share_rows_across_sets():
+    """Gate and up in one launch: set s of expert g multiplies the same rows as set 0 does."""
+    gen = torch.Generator().manual_seed(11)
+    offsets = [0, 3, 4, 4, 6]
+    sets = [[random_matrix(48, 96, gen) for _ in range(4)] for _ in range(2)]
+    x = torch.randn(6, 96, generator=gen).bfloat16()
+    got = tm.grouped_linears(x, offsets, sets)
+    assert got.shape == (2, 6, 48) and got.dtype == torch.bfloat16
+    for s, mats in enumerate(sets):
+        for g, (packed, scale) in enumerate(mats):
+            rows = slice(offsets[g], offsets[g + 1])
+            assert_within_bound(got[s, rows], x[rows], packed, scale)
+
+
+@needs_triton
+@interpreted
 def test_grouped_linear_names_bad_input():
     gen = torch.Generator().manual_seed(0)
     a, b = random_matrix(32, 64, gen), random_matrix(40, 64, gen)
     x = torch.randn(3, 64)
     with pytest.raises(ValueError, match="expected uint8 \\[32, 32\\]"):
         tm.grouped_linear(x, [0, 1, 3], [a, b])
-    with pytest.raises(ValueError, match="3 offsets for 1 experts"):
+    with pytest.raises(ValueError, match="3 offsets for \\[1\\] experts"):
         tm.grouped_linear(x, [0, 1, 3], [a])
+    with pytest.raises(ValueError, match="must rise from 0 to the 3 rows"):
+        tm.grouped_linear(x, [0, 2], [a])
     with pytest.raises(ValueError, match="fp32 or bf16"):
         tm.grouped_linear(x.double(), [0, 3], [a])
 

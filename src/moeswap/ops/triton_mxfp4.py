@@ -1,7 +1,8 @@
 """triton_mxfp4: MXFP4 expert matmuls in Triton for CUDA tensors, reading the packed E2M1 bytes and E8M0
 scale bytes (formats/mxfp4.py's layout) and dequantising them in registers; no decoded copy is ever written.
 Owns one kernel and its launches: `linear` (x W^T, one matrix), `grouped_linear` (one launch over the
-(token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers),
+(token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers;
+`grouped_linears`: gate and up in the same launch),
 `expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's).
 Few rows per expert (decode) multiply in fp32 FMAs; from DOT_MIN_ROWS on, tiles go to `tl.dot` (bf16 on the
 tensor cores for bf16 inputs, 3-pass TF32 for fp32: the decoded weights are exact in both). Knows nothing
@@ -48,20 +49,23 @@ def available() -> bool:
     return importable() and not interpreted() and torch.cuda.is_available()
 
 
-def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, N, O, stride_x, stride_out,
+def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x, stride_out, stride_set,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
           BF16: tl.constexpr, BF16_DOT: tl.constexpr, FP32_PRECISION: tl.constexpr):
-    """Program (g, n, m): rows offsets[g] + m*BLOCK_M ... of expert g times columns n*BLOCK_N ... of its W^T.
-    packed_tab / scale_tab: int64 addresses of each expert's packed [O, N/2] and scale [O, N/32] bytes
-    (annotations are strings, from __future__: this module imports without triton)."""
-    g = tl.program_id(0)
+    """Program (s G + g, n, m): rows offsets[g] + m*BLOCK_M ... of expert g times columns n*BLOCK_N ... of its
+    matrix s (gate, up) transposed, into out + s * stride_set. packed_tab / scale_tab [S G]: int64 addresses
+    of each matrix's packed [O, N/2] and scale [O, N/32] bytes (annotations are strings, from __future__:
+    this module imports without triton)."""
+    pid = tl.program_id(0)
+    g = pid % G
     pid_n = tl.program_id(1)
     pid_m = tl.program_id(2)
     row_end = tl.load(offsets_ptr + g + 1)
     m0 = tl.load(offsets_ptr + g) + pid_m * BLOCK_M
     if m0 < row_end:  # the grid is sized for the largest expert's rows
-        packed = tl.load(packed_tab + g).to(tl.pointer_type(tl.uint8))
-        scale = tl.load(scale_tab + g).to(tl.pointer_type(tl.uint8))
+        packed = tl.load(packed_tab + pid).to(tl.pointer_type(tl.uint8))
+        scale = tl.load(scale_tab + pid).to(tl.pointer_type(tl.uint8))
+        out_ptr = out_ptr + (pid // G).to(tl.int64) * stride_set
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,49 +142,57 @@ def _tiles(max_rows: int, N: int) -> tuple[int, int, int, bool]:
 
 
 def grouped_linear(x_PN: torch.Tensor, offsets: Sequence[int], mats: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                   out_PO: torch.Tensor | None = None) -> torch.Tensor:
+                   ) -> torch.Tensor:
     """y[P, O]: rows offsets[g]:offsets[g+1] of x (fp32 or bf16, rows sorted by expert) times expert g's W^T,
     mats[g] = (packed uint8 [O, N/2], scale uint8 [O, N/32]), all on x's device, all of one shape. One launch."""
-    G = len(mats)
-    if len(offsets) != G + 1:
-        raise ValueError(f"grouped_linear: {len(offsets)} offsets for {G} experts; expected {G + 1}")
+    return grouped_linears(x_PN, offsets, [mats])[0]
+
+
+def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
+                    sets: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+    """y[S, P, O]: `grouped_linear` for S matrices per expert on the same rows (an expert's gate and up), in one
+    launch: sets[s][g] is expert g's matrix s."""
+    G = len(offsets) - 1
+    if G < 0 or any(len(mats) != G for mats in sets):
+        raise ValueError(f"grouped_linear: {len(offsets)} offsets for {[len(m) for m in sets]} experts; "
+                         f"expected one more offset than experts")
     if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"grouped_linear: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
     _check_device(x_PN.device)
     P, N = x_PN.shape
     if N % 32:
         raise ValueError(f"grouped_linear: input width {N} is not a multiple of the MXFP4 block (32)")
-    O = mats[0][0].shape[0] if G else 0
+    if offsets and (offsets[0] != 0 or offsets[-1] != P or any(b < a for a, b in zip(offsets, offsets[1:]))):
+        raise ValueError(f"grouped_linear: offsets {list(offsets)} must rise from 0 to the {P} rows of x")
+    O = sets[0][0][0].shape[0] if sets and G else 0
     held = []  # contiguous copies (if any) live until the launch is done
-    for packed, scale in mats:
+    for packed, scale in (m for mats in sets for m in mats):
         if (packed.dtype != torch.uint8 or tuple(packed.shape) != (O, N // 2) or tuple(scale.shape) != (O, N // 32)
                 or packed.device != x_PN.device or scale.device != x_PN.device):
             raise ValueError(f"grouped_linear: expert bytes {packed.dtype} {list(packed.shape)} + scales "
                              f"{list(scale.shape)} on {packed.device}; expected uint8 [{O}, {N // 2}] + [{O}, {N // 32}] "
                              f"on {x_PN.device}")
         held.append((packed.contiguous(), scale.contiguous().view(torch.uint8)))
-    if out_PO is None:
-        out_PO = torch.empty(P, O, dtype=x_PN.dtype, device=x_PN.device)
-    if P == 0 or O == 0 or G == 0:
-        return out_PO
+    out = torch.empty(len(sets), P, O, dtype=x_PN.dtype, device=x_PN.device)
+    if P == 0 or O == 0 or G == 0 or not sets:
+        return out
     x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
-    counts = [offsets[g + 1] - offsets[g] for g in range(G)]
-    block_m, block_n, block_k, dot = _tiles(max(counts), N)
+    max_rows = max(offsets[g + 1] - offsets[g] for g in range(G))
+    block_m, block_n, block_k, dot = _tiles(max_rows, N)
     dev = x.device
     tables = torch.tensor([[p.data_ptr() for p, _ in held], [s.data_ptr() for _, s in held]], dtype=torch.int64)
     offs = torch.tensor(list(offsets), dtype=torch.int32)
     if dev.type != "cpu":
         tables, offs = tables.to(dev, non_blocking=True), offs.to(dev, non_blocking=True)
-    grid = (G, -(-O // block_n), -(-max(counts) // block_m))
+    grid = (len(sets) * G, -(-O // block_n), -(-max_rows // block_m))
     # Triton 3.8's interpreter multiplies bf16 tl.dot operands as their uint16 bits: there bf16 tiles
     # multiply as fp32 instead, which gives the same exact products and fp32 sums
     bf16 = x.dtype == torch.bfloat16
     _kernel()[grid](
-        x, out_PO, tables[0], tables[1], offs, N, O, x.stride(0), out_PO.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16,
-        BF16_DOT=bf16 and not interpreted(),
+        x, out, tables[0], tables[1], offs, G, N, O, x.stride(0), out.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
         FP32_PRECISION=FP32_DOT_PRECISION)
-    return out_PO
+    return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -192,20 +204,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.
 
 def expert(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
     """w2 act(w1 x, w3 x) for one MXFP4ExpertWeights, in x's dtype (the activation in torch, as the reference)."""
-    h_TF = glu(act, linear(x_TI, w.w1_packed, w.w1_scale), linear(x_TI, w.w3_packed, w.w3_scale), situ_betas)
-    return linear(h_TF, w.w2_packed, w.w2_scale)
+    x_PI = x_TI.reshape(-1, x_TI.shape[-1])
+    offsets = [0, x_PI.shape[0]]
+    gate, up = grouped_linears(x_PI, offsets, [[(w.w1_packed, w.w1_scale)], [(w.w3_packed, w.w3_scale)]])
+    y_PI = grouped_linear(glu(act, gate, up, situ_betas), offsets, [(w.w2_packed, w.w2_scale)])
+    return y_PI.reshape(*x_TI.shape[:-1], y_PI.shape[-1])
 
 
 def grouped_experts(h_TI: torch.Tensor, experts: Sequence, tokens_P: torch.Tensor, offsets: Sequence[int],
                     weights_P: torch.Tensor, act: str, situ_betas: tuple[float, float], out_TI: torch.Tensor,
                     int8_activations: bool = False) -> None:
-    """Adds each expert's weighted output to out_TI (fp32 [T, I]) for its pairs: three launches for all the
-    experts of a group (gate, up, down), the activation in torch between them. int8_activations is the CPU
-    kernel's option (ops.expert_mxfp4.reference_int8) and has no effect here."""
+    """Adds each expert's weighted output to out_TI (fp32 [T, I]) for its pairs: two launches for all the
+    experts of a group (gate and up together, then down), the activation in torch between them.
+    int8_activations is the CPU kernel's option (ops.expert_mxfp4.reference_int8) and has no effect here."""
     dev = h_TI.device
     tokens = tokens_P.to(dev)
     x_PI = h_TI.index_select(0, tokens)
-    gate = grouped_linear(x_PI, offsets, [(e.w1_packed, e.w1_scale) for e in experts])
-    up = grouped_linear(x_PI, offsets, [(e.w3_packed, e.w3_scale) for e in experts])
+    gate, up = grouped_linears(x_PI, offsets, [[(e.w1_packed, e.w1_scale) for e in experts],
+                                               [(e.w3_packed, e.w3_scale) for e in experts]])
     y_PI = grouped_linear(glu(act, gate, up, situ_betas), offsets, [(e.w2_packed, e.w2_scale) for e in experts])
     out_TI.index_add_(0, tokens, y_PI.float() * weights_P.to(device=dev, dtype=torch.float32)[:, None])
