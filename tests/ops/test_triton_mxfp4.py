@@ -1,7 +1,7 @@
 """ops/triton_mxfp4: the Triton MXFP4 kernels equal the plain-torch reference (formats.mxfp4.decode in fp32,
 then a matmul): on the CPU under Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets
 without a GPU before triton is imported), and compiled on CUDA (marked cuda). Every nibble is tried under
-every E8M0 scale byte, bit for bit; the FMA (few rows) and tl.dot (DOT_MIN_ROWS rows on) paths, single and
+every E8M0 scale byte, bit for bit; the FMA (few rows) and tl.dot (more than FMA_MAX_ROWS) paths, single and
 grouped launches, and the expert and MoE-step entry points. Skipped where triton does not import."""
 
 from __future__ import annotations
@@ -229,6 +229,63 @@ def test_moe_block_groups_experts_through_the_triton_step(tiny_k3_dir, monkeypat
             got = m.run_experts(h, ids, w)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert len(calls) == len(cases) and all(n == len(set(ids.flatten().tolist())) for n, (_, _, ids, _, _) in zip(calls, cases))
+
+
+COMPILE_FOR_SM90 = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from moeswap.ops import triton_mxfp4 as tm
+
+fn = triton.jit(tm._body)
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+result = []
+for dtype in ("bf16", "fp32"):
+    for bm, bn, bk, dot, warps in tm.configs(bf16=dtype == "bf16"):
+        if dtype == "fp32" and not dot:
+            continue  # the FMA path differs from bf16's only in how x loads
+        sig = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "packed_tab": "*i64", "scale_tab": "*i64",
+               "offsets_ptr": "*i32", **{k: "i32" for k in ("G", "N", "O", "stride_x", "stride_out", "stride_set")},
+               **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT", "BF16", "BF16_DOT", "FP32_PRECISION")}}
+        const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOT": dot, "BF16": dtype == "bf16",
+                 "BF16_DOT": dtype == "bf16", "FP32_PRECISION": tm.FP32_DOT_PRECISION}
+        k = triton.compile(triton.compiler.ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True).stdout
+        os.unlink(f.name)
+        fields = dict(kv.split(":") for kv in next(l for l in usage.splitlines() if "REG:" in l).split())
+        result.append({"config": [dtype, bm, bn, bk, dot, warps], "regs": int(fields["REG"]),
+                       "stack": int(fields["STACK"])})
+print(json.dumps(result))
+"""
+
+
+@needs_triton
+@pytest.mark.slow
+def test_every_tile_configuration_compiles_for_hopper_without_spills(tmp_path):
+    """Compiled for sm_90 (H100/H200) by the ptxas in triton's wheel, without a GPU: every tile configuration
+    the launcher picks builds, and none spills registers to the stack (cuobjdump -res-usage)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bindir / "ptxas").exists() or not (bindir / "cuobjdump").exists():
+        pytest.skip("this triton install carries no ptxas / cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(tm.__file__).parents[2]))
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert len(result) == len(tm.configs(True)) + sum(c[3] for c in tm.configs(False))
+    assert all(r["stack"] == 0 for r in result), [r for r in result if r["stack"]]
 
 
 def test_cpu_selection_does_not_change():

@@ -4,7 +4,7 @@ Owns one kernel and its launches: `linear` (x W^T, one matrix), `grouped_linear`
 (token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers;
 `grouped_linears`: gate and up in the same launch),
 `expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's).
-Few rows per expert (decode) multiply in fp32 FMAs; from DOT_MIN_ROWS on, tiles go to `tl.dot` (bf16 on the
+Few rows per expert (decode, FMA_MAX_ROWS) multiply in fp32 FMAs; more go to `tl.dot` (bf16 on the
 tensor cores for bf16 inputs, 3-pass TF32 for fp32: the decoded weights are exact in both). Knows nothing
 of models or stores; triton is optional (`available`). CPU tensors run under Triton's interpreter: for
 parity tests only, it is very slow. Shapes: P rows (pairs), N input width, O output width, G experts.
@@ -26,8 +26,12 @@ try:
 except Exception:  # not installed, or an install that does not load here: either way "not available"
     triton = tl = None
 
-DOT_MIN_ROWS = 16  # tl.dot's smallest M; below it the rows multiply as broadcast FMAs (GEMV-like)
-GEMV_TILE = 8192  # elements of one [rows, BLOCK_N, BLOCK_K] product tile in the FMA path (registers)
+FMA_MAX_ROWS = 8  # up to this many rows per expert multiply as broadcast FMAs (GEMV-like); more in tl.dot (M >= 16)
+# Tiles sized so that no configuration spills registers on sm_90 (compiled without a GPU by the ptxas in
+# triton 3.8's wheel, `cuobjdump -res-usage`, 2026-12-01: 56-204 registers, stack 0; 8192-element FMA
+# tiles, or BLOCK_K 128 in the tl.dot path, spilled up to 1.4 KB): tests/ops/test_triton_mxfp4.py checks.
+# Their speed is not tuned: no GPU has run them yet.
+GEMV_TILE = 4096  # elements of one [rows, BLOCK_N, BLOCK_K] product tile in the FMA path (registers)
 FP32_DOT_PRECISION = "tf32x3"  # fp32 inputs: x split in two TF32 halves, the weights exact in one
 
 
@@ -130,15 +134,21 @@ def _block_k(N: int) -> int:
     return next(b for b in (128, 64, 32) if N % b == 0)
 
 
-def _tiles(max_rows: int, N: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, DOT) for experts of at most max_rows rows and input width N."""
-    block_k = _block_k(N)
-    if max_rows >= DOT_MIN_ROWS:
+def _tiles(max_rows: int, N: int, bf16: bool) -> tuple[int, int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, DOT, num_warps) for experts of at most max_rows rows, input width N, bf16
+    or fp32 inputs (3-pass TF32 holds more registers: BLOCK_K 32)."""
+    if max_rows > FMA_MAX_ROWS:
         block_m = 16 if max_rows <= 16 else 32 if max_rows <= 32 else 64
-        return block_m, 64, block_k, True
+        return block_m, 64, min(64 if bf16 else 32, _block_k(N)), True, 4 if block_m == 16 else 8
     block_m = 1 << max(0, (max_rows - 1).bit_length())
+    block_k = min(_block_k(N), max(32, 128 // block_m))
     block_n = max(16, min(64, GEMV_TILE // (block_m * block_k)))
-    return block_m, block_n, block_k, False
+    return block_m, block_n, block_k, False, 4
+
+
+def configs(bf16: bool, N: int = 3584) -> list[tuple[int, int, int, bool, int]]:
+    """Every tile configuration `_tiles` gives for input width N and this input dtype (what a GPU compiles)."""
+    return sorted({_tiles(rows, N, bf16) for rows in range(1, 65)})
 
 
 def grouped_linear(x_PN: torch.Tensor, offsets: Sequence[int], mats: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -178,7 +188,8 @@ def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
         return out
     x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
     max_rows = max(offsets[g + 1] - offsets[g] for g in range(G))
-    block_m, block_n, block_k, dot = _tiles(max_rows, N)
+    bf16 = x.dtype == torch.bfloat16
+    block_m, block_n, block_k, dot, warps = _tiles(max_rows, N, bf16)
     dev = x.device
     tables = torch.tensor([[p.data_ptr() for p, _ in held], [s.data_ptr() for _, s in held]], dtype=torch.int64)
     offs = torch.tensor(list(offsets), dtype=torch.int32)
@@ -187,11 +198,10 @@ def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
     grid = (len(sets) * G, -(-O // block_n), -(-max_rows // block_m))
     # Triton 3.8's interpreter multiplies bf16 tl.dot operands as their uint16 bits: there bf16 tiles
     # multiply as fp32 instead, which gives the same exact products and fp32 sums
-    bf16 = x.dtype == torch.bfloat16
     _kernel()[grid](
         x, out, tables[0], tables[1], offs, G, N, O, x.stride(0), out.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
-        FP32_PRECISION=FP32_DOT_PRECISION)
+        FP32_PRECISION=FP32_DOT_PRECISION, num_warps=warps)
     return out
 
 
