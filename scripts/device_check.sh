@@ -1,12 +1,45 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (its image has torch; nothing is installed):
-# the CUDA parity tests, then decode speed of the bench-size K3 on the GPU vs its CPU cores.
+# One prepared run on a lent GPU machine (its image has torch; nothing is installed), under 8 minutes:
+# the CUDA parity tests (the model on CUDA, then the Triton MXFP4 kernels of ops/triton_mxfp4.py), the
+# Triton kernels' benchmark (`moeswap bench gpu-kernels`), then decode speed of the bench-size K3 on the
+# GPU vs its CPU cores. Everything lands under $OUT (JSON where it is data, .txt logs beside it). The new
+# Triton steps carry timeouts (2 + 1.5 min at most) so that a hang there cannot eat the steps after them.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # the kernels must compile for the GPU here
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/cuda_tests.txt"
+python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+
+# pytest's JUnit XML -> {passed, failed, skipped, failures: [{test, message}]} as JSON
+junit_json() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys, xml.etree.ElementTree as ET
+cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
+out = {"passed": 0, "failed": 0, "skipped": 0, "failures": []}
+for c in cases:
+    bad = c.find("failure") if c.find("failure") is not None else c.find("error")
+    if bad is not None:
+        out["failed"] += 1
+        out["failures"].append({"test": c.get("name"), "message": (bad.get("message") or "")[:500]})
+    elif c.find("skipped") is not None:
+        out["skipped"] += 1
+    else:
+        out["passed"] += 1
+json.dump(out, open(sys.argv[2], "w"), indent=2)
+PY
+}
+
+python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
+  --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.txt"
+junit_json "$OUT/cuda_tests.xml" "$OUT/cuda_tests.json"
+timeout 120 python3 -m pytest tests/ops/test_triton_mxfp4.py -q -m cuda -p no:cacheprovider \
+  -o addopts="--import-mode=importlib" -o pythonpath=tests --junitxml="$OUT/triton_tests.xml" 2>&1 \
+  | tee "$OUT/triton_tests.txt"
+junit_json "$OUT/triton_tests.xml" "$OUT/triton_tests.json"
+timeout 90 python3 -m moeswap bench gpu-kernels --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.txt"
+
 python3 -m moeswap init-tiny /tmp/bench-k3 --size bench --seed 0 >/dev/null 2>&1
 for dev in cuda cpu; do
   python3 -m moeswap generate /tmp/bench-k3 --prompt "The quick brown fox jumps over the lazy dog" \

@@ -7,10 +7,17 @@ Tests that damage a model take a copy (`copy_model`); the session directories ar
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run only in its interpreter, whose mode is fixed when triton is first
+# imported (tests/ops/test_triton_mxfp4.py): set it before any test module (or torch) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moeswap.tiny import write_tiny_model
 

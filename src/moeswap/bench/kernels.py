@@ -122,7 +122,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
     packed_bytes = experts[0].nbytes
     variants: dict[str, tuple] = {}  # name -> (callable(i, x32, x16), bytes read per call)
     for name, ok in expert_mxfp4.available().items():
-        if ok and name != "reference" and (slow_variants or name == "cpu_c"):
+        if ok and name not in ("reference", "triton") and (slow_variants or name == "cpu_c"):  # triton: CUDA only
             impl = expert_mxfp4.IMPLEMENTATIONS[name]
             variants[f"mxfp4 direct ({name})"] = (lambda i, x, xb, impl=impl: impl(experts[i], x, act, betas),
                                                   packed_bytes)

@@ -4,15 +4,18 @@ Implementations, all with the signature of `reference`:
   reference   decode each matrix to fp32, matmul, drop it (plain torch; the parity oracle);
   torch_rows  the same in row chunks of ~1 MB, so no whole decoded matrix is ever allocated;
   cpu_c       csrc/mxfp4.c: decodes 32-weight blocks into registers and multiplies them there (AVX-512,
-              AVX2 or portable C; ops/cpu_kernels.py builds it).
-`select()` picks the best available one (cpu_c on CPU tensors when it builds, else torch_rows);
-MOESWAP_EXPERT_KERNEL=<name> forces one. `grouped()` is cpu_c for all experts of a layer step in one
-call (the MoE block uses it when it is the selected path). Shapes: T tokens, I expert input width,
+              AVX2 or portable C; ops/cpu_kernels.py builds it);
+  triton      ops/triton_mxfp4.py: the same in registers on CUDA tensors (needs triton and a GPU).
+`select()` picks the best available one (cpu_c on CPU tensors when it builds, triton on CUDA tensors when
+triton imports, else torch_rows); MOESWAP_EXPERT_KERNEL=<name> forces one. `grouped(device_type)` is cpu_c
+(CPU) or triton (CUDA) for all experts of a layer step in one call (the MoE block uses it when it is the
+selected path). Shapes: T tokens, I expert input width,
 F expert width, P (token, expert) pairs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -119,12 +122,29 @@ def cpu_c(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> t
     return kernel.expert(x32, w, act, situ_betas).to(x_TI.dtype).reshape(x_TI.shape)
 
 
+def triton(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+    """ops/triton_mxfp4.py on CUDA tensors: fp32 sums of exact products, each projection's output in x's
+    dtype (as the reference rounds it), the activation in torch."""
+    from moeswap.ops import triton_mxfp4
+
+    return triton_mxfp4.expert(w, x_TI, act, situ_betas)
+
+
+def _triton_available() -> bool:
+    from moeswap.ops import triton_mxfp4  # imports triton: only asked for where CUDA tensors are about
+
+    return triton_mxfp4.available()
+
+
 Impl = Callable[..., torch.Tensor]
-IMPLEMENTATIONS: dict[str, Impl] = {"reference": reference, "torch_rows": torch_rows, "cpu_c": cpu_c}
+IMPLEMENTATIONS: dict[str, Impl] = {"reference": reference, "torch_rows": torch_rows, "cpu_c": cpu_c,
+                                    "triton": triton}
 
 
 def available() -> dict[str, bool]:
-    return {"reference": True, "torch_rows": True, "cpu_c": cpu_kernels.kernel() is not None}
+    """Which implementations can run here (triton: on CUDA tensors only)."""
+    return {"reference": True, "torch_rows": True, "cpu_c": cpu_kernels.kernel() is not None,
+            "triton": torch.cuda.is_available() and _triton_available()}
 
 
 def select(name: str | None = None) -> Impl:
@@ -137,19 +157,28 @@ def select(name: str | None = None) -> Impl:
         raise ValueError(f"unknown expert kernel {name!r} (from {ENV_KERNEL} or the caller); "
                          f"expected one of {', '.join(IMPLEMENTATIONS)}")
     if not available()[name]:
-        raise RuntimeError(f"expert kernel {name!r} was asked for but is not available here: "
-                           f"{cpu_kernels.build_error()}")
+        why = ("it needs the triton package and a CUDA device" if name == "triton" else cpu_kernels.build_error())
+        raise RuntimeError(f"expert kernel {name!r} was asked for but is not available here: {why}")
     return IMPLEMENTATIONS[name]
 
 
 def _dispatch(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
     """cpu_c for the few tokens of decode; from GEMM_MIN_TOKENS tokens on (prefill) torch_rows, whose
-    GEMM on decoded rows (decoded by the C kernel) outruns decoding in registers."""
+    GEMM on decoded rows (decoded by the C kernel) outruns decoding in registers. CUDA tensors: triton
+    where it is available, else torch_rows."""
+    if x_TI.is_cuda and w.w1_packed.is_cuda and _triton_ready():
+        return triton(w, x_TI, act, situ_betas)
     rows = x_TI.numel() // x_TI.shape[-1] if x_TI.shape[-1] else 0
     if (rows < GEMM_MIN_TOKENS and x_TI.device.type == "cpu" and w.w1_packed.device.type == "cpu"
             and cpu_kernels.kernel() is not None):
         return cpu_c(w, x_TI, act, situ_betas)
     return torch_rows(w, x_TI, act, situ_betas)
+
+
+@functools.cache
+def _triton_ready() -> bool:
+    """available()["triton"], once per process (the dispatch asks it at every CUDA expert call)."""
+    return _triton_available()
 
 
 def best_name() -> str:
@@ -158,12 +187,21 @@ def best_name() -> str:
     return name or ("cpu_c" if cpu_kernels.kernel() is not None else "torch_rows")
 
 
-def grouped() -> Callable[..., None] | None:
-    """The one-call-per-layer-step form of cpu_c (MXFP4, or bf16 experts) when it is what select() runs on CPU
-    tensors, else None:
+def grouped(device_type: str = "cpu") -> Callable[..., None] | None:
+    """The one-call-per-layer-step form of what select() runs on tensors of this device type: cpu_c (MXFP4, or
+    bf16 experts) on the CPU, triton (MXFP4 experts, `group_kind`) on CUDA; else None:
     fn(h_TI, experts, tokens_P, offsets, weights_P, act, situ_betas, out_TI, int8_activations=False) adds
-    each expert's weighted output to out (fp32 [T, I]) for its tokens (int8_activations: see reference_int8)."""
+    each expert's weighted output to out (fp32 [T, I]) for its tokens (int8_activations: see reference_int8;
+    the CPU kernel's alone)."""
     name = os.environ.get(ENV_KERNEL)
+    if device_type == "cuda":
+        if name not in (None, "", "triton") or not _triton_ready():
+            return None
+        from moeswap.ops import triton_mxfp4
+
+        return triton_mxfp4.grouped_experts
+    if device_type != "cpu":
+        return None
     kernel = cpu_kernels.kernel() if name in (None, "", "cpu_c") else None
     if kernel is None:
         return None
@@ -178,3 +216,15 @@ def grouped() -> Callable[..., None] | None:
     return run
 
 
+
+
+def group_kind(w, device_type: str) -> str | None:
+    """Which grouped kernel of `grouped(device_type)` runs expert w: cpu_kernels.grouped_kind on the CPU;
+    "mxfp4" for MXFP4 experts on CUDA (triton); None: it runs on its own."""
+    if device_type == "cpu":
+        return cpu_kernels.grouped_kind(w)
+    packed = getattr(w, "w1_packed", None)
+    fmt = getattr(w, "fmt", None)
+    if device_type == "cuda" and packed is not None and packed.is_cuda and getattr(fmt, "name", None) == "mxfp4":
+        return "mxfp4"
+    return None

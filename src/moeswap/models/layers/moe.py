@@ -390,16 +390,18 @@ def pairs_by_expert(ids_TK: torch.Tensor, w_TK: torch.Tensor) -> tuple[list[int]
 
 
 class _Group:
-    """Consecutive CPU experts of one kind (MXFP4, or bf16 kept as stored) of a layer step computed by one
-    kernel call (ops.expert_mxfp4.grouped): one call per decode step instead of one per expert. Flushed
-    before it holds GROUP_BYTES of experts (the store's budget still bounds memory) or GROUP_SCRATCH
-    bytes of activations, and when the kind changes."""
+    """Consecutive experts of one kind (CPU: MXFP4, or bf16 kept as stored; CUDA: MXFP4 on triton) of a layer
+    step computed by one kernel call (ops.expert_mxfp4.grouped): one call per decode step instead of one per
+    expert. Flushed before it holds GROUP_BYTES of experts (the store's budget still bounds memory) or
+    GROUP_SCRATCH bytes of activations, and when the kind changes. On the CPU an expert with GEMM_MIN_TOKENS
+    pairs runs on its own (its GEMM); the triton kernel tiles those itself."""
 
     GROUP_BYTES = 64 << 20
     GROUP_SCRATCH = 64 << 20
 
     def __init__(self, h_TI, token_of, weights, out_TI, act, situ_betas, int8_activations=False):
-        self.run = expert_mxfp4.grouped() if h_TI.device.type == "cpu" else None
+        self.device_type = h_TI.device.type
+        self.run = expert_mxfp4.grouped(self.device_type)
         self.int8 = int8_activations
         self.h_TI, self.token_of, self.weights, self.out_TI = h_TI, token_of, weights, out_TI
         self.act, self.situ_betas = act, situ_betas
@@ -410,8 +412,8 @@ class _Group:
 
     def add(self, expert, start: int, n: int) -> bool:
         """Takes the expert's n pairs from `start` into the group; False when it must run on its own."""
-        kind = grouped_kind(expert)
-        if self.run is None or kind is None or n >= expert_mxfp4.GEMM_MIN_TOKENS:  # prefill: the expert's GEMM
+        kind = expert_mxfp4.group_kind(expert, self.device_type)
+        if self.run is None or kind is None or (n >= expert_mxfp4.GEMM_MIN_TOKENS and self.device_type == "cpu"):
             self.flush()
             return False
         if self.experts and kind != self.kind:

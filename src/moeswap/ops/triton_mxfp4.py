@@ -1,0 +1,236 @@
+"""triton_mxfp4: MXFP4 expert matmuls in Triton for CUDA tensors, reading the packed E2M1 bytes and E8M0
+scale bytes (formats/mxfp4.py's layout) and dequantising them in registers; no decoded copy is ever written.
+Owns one kernel and its launches: `linear` (x W^T, one matrix), `grouped_linear` (one launch over the
+(token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers;
+`grouped_linears`: gate and up in the same launch),
+`expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's).
+Few rows per expert (decode, FMA_MAX_ROWS) multiply in fp32 FMAs; more go to `tl.dot` (bf16 on the
+tensor cores for bf16 inputs, 3-pass TF32 for fp32: the decoded weights are exact in both). Knows nothing
+of models or stores; triton is optional (`available`). CPU tensors run under Triton's interpreter: for
+parity tests only, it is very slow. Shapes: P rows (pairs), N input width, O output width, G experts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+
+from moeswap.ops.activation import glu
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # not installed, or an install that does not load here: either way "not available"
+    triton = tl = None
+
+FMA_MAX_ROWS = 8  # up to this many rows per expert multiply as broadcast FMAs (GEMV-like); more in tl.dot (M >= 16)
+# Tiles sized so that no configuration spills registers on sm_90 (compiled without a GPU by the ptxas in
+# triton 3.8's wheel, `cuobjdump -res-usage`, 2026-12-01: 56-204 registers, stack 0; 8192-element FMA
+# tiles, or BLOCK_K 128 in the tl.dot path, spilled up to 1.4 KB): tests/ops/test_triton_mxfp4.py checks.
+# Their speed is not tuned: no GPU has run them yet.
+GEMV_TILE = 4096  # elements of one [rows, BLOCK_N, BLOCK_K] product tile in the FMA path (registers)
+FP32_DOT_PRECISION = "tf32x3"  # fp32 inputs: x split in two TF32 halves, the weights exact in one
+
+
+def importable() -> bool:
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported: the
+    mode of its own library functions is fixed then), which takes CPU tensors and no CUDA ones."""
+    if not importable():
+        return False
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; before it, the variable alone said it
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available() -> bool:
+    """Whether the kernels can run on CUDA tensors here (triton imports, compiles, and a CUDA device is present)."""
+    return importable() and not interpreted() and torch.cuda.is_available()
+
+
+def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x, stride_out, stride_set,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+          BF16: tl.constexpr, BF16_DOT: tl.constexpr, FP32_PRECISION: tl.constexpr):
+    """Program (s G + g, n, m): rows offsets[g] + m*BLOCK_M ... of expert g times columns n*BLOCK_N ... of its
+    matrix s (gate, up) transposed, into out + s * stride_set. packed_tab / scale_tab [S G]: int64 addresses
+    of each matrix's packed [O, N/2] and scale [O, N/32] bytes (annotations are strings, from __future__:
+    this module imports without triton)."""
+    pid = tl.program_id(0)
+    g = pid % G
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    row_end = tl.load(offsets_ptr + g + 1)
+    m0 = tl.load(offsets_ptr + g) + pid_m * BLOCK_M
+    if m0 < row_end:  # the grid is sized for the largest expert's rows
+        packed = tl.load(packed_tab + pid).to(tl.pointer_type(tl.uint8))
+        scale = tl.load(scale_tab + pid).to(tl.pointer_type(tl.uint8))
+        out_ptr = out_ptr + (pid // G).to(tl.int64) * stride_set
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < O
+        half = tl.arange(0, BLOCK_K // 2)
+        blk = tl.arange(0, BLOCK_K // 32)
+        kk = tl.arange(0, BLOCK_K)
+        w_row = cols.to(tl.int64)[:, None]
+        x_row = rows.to(tl.int64)[:, None] * stride_x
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
+            b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
+            s = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
+            # byte j holds column 2j in its low nibble: join puts (low, high) last, so reshape interleaves them
+            c = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.uint32)
+            # E2M1 as fp32 bits: index i = c & 7 is 0, 0.5 (biased exponent 126), or (1 + (i & 1) / 2) * 2^((i >> 1) - 1)
+            mag = c & 7
+            bits = tl.where(mag >= 2, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22), (mag & 1) * (126 << 23))
+            val = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+            # E8M0 byte s is 2^(s - 127): byte 0 is the subnormal 2^-127, 0xFF is NaN
+            sb = s.to(tl.uint32)
+            sbits = tl.where(sb == 0, 0x400000, tl.where(sb == 255, 0x7FC00000, sb << 23))
+            sf = sbits.to(tl.float32, bitcast=True)
+            w = (val.reshape(BLOCK_N, BLOCK_K // 32, 32) * sf[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+            x = tl.load(x_ptr + x_row + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+            if DOT:
+                if BF16_DOT:  # x is bf16; E2M1 times a power of two is exact in bf16
+                    acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+                else:
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=FP32_PRECISION)
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        if BF16:  # round to nearest even on the bits, as torch does (Triton's interpreter casts by truncating)
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = tl.where(acc != acc, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+            tl.store(out, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=rmask[:, None] & cmask[None, :])
+        else:
+            tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+@functools.cache
+def _kernel():
+    """The kernel, decorated at first use (so that importing this module costs nothing more)."""
+    return triton.jit(_body)
+
+
+def _check_device(device: torch.device) -> None:
+    if triton is None:
+        raise RuntimeError("the Triton MXFP4 kernels need the triton package, which does not import here")
+    # the interpreter reads the pointer table's addresses as host memory; compiled kernels as device memory
+    if device.type == "cpu" and not interpreted():
+        raise RuntimeError("the Triton MXFP4 kernels take CPU tensors only under Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported")
+    if device.type == "cuda" and interpreted():
+        raise RuntimeError("the Triton MXFP4 kernels take CUDA tensors only compiled: TRITON_INTERPRET=1 is set")
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"the Triton MXFP4 kernels take CUDA tensors, got {device.type} ones")
+
+
+def _block_k(N: int) -> int:
+    return next(b for b in (128, 64, 32) if N % b == 0)
+
+
+def _tiles(max_rows: int, N: int, bf16: bool) -> tuple[int, int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, DOT, num_warps) for experts of at most max_rows rows, input width N, bf16
+    or fp32 inputs (3-pass TF32 holds more registers: BLOCK_K 32)."""
+    if max_rows > FMA_MAX_ROWS:
+        block_m = 16 if max_rows <= 16 else 32 if max_rows <= 32 else 64
+        return block_m, 64, min(64 if bf16 else 32, _block_k(N)), True, 4 if block_m == 16 else 8
+    block_m = 1 << max(0, (max_rows - 1).bit_length())
+    block_k = min(_block_k(N), max(32, 128 // block_m))
+    block_n = max(16, min(64, GEMV_TILE // (block_m * block_k)))
+    return block_m, block_n, block_k, False, 4
+
+
+def configs(bf16: bool, N: int = 3584) -> list[tuple[int, int, int, bool, int]]:
+    """Every tile configuration `_tiles` gives for input width N and this input dtype (what a GPU compiles)."""
+    return sorted({_tiles(rows, N, bf16) for rows in range(1, 65)})
+
+
+def grouped_linear(x_PN: torch.Tensor, offsets: Sequence[int], mats: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   ) -> torch.Tensor:
+    """y[P, O]: rows offsets[g]:offsets[g+1] of x (fp32 or bf16, rows sorted by expert) times expert g's W^T,
+    mats[g] = (packed uint8 [O, N/2], scale uint8 [O, N/32]), all on x's device, all of one shape. One launch."""
+    return grouped_linears(x_PN, offsets, [mats])[0]
+
+
+def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
+                    sets: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+    """y[S, P, O]: `grouped_linear` for S matrices per expert on the same rows (an expert's gate and up), in one
+    launch: sets[s][g] is expert g's matrix s."""
+    G = len(offsets) - 1
+    if G < 0 or any(len(mats) != G for mats in sets):
+        raise ValueError(f"grouped_linear: {len(offsets)} offsets for {[len(m) for m in sets]} experts; "
+                         f"expected one more offset than experts")
+    if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grouped_linear: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
+    _check_device(x_PN.device)
+    P, N = x_PN.shape
+    if N % 32:
+        raise ValueError(f"grouped_linear: input width {N} is not a multiple of the MXFP4 block (32)")
+    if offsets and (offsets[0] != 0 or offsets[-1] != P or any(b < a for a, b in zip(offsets, offsets[1:]))):
+        raise ValueError(f"grouped_linear: offsets {list(offsets)} must rise from 0 to the {P} rows of x")
+    O = sets[0][0][0].shape[0] if sets and G else 0
+    held = []  # contiguous copies (if any) live until the launch is done
+    for packed, scale in (m for mats in sets for m in mats):
+        if (packed.dtype != torch.uint8 or tuple(packed.shape) != (O, N // 2) or tuple(scale.shape) != (O, N // 32)
+                or packed.device != x_PN.device or scale.device != x_PN.device):
+            raise ValueError(f"grouped_linear: expert bytes {packed.dtype} {list(packed.shape)} + scales "
+                             f"{list(scale.shape)} on {packed.device}; expected uint8 [{O}, {N // 2}] + [{O}, {N // 32}] "
+                             f"on {x_PN.device}")
+        held.append((packed.contiguous(), scale.contiguous().view(torch.uint8)))
+    out = torch.empty(len(sets), P, O, dtype=x_PN.dtype, device=x_PN.device)
+    if P == 0 or O == 0 or G == 0 or not sets:
+        return out
+    x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
+    max_rows = max(offsets[g + 1] - offsets[g] for g in range(G))
+    bf16 = x.dtype == torch.bfloat16
+    block_m, block_n, block_k, dot, warps = _tiles(max_rows, N, bf16)
+    dev = x.device
+    tables = torch.tensor([[p.data_ptr() for p, _ in held], [s.data_ptr() for _, s in held]], dtype=torch.int64)
+    offs = torch.tensor(list(offsets), dtype=torch.int32)
+    if dev.type != "cpu":
+        tables, offs = tables.to(dev, non_blocking=True), offs.to(dev, non_blocking=True)
+    grid = (len(sets) * G, -(-O // block_n), -(-max_rows // block_m))
+    # Triton 3.8's interpreter multiplies bf16 tl.dot operands as their uint16 bits: there bf16 tiles
+    # multiply as fp32 instead, which gives the same exact products and fp32 sums
+    _kernel()[grid](
+        x, out, tables[0], tables[1], offs, G, N, O, x.stride(0), out.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
+        FP32_PRECISION=FP32_DOT_PRECISION, num_warps=warps)
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for one MXFP4 matrix (x [..., N] fp32 or bf16; the result in x's dtype)."""
+    x_PN = x.reshape(-1, x.shape[-1])
+    y = grouped_linear(x_PN, [0, x_PN.shape[0]], [(packed, scale)])
+    return y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def expert(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+    """w2 act(w1 x, w3 x) for one MXFP4ExpertWeights, in x's dtype (the activation in torch, as the reference)."""
+    x_PI = x_TI.reshape(-1, x_TI.shape[-1])
+    offsets = [0, x_PI.shape[0]]
+    gate, up = grouped_linears(x_PI, offsets, [[(w.w1_packed, w.w1_scale)], [(w.w3_packed, w.w3_scale)]])
+    y_PI = grouped_linear(glu(act, gate, up, situ_betas), offsets, [(w.w2_packed, w.w2_scale)])
+    return y_PI.reshape(*x_TI.shape[:-1], y_PI.shape[-1])
+
+
+def grouped_experts(h_TI: torch.Tensor, experts: Sequence, tokens_P: torch.Tensor, offsets: Sequence[int],
+                    weights_P: torch.Tensor, act: str, situ_betas: tuple[float, float], out_TI: torch.Tensor,
+                    int8_activations: bool = False) -> None:
+    """Adds each expert's weighted output to out_TI (fp32 [T, I]) for its pairs: two launches for all the
+    experts of a group (gate and up together, then down), the activation in torch between them.
+    int8_activations is the CPU kernel's option (ops.expert_mxfp4.reference_int8) and has no effect here."""
+    dev = h_TI.device
+    tokens = tokens_P.to(dev)
+    x_PI = h_TI.index_select(0, tokens)
+    gate, up = grouped_linears(x_PI, offsets, [[(e.w1_packed, e.w1_scale) for e in experts],
+                                               [(e.w3_packed, e.w3_scale) for e in experts]])
+    y_PI = grouped_linear(glu(act, gate, up, situ_betas), offsets, [(e.w2_packed, e.w2_scale) for e in experts])
+    out_TI.index_add_(0, tokens, y_PI.float() * weights_P.to(device=dev, dtype=torch.float32)[:, None])
