@@ -33,6 +33,34 @@ INLINE float hsum(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The AVX-512 tiles of the direct kernels (mxfp4.c, quant.c): R rows by TT tokens of 16-lane fp32 sums, R and TT
+ * compile-time constants (up to 8) so the sums stay in registers. A block of 32 columns adds w0[r] times x's
+ * first 16 columns and w1[r] times its next 16 (the kernel's column order), in that order, to each (row, token):
+ * every sum then runs in one order whatever the tile's shape. */
+INLINE void tile_zero(__m512 acc[8][8], const int TT, const int R) {
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+}
+
+/* x: the block's first column of token 0's row; rows of width I. */
+INLINE void tile_fma(__m512 acc[8][8], const __m512 *w0, const __m512 *w1, const float *x, int64_t I, const int TT,
+                     const int R) {
+    UNROLL for (int t = 0; t < TT; t++) {
+        const __m512 x0 = _mm512_loadu_ps(x + t * I), x1 = _mm512_loadu_ps(x + t * I + 16);
+        UNROLL for (int r = 0; r < R; r++) {
+            acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
+            acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
+        }
+    }
+}
+
+/* y[t, o + r] = the lanes' sum of acc[r][t]. */
+INLINE void tile_store(__m512 acc[8][8], float *y, int64_t O, int64_t o, const int TT, const int R) {
+    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
+        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#endif
+
 /* TILE_(TT, R) for the runtime token count TT (1 to 8) as a compile-time constant: R_FEW rows per tile up to
  * FEW tokens, R_MANY above (what fits in the vector registers). */
 #define BY_TOKENS(TILE_, FEW, R_FEW, R_MANY)                                                               \

@@ -24,7 +24,13 @@
 #endif
 
 static float E4M3[256];
+/* INT4_MANTISSA[m][n] = bf16((n - 8) * (1 + m / 128)): the INT4 table of a bf16 scale of mantissa m and exponent 0.
+ * A normal scale's table is this row times the scale's sign and power of two, exactly: its products stay
+ * normal, and rounding commutes with a power of two there. 64-byte rows: one cache line each. */
+static float INT4_MANTISSA[128][16] __attribute__((aligned(64)));
 static int quant_ready = 0;
+
+static inline float bf16_round(float v);
 
 static void quant_tables(void) {
     if (quant_ready) return; /* idempotent: a race writes the same values */
@@ -34,6 +40,8 @@ static void quant_tables(void) {
         if ((b & 0x7F) == 0x7F) v = NAN;
         E4M3[b] = b & 0x80 ? -v : v;
     }
+    for (int m = 0; m < 128; m++)
+        for (int n = 0; n < 16; n++) INT4_MANTISSA[m][n] = bf16_round((float)(n - 8) * (1.f + (float)m / 128.f));
     quant_ready = 1;
 }
 
@@ -143,91 +151,80 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
         y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* INT4: the block's 16-entry table bf16(code * scale), codes -8..7, held as bf16 words twice over (32 words),
- * and one word permute (vpermw) of it by the block's 32 nibbles: each 32-bit lane then holds the even column's
- * weight in its low word and the odd column's in its high word, which two bit operations widen to fp32 in
- * `permuted` order (the low words shifted up; the high words masked). */
-/* A bf16 scale in every lane as fp32 (the bits widened in the vector unit). */
-INLINE __m512 bf16_lanes(uint16_t h) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)h << 16))); }
+/* INT4: each (row, block) gets its 16-entry table bf16(code * scale), codes -8..7, as fp32 lanes; one lane
+ * permute (vpermps) by the block's low nibbles gives the 16 even columns, one by its high nibbles the odd ones,
+ * in `permuted` order, as MXFP4's tiles do. A normal scale's table is a row of INT4_MANTISSA times the scale with
+ * its mantissa cleared (one exact product; the rows stay in L1). Blocks go in pairs: one 32-bit load holds both
+ * scales. A tile with a subnormal or NaN scale (`normal` 0) rounds its products on the bits instead. */
+#define TOP _mm512_set1_epi32((int)0xFFFF0000u)
 
-INLINE __m512i int4_table(__m512 lut, uint16_t sc, const int normal) {
-    const __m512 exact = _mm512_mul_ps(lut, bf16_lanes(sc)); /* exact: 4-bit codes times 8-bit scales */
-#if defined(__AVX512BF16__)
-    /* the bf16 conversion instruction rounds to nearest even but flushes subnormals: only a scale that is
-     * itself below 2^-126 gives subnormal products; `normal` (constant per tile) says none of its rows has one */
-    if (normal) return (__m512i)_mm512_cvtne2ps_pbh(exact, exact);
-#else
-    (void)normal;
-#endif
-    const __m512i bits = _mm512_castps_si512(exact);
-    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)),
-                                       _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(exact, exact, _CMP_UNORD_Q), bits); /* NaN stays */
-    const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+/* v rounded to bf16 (to nearest even), kept as fp32 lanes; NaN stays NaN. */
+INLINE __m512 bf16_rounded(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), TOP);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits));
 }
 
-/* Two rows' tables in one vector: words 0-15 row 0's (scale s0), 16-31 row 1's; one conversion for both. */
-INLINE __m512i int4_tables2(__m512 lut, uint16_t s0, uint16_t s1, const int normal) {
-#if defined(__AVX512BF16__)
-    if (normal)
-        return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(lut, bf16_lanes(s1)), _mm512_mul_ps(lut, bf16_lanes(s0)));
-#endif
-    const __m512i t0 = int4_table(lut, s0, 0), t1 = int4_table(lut, s1, 0); /* each twice over */
-    return _mm512_inserti64x4(t0, _mm512_castsi512_si256(t1), 1);
+/* The fp32 tables of two blocks whose bf16 scales are the low (t0) and high (t1) words of `both`. */
+INLINE void int4_tables(uint32_t both, const int normal, __m512 *t0, __m512 *t1) {
+    const __m512i pair = _mm512_set1_epi32((int)both);
+    if (normal) { /* a compile-time choice per tile */
+        const __m512i sign_exp = _mm512_set1_epi32((int)0xFF800000u);
+        const __m512 p0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(pair, 16), sign_exp));
+        const __m512 p1 = _mm512_castsi512_ps(_mm512_and_si512(pair, sign_exp));
+        *t0 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[both & 0x7F]), p0);
+        *t1 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[(both >> 16) & 0x7F]), p1);
+        return;
+    }
+    static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
+    const __m512 lut = _mm512_loadu_ps(CODES);
+    *t0 = bf16_rounded(_mm512_mul_ps(lut, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)))); /* exact: 4 x 8 bits */
+    *t1 = bf16_rounded(_mm512_mul_ps(lut, _mm512_castsi512_ps(_mm512_and_si512(pair, TOP))));
+}
+
+/* The even and odd columns of the 32 weights of block p (16 bytes) under table t. */
+INLINE void int4_decode(const uint8_t *p, __m512 t, __m512 *even, __m512 *odd) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *even = _mm512_permutexvar_ps(bytes, t); /* the low 4 bits of each lane */
+    *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), t);
 }
 
 INLINE void int4_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const uint16_t *s,
                       int64_t o, float *y, int64_t O, const int normal) {
-    static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
-    const __m512 lut = _mm512_loadu_ps(CODES);
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F);
-    const __m512i second = _mm512_set1_epi32(0x00100010);
     const int64_t nb = I / 32, half = I / 2;
     const uint16_t *srow[8];
     UNROLL for (int r = 0; r < R; r++) srow[r] = s + (o + r) * nb;
     __m512 acc[8][8];
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 ve[8], vo[8];
-        UNROLL for (int r = 0; r < R; r += 2) {
+    tile_zero(acc, TT, R);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512 e0[8], o0[8], e1[8], o1[8];
+        UNROLL for (int r = 0; r < R; r++) {
             const uint8_t *p = q + (o + r) * half + b * 16;
             if ((b & 3) == 0) _mm_prefetch((const char *)(p + R * half), _MM_HINT_T0);
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-            if (r + 1 < R) { /* rows r and r + 1 share one table vector (a compile-time choice: R is constant) */
-                if ((b & 3) == 0) _mm_prefetch((const char *)(p + half + R * half), _MM_HINT_T0);
-                const __m512i bytes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + half)));
-                const __m512i tables = int4_tables2(lut, srow[r][b], srow[r + 1][b], normal);
-                /* lane j: the low nibble of byte j in the low word, its high nibble in the high word; bit 4 of
-                 * each word picks the row's half of the table vector */
-                const __m512i i0 = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8);
-                const __m512i i1 = _mm512_or_si512(_mm512_ternarylogic_epi32(bytes1, _mm512_slli_epi32(bytes1, 12),
-                                                                             nibbles, 0xA8), second);
-                const __m512i w0 = _mm512_permutexvar_epi16(i0, tables), w1 = _mm512_permutexvar_epi16(i1, tables);
-                ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
-                vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w0, top));
-                ve[r + 1] = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
-                vo[r + 1] = _mm512_castsi512_ps(_mm512_and_si512(w1, top));
-            } else {
-                /* lane j: byte j in the low word (vpermw reads its low 5 bits: the low nibble, and one bit that
-                 * picks either copy of the table), byte j >> 4 in the high word */
-                const __m512i idx = _mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12));
-                const __m512i w = _mm512_permutexvar_epi16(idx, int4_table(lut, srow[r][b], normal));
-                ve[r] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-                vo[r] = _mm512_castsi512_ps(_mm512_and_si512(w, top));
-            }
+            uint32_t both;
+            memcpy(&both, srow[r] + b, 4); /* the scales of blocks b (low word) and b + 1 */
+            __m512 t0, t1;
+            int4_tables(both, normal, &t0, &t1);
+            int4_decode(p, t0, &e0[r], &o0[r]);
+            int4_decode(p + 16, t1, &e1[r], &o1[r]);
         }
-        UNROLL for (int t = 0; t < TT; t++) {
-            __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
-            UNROLL for (int r = 0; r < R; r++) {
-                acc[r][t] = _mm512_fmadd_ps(ve[r], xe, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(vo[r], xo, acc[r][t]);
-            }
-        }
+        tile_fma(acc, e0, o0, xp + b * 32, I, TT, R);
+        tile_fma(acc, e1, o1, xp + b * 32 + 32, I, TT, R);
     }
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
-        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+    if (b < nb) { /* an odd last block: its table twice */
+        __m512 e0[8], o0[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            __m512 t0, t1;
+            int4_tables((uint32_t)srow[r][b] * 0x10001u, normal, &t0, &t1);
+            int4_decode(q + (o + r) * half + b * 16, t0, &e0[r], &o0[r]);
+        }
+        tile_fma(acc, e0, o0, xp + b * 32, I, TT, R);
+    }
+    tile_store(acc, y, O, o, TT, R);
 }
+#undef TOP
 
 #define FP8_TILE(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O, 1)
 #define FP8_TILE_BIG(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O, 0)
@@ -247,10 +244,14 @@ static int big_scales(const float *s, int64_t o, int64_t n, int64_t I) {
     return any;
 }
 
-/* Whether any of n bf16 scales is subnormal (exponent 0, mantissa not). */
+/* Whether any of n bf16 scales is subnormal or NaN (exponent 0 or 255, mantissa not 0): their tables are not a
+ * mantissa row times a power of two. */
 static int subnormal_scales(const uint16_t *s, int64_t n) {
     int any = 0;
-    for (int64_t k = 0; k < n; k++) any |= (s[k] & 0x7F80) == 0 && (s[k] & 0x7F) != 0;
+    for (int64_t k = 0; k < n; k++) {
+        const int e = s[k] & 0x7F80;
+        any |= (e == 0 || e == 0x7F80) && (s[k] & 0x7F) != 0;
+    }
     return any;
 }
 
@@ -271,7 +272,7 @@ static void quant_rows(int fp8, const float *xp, int TT, int64_t I, const uint8_
     } else if (!subnormal_scales((const uint16_t *)s + o * (I / 32), n * (I / 32))) {
         for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE, 4, 4, 2)
         for (; o < end; o++) BY_TOKENS(INT4_TILE, 4, 1, 1)
-    } else { /* rare: some scale of these rows is a bf16 subnormal */
+    } else { /* rare: some scale of these rows is a bf16 subnormal or NaN */
         for (; o + step <= end; o += step) BY_TOKENS(INT4_TILE_SUB, 4, 4, 2)
         for (; o < end; o++) BY_TOKENS(INT4_TILE_SUB, 4, 1, 1)
     }
