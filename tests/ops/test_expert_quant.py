@@ -16,7 +16,7 @@ from moeswap.formats import fp8_block, int4
 from moeswap.ops import cpu_kernels, expert_format, expert_quant
 from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
 
-BUILDS = cpu_kernels.build_variants()
+BUILDS = cpu_kernels.build_variants(without_vbmi=True)
 BUILD_IDS = ["native" if f is None else " ".join(f) for f in BUILDS]
 BETAS = (4.0, 25.0)
 

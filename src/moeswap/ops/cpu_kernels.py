@@ -755,12 +755,15 @@ def for_inference(*tensors: torch.Tensor) -> CpuKernels | None:
     return kernel()
 
 
-def build_variants() -> list[tuple[str, ...] | None]:
-    """Kernel builds this machine can run, for tests: None (its best), then on x86-64 the AVX2 build where
-    the CPU has AVX2 and FMA, and the portable one."""
+def build_variants(without_vbmi: bool = False) -> list[tuple[str, ...] | None]:
+    """Kernel builds this machine can run, for tests: None (its best), then on x86-64 the AVX2 build where the
+    CPU has AVX2 and FMA, and the portable one; without_vbmi: also the AVX-512 build without byte permutes
+    (quant.c's other FP8 tile, as on Skylake-X) where the CPU has them."""
     builds: list[tuple[str, ...] | None] = [None]
     if platform.machine() in ("x86_64", "AMD64") and (shutil.which("cc") or shutil.which("gcc")):
         cpu = Path("/proc/cpuinfo").read_text() if platform.system() == "Linux" else ""
+        if without_vbmi and " avx512vbmi " in cpu and " avx512bw " in cpu:
+            builds.append(("-march=native", "-mno-avx512vbmi"))
         if " avx2 " in cpu and " fma " in cpu:
             builds.append(("-march=native", "-mno-avx512f"))
         builds.append(("-march=x86-64",))
