@@ -37,7 +37,7 @@ INLINE void tile(const float *xp, const int TT, const int R, int64_t I, const ui
     const __m512 lut = _mm512_loadu_ps(E2M1);
     const int64_t nb = I / 32, half = I / 2;
     __m512 acc[8][8];
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    tile_zero(acc, TT, R);
     for (int64_t b = 0; b < nb; b++) {
         __m512 ve[8], vo[8];
         UNROLL for (int r = 0; r < R; r++) {
@@ -49,16 +49,9 @@ INLINE void tile(const float *xp, const int TT, const int R, int64_t I, const ui
             ve[r] = _mm512_permutexvar_ps(bytes, table); /* uses the low 4 bits of each lane */
             vo[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
         }
-        UNROLL for (int t = 0; t < TT; t++) {
-            __m512 xe = _mm512_loadu_ps(xp + t * I + b * 32), xo = _mm512_loadu_ps(xp + t * I + b * 32 + 16);
-            UNROLL for (int r = 0; r < R; r++) {
-                acc[r][t] = _mm512_fmadd_ps(ve[r], xe, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(vo[r], xo, acc[r][t]);
-            }
-        }
+        tile_fma(acc, ve, vo, xp + b * 32, I, TT, R);
     }
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
-        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+    tile_store(acc, y, O, o, TT, R);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -187,7 +187,7 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
     const __m512i low7 = _mm512_set1_epi16(0x7F), bit14 = _mm512_set1_epi16(0x4000);
     const __m512i nan16 = _mm512_set1_epi16(0x7E00);
     __m512 acc[8][8];
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    tile_zero(acc, TT, R);
     for (int64_t b = 0; b < nb; b++) {
         __m512 w0[8], w1[8];
         UNROLL for (int r = 0; r < R; r++) {
@@ -209,16 +209,9 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
                 w1[r] = _mm512_mul_ps(_mm512_mul_ps(a1, _mm512_set1_ps(256.f)), _mm512_set1_ps(sc));
             }
         }
-        UNROLL for (int t = 0; t < TT; t++) {
-            __m512 x0 = _mm512_loadu_ps(x + t * I + b * 32), x1 = _mm512_loadu_ps(x + t * I + b * 32 + 16);
-            UNROLL for (int r = 0; r < R; r++) {
-                acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
-            }
-        }
+        tile_fma(acc, w0, w1, x + b * 32, I, TT, R);
     }
-    UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < TT; t++)
-        y[t * O + o + r] = _mm512_reduce_add_ps(acc[r][t]);
+    tile_store(acc, y, O, o, TT, R);
 }
 
 #define FP8_TILE(TT_, R_) fp8_tile(xp, TT_, R_, I, q, (const float *)s, o, y, O, 1)
