@@ -28,6 +28,8 @@ static float E4M3[256];
  * A normal scale's table is this row times the scale's sign and power of two, exactly: its products stay
  * normal, and rounding commutes with a power of two there. 64-byte rows: one cache line each. */
 static float INT4_MANTISSA[128][16] __attribute__((aligned(64)));
+/* INT4_SIGN_EXP[k]: the fp32 value of sign and exponent bits k (a bf16 scale's top 9 bits), mantissa 0. */
+static float INT4_SIGN_EXP[512];
 /* FP8_BF16[0][c], [1][c]: the low and high bytes of the bf16 value of E4M3 code c (0-127, sign clear). */
 static uint8_t FP8_BF16[2][128] __attribute__((aligned(64)));
 static int quant_ready = 0;
@@ -48,6 +50,10 @@ static void quant_tables(void) {
         if (c == 0x7F) bits = 0x7FC00000u;
         FP8_BF16[0][c] = (uint8_t)(bits >> 16);
         FP8_BF16[1][c] = (uint8_t)(bits >> 24);
+    }
+    for (uint32_t k = 0; k < 512; k++) {
+        const uint32_t bits = k << 23;
+        memcpy(&INT4_SIGN_EXP[k], &bits, 4);
     }
     for (int m = 0; m < 128; m++)
         for (int n = 0; n < 16; n++) INT4_MANTISSA[m][n] = bf16_round((float)(n - 8) * (1.f + (float)m / 128.f));
@@ -236,15 +242,12 @@ INLINE __m512 bf16_rounded(__m512 v) {
 
 /* The fp32 tables of two blocks whose bf16 scales are the low (t0) and high (t1) words of `both`. */
 INLINE void int4_tables(uint32_t both, const int normal, __m512 *t0, __m512 *t1) {
-    const __m512i pair = _mm512_set1_epi32((int)both);
-    if (normal) { /* a compile-time choice per tile */
-        const __m512i sign_exp = _mm512_set1_epi32((int)0xFF800000u);
-        const __m512 p0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(pair, 16), sign_exp));
-        const __m512 p1 = _mm512_castsi512_ps(_mm512_and_si512(pair, sign_exp));
-        *t0 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[both & 0x7F]), p0);
-        *t1 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[(both >> 16) & 0x7F]), p1);
+    if (normal) { /* a compile-time choice per tile; broadcasts and products only, the indices in scalars */
+        *t0 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[both & 0x7F]), _mm512_set1_ps(INT4_SIGN_EXP[(both >> 7) & 0x1FF]));
+        *t1 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[(both >> 16) & 0x7F]), _mm512_set1_ps(INT4_SIGN_EXP[both >> 23]));
         return;
     }
+    const __m512i pair = _mm512_set1_epi32((int)both);
     static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
     const __m512 lut = _mm512_loadu_ps(CODES);
     *t0 = bf16_rounded(_mm512_mul_ps(lut, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)))); /* exact: 4 x 8 bits */
