@@ -1,10 +1,10 @@
 """What `bench decode` and `bench prefill` share: the peers in worker processes, the machine's memory
 bandwidth, the decode roofline, and the JSON + markdown report.
 
-Peers: moeswap (always), llama.cpp (llama-cpp-python 0.3.36 on a GGUF made by its own converter from
-the same checkpoint) and transformers (KimiLinearForCausalLM, Kimi Linear checkpoints only). A peer
-that is not installed or cannot run the model is skipped and the report says why. Every measurement
-runs each implementation in turn, `reps` rounds, and keeps each one's best round.
+Peers: moeswap (always), llama.cpp (llama-cpp-python 0.3.36, else the llama-server built from the same sources,
+on a GGUF made by its own converter from the same checkpoint) and transformers (KimiLinearForCausalLM, Kimi
+Linear checkpoints only). A peer that is not installed or cannot run the model is skipped and the report says
+why. Every measurement runs each implementation in turn, `reps` rounds, and keeps each one's best round.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def memory_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> dict:
 
 def decode_bytes(model_dir: str) -> dict:
     """Bytes one batch-1 decode step must read: every dense weight but the embedding (a row gather), plus
-    top-k routed experts in each MoE layer, as stored (bf16 dense, MXFP4 experts for K3)."""
+    top-k routed experts in each MoE layer, as stored (bf16 dense, MXFP4 experts for K3; block FP8 or INT4 and
+    their scales for DeepSeek-V3 / Kimi K2 checkpoints)."""
     import re
 
     from moeswap.config import load_config
@@ -105,9 +106,10 @@ def decode_bytes(model_dir: str) -> dict:
         info = ckpt.info(name)
         if expert.match(name):
             expert_bytes += info.nbytes
-            if not name.endswith("_scale"):  # packed MXFP4 holds two weights per byte
-                elements = info.nbytes // info.dtype.itemsize
-                expert_params += 2 * elements if name.endswith("weight_packed") else elements
+            if name.endswith("weight_packed"):  # MXFP4 and INT4 packs: two weights a byte, whatever the dtype
+                expert_params += 2 * info.nbytes
+            elif not name.endswith(("_scale", "_scale_inv", "weight_shape", "weight_zero_point")):
+                expert_params += info.nbytes // info.dtype.itemsize
         elif not name.endswith("embed_tokens.weight") and not name.startswith(("vision_tower", "mm_projector")):
             dense += info.nbytes
             dense_params += info.nbytes // info.dtype.itemsize
@@ -155,6 +157,22 @@ def batch_roofline(by: dict, read_GBps: float, gflops: float, batch: int) -> dic
             "bound": "memory" if memory_s >= compute_s else "compute"}
 
 
+def _llama_engine(setup: Setup) -> tuple[str | None, str]:
+    """(worker kind, why none) for the llama.cpp peer: llama-cpp-python where it is installed, else llama-server
+    (the same llama.cpp sources, scripts/setup-peers.sh builds both); either needs the converter unless --gguf."""
+    from moeswap.bench.peers import llamacpp, llamaserver
+
+    ok, why = llamacpp.available()
+    if ok:
+        return "llama.cpp", ""
+    binary, why_not = llamaserver.find()
+    if binary is None:
+        return None, f"{why}; {why_not}"
+    if setup.gguf is None and not (llamacpp.converter_dir() / "convert_hf_to_gguf.py").is_file():
+        return None, f"llama.cpp's converter is not in {llamacpp.converter_dir()}; run scripts/setup-peers.sh"
+    return "llama-server", ""
+
+
 class Peers:
     """The workers of one benchmark run; `skipped` says which peers are missing and why."""
 
@@ -171,14 +189,14 @@ class Peers:
         for peer in setup.peers:
             try:
                 if peer == "llama.cpp":
-                    from moeswap.bench.peers import llamacpp
-
-                    ok, why = llamacpp.available()
-                    if not ok:
+                    kind, why = _llama_engine(setup)
+                    if kind is None:
                         self.skipped[peer] = why
                         continue
+                    from moeswap.bench.peers import llamacpp
+
                     gguf = setup.gguf or str(llamacpp.ensure_gguf(setup.model))
-                    self.workers[peer] = Worker(peer, setup.model, setup.threads, [
+                    self.workers[peer] = Worker(kind, setup.model, setup.threads, [
                         "--gguf", gguf, "--max-seqs", str(max_seqs), "--max-len", str(max_len)])
                 elif peer == "moeswap-reference":
                     self.workers[peer] = Worker("moeswap", setup.model, setup.threads, extra + ["--reference-step"],

@@ -92,7 +92,7 @@ def _deepseek_v3_config(s: dict, quant: str) -> dict:
     out = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "hidden_size": s["hidden"], "num_hidden_layers": s["layers"], "vocab_size": s["vocab"],
-        "intermediate_size": s["dense"], "moe_intermediate_size": s["expert_dim"],
+        "intermediate_size": s["dense"], "moe_intermediate_size": s.get("plain_expert_dim", s["expert_dim"]),
         "num_attention_heads": s["heads"], "num_key_value_heads": s["heads"],
         "q_lora_rank": s["q_lora"], "kv_lora_rank": s["kv_lora"], "qk_nope_head_dim": s["nope"],
         "qk_rope_head_dim": s["rope"], "v_head_dim": s["nope"],

@@ -3,7 +3,9 @@ a GGUF made by llama.cpp's own converter from the same checkpoint (MXFP4 experts
 
 Token ids in, token ids out (no tokenizer): the low-level API decodes batches of (token, position,
 sequence) and greedy picks the argmax of the returned logits, like moeswap's greedy sampling.
-Entry points: `available()`, `ensure_gguf(model_dir)`, `LlamaCppRunner(gguf, threads, ...)`.
+Entry points: `available()`, `ensure_gguf(model_dir)` (with `converter_flags`), `LlamaCppRunner(gguf, threads,
+...)`; where llama-cpp-python is not installed, the decode and prefill benchmarks run llama.cpp as llama-server
+(peers/llamaserver.py: LlamaServerRunner).
 """
 
 from __future__ import annotations
@@ -52,19 +54,33 @@ def _checkpoint_digest(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def converter_flags(model_dir: str | Path) -> list[str]:
+    """The converter's flags for a checkpoint's stored format beyond --outtype: block-FP8 weights (DeepSeek-V3,
+    Kimi K2) become ggml Q8_0 (--fp8-as-q8, llama.cpp's own choice for them: 8.5 bits a weight against the
+    stored 8, where its default would widen them to 16)."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    quant = (config.get("text_config") or config).get("quantization_config") or {}
+    return ["--fp8-as-q8"] if quant.get("quant_method") == "fp8" else []
+
+
 def ensure_gguf(model_dir: str | Path, out_dir: str | Path | None = None, outtype: str = "auto") -> Path:
     """Convert MODEL_DIR with llama.cpp's converter once; later calls reuse the file (keyed by the
-    checkpoint's files). outtype: the converter's --outtype for the dense tensors ("auto" keeps bf16);
-    MXFP4 routed experts are repacked as ggml MXFP4 whatever it is."""
+    checkpoint's files and the flags). outtype: the converter's --outtype for the dense tensors ("auto" keeps
+    bf16); MXFP4 routed experts are repacked as ggml MXFP4 whatever it is, block-FP8 weights become Q8_0
+    (converter_flags)."""
     model_dir = Path(model_dir).resolve()
     out_dir = Path(out_dir) if out_dir else repo_root() / ".peers" / "gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"{model_dir.name}-{_checkpoint_digest(model_dir)}-{outtype}.gguf"
+    flags = converter_flags(model_dir)
+    tag = "".join(f"-{f.strip('-')}" for f in flags)
+    out = out_dir / f"{model_dir.name}-{_checkpoint_digest(model_dir)}-{outtype}{tag}.gguf"
     if out.is_file():
         return out
     tmp = out.with_suffix(".part")
     cmd = [sys.executable, "-m", "moeswap.bench.peers.convert_gguf", str(converter_dir()), str(model_dir),
-           "--outfile", str(tmp), "--outtype", outtype]
+           "--outfile", str(tmp), "--outtype", outtype, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not tmp.is_file():
         raise RuntimeError(f"llama.cpp's converter failed on {model_dir}:\n{proc.stderr[-3000:]}")

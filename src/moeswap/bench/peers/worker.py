@@ -1,4 +1,5 @@
-"""One implementation under test in its own process: moeswap, llama.cpp or transformers.
+"""One implementation under test in its own process: moeswap, llama.cpp (llama-cpp-python, or llama-server where
+that is not installed) or transformers.
 
 Separate processes keep the implementations from sharing a heap or an OpenMP runtime (torch bundles
 its own libgomp, llama.cpp links the system's: two spinning thread pools would slow each other), and
@@ -63,6 +64,10 @@ def _make_runner(args: argparse.Namespace):
         from moeswap.bench.peers.llamacpp import LlamaCppRunner
 
         return LlamaCppRunner(args.gguf, args.threads, args.max_seqs, args.max_len)
+    if args.kind == "llama-server":
+        from moeswap.bench.peers.llamaserver import LlamaServerRunner
+
+        return LlamaServerRunner(args.gguf, args.threads, args.max_seqs, args.max_len)
     if args.kind == "transformers":
         from moeswap.bench.peers.hf import TransformersRunner
 
@@ -93,15 +98,19 @@ def serve(argv: list[str]) -> None:
     except Exception as err:  # reported to the parent, which skips this peer and says why
         reply.write(jsonio.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}) + "\n")
         return
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if msg["op"] == "quit":
-            break
-        try:
-            out = runner.generate(msg["prompts"], msg["max_tokens"])
-        except Exception as err:
-            out = {"error": f"{type(err).__name__}: {err}"}
-        reply.write(jsonio.dumps(out) + "\n")
+    try:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            if msg["op"] == "quit":
+                break
+            try:
+                out = runner.generate(msg["prompts"], msg["max_tokens"])
+            except Exception as err:
+                out = {"error": f"{type(err).__name__}: {err}"}
+            reply.write(jsonio.dumps(out) + "\n")
+    finally:
+        if hasattr(runner, "close"):  # a runner with a process of its own (llama-server) stops it
+            runner.close()
 
 
 class Worker:
