@@ -129,3 +129,56 @@ def test_train_forward_is_the_expert_plus_its_adapter(kind):
     x64 = x.double()
     h = glu_reference("situ", x64 @ (W["w1"] + lora["w1"].double()).T, x64 @ W["w3"].T, BETAS)
     assert_close(ef.train_forward(ef.Held(w), x, "situ", BETAS, adapter), h @ (W["w2"] + lora["w2"].double()).T)
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_frozen_group_matches_the_float64_experts_forward_and_backward(act, dtype, monkeypatch):
+    """`frozen_group` (batched, padded experts) against each expert in float64 plain torch: outputs and
+    input gradients, with uneven counts (one of a single pair) and cut into several groups."""
+    monkeypatch.setattr(ef, "GROUP_WIDE_BYTES", 2 * 3 * 96 * 64 * 4)  # two experts a group: three groups
+    experts = [dense_expert(64, 96, dtype, seed=s) for s in range(5)]
+    counts = [7, 1, 12, 3, 9]
+    assert all(ef.groupable(w, torch.zeros(1, 64)) for w in experts)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(sum(counts), 64, generator=gen, requires_grad=True)
+    dy = torch.randn(sum(counts), 64, generator=gen)
+    y = ef.frozen_group([ef.Held(w) for w in experts], x, counts, act, BETAS)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    want = torch.cat([w.fmt.reference(w, part, act, BETAS) for w, part in zip(experts, x64.split(counts))])
+    want.backward(dy.double())
+    for got, ref in ((y, want), (x.grad, x64.grad)):
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        torch.testing.assert_close(got.double(), ref.detach(), rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+    assert all(t.grad is None and not t.requires_grad for w in experts for t in vars(w).values() if torch.is_tensor(t))
+
+
+def test_frozen_group_passes_gradcheck_in_float64():
+    experts = [dense_expert(32, 32, torch.float64, seed=s) for s in (9, 10)]
+    x = torch.randn(5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(11), requires_grad=True)
+    helds = [ef.Held(w) for w in experts]
+    assert torch.autograd.gradcheck(lambda x: ef.frozen_group(helds, x, [2, 3], "situ", BETAS), (x,))
+
+
+def test_frozen_group_backward_uses_the_held_weights():
+    """As `project`: the group keeps its experts only through their Held objects."""
+    w, other = dense_expert(64, 32, torch.bfloat16, seed=12), dense_expert(64, 32, torch.bfloat16, seed=13)
+
+    class Swapping(ef.Held):
+        def get(self):
+            return self.w
+
+    held = Swapping(w)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(14), requires_grad=True)
+    y = ef.frozen_group([held], x, [3], "silu", BETAS)
+    held.w = other
+    y.backward(torch.ones_like(y))
+    x64 = x.detach().double().requires_grad_()
+    W = {p: other.fmt.weight(other, p, torch.float64) for p in ef.PROJS}
+    # the forward's saved gate/up came from w; backward's products from `other`
+    g, u = x64 @ w.fmt.weight(w, "w1", torch.float64).T, x64 @ w.fmt.weight(w, "w3", torch.float64).T
+    g.retain_grad(), u.retain_grad()
+    dh = torch.ones(3, 64, dtype=torch.float64) @ W["w2"]
+    dg, du = torch.autograd.grad(glu_reference("silu", g, u), (g, u), dh)
+    torch.testing.assert_close(x.grad.double(), dg @ W["w1"] + du @ W["w3"], rtol=1e-5, atol=1e-6)

@@ -647,3 +647,109 @@ def train_forward(held, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, f
 
     h_TF = glu(act, proj("w1", x_TI), proj("w3", x_TI), situ_betas)
     return proj("w2", h_TF)
+
+
+GROUP_WIDE_BYTES = 64 << 20  # widened weights one `frozen_group` call holds at once (cut into several above)
+
+
+def groupable(w, x: torch.Tensor) -> bool:
+    """Whether `frozen_group` takes this kept expert with inputs like x: a decoded (float) expert whose widened
+    weights fit GROUP_WIDE_BYTES, under float x on the same device."""
+    if not isinstance(w, ExpertWeights) or not x.dtype.is_floating_point or x.dtype.itemsize < 4:
+        return False
+    return w.w1_FI.device == x.device and 3 * w.w1_FI.numel() * x.element_size() <= GROUP_WIDE_BYTES
+
+
+def frozen_group(helds: list, x_PI: torch.Tensor, counts: list[int], act: str,
+                 situ_betas: tuple[float, float]) -> torch.Tensor:
+    """`train_forward` without adapters for consecutive experts' pairs (x_PI: each expert's rows in turn,
+    counts[i] of them for helds[i], all `groupable`): [P, I], differentiable in x_PI, as a few batched
+    products per group of experts instead of three autograd calls per expert."""
+    if not helds:
+        return x_PI.new_zeros(0, x_PI.shape[-1])
+    outs, start, group, rows, wide = [], 0, [], [], 0
+    for held, n in zip(helds, counts):
+        w = held.get()
+        size = 3 * w.w1_FI.numel() * x_PI.element_size()
+        del w
+        if group and wide + size > GROUP_WIDE_BYTES:
+            outs.append(_FrozenGroup.apply(x_PI[start : start + sum(rows)], group, rows, act, situ_betas))
+            start, group, rows, wide = start + sum(rows), [], [], 0
+        group.append(held)
+        rows.append(n)
+        wide += size
+    outs.append(_FrozenGroup.apply(x_PI[start:], group, rows, act, situ_betas))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _widen_group(helds: list, projs: tuple[str, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """The experts' projections `projs` stacked along the output rows, widened to `dtype`: [E, sum O, N]. One
+    expert fetched at a time (a store's `Held` may have let it go)."""
+    w0 = helds[0].get()
+    shapes = [tuple(getattr(w0, DENSE_FIELDS[p]).shape) for p in projs]
+    del w0
+    out = torch.empty(len(helds), sum(s[0] for s in shapes), shapes[0][1], dtype=dtype, device=device)
+    for i, held in enumerate(helds):
+        w, r = held.get(), 0
+        for p, (o, _) in zip(projs, shapes):
+            out[i, r : r + o].copy_(getattr(w, DENSE_FIELDS[p]))
+            r += o
+        del w
+    return out
+
+
+def _padded(x_PN: torch.Tensor, slot_P: torch.Tensor, E: int, rows: int) -> torch.Tensor:
+    """x's rows in their experts' slots of a zero [E, rows, N] batch (slot_P: each row's flat slot)."""
+    out = x_PN.new_zeros(E * rows, x_PN.shape[-1])
+    out.index_copy_(0, slot_P, x_PN)
+    return out.view(E, rows, x_PN.shape[-1])
+
+
+class _FrozenGroup(torch.autograd.Function):
+    """w2 act(w1 x, w3 x) for a group of frozen float experts: each product one batched matmul over the
+    experts (their pairs padded with zero rows to the largest count; a zero row gives zero, so the padding
+    changes nothing), the weights widened once per pass into one stacked buffer instead of per call.
+    Keeps the gate and up pre-activations (as GLUFunction does) and the held experts; backward widens the
+    weights again: dh = dy W2, (dg, du) from the activation, dx = [dg du] [W1; W3]."""
+
+    @staticmethod
+    def forward(ctx, x_PI, helds, counts, act, situ_betas):
+        E, rows = len(helds), max(counts)
+        starts = torch.tensor([i * rows for i in range(E)], dtype=torch.int64, device=x_PI.device)
+        base = torch.repeat_interleave(starts, torch.tensor(counts, device=x_PI.device))
+        offsets = torch.tensor([0, *counts[:-1]], dtype=torch.int64, device=x_PI.device).cumsum(0)
+        slot_P = base + torch.arange(x_PI.shape[0], device=x_PI.device) - torch.repeat_interleave(
+            offsets, torch.tensor(counts, device=x_PI.device))
+        w13 = _widen_group(helds, ("w1", "w3"), x_PI.dtype, x_PI.device)  # [E, 2F, I]
+        F_ = w13.shape[1] // 2
+        gu_PF = torch.bmm(_padded(x_PI, slot_P, E, rows), w13.transpose(1, 2)).view(E * rows, 2 * F_)[slot_P]
+        del w13
+        gate, up = gu_PF[:, :F_].contiguous(), gu_PF[:, F_:].contiguous()
+        del gu_PF
+        h_PF = glu(act, gate, up, situ_betas)
+        w2 = _widen_group(helds, ("w2",), x_PI.dtype, x_PI.device)  # [E, I, F]
+        y = torch.bmm(_padded(h_PF, slot_P, E, rows), w2.transpose(1, 2)).view(E * rows, -1)[slot_P]
+        ctx.save_for_backward(gate, up, slot_P)
+        ctx.helds, ctx.E, ctx.rows, ctx.act, ctx.situ_betas = helds, E, rows, act, situ_betas
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_PI):
+        gate, up, slot_P = ctx.saved_tensors
+        E, rows = ctx.E, ctx.rows
+        w2 = _widen_group(ctx.helds, ("w2",), dy_PI.dtype, dy_PI.device)
+        dh_PF = torch.bmm(_padded(dy_PI.contiguous(), slot_P, E, rows), w2).view(E * rows, -1)[slot_P]
+        del w2
+        if _glu_kernel_fits(gate):
+            dg, du = cpu_kernels.kernel().glu_backward(gate, up, dh_PF, ctx.act, ctx.situ_betas)
+        else:
+            with torch.enable_grad():
+                g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+                dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh_PF)
+        w13 = _widen_group(ctx.helds, ("w1", "w3"), dy_PI.dtype, dy_PI.device)
+        dx = torch.bmm(_padded(torch.cat((dg, du), 1), slot_P, E, rows), w13).view(E * rows, -1)[slot_P]
+        return dx, None, None, None, None
+
+
+def _glu_kernel_fits(gate: torch.Tensor) -> bool:
+    return gate.dtype == torch.float32 and gate.is_cpu and cpu_kernels.kernel() is not None

@@ -215,7 +215,8 @@ class MoE(nn.Module):
         served, row_slots: served adapters (ExpertLoRASlots) and each row's slot, instead of `expert_lora`."""
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         token_of = token_of.to(h_TI.device)
-        x_PI = h_TI.index_select(0, token_of).split(counts)  # one gather (and one scatter in backward)
+        x_all = h_TI.index_select(0, token_of)  # one gather (and one scatter in backward)
+        x_PI = x_all.split(counts)
         lora = self._modules.get("expert_lora")
         if served is not None:
             adapters = served.adapters(unique_ids, counts, token_of, row_slots)
@@ -223,15 +224,34 @@ class MoE(nn.Module):
             adapters = lora.adapters(unique_ids) if lora is not None else [None] * len(unique_ids)
         experts = self.store.fetch(self.layer_idx, unique_ids)
         hold = getattr(self.store, "hold", None)
-        ys = []
+        ys, helds = [], []
         for i, e in enumerate(unique_ids):
             expert = experts[i]
             held = hold(self.layer_idx, e, expert) if hold is not None else expert_format.Held(expert)
+            # frozen float experts without adapters (LoRA on attention only): batched with their neighbours
+            # (expert_format.frozen_group), far fewer calls than one autograd node per projection
+            grouped = adapters[i] is None and expert_format.groupable(expert, h_TI)
             del expert  # the store may evict it while the next one loads; only `held` may keep it
+            if grouped:
+                helds.append(held)
+                continue
+            self._flush_frozen(ys, helds, x_all, counts, i)
             ys.append(expert_format.train_forward(held, x_PI[i], self.act, self.situ_betas, adapters[i]))
             del held
-        y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
+        self._flush_frozen(ys, helds, x_all, counts, len(unique_ids))
+        y_PI = torch.cat(ys) if len(ys) > 1 else ys[0] if ys else h_TI.new_zeros(0, h_TI.shape[-1])
         return combine_pairs(h_TI, y_PI, weights, token_of).to(h_TI.dtype)
+
+    def _flush_frozen(self, ys: list, helds: list, x_all: torch.Tensor, counts: list[int], end: int) -> None:
+        """Appends to ys the output of the frozen experts in `helds` (those just before expert `end`), and
+        empties `helds`."""
+        if not helds:
+            return
+        first = end - len(helds)
+        lo = sum(counts[:first])
+        n = counts[first:end]
+        ys.append(expert_format.frozen_group(helds, x_all[lo : lo + sum(n)], n, self.act, self.situ_betas))
+        helds.clear()
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
         """K3's latent routed part of a decode step in one C call (cpu_kernels.latent_moe_resident: the down
