@@ -133,10 +133,9 @@ def test_train_forward_is_the_expert_plus_its_adapter(kind):
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_frozen_group_matches_the_float64_experts_forward_and_backward(act, dtype, monkeypatch):
-    """`frozen_group` (batched, padded experts) against each expert in float64 plain torch: outputs and
-    input gradients, with uneven counts (one of a single pair) and cut into several groups."""
-    monkeypatch.setattr(ef, "GROUP_WIDE_BYTES", 2 * 3 * 96 * 64 * 4)  # two experts a group: three groups
+def test_frozen_group_matches_the_float64_experts_forward_and_backward(act, dtype):
+    """`frozen_group` (one node for all experts) against each expert in float64 plain torch: outputs and
+    input gradients, with uneven counts (one of a single pair)."""
     experts = [dense_expert(64, 96, dtype, seed=s) for s in range(5)]
     counts = [7, 1, 12, 3, 9]
     assert all(ef.groupable(w, torch.zeros(1, 64)) for w in experts)

@@ -649,12 +649,13 @@ def train_forward(held, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, f
     return proj("w2", h_TF)
 
 
-GROUP_WIDE_BYTES = 64 << 20  # widened weights one `frozen_group` call holds at once (cut into several above)
+
+GROUP_WIDE_BYTES = 64 << 20  # one expert's widened weights `frozen_group` holds at once, at most
 
 
 def groupable(w, x: torch.Tensor) -> bool:
     """Whether `frozen_group` takes this kept expert with inputs like x: a decoded (float) expert whose widened
-    weights fit GROUP_WIDE_BYTES, under float x on the same device."""
+    weights fit GROUP_WIDE_BYTES, under fp32 or float64 x on the same device."""
     if not isinstance(w, ExpertWeights) or not x.dtype.is_floating_point or x.dtype.itemsize < 4:
         return False
     return w.w1_FI.device == x.device and 3 * w.w1_FI.numel() * x.element_size() <= GROUP_WIDE_BYTES
@@ -663,92 +664,92 @@ def groupable(w, x: torch.Tensor) -> bool:
 def frozen_group(helds: list, x_PI: torch.Tensor, counts: list[int], act: str,
                  situ_betas: tuple[float, float]) -> torch.Tensor:
     """`train_forward` without adapters for consecutive experts' pairs (x_PI: each expert's rows in turn,
-    counts[i] of them for helds[i], all `groupable`): [P, I], differentiable in x_PI, as a few batched
-    products per group of experts instead of three autograd calls per expert."""
+    counts[i] of them for helds[i], all `groupable`): [P, I], differentiable in x_PI, as one autograd node
+    (`_FrozenGroup`) instead of four per expert."""
     if not helds:
         return x_PI.new_zeros(0, x_PI.shape[-1])
-    outs, start, group, rows, wide = [], 0, [], [], 0
-    for held, n in zip(helds, counts):
-        w = held.get()
-        size = 3 * w.w1_FI.numel() * x_PI.element_size()
-        del w
-        if group and wide + size > GROUP_WIDE_BYTES:
-            outs.append(_FrozenGroup.apply(x_PI[start : start + sum(rows)], group, rows, act, situ_betas))
-            start, group, rows, wide = start + sum(rows), [], [], 0
-        group.append(held)
-        rows.append(n)
-        wide += size
-    outs.append(_FrozenGroup.apply(x_PI[start:], group, rows, act, situ_betas))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return _FrozenGroup.apply(x_PI, helds, counts, act, situ_betas)
 
 
-def _widen_group(helds: list, projs: tuple[str, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """The experts' projections `projs` stacked along the output rows, widened to `dtype`: [E, sum O, N]. One
-    expert fetched at a time (a store's `Held` may have let it go)."""
-    w0 = helds[0].get()
-    shapes = [tuple(getattr(w0, DENSE_FIELDS[p]).shape) for p in projs]
-    del w0
-    out = torch.empty(len(helds), sum(s[0] for s in shapes), shapes[0][1], dtype=dtype, device=device)
-    for i, held in enumerate(helds):
-        w, r = held.get(), 0
-        for p, (o, _) in zip(projs, shapes):
-            out[i, r : r + o].copy_(getattr(w, DENSE_FIELDS[p]))
-            r += o
-        del w
-    return out
+class _Widened:
+    """One expert's weights widened to the compute dtype, into buffers reused from expert to expert (no
+    allocation per call): gate and up stacked [2F, I] (one product for both), down [I, F]."""
 
+    def __init__(self, dtype: torch.dtype, device):
+        self.dtype, self.device = dtype, device
+        self.w13 = self.w2 = None
 
-def _padded(x_PN: torch.Tensor, slot_P: torch.Tensor, E: int, rows: int) -> torch.Tensor:
-    """x's rows in their experts' slots of a zero [E, rows, N] batch (slot_P: each row's flat slot)."""
-    out = x_PN.new_zeros(E * rows, x_PN.shape[-1])
-    out.index_copy_(0, slot_P, x_PN)
-    return out.view(E, rows, x_PN.shape[-1])
+    def gate_up(self, w) -> torch.Tensor:
+        F_, I = w.w1_FI.shape
+        if self.w13 is None or tuple(self.w13.shape) != (2 * F_, I):
+            self.w13 = torch.empty(2 * F_, I, dtype=self.dtype, device=self.device)
+        self.w13[:F_].copy_(w.w1_FI)
+        self.w13[F_:].copy_(w.w3_FI)
+        return self.w13
+
+    def down(self, w) -> torch.Tensor:
+        if self.w2 is None or self.w2.shape != w.w2_IF.shape:
+            self.w2 = torch.empty(w.w2_IF.shape, dtype=self.dtype, device=self.device)
+        return self.w2.copy_(w.w2_IF)
 
 
 class _FrozenGroup(torch.autograd.Function):
-    """w2 act(w1 x, w3 x) for a group of frozen float experts: each product one batched matmul over the
-    experts (their pairs padded with zero rows to the largest count; a zero row gives zero, so the padding
-    changes nothing), the weights widened once per pass into one stacked buffer instead of per call.
-    Keeps the gate and up pre-activations (as GLUFunction does) and the held experts; backward widens the
-    weights again: dh = dy W2, (dg, du) from the activation, dx = [dg du] [W1; W3]."""
+    """w2 act(w1 x, w3 x) for consecutive frozen float experts, one node: per expert one product for gate
+    and up together and one for down, written into whole-step outputs, the activation once over all pairs.
+    Keeps the gate and up pre-activations (as GLUFunction does) and the held experts (each fetched again,
+    one at a time, for backward, as `project` does); backward: dh = dy W2, (dg, du) from the activation,
+    dx = [dg du] [W1; W3], per expert from weights widened again."""
 
     @staticmethod
     def forward(ctx, x_PI, helds, counts, act, situ_betas):
-        E, rows = len(helds), max(counts)
-        starts = torch.tensor([i * rows for i in range(E)], dtype=torch.int64, device=x_PI.device)
-        base = torch.repeat_interleave(starts, torch.tensor(counts, device=x_PI.device))
-        offsets = torch.tensor([0, *counts[:-1]], dtype=torch.int64, device=x_PI.device).cumsum(0)
-        slot_P = base + torch.arange(x_PI.shape[0], device=x_PI.device) - torch.repeat_interleave(
-            offsets, torch.tensor(counts, device=x_PI.device))
-        w13 = _widen_group(helds, ("w1", "w3"), x_PI.dtype, x_PI.device)  # [E, 2F, I]
-        F_ = w13.shape[1] // 2
-        gu_PF = torch.bmm(_padded(x_PI, slot_P, E, rows), w13.transpose(1, 2)).view(E * rows, 2 * F_)[slot_P]
-        del w13
+        wide = _Widened(x_PI.dtype, x_PI.device)
+        w0 = helds[0].get()
+        F_ = w0.w1_FI.shape[0]
+        del w0
+        gu_PF = x_PI.new_empty(x_PI.shape[0], 2 * F_)
+        starts = [0]
+        for held, n in zip(helds, counts):
+            lo = starts[-1]
+            starts.append(lo + n)
+            w13 = wide.gate_up(held.get())
+            torch.mm(x_PI[lo : lo + n], w13.T, out=gu_PF[lo : lo + n])
         gate, up = gu_PF[:, :F_].contiguous(), gu_PF[:, F_:].contiguous()
         del gu_PF
         h_PF = glu(act, gate, up, situ_betas)
-        w2 = _widen_group(helds, ("w2",), x_PI.dtype, x_PI.device)  # [E, I, F]
-        y = torch.bmm(_padded(h_PF, slot_P, E, rows), w2.transpose(1, 2)).view(E * rows, -1)[slot_P]
-        ctx.save_for_backward(gate, up, slot_P)
-        ctx.helds, ctx.E, ctx.rows, ctx.act, ctx.situ_betas = helds, E, rows, act, situ_betas
-        return y
+        y_PI = torch.empty_like(x_PI)
+        for i, held in enumerate(helds):
+            lo, hi = starts[i], starts[i + 1]
+            w2 = wide.down(held.get())
+            torch.mm(h_PF[lo:hi], w2.T, out=y_PI[lo:hi])
+        ctx.save_for_backward(gate, up)
+        ctx.helds, ctx.starts, ctx.act, ctx.situ_betas = helds, starts, act, situ_betas
+        return y_PI
 
     @staticmethod
     def backward(ctx, dy_PI):
-        gate, up, slot_P = ctx.saved_tensors
-        E, rows = ctx.E, ctx.rows
-        w2 = _widen_group(ctx.helds, ("w2",), dy_PI.dtype, dy_PI.device)
-        dh_PF = torch.bmm(_padded(dy_PI.contiguous(), slot_P, E, rows), w2).view(E * rows, -1)[slot_P]
-        del w2
+        gate, up = ctx.saved_tensors
+        helds, starts = ctx.helds, ctx.starts
+        dy_PI = dy_PI.contiguous()
+        wide = _Widened(dy_PI.dtype, dy_PI.device)
+        dh_PF = torch.empty_like(gate)
+        for i, held in enumerate(helds):
+            lo, hi = starts[i], starts[i + 1]
+            w2 = wide.down(held.get())
+            torch.mm(dy_PI[lo:hi], w2, out=dh_PF[lo:hi])
         if _glu_kernel_fits(gate):
             dg, du = cpu_kernels.kernel().glu_backward(gate, up, dh_PF, ctx.act, ctx.situ_betas)
         else:
             with torch.enable_grad():
                 g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
                 dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh_PF)
-        w13 = _widen_group(ctx.helds, ("w1", "w3"), dy_PI.dtype, dy_PI.device)
-        dx = torch.bmm(_padded(torch.cat((dg, du), 1), slot_P, E, rows), w13).view(E * rows, -1)[slot_P]
-        return dx, None, None, None, None
+        dgu_PF = torch.cat((dg, du), 1)
+        del dg, du, dh_PF
+        dx_PI = torch.empty_like(dy_PI)
+        for i, held in enumerate(helds):
+            lo, hi = starts[i], starts[i + 1]
+            w13 = wide.gate_up(held.get())
+            torch.mm(dgu_PF[lo:hi], w13, out=dx_PI[lo:hi])
+        return dx_PI, None, None, None, None
 
 
 def _glu_kernel_fits(gate: torch.Tensor) -> bool:
