@@ -694,63 +694,54 @@ class _Widened:
 
 
 class _FrozenGroup(torch.autograd.Function):
-    """w2 act(w1 x, w3 x) for consecutive frozen float experts, one node: per expert one product for gate
-    and up together and one for down, written into whole-step outputs, the activation once over all pairs.
-    Keeps the gate and up pre-activations (as GLUFunction does) and the held experts (each fetched again,
-    one at a time, for backward, as `project` does); backward: dh = dy W2, (dg, du) from the activation,
-    dx = [dg du] [W1; W3], per expert from weights widened again."""
+    """w2 act(w1 x, w3 x) for consecutive frozen float experts as one node: per expert (fetched once a
+    pass, as `train_forward`'s projections fetch it) one product for gate and up together, the activation
+    and the down product, written into whole-step outputs. Keeps the gate and up pre-activations (as
+    GLUFunction does) and the held experts; backward per expert: dh = dy W2, (dg, du) from the
+    activation, dx = [dg du] [W1; W3], from weights widened again."""
 
     @staticmethod
     def forward(ctx, x_PI, helds, counts, act, situ_betas):
         wide = _Widened(x_PI.dtype, x_PI.device)
-        w0 = helds[0].get()
-        F_ = w0.w1_FI.shape[0]
-        del w0
-        gu_PF = x_PI.new_empty(x_PI.shape[0], 2 * F_)
+        gu_PF = y_PI = None
         starts = [0]
         for held, n in zip(helds, counts):
-            lo = starts[-1]
-            starts.append(lo + n)
-            w13 = wide.gate_up(held.get())
-            torch.mm(x_PI[lo : lo + n], w13.T, out=gu_PF[lo : lo + n])
-        gate, up = gu_PF[:, :F_].contiguous(), gu_PF[:, F_:].contiguous()
-        del gu_PF
-        h_PF = glu(act, gate, up, situ_betas)
-        y_PI = torch.empty_like(x_PI)
-        for i, held in enumerate(helds):
-            lo, hi = starts[i], starts[i + 1]
-            w2 = wide.down(held.get())
-            torch.mm(h_PF[lo:hi], w2.T, out=y_PI[lo:hi])
-        ctx.save_for_backward(gate, up)
+            lo, hi = starts[-1], starts[-1] + n
+            starts.append(hi)
+            w = held.get()
+            w13, w2 = wide.gate_up(w), wide.down(w)
+            del w
+            if gu_PF is None:
+                gu_PF = x_PI.new_empty(x_PI.shape[0], w13.shape[0])
+                y_PI = x_PI.new_empty(x_PI.shape[0], w2.shape[0])
+            F_ = w13.shape[0] // 2
+            torch.mm(x_PI[lo:hi], w13.T, out=gu_PF[lo:hi])
+            h = glu(act, gu_PF[lo:hi, :F_], gu_PF[lo:hi, F_:], situ_betas)
+            torch.mm(h, w2.T, out=y_PI[lo:hi])
+        ctx.save_for_backward(gu_PF)
         ctx.helds, ctx.starts, ctx.act, ctx.situ_betas = helds, starts, act, situ_betas
         return y_PI
 
     @staticmethod
     def backward(ctx, dy_PI):
-        gate, up = ctx.saved_tensors
-        helds, starts = ctx.helds, ctx.starts
+        (gu_PF,) = ctx.saved_tensors
+        F_ = gu_PF.shape[1] // 2
         dy_PI = dy_PI.contiguous()
         wide = _Widened(dy_PI.dtype, dy_PI.device)
-        dh_PF = torch.empty_like(gate)
-        for i, held in enumerate(helds):
-            lo, hi = starts[i], starts[i + 1]
-            w2 = wide.down(held.get())
-            torch.mm(dy_PI[lo:hi], w2, out=dh_PF[lo:hi])
-        if _glu_kernel_fits(gate):
-            dg, du = cpu_kernels.kernel().glu_backward(gate, up, dh_PF, ctx.act, ctx.situ_betas)
-        else:
-            with torch.enable_grad():
-                g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-                dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh_PF)
-        dgu_PF = torch.cat((dg, du), 1)
-        del dg, du, dh_PF
         dx_PI = torch.empty_like(dy_PI)
-        for i, held in enumerate(helds):
-            lo, hi = starts[i], starts[i + 1]
-            w13 = wide.gate_up(held.get())
-            torch.mm(dgu_PF[lo:hi], w13, out=dx_PI[lo:hi])
+        kernel = cpu_kernels.kernel() if gu_PF.dtype == torch.float32 and gu_PF.is_cpu else None
+        for i, held in enumerate(ctx.helds):
+            lo, hi = ctx.starts[i], ctx.starts[i + 1]
+            w = held.get()
+            w13, w2 = wide.gate_up(w), wide.down(w)
+            del w
+            dh = dy_PI[lo:hi] @ w2
+            gate, up = gu_PF[lo:hi, :F_], gu_PF[lo:hi, F_:]
+            if kernel is not None:
+                dg, du = kernel.glu_backward(gate, up, dh, ctx.act, ctx.situ_betas)
+            else:  # float64 (gradient checks): torch's own derivative of the plain activation
+                with torch.enable_grad():
+                    g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+                    dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh)
+            torch.mm(torch.cat((dg, du), 1), w13, out=dx_PI[lo:hi])
         return dx_PI, None, None, None, None
-
-
-def _glu_kernel_fits(gate: torch.Tensor) -> bool:
-    return gate.dtype == torch.float32 and gate.is_cpu and cpu_kernels.kernel() is not None
