@@ -161,7 +161,7 @@ def test_frozen_group_passes_gradcheck_in_float64():
 
 
 def test_frozen_group_backward_uses_the_held_weights():
-    """As `project`: the group keeps its experts only through their Held objects."""
+    """As `project`: the group keeps its experts only through their Held objects (its own copy of the list)."""
     w, other = dense_expert(64, 32, torch.bfloat16, seed=12), dense_expert(64, 32, torch.bfloat16, seed=13)
 
     class Swapping(ef.Held):
@@ -170,7 +170,9 @@ def test_frozen_group_backward_uses_the_held_weights():
 
     held = Swapping(w)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(14), requires_grad=True)
-    y = ef.frozen_group([held], x, [3], "silu", BETAS)
+    helds, counts = [held], [3]
+    y = ef.frozen_group(helds, x, counts, "silu", BETAS)
+    helds.clear(), counts.clear()  # the caller's lists are its own again (the MoE block reuses them)
     held.w = other
     y.backward(torch.ones_like(y))
     x64 = x.detach().double().requires_grad_()

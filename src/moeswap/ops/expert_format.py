@@ -8,7 +8,7 @@ FP8ExpertWeights, Int4ExpertWeights; float and MXFP8 are decoded, ExpertWeights)
 expert through `w.fmt` (the format of its kept form): `forward` (the
 kernel choice), `reference` (plain torch), `project` (x W^T under autograd: the fast kernel forward, backward
 dx = dy W decoded in row chunks, no weight gradient) and `train_forward` (an expert from three `project`s,
-plus adapters).
+plus adapters); `frozen_group`: a layer step's frozen float experts without adapters as one autograd node.
 In ops/, not formats/, because kernels and backward are ops; formats/weights.py imports it lazily.
 Shapes: T tokens, I expert input width, F expert width, O/N one projection's output/input width.
 """
@@ -649,7 +649,6 @@ def train_forward(held, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, f
     return proj("w2", h_TF)
 
 
-
 GROUP_WIDE_BYTES = 64 << 20  # one expert's widened weights `frozen_group` holds at once, at most
 
 
@@ -668,7 +667,7 @@ def frozen_group(helds: list, x_PI: torch.Tensor, counts: list[int], act: str,
     (`_FrozenGroup`) instead of four per expert."""
     if not helds:
         return x_PI.new_zeros(0, x_PI.shape[-1])
-    return _FrozenGroup.apply(x_PI, helds, counts, act, situ_betas)
+    return _FrozenGroup.apply(x_PI, tuple(helds), tuple(counts), act, situ_betas)
 
 
 class _Widened:

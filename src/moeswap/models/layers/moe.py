@@ -250,7 +250,7 @@ class MoE(nn.Module):
         first = end - len(helds)
         lo = sum(counts[:first])
         n = counts[first:end]
-        ys.append(expert_format.frozen_group(helds, x_all[lo : lo + sum(n)], n, self.act, self.situ_betas))
+        ys.append(expert_format.frozen_group(list(helds), x_all[lo : lo + sum(n)], n, self.act, self.situ_betas))
         helds.clear()
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
