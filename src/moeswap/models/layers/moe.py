@@ -5,7 +5,8 @@ Routed experts are not parameters of this module: `store.fetch(layer, ids)` retu
 (see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
 Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
 LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
-through ops.expert_format.train_forward instead, still fetched from the store one at a time. Full
+through ops.expert_format (`train_forward` per expert with an adapter; `frozen_group`, one autograd node
+for consecutive float experts without one), still fetched from the store one at a time. Full
 training replaces the store by parameters (an `experts` submodule, train/experts.py). With served
 adapters (`serve_expert_lora`, lora.serving) only the rows whose adapter has expert LoRA here run that way.
 Shapes: T tokens, D model width, I expert input width, E experts, K top-k, P (token, expert) pairs.
@@ -210,7 +211,8 @@ class MoE(nn.Module):
                            row_slots: list[int] | None = None) -> torch.Tensor:
         """The experts as torch ops autograd follows: each expert's three projections (ops.expert_format.project:
         the fast kernel forward, backward from the same bytes), the activation and the LoRA deltas, then
-        the weighted sum, all out of place. Experts come from the store as at inference, one at a time;
+        the weighted sum, all out of place; runs of float experts without adapters as one
+        `expert_format.frozen_group` node each (the same math, far fewer calls). Experts come from the store as at inference, one at a time;
         what the graph keeps of them for backward the store hands out and counts (`store.hold`).
         served, row_slots: served adapters (ExpertLoRASlots) and each row's slot, instead of `expert_lora`."""
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
@@ -250,7 +252,7 @@ class MoE(nn.Module):
         first = end - len(helds)
         lo = sum(counts[:first])
         n = counts[first:end]
-        ys.append(expert_format.frozen_group(list(helds), x_all[lo : lo + sum(n)], n, self.act, self.situ_betas))
+        ys.append(expert_format.frozen_group(helds, x_all[lo : lo + sum(n)], n, self.act, self.situ_betas))
         helds.clear()
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
