@@ -230,8 +230,8 @@ class MoE(nn.Module):
         for i, e in enumerate(unique_ids):
             expert = experts[i]
             held = hold(self.layer_idx, e, expert) if hold is not None else expert_format.Held(expert)
-            # frozen float experts without adapters (LoRA on attention only): batched with their neighbours
-            # (expert_format.frozen_group), far fewer calls than one autograd node per projection
+            # a run of frozen float experts without adapters (LoRA on attention only) becomes one autograd
+            # node (expert_format.frozen_group): far fewer calls than four nodes per expert
             grouped = adapters[i] is None and expert_format.groupable(expert, h_TI)
             del expert  # the store may evict it while the next one loads; only `held` may keep it
             if grouped:
