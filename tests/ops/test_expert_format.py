@@ -183,3 +183,19 @@ def test_frozen_group_backward_uses_the_held_weights():
     dh = torch.ones(3, 64, dtype=torch.float64) @ W["w2"]
     dg, du = torch.autograd.grad(glu_reference("silu", g, u), (g, u), dh)
     torch.testing.assert_close(x.grad.double(), dg @ W["w1"] + du @ W["w3"], rtol=1e-5, atol=1e-6)
+
+
+def test_float_check_finite_finds_nan_and_inf_and_passes_sums_that_overflow():
+    names = {p: {"weight": f"e.{p}.weight"} for p in ef.PROJS}
+    big = torch.full((4, 4), 3.0e38).bfloat16()  # finite, but its fp32 sum overflows: the full check runs
+    w = ExpertWeights(big, big.clone(), big.clone())
+    assert w.fmt.check_finite(w, names) is None
+    for bad, at in ((float("nan"), [1, 2]), (float("inf"), [3, 0])):
+        up = torch.zeros(4, 4, dtype=torch.bfloat16)
+        up[tuple(at)] = bad
+        if bad == float("inf"):
+            up[0, 0] = -bad  # +Inf and -Inf sum to NaN: still caught, first at [0, 0]
+            at = [0, 0]
+        w = ExpertWeights(torch.zeros(4, 4, dtype=torch.bfloat16), up, torch.zeros(4, 4, dtype=torch.bfloat16))
+        name, proj, what = w.fmt.check_finite(w, names)
+        assert (name, proj) == ("e.w3.weight", "w3") and f"first at {at}" in what

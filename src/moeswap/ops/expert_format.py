@@ -113,6 +113,10 @@ class ExpertFormat:
         whose bytes cannot give finite weights, else None."""
         for proj in ("w1", "w3", "w2"):
             t = getattr(w, DENSE_FIELDS[proj])
+            # a NaN or Inf anywhere makes the fp32 sum non-finite, so a finite sum clears the matrix (~12x faster
+            # than isfinite on bf16, which torch does not vectorize); a sum that overflows gets the full check
+            if math.isfinite(float(t.sum(dtype=torch.float32))):
+                continue
             finite = torch.isfinite(t)
             if not bool(finite.all()):
                 at = [int(i) for i in (~finite).nonzero()[0]]
