@@ -676,7 +676,7 @@ def frozen_group(helds: list, x_PI: torch.Tensor, counts: list[int], act: str,
 
 class _Widened:
     """One expert's weights widened to the compute dtype, into buffers reused from expert to expert (no
-    allocation per call): gate and up stacked [2F, I] (one product for both), down [I, F]."""
+    allocation per call): gate and up [2F, I] (one copy call each into one buffer), down [I, F]."""
 
     def __init__(self, dtype: torch.dtype, device):
         self.dtype, self.device = dtype, device
@@ -698,15 +698,15 @@ class _Widened:
 
 class _FrozenGroup(torch.autograd.Function):
     """w2 act(w1 x, w3 x) for consecutive frozen float experts as one node: per expert (fetched once a
-    pass, as `train_forward`'s projections fetch it) one product for gate and up together, the activation
-    and the down product, written into whole-step outputs. Keeps the gate and up pre-activations (as
-    GLUFunction does) and the held experts; backward per expert: dh = dy W2, (dg, du) from the
-    activation, dx = [dg du] [W1; W3], from weights widened again."""
+    pass, as `train_forward`'s projections fetch it) the gate, up and down products and the activation,
+    written into whole-step outputs (contiguous rows: the activation kernels need no copies). Keeps the
+    gate and up pre-activations (as GLUFunction does) and the held experts; backward per expert:
+    dh = dy W2, (dg, du) from the activation, dx = dg W1 + du W3, from weights widened again."""
 
     @staticmethod
     def forward(ctx, x_PI, helds, counts, act, situ_betas):
         wide = _Widened(x_PI.dtype, x_PI.device)
-        gu_PF = y_PI = None
+        gate_PF = up_PF = y_PI = None
         starts = [0]
         for held, n in zip(helds, counts):
             lo, hi = starts[-1], starts[-1] + n
@@ -714,37 +714,39 @@ class _FrozenGroup(torch.autograd.Function):
             w = held.get()
             w13, w2 = wide.gate_up(w), wide.down(w)
             del w
-            if gu_PF is None:
-                gu_PF = x_PI.new_empty(x_PI.shape[0], w13.shape[0])
-                y_PI = x_PI.new_empty(x_PI.shape[0], w2.shape[0])
             F_ = w13.shape[0] // 2
-            torch.mm(x_PI[lo:hi], w13.T, out=gu_PF[lo:hi])
-            h = glu(act, gu_PF[lo:hi, :F_], gu_PF[lo:hi, F_:], situ_betas)
-            torch.mm(h, w2.T, out=y_PI[lo:hi])
-        ctx.save_for_backward(gu_PF)
+            if gate_PF is None:
+                gate_PF, up_PF = x_PI.new_empty(x_PI.shape[0], F_), x_PI.new_empty(x_PI.shape[0], F_)
+                y_PI = x_PI.new_empty(x_PI.shape[0], w2.shape[0])
+            x = x_PI[lo:hi]
+            torch.mm(x, w13[:F_].T, out=gate_PF[lo:hi])
+            torch.mm(x, w13[F_:].T, out=up_PF[lo:hi])
+            torch.mm(glu(act, gate_PF[lo:hi], up_PF[lo:hi], situ_betas), w2.T, out=y_PI[lo:hi])
+        ctx.save_for_backward(gate_PF, up_PF)
         ctx.helds, ctx.starts, ctx.act, ctx.situ_betas = helds, starts, act, situ_betas
         return y_PI
 
     @staticmethod
     def backward(ctx, dy_PI):
-        (gu_PF,) = ctx.saved_tensors
-        F_ = gu_PF.shape[1] // 2
+        gate_PF, up_PF = ctx.saved_tensors
         dy_PI = dy_PI.contiguous()
         wide = _Widened(dy_PI.dtype, dy_PI.device)
         dx_PI = torch.empty_like(dy_PI)
-        kernel = cpu_kernels.kernel() if gu_PF.dtype == torch.float32 and gu_PF.is_cpu else None
+        kernel = cpu_kernels.kernel() if gate_PF.dtype == torch.float32 and gate_PF.is_cpu else None
         for i, held in enumerate(ctx.helds):
             lo, hi = ctx.starts[i], ctx.starts[i + 1]
             w = held.get()
             w13, w2 = wide.gate_up(w), wide.down(w)
             del w
+            F_ = w13.shape[0] // 2
             dh = dy_PI[lo:hi] @ w2
-            gate, up = gu_PF[lo:hi, :F_], gu_PF[lo:hi, F_:]
+            gate, up = gate_PF[lo:hi], up_PF[lo:hi]
             if kernel is not None:
                 dg, du = kernel.glu_backward(gate, up, dh, ctx.act, ctx.situ_betas)
             else:  # float64 (gradient checks): torch's own derivative of the plain activation
                 with torch.enable_grad():
                     g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
                     dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh)
-            torch.mm(torch.cat((dg, du), 1), w13, out=dx_PI[lo:hi])
+            dx = torch.mm(dg, w13[:F_], out=dx_PI[lo:hi])
+            dx.addmm_(du, w13[F_:])
         return dx_PI, None, None, None, None
