@@ -252,7 +252,9 @@ class MoE(nn.Module):
         first = end - len(helds)
         lo = sum(counts[:first])
         n = counts[first:end]
-        ys.append(expert_format.frozen_group(helds, x_all[lo : lo + sum(n)], n, self.act, self.situ_betas))
+        # all pairs (the usual case): x_all itself, so backward does not scatter into a zeroed copy of it
+        x = x_all if lo == 0 and sum(n) == x_all.shape[0] else x_all[lo : lo + sum(n)]
+        ys.append(expert_format.frozen_group(helds, x, n, self.act, self.situ_betas))
         helds.clear()
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
