@@ -199,3 +199,36 @@ def test_float_check_finite_finds_nan_and_inf_and_passes_sums_that_overflow():
         w = ExpertWeights(torch.zeros(4, 4, dtype=torch.bfloat16), up, torch.zeros(4, 4, dtype=torch.bfloat16))
         name, proj, what = w.fmt.check_finite(w, names)
         assert (name, proj) == ("e.w3.weight", "w3") and f"first at {at}" in what
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_frozen_moe_is_the_weighted_sum_of_the_experts(dtype):
+    """`frozen_moe` against plain float64 torch: each token's pairs' expert outputs times their weights,
+    summed; the gradients of the input rows (a token routed to several experts) and of the weights."""
+    experts = [dense_expert(64, 96, dtype, seed=s) for s in range(4)]
+    gen = torch.Generator().manual_seed(15)
+    T, counts = 6, [3, 1, 5, 2]
+    token_of = torch.cat([torch.randperm(T, generator=gen)[:n].sort().values for n in counts])
+    h = torch.randn(T, 64, generator=gen, requires_grad=True)
+    wts = torch.rand(sum(counts), generator=gen, requires_grad=True)
+    out = ef.frozen_moe([ef.Held(w) for w in experts], h, token_of, wts, counts, "situ", BETAS)
+    dout = torch.randn(T, 64, generator=gen)
+    out.backward(dout)
+    h64, w64 = h.detach().double().requires_grad_(), wts.detach().double().requires_grad_()
+    ys = torch.cat([w.fmt.reference(w, h64[rows], "situ", BETAS)
+                    for w, rows in zip(experts, token_of.split(counts))])
+    want = torch.zeros(T, 64, dtype=torch.float64).index_add(0, token_of, ys * w64[:, None])
+    want.backward(dout.double())
+    for got, ref in ((out, want), (h.grad, h64.grad), (wts.grad, w64.grad)):
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        torch.testing.assert_close(got.double(), ref.detach(), rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+
+
+def test_frozen_moe_passes_gradcheck_in_float64():
+    experts = [dense_expert(32, 32, torch.float64, seed=s) for s in (16, 17)]
+    gen = torch.Generator().manual_seed(18)
+    h = torch.randn(3, 32, dtype=torch.float64, generator=gen, requires_grad=True)
+    wts = torch.rand(4, dtype=torch.float64, generator=gen, requires_grad=True)
+    token_of = torch.tensor([0, 2, 0, 1])
+    helds = [ef.Held(w) for w in experts]
+    assert torch.autograd.gradcheck(lambda h, w: ef.frozen_moe(helds, h, token_of, w, [2, 2], "situ", BETAS), (h, wts))

@@ -750,3 +750,74 @@ class _FrozenGroup(torch.autograd.Function):
             dx = torch.mm(dg, w13[:F_], out=dx_PI[lo:hi])
             dx.addmm_(du, w13[F_:])
         return dx_PI, None, None, None, None
+
+
+def frozen_moe(helds: list, h_TI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, counts: list[int],
+               act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
+    """A layer step's routed output when every expert is `groupable` without adapters: each token's pairs'
+    `frozen_group` outputs times their routing weights, added from zero in pair order (models.layers.moe's
+    combine_pairs, the same bits) — [T, I], differentiable in h_TI and weights, as one autograd node that
+    gathers and scatters each expert's rows itself (no [P, I] copies of the inputs or outputs)."""
+    return _FrozenMoE.apply(h_TI, weights, token_of, tuple(helds), tuple(counts), act, situ_betas)
+
+
+class _FrozenMoE(torch.autograd.Function):
+    """`frozen_moe`: _FrozenGroup's per-expert products with the gather, routing weights and sum inside.
+    Keeps gate, up and each pair's unweighted output (the weights' gradient is dy · y)."""
+
+    @staticmethod
+    def forward(ctx, h_TI, weights, token_of, helds, counts, act, situ_betas):
+        wide = _Widened(h_TI.dtype, h_TI.device)
+        P = token_of.shape[0]
+        w_P1 = weights.to(h_TI.dtype)[:, None]
+        out_TI = torch.zeros_like(h_TI)
+        gate_PF = up_PF = y_PI = None
+        starts = [0]
+        for held, n in zip(helds, counts):
+            lo, hi = starts[-1], starts[-1] + n
+            starts.append(hi)
+            w = held.get()
+            w13, w2 = wide.gate_up(w), wide.down(w)
+            del w
+            F_ = w13.shape[0] // 2
+            if gate_PF is None:
+                gate_PF, up_PF = h_TI.new_empty(P, F_), h_TI.new_empty(P, F_)
+                y_PI = h_TI.new_empty(P, w2.shape[0])
+            rows = token_of[lo:hi]
+            x = h_TI.index_select(0, rows)
+            torch.mm(x, w13[:F_].T, out=gate_PF[lo:hi])
+            torch.mm(x, w13[F_:].T, out=up_PF[lo:hi])
+            y = torch.mm(glu(act, gate_PF[lo:hi], up_PF[lo:hi], situ_betas), w2.T, out=y_PI[lo:hi])
+            out_TI.index_add_(0, rows, y * w_P1[lo:hi])
+        ctx.save_for_backward(gate_PF, up_PF, y_PI, w_P1, token_of)
+        ctx.helds, ctx.starts, ctx.act, ctx.situ_betas, ctx.w_dtype = helds, starts, act, situ_betas, weights.dtype
+        return out_TI
+
+    @staticmethod
+    def backward(ctx, dout_TI):
+        gate_PF, up_PF, y_PI, w_P1, token_of = ctx.saved_tensors
+        dout_TI = dout_TI.contiguous()
+        wide = _Widened(dout_TI.dtype, dout_TI.device)
+        dh_TI = torch.zeros_like(dout_TI)
+        dw_P = dout_TI.new_empty(token_of.shape[0])
+        kernel = cpu_kernels.kernel() if gate_PF.dtype == torch.float32 and gate_PF.is_cpu else None
+        for i, held in enumerate(ctx.helds):
+            lo, hi = ctx.starts[i], ctx.starts[i + 1]
+            w = held.get()
+            w13, w2 = wide.gate_up(w), wide.down(w)
+            del w
+            F_ = w13.shape[0] // 2
+            rows = token_of[lo:hi]
+            dc = dout_TI.index_select(0, rows)  # d (weighted output) of each pair
+            torch.sum(dc * y_PI[lo:hi], 1, out=dw_P[lo:hi])
+            dh = dc.mul_(w_P1[lo:hi]) @ w2
+            gate, up = gate_PF[lo:hi], up_PF[lo:hi]
+            if kernel is not None:
+                dg, du = kernel.glu_backward(gate, up, dh, ctx.act, ctx.situ_betas)
+            else:  # float64 (gradient checks): torch's own derivative of the plain activation
+                with torch.enable_grad():
+                    g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+                    dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh)
+            dx = torch.mm(dg, w13[:F_])
+            dh_TI.index_add_(0, rows, dx.addmm_(du, w13[F_:]))
+        return dh_TI, dw_P.to(ctx.w_dtype), None, None, None, None, None

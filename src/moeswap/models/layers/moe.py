@@ -211,14 +211,14 @@ class MoE(nn.Module):
                            row_slots: list[int] | None = None) -> torch.Tensor:
         """The experts as torch ops autograd follows: each expert's three projections (ops.expert_format.project:
         the fast kernel forward, backward from the same bytes), the activation and the LoRA deltas, then
-        the weighted sum, all out of place; runs of float experts without adapters as one
-        `expert_format.frozen_group` node each (the same math, far fewer calls). Experts come from the store as at inference, one at a time;
-        what the graph keeps of them for backward the store hands out and counts (`store.hold`).
+        the weighted sum, all out of place. Float experts without adapters (LoRA on attention only) instead
+        run as one autograd node: `expert_format.frozen_moe` when every expert of the step is one (gather,
+        experts and weighted sum together), else `expert_format.frozen_group` per run of them (the same
+        math, far fewer calls). Experts come from the store as at inference, one at a time; what the graph
+        keeps of them for backward the store hands out and counts (`store.hold`).
         served, row_slots: served adapters (ExpertLoRASlots) and each row's slot, instead of `expert_lora`."""
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         token_of = token_of.to(h_TI.device)
-        x_all = h_TI.index_select(0, token_of)  # one gather (and one scatter in backward)
-        x_PI = x_all.split(counts)
         lora = self._modules.get("expert_lora")
         if served is not None:
             adapters = served.adapters(unique_ids, counts, token_of, row_slots)
@@ -226,35 +226,35 @@ class MoE(nn.Module):
             adapters = lora.adapters(unique_ids) if lora is not None else [None] * len(unique_ids)
         experts = self.store.fetch(self.layer_idx, unique_ids)
         hold = getattr(self.store, "hold", None)
-        ys, helds = [], []
+        ys, helds, x_PI = [], [], None
         for i, e in enumerate(unique_ids):
             expert = experts[i]
             held = hold(self.layer_idx, e, expert) if hold is not None else expert_format.Held(expert)
-            # a run of frozen float experts without adapters (LoRA on attention only) becomes one autograd
-            # node (expert_format.frozen_group): far fewer calls than four nodes per expert
             grouped = adapters[i] is None and expert_format.groupable(expert, h_TI)
             del expert  # the store may evict it while the next one loads; only `held` may keep it
             if grouped:
                 helds.append(held)
                 continue
-            self._flush_frozen(ys, helds, x_all, counts, i)
+            if x_PI is None:
+                x_PI = h_TI.index_select(0, token_of).split(counts)  # one gather (and one scatter in backward)
+            self._flush_frozen(ys, helds, x_PI, counts, i)
             ys.append(expert_format.train_forward(held, x_PI[i], self.act, self.situ_betas, adapters[i]))
             del held
-        self._flush_frozen(ys, helds, x_all, counts, len(unique_ids))
+        if x_PI is None and helds:
+            return expert_format.frozen_moe(helds, h_TI, token_of, weights, counts, self.act,
+                                            self.situ_betas).to(h_TI.dtype)
+        self._flush_frozen(ys, helds, x_PI, counts, len(unique_ids))
         y_PI = torch.cat(ys) if len(ys) > 1 else ys[0] if ys else h_TI.new_zeros(0, h_TI.shape[-1])
         return combine_pairs(h_TI, y_PI, weights, token_of).to(h_TI.dtype)
 
-    def _flush_frozen(self, ys: list, helds: list, x_all: torch.Tensor, counts: list[int], end: int) -> None:
+    def _flush_frozen(self, ys: list, helds: list, x_PI: tuple[torch.Tensor, ...], counts: list[int], end: int) -> None:
         """Appends to ys the output of the frozen experts in `helds` (those just before expert `end`), and
         empties `helds`."""
         if not helds:
             return
         first = end - len(helds)
-        lo = sum(counts[:first])
-        n = counts[first:end]
-        # all pairs (the usual case): x_all itself, so backward does not scatter into a zeroed copy of it
-        x = x_all if lo == 0 and sum(n) == x_all.shape[0] else x_all[lo : lo + sum(n)]
-        ys.append(expert_format.frozen_group(helds, x, n, self.act, self.situ_betas))
+        x = torch.cat(x_PI[first:end]) if end - first > 1 else x_PI[first]
+        ys.append(expert_format.frozen_group(helds, x, counts[first:end], self.act, self.situ_betas))
         helds.clear()
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
