@@ -8,7 +8,8 @@ FP8ExpertWeights, Int4ExpertWeights; float and MXFP8 are decoded, ExpertWeights)
 expert through `w.fmt` (the format of its kept form): `forward` (the
 kernel choice), `reference` (plain torch), `project` (x W^T under autograd: the fast kernel forward, backward
 dx = dy W decoded in row chunks, no weight gradient) and `train_forward` (an expert from three `project`s,
-plus adapters); `frozen_group`: a layer step's frozen float experts without adapters as one autograd node.
+plus adapters); `frozen_group` / `frozen_moe`: a layer step's frozen float experts without adapters as one
+autograd node (without / with the gather and the weighted sum).
 In ops/, not formats/, because kernels and backward are ops; formats/weights.py imports it lazily.
 Shapes: T tokens, I expert input width, F expert width, O/N one projection's output/input width.
 """

@@ -5,9 +5,9 @@ Routed experts are not parameters of this module: `store.fetch(layer, ids)` retu
 (see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
 Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
 LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
-through ops.expert_format (`train_forward` per expert with an adapter; `frozen_group`, one autograd node
-for consecutive float experts without one), still fetched from the store one at a time. Full
-training replaces the store by parameters (an `experts` submodule, train/experts.py). With served
+through ops.expert_format (`train_forward` per expert with an adapter; float experts without one as one
+autograd node: `frozen_moe`, or `frozen_group` beside adapted ones), still fetched from the store one at a
+time. Full training replaces the store by parameters (an `experts` submodule, train/experts.py). With served
 adapters (`serve_expert_lora`, lora.serving) only the rows whose adapter has expert LoRA here run that way.
 Shapes: T tokens, D model width, I expert input width, E experts, K top-k, P (token, expert) pairs.
 """
