@@ -83,7 +83,14 @@ class LoRALinear(nn.Module):
         y = self.base_forward(x)
         if self.merged:
             return y
-        return y + self.delta(x).to(y.dtype)
+        if y.dtype != self.lora_B.weight.dtype or y.dim() < 2:
+            return y + self.delta(x).to(y.dtype)
+        # y + s · B A dropout(x) as one addmm: the B product, the scaling and the sum in one pass over
+        # [rows, out] (three with `delta`), and one backward node
+        a = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), self.lora_B.weight.T,
+                          alpha=self.scaling)
+        return out.view(y.shape)
 
     # -- the update as a matrix --------------------------------------------------------------------
 
