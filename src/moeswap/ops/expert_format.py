@@ -676,25 +676,26 @@ def frozen_group(helds: list, x_PI: torch.Tensor, counts: list[int], act: str,
 
 
 class _Widened:
-    """One expert's weights widened to the compute dtype, into buffers reused from expert to expert (no
-    allocation per call): gate and up [2F, I] (one copy call each into one buffer), down [I, F]."""
+    """An expert's three matrices in the compute dtype: as kept where they already are, else widened into
+    buffers reused from expert to expert (no allocation per call)."""
+
+    FIELDS = ("w1_FI", "w3_FI", "w2_IF")
 
     def __init__(self, dtype: torch.dtype, device):
         self.dtype, self.device = dtype, device
-        self.w13 = self.w2 = None
+        self.bufs: dict[str, torch.Tensor] = {}
 
-    def gate_up(self, w) -> torch.Tensor:
-        F_, I = w.w1_FI.shape
-        if self.w13 is None or tuple(self.w13.shape) != (2 * F_, I):
-            self.w13 = torch.empty(2 * F_, I, dtype=self.dtype, device=self.device)
-        self.w13[:F_].copy_(w.w1_FI)
-        self.w13[F_:].copy_(w.w3_FI)
-        return self.w13
+    def get(self, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 [F, I], w3 [F, I], w2 [I, F]) of expert w."""
+        return tuple(self._one(f, getattr(w, f)) for f in self.FIELDS)
 
-    def down(self, w) -> torch.Tensor:
-        if self.w2 is None or self.w2.shape != w.w2_IF.shape:
-            self.w2 = torch.empty(w.w2_IF.shape, dtype=self.dtype, device=self.device)
-        return self.w2.copy_(w.w2_IF)
+    def _one(self, field: str, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == self.dtype:
+            return t
+        buf = self.bufs.get(field)
+        if buf is None or buf.shape != t.shape:
+            buf = self.bufs[field] = torch.empty(t.shape, dtype=self.dtype, device=self.device)
+        return buf.copy_(t)
 
 
 class _FrozenGroup(torch.autograd.Function):
@@ -713,15 +714,14 @@ class _FrozenGroup(torch.autograd.Function):
             lo, hi = starts[-1], starts[-1] + n
             starts.append(hi)
             w = held.get()
-            w13, w2 = wide.gate_up(w), wide.down(w)
+            w1, w3, w2 = wide.get(w)
             del w
-            F_ = w13.shape[0] // 2
             if gate_PF is None:
-                gate_PF, up_PF = x_PI.new_empty(x_PI.shape[0], F_), x_PI.new_empty(x_PI.shape[0], F_)
-                y_PI = x_PI.new_empty(x_PI.shape[0], w2.shape[0])
+                P, F_ = x_PI.shape[0], w1.shape[0]
+                gate_PF, up_PF, y_PI = x_PI.new_empty(P, F_), x_PI.new_empty(P, F_), x_PI.new_empty(P, w2.shape[0])
             x = x_PI[lo:hi]
-            torch.mm(x, w13[:F_].T, out=gate_PF[lo:hi])
-            torch.mm(x, w13[F_:].T, out=up_PF[lo:hi])
+            torch.mm(x, w1.T, out=gate_PF[lo:hi])
+            torch.mm(x, w3.T, out=up_PF[lo:hi])
             torch.mm(glu(act, gate_PF[lo:hi], up_PF[lo:hi], situ_betas), w2.T, out=y_PI[lo:hi])
         ctx.save_for_backward(gate_PF, up_PF)
         ctx.helds, ctx.starts, ctx.act, ctx.situ_betas = helds, starts, act, situ_betas
@@ -737,9 +737,8 @@ class _FrozenGroup(torch.autograd.Function):
         for i, held in enumerate(ctx.helds):
             lo, hi = ctx.starts[i], ctx.starts[i + 1]
             w = held.get()
-            w13, w2 = wide.gate_up(w), wide.down(w)
+            w1, w3, w2 = wide.get(w)
             del w
-            F_ = w13.shape[0] // 2
             dh = dy_PI[lo:hi] @ w2
             gate, up = gate_PF[lo:hi], up_PF[lo:hi]
             if kernel is not None:
@@ -748,8 +747,8 @@ class _FrozenGroup(torch.autograd.Function):
                 with torch.enable_grad():
                     g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
                     dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh)
-            dx = torch.mm(dg, w13[:F_], out=dx_PI[lo:hi])
-            dx.addmm_(du, w13[F_:])
+            dx = torch.mm(dg, w1, out=dx_PI[lo:hi])
+            dx.addmm_(du, w3)
         return dx_PI, None, None, None, None
 
 
@@ -778,16 +777,15 @@ class _FrozenMoE(torch.autograd.Function):
             lo, hi = starts[-1], starts[-1] + n
             starts.append(hi)
             w = held.get()
-            w13, w2 = wide.gate_up(w), wide.down(w)
+            w1, w3, w2 = wide.get(w)
             del w
-            F_ = w13.shape[0] // 2
             if gate_PF is None:
-                gate_PF, up_PF = h_TI.new_empty(P, F_), h_TI.new_empty(P, F_)
+                gate_PF, up_PF = h_TI.new_empty(P, w1.shape[0]), h_TI.new_empty(P, w1.shape[0])
                 y_PI = h_TI.new_empty(P, w2.shape[0])
             rows = token_of[lo:hi]
             x = h_TI.index_select(0, rows)
-            torch.mm(x, w13[:F_].T, out=gate_PF[lo:hi])
-            torch.mm(x, w13[F_:].T, out=up_PF[lo:hi])
+            torch.mm(x, w1.T, out=gate_PF[lo:hi])
+            torch.mm(x, w3.T, out=up_PF[lo:hi])
             y = torch.mm(glu(act, gate_PF[lo:hi], up_PF[lo:hi], situ_betas), w2.T, out=y_PI[lo:hi])
             out_TI.index_add_(0, rows, y * w_P1[lo:hi])
         ctx.save_for_backward(gate_PF, up_PF, y_PI, w_P1, token_of)
@@ -805,9 +803,8 @@ class _FrozenMoE(torch.autograd.Function):
         for i, held in enumerate(ctx.helds):
             lo, hi = ctx.starts[i], ctx.starts[i + 1]
             w = held.get()
-            w13, w2 = wide.gate_up(w), wide.down(w)
+            w1, w3, w2 = wide.get(w)
             del w
-            F_ = w13.shape[0] // 2
             rows = token_of[lo:hi]
             dc = dout_TI.index_select(0, rows)  # d (weighted output) of each pair
             torch.sum(dc * y_PI[lo:hi], 1, out=dw_P[lo:hi])
@@ -819,6 +816,6 @@ class _FrozenMoE(torch.autograd.Function):
                 with torch.enable_grad():
                     g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
                     dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh)
-            dx = torch.mm(dg, w13[:F_])
-            dh_TI.index_add_(0, rows, dx.addmm_(du, w13[F_:]))
+            dx = torch.mm(dg, w1)
+            dh_TI.index_add_(0, rows, dx.addmm_(du, w3))
         return dh_TI, dw_P.to(ctx.w_dtype), None, None, None, None, None
