@@ -27,7 +27,7 @@ install-test: $(VENV)/.installed-test
 
 demo: install
 	$(MOESWAP) inspect $(DEMO_MODEL)
-	$(MOESWAP) generate $(DEMO_MODEL) --prompt "$$(printf 'class Stack:\n    def push(self, item):\n        ')" \
+	$(MOESWAP) generate $(DEMO_MODEL) --prompt "$$(printf 'class Stack:\n    \042\042\042A last-in, first-out stack.\042\042\042\n\n    def')" \
 		--max-tokens 64 --temperature 0.7 --top-p 0.95 --seed 1 --stats
 
 test: install-test

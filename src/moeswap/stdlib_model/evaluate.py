@@ -19,8 +19,10 @@ import torch
 from moeswap.stdlib_model.corpus import EVAL_FILE, TRAIN_FILE
 
 # Openings every Python programmer recognises; the card shows what the model writes after each.
-PROMPTS = ("import os\nimport sys\n\n\ndef ", "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def ",
-           "    def __repr__(self):\n        return ", "for i in range(", "try:\n    import threading\nexcept ")
+# Prompts end on a whole word: the tokenizer joins a space to the word after it, so a prompt ending in a space
+# leaves a token the model never saw before a word (the greedy text then derails at once).
+PROMPTS = ("import os\nimport sys\n\n\ndef", "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def",
+           "    def __repr__(self):\n        return", "for i in range(", "try:\n    import threading\nexcept")
 
 
 def _data(model_dir: Path, corpus_dir: Path, seq_len: int):

@@ -17,9 +17,9 @@ from moeswap.stdlib_model import corpus
 SIZE = "stdlib"
 SEED = 0
 # The run: rows of 1024 tokens packed from whole pieces (a 2000-character piece is ~600 tokens; the rare
-# denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 1000 steps see ~2 M
-# tokens, about two thirds of the train split: what ~70 minutes of this 2-core machine afford when nothing
-# else runs. MAX_STEPS is the knob for a longer run (the schedule follows it).
+# denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 1000 steps see ~1.5 M
+# real tokens, about half the train split: ~70 minutes of this 2-core machine when nothing else runs (1.5 h
+# shared, 2026-12-01). MAX_STEPS is the knob for a longer run (the schedule follows it).
 MAX_STEPS = 1000
 TRAIN = {
     "model": "base", "train_data": "corpus/train.jsonl", "eval_data": "corpus/eval.jsonl", "output": "trained",
