@@ -689,6 +689,15 @@ class _Widened:
         """(w1 [F, I], w3 [F, I], w2 [I, F]) of expert w."""
         return tuple(self._one(f, getattr(w, f)) for f in self.FIELDS)
 
+    def each(self, helds):
+        """(w1, w3, w2) of each held expert in turn (fetched again where the store let it go), widened
+        into the same buffers: use each before asking for the next."""
+        for held in helds:
+            w = held.get()
+            mats = self.get(w)
+            del w
+            yield mats
+
     def _one(self, field: str, t: torch.Tensor) -> torch.Tensor:
         if t.dtype == self.dtype:
             return t
@@ -696,6 +705,24 @@ class _Widened:
         if buf is None or buf.shape != t.shape:
             buf = self.bufs[field] = torch.empty(t.shape, dtype=self.dtype, device=self.device)
         return buf.copy_(t)
+
+
+def _glu_products(x, w1, w3, w2, gate_out, up_out, y_out, act: str, situ_betas) -> torch.Tensor:
+    """w2 act(w1 x, w3 x) into y_out, the pre-activations into gate_out and up_out (kept for backward)."""
+    torch.mm(x, w1.T, out=gate_out)
+    torch.mm(x, w3.T, out=up_out)
+    return torch.mm(glu(act, gate_out, up_out, situ_betas), w2.T, out=y_out)
+
+
+def _glu_grads(gate, up, dh, act: str, situ_betas) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of glu(act, gate, up) from d of its output: the C kernel on fp32 CPU rows, else
+    torch's own derivative of the plain activation (float64 gradient checks)."""
+    kernel = cpu_kernels.kernel() if gate.dtype == torch.float32 and gate.is_cpu else None
+    if kernel is not None:
+        return kernel.glu_backward(gate, up, dh, act, situ_betas)
+    with torch.enable_grad():
+        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        return torch.autograd.grad(glu_reference(act, g, u, situ_betas), (g, u), dh)
 
 
 class _FrozenGroup(torch.autograd.Function):
@@ -710,19 +737,13 @@ class _FrozenGroup(torch.autograd.Function):
         wide = _Widened(x_PI.dtype, x_PI.device)
         gate_PF = up_PF = y_PI = None
         starts = [0]
-        for held, n in zip(helds, counts):
+        for (w1, w3, w2), n in zip(wide.each(helds), counts):
             lo, hi = starts[-1], starts[-1] + n
             starts.append(hi)
-            w = held.get()
-            w1, w3, w2 = wide.get(w)
-            del w
             if gate_PF is None:
                 P, F_ = x_PI.shape[0], w1.shape[0]
                 gate_PF, up_PF, y_PI = x_PI.new_empty(P, F_), x_PI.new_empty(P, F_), x_PI.new_empty(P, w2.shape[0])
-            x = x_PI[lo:hi]
-            torch.mm(x, w1.T, out=gate_PF[lo:hi])
-            torch.mm(x, w3.T, out=up_PF[lo:hi])
-            torch.mm(glu(act, gate_PF[lo:hi], up_PF[lo:hi], situ_betas), w2.T, out=y_PI[lo:hi])
+            _glu_products(x_PI[lo:hi], w1, w3, w2, gate_PF[lo:hi], up_PF[lo:hi], y_PI[lo:hi], act, situ_betas)
         ctx.save_for_backward(gate_PF, up_PF)
         ctx.helds, ctx.starts, ctx.act, ctx.situ_betas = helds, starts, act, situ_betas
         return y_PI
@@ -733,20 +754,10 @@ class _FrozenGroup(torch.autograd.Function):
         dy_PI = dy_PI.contiguous()
         wide = _Widened(dy_PI.dtype, dy_PI.device)
         dx_PI = torch.empty_like(dy_PI)
-        kernel = cpu_kernels.kernel() if gate_PF.dtype == torch.float32 and gate_PF.is_cpu else None
-        for i, held in enumerate(ctx.helds):
+        for i, (w1, w3, w2) in enumerate(wide.each(ctx.helds)):
             lo, hi = ctx.starts[i], ctx.starts[i + 1]
-            w = held.get()
-            w1, w3, w2 = wide.get(w)
-            del w
             dh = dy_PI[lo:hi] @ w2
-            gate, up = gate_PF[lo:hi], up_PF[lo:hi]
-            if kernel is not None:
-                dg, du = kernel.glu_backward(gate, up, dh, ctx.act, ctx.situ_betas)
-            else:  # float64 (gradient checks): torch's own derivative of the plain activation
-                with torch.enable_grad():
-                    g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-                    dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh)
+            dg, du = _glu_grads(gate_PF[lo:hi], up_PF[lo:hi], dh, ctx.act, ctx.situ_betas)
             dx = torch.mm(dg, w1, out=dx_PI[lo:hi])
             dx.addmm_(du, w3)
         return dx_PI, None, None, None, None
@@ -773,20 +784,15 @@ class _FrozenMoE(torch.autograd.Function):
         out_TI = torch.zeros_like(h_TI)
         gate_PF = up_PF = y_PI = None
         starts = [0]
-        for held, n in zip(helds, counts):
+        for (w1, w3, w2), n in zip(wide.each(helds), counts):
             lo, hi = starts[-1], starts[-1] + n
             starts.append(hi)
-            w = held.get()
-            w1, w3, w2 = wide.get(w)
-            del w
             if gate_PF is None:
                 gate_PF, up_PF = h_TI.new_empty(P, w1.shape[0]), h_TI.new_empty(P, w1.shape[0])
                 y_PI = h_TI.new_empty(P, w2.shape[0])
             rows = token_of[lo:hi]
-            x = h_TI.index_select(0, rows)
-            torch.mm(x, w1.T, out=gate_PF[lo:hi])
-            torch.mm(x, w3.T, out=up_PF[lo:hi])
-            y = torch.mm(glu(act, gate_PF[lo:hi], up_PF[lo:hi], situ_betas), w2.T, out=y_PI[lo:hi])
+            y = _glu_products(h_TI.index_select(0, rows), w1, w3, w2, gate_PF[lo:hi], up_PF[lo:hi], y_PI[lo:hi],
+                              act, situ_betas)
             out_TI.index_add_(0, rows, y * w_P1[lo:hi])
         ctx.save_for_backward(gate_PF, up_PF, y_PI, w_P1, token_of)
         ctx.helds, ctx.starts, ctx.act, ctx.situ_betas, ctx.w_dtype = helds, starts, act, situ_betas, weights.dtype
@@ -799,23 +805,13 @@ class _FrozenMoE(torch.autograd.Function):
         wide = _Widened(dout_TI.dtype, dout_TI.device)
         dh_TI = torch.zeros_like(dout_TI)
         dw_P = dout_TI.new_empty(token_of.shape[0])
-        kernel = cpu_kernels.kernel() if gate_PF.dtype == torch.float32 and gate_PF.is_cpu else None
-        for i, held in enumerate(ctx.helds):
+        for i, (w1, w3, w2) in enumerate(wide.each(ctx.helds)):
             lo, hi = ctx.starts[i], ctx.starts[i + 1]
-            w = held.get()
-            w1, w3, w2 = wide.get(w)
-            del w
             rows = token_of[lo:hi]
             dc = dout_TI.index_select(0, rows)  # d (weighted output) of each pair
             torch.sum(dc * y_PI[lo:hi], 1, out=dw_P[lo:hi])
             dh = dc.mul_(w_P1[lo:hi]) @ w2
-            gate, up = gate_PF[lo:hi], up_PF[lo:hi]
-            if kernel is not None:
-                dg, du = kernel.glu_backward(gate, up, dh, ctx.act, ctx.situ_betas)
-            else:  # float64 (gradient checks): torch's own derivative of the plain activation
-                with torch.enable_grad():
-                    g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-                    dg, du = torch.autograd.grad(glu_reference(ctx.act, g, u, ctx.situ_betas), (g, u), dh)
+            dg, du = _glu_grads(gate_PF[lo:hi], up_PF[lo:hi], dh, ctx.act, ctx.situ_betas)
             dx = torch.mm(dg, w1)
             dh_TI.index_add_(0, rows, dx.addmm_(du, w3))
         return dh_TI, dw_P.to(ctx.w_dtype), None, None, None, None, None
