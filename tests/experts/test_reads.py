@@ -33,10 +33,14 @@ def make_reads(native: bool, threads: int = 2) -> Reads:
 
 
 def held_reader(native: bool):
-    """A one-thread reader whose Python thread (the fallback's only reader) is busy until `gate` is set."""
+    """A one-thread reader whose Python thread (the fallback's only reader) is busy until `gate` is set,
+    returned once that thread is in the blocking call (on a busy machine it may start late, and a close
+    before then would drop the blocker itself)."""
     reads = make_reads(native, threads=1)
-    gate = threading.Event()
-    return reads, gate, reads.call(gate.wait)
+    gate, started = threading.Event(), threading.Event()
+    blocker = reads.call(lambda: started.set() or gate.wait())
+    assert started.wait(30), "the reader thread never ran the blocking call"
+    return reads, gate, blocker
 
 
 @pytest.mark.parametrize("native", MODES)

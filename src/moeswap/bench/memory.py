@@ -1,8 +1,9 @@
 """`moeswap bench memory`: peak resident memory while generating, against what must be resident.
 
 Runs in a fresh process so the peak (ru_maxrss) belongs to this measurement alone, and reports it
-next to its parts: the process before loading (Python + torch), the dense weights as loaded, and
-the experts kept in the store's fast tier (capped by --expert-memory).
+next to its parts: the process before loading (Python + torch, with the compiler stack torch imports
+lazily), the dense weights as loaded, and the experts kept in the store's fast tier (capped by
+--expert-memory).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, options: LoadOp
     from moeswap.models.loader import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    # torch imports its compiler stack lazily on the first model built (nn.init goes through torch._dynamo,
+    # which imports triton where it is installed: ~90 MB): torch's, not moeswap's, so part of the baseline
+    import torch._dynamo  # noqa: F401
+
     base = rss_bytes()
     model, store = load_model(model_dir, options)
     after_load = rss_bytes()
