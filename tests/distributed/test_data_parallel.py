@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from distributed.test_expert_parallel import SRC, expert_bytes, launch
+# arch_dir is a fixture: imported, pytest finds it here too
+from distributed.test_expert_parallel import SRC, arch_dir, config_and_budgets, launch  # noqa: F401
 from moeswap.distributed.launch import free_port
 from moeswap.distributed.placement import contiguous
 from moeswap.engine.generate import GenerationConfig, generate
@@ -45,21 +46,13 @@ def one_process(model_dir, budget: int, prompts, max_tokens) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
-def arch_dir(request, tiny_k3_dir, tiny_linear_dir):
-    return tiny_k3_dir if request.param == "kimi_k3" else tiny_linear_dir
-
-
 def test_each_rank_its_own_prompts_matches_one_process_bit_for_bit(arch_dir, tmp_path):
-    model, store = load_model(arch_dir, LoadOptions(dtype="float32"))
-    total = expert_bytes(store)
-    store.close()
-    budgets = [total, total // 4]
+    config, budgets = config_and_budgets(arch_dir)
     results, codes, _ = launch({"model": str(arch_dir), "budgets": budgets, "data_parallel": True,
                                 "prompts": PROMPTS, "max_tokens": MAX_TOKENS}, tmp_path)
     assert codes == [0, 0], [r.get("error") for r in results]
-    owners = contiguous(model.config, 2).owners
-    K, width = model.config.moe.top_k, model.config.moe.latent_dim or model.config.hidden_size
+    owners = contiguous(config, 2).owners
+    K, width = config.moe.top_k, config.moe.latent_dim or config.hidden_size
     for b, budget in enumerate(budgets):
         ref = one_process(arch_dir, budget, PROMPTS, MAX_TOKENS)
         for rank, res in enumerate(results):
@@ -82,7 +75,7 @@ def test_each_rank_its_own_prompts_matches_one_process_bit_for_bit(arch_dir, tmp
         assert d0["tokens_through_moe_layers"] > d1["tokens_through_moe_layers"]
         assert d0["split_computes"] + d1["split_computes"] > 0  # prefill: pairs computed source by source
         assert d0["dispatch_bytes_sent"] % (width * 4) == 0  # whole fp32 rows of the expert width
-        if budget < total:
+        if budget < budgets[0]:
             assert all(r["runs"][b]["disk_reads"] > r["runs"][0]["disk_reads"] for r in results)  # it swapped
 
 

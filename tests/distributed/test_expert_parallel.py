@@ -62,14 +62,20 @@ def arch_dir(request, tiny_k3_dir, tiny_linear_dir):
     return tiny_k3_dir if request.param == "kimi_k3" else tiny_linear_dir
 
 
-def test_two_ranks_match_one_process_bit_for_bit(arch_dir, tmp_path):
-    model, store = load_model(arch_dir, LoadOptions(dtype="float32"))
+def config_and_budgets(model_dir):
+    """The model's config and the per-rank budgets the bit-identity tests run at: every expert fits, and a
+    quarter of the model's experts."""
+    model, store = load_model(model_dir, LoadOptions(dtype="float32"))
     total = expert_bytes(store)
     store.close()
-    budgets = [total, total // 4]  # per rank: every expert fits; a quarter of the model's experts
+    return model.config, [total, total // 4]
+
+
+def test_two_ranks_match_one_process_bit_for_bit(arch_dir, tmp_path):
+    config, budgets = config_and_budgets(arch_dir)
     results, codes, _ = launch({"model": str(arch_dir), "budgets": budgets}, tmp_path)
     assert codes == [0, 0], [r.get("error") for r in results]
-    owners = contiguous(model.config, 2).owners
+    owners = contiguous(config, 2).owners
     for b, budget in enumerate(budgets):
         ref = single_process(arch_dir, budget)
         for rank, res in enumerate(results):
@@ -82,9 +88,9 @@ def test_two_ranks_match_one_process_bit_for_bit(arch_dir, tmp_path):
             ep = run["ep"]
             # what was received is exactly the other rank's pairs: pairs x width x 4 bytes
             assert ep["bytes_received"] == results[1 - rank]["runs"][b]["ep"]["bytes_sent"]
-            width = model.config.moe.latent_dim or model.config.hidden_size
+            width = config.moe.latent_dim or config.hidden_size
             assert ep["bytes_sent"] == ep["pairs_local"] * width * 4
-        if budget < total:
+        if budget < budgets[0]:
             assert all(r["runs"][b]["disk_reads"] > r["runs"][0]["disk_reads"] for r in results)  # it swapped
 
 
