@@ -409,12 +409,9 @@ class NativeDecode:
     @staticmethod
     def _book(plan: _Plan, tables: dict, used, chosen: torch.Tensor, start: int, end: int, B: int) -> None:
         """The store's books of the MoE layers in [start, end) that the call ran from their tables."""
-        for i, moe in plan.moe:
+        for i, _ in plan.moe:
             if start <= i < end and used[i] and i in tables:
-                if moe.store.can_evict:
-                    moe.store.table_hits(i, sorted(set(chosen[i, :B * plan.table[i].topk].tolist())))
-                else:
-                    moe.store.count_resident_hits(used[i])
+                tables[i].book(i, chosen[i, :B * plan.table[i].topk], used[i])
 
     @staticmethod
     def _fetched_rows(table, i: int, ids: torch.Tensor) -> tuple | None:

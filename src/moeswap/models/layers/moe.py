@@ -358,7 +358,7 @@ class _ResidentTable:
         return got[1]
 
     def book(self, layer: int, ids_TK: torch.Tensor, used: int) -> None:
-        """The store's books of a step this table served (`used` distinct experts)."""
+        """The store's books of a step this table served: the router's ids (any shape), `used` distinct experts."""
         if self.store.can_evict:
             self.store.table_hits(layer, sorted(set(ids_TK.flatten().tolist())))  # (torch.unique: ~0.2 ms)
         else:
