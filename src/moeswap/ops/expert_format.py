@@ -16,6 +16,7 @@ Shapes: T tokens, I expert input width, F expert width, O/N one projection's out
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
 
@@ -714,6 +715,11 @@ def _glu_products(x, w1, w3, w2, gate_out, up_out, y_out, act: str, situ_betas) 
     return torch.mm(glu(act, gate_out, up_out, situ_betas), w2.T, out=y_out)
 
 
+def _step_buffers(like: torch.Tensor, P: int, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer step's gate and up pre-activations [P, F] and outputs [P, I] for P pairs, like `like`."""
+    return like.new_empty(P, w1.shape[0]), like.new_empty(P, w1.shape[0]), like.new_empty(P, w2.shape[0])
+
+
 def _glu_grads(gate, up, dh, act: str, situ_betas) -> tuple[torch.Tensor, torch.Tensor]:
     """(d gate, d up) of glu(act, gate, up) from d of its output: the C kernel on fp32 CPU rows, else
     torch's own derivative of the plain activation (float64 gradient checks)."""
@@ -736,13 +742,11 @@ class _FrozenGroup(torch.autograd.Function):
     def forward(ctx, x_PI, helds, counts, act, situ_betas):
         wide = _Widened(x_PI.dtype, x_PI.device)
         gate_PF = up_PF = y_PI = None
-        starts = [0]
-        for (w1, w3, w2), n in zip(wide.each(helds), counts):
-            lo, hi = starts[-1], starts[-1] + n
-            starts.append(hi)
+        starts = list(itertools.accumulate(counts, initial=0))
+        for i, (w1, w3, w2) in enumerate(wide.each(helds)):
+            lo, hi = starts[i], starts[i + 1]
             if gate_PF is None:
-                P, F_ = x_PI.shape[0], w1.shape[0]
-                gate_PF, up_PF, y_PI = x_PI.new_empty(P, F_), x_PI.new_empty(P, F_), x_PI.new_empty(P, w2.shape[0])
+                gate_PF, up_PF, y_PI = _step_buffers(x_PI, x_PI.shape[0], w1, w2)
             _glu_products(x_PI[lo:hi], w1, w3, w2, gate_PF[lo:hi], up_PF[lo:hi], y_PI[lo:hi], act, situ_betas)
         ctx.save_for_backward(gate_PF, up_PF)
         ctx.helds, ctx.starts, ctx.act, ctx.situ_betas = helds, starts, act, situ_betas
@@ -783,13 +787,11 @@ class _FrozenMoE(torch.autograd.Function):
         w_P1 = weights.to(h_TI.dtype)[:, None]
         out_TI = torch.zeros_like(h_TI)
         gate_PF = up_PF = y_PI = None
-        starts = [0]
-        for (w1, w3, w2), n in zip(wide.each(helds), counts):
-            lo, hi = starts[-1], starts[-1] + n
-            starts.append(hi)
+        starts = list(itertools.accumulate(counts, initial=0))
+        for i, (w1, w3, w2) in enumerate(wide.each(helds)):
+            lo, hi = starts[i], starts[i + 1]
             if gate_PF is None:
-                gate_PF, up_PF = h_TI.new_empty(P, w1.shape[0]), h_TI.new_empty(P, w1.shape[0])
-                y_PI = h_TI.new_empty(P, w2.shape[0])
+                gate_PF, up_PF, y_PI = _step_buffers(h_TI, P, w1, w2)
             rows = token_of[lo:hi]
             y = _glu_products(h_TI.index_select(0, rows), w1, w3, w2, gate_PF[lo:hi], up_PF[lo:hi], y_PI[lo:hi],
                               act, situ_betas)
