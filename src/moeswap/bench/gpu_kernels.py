@@ -18,7 +18,7 @@ import time
 import torch
 
 from moeswap import jsonio
-from moeswap.bench.kernels import K3_EXPERT, _machine, random_experts
+from moeswap.bench.kernels import K3_EXPERT, _machine, add_shape_flags, random_experts, shape_args
 
 VARIANTS = ("triton grouped", "triton per expert", "torch_rows per expert", "bf16 resident")
 
@@ -130,9 +130,7 @@ def format_report(r: dict) -> str:
 def add_parser(benches) -> None:
     b = benches.add_parser("gpu-kernels", help="µs per layer step of MXFP4 experts on CUDA: Triton kernels vs the "
                                                "torch fallback vs bf16 resident")
-    b.add_argument("--in-dim", type=int, default=K3_EXPERT[0], help="expert input width (K3 latent: 3584)")
-    b.add_argument("--expert-dim", type=int, default=K3_EXPERT[1], help="expert width (K3: 3072)")
-    b.add_argument("--tokens", default="1,4,16,64", help="comma-separated tokens per step")
+    add_shape_flags(b, "1,4,16,64", "comma-separated tokens per step")
     b.add_argument("--experts", type=int, default=16, help="experts per step (K3 routes each token to 16)")
     b.add_argument("--rounds", type=int, default=5)
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="activation dtype")
@@ -144,11 +142,7 @@ def add_parser(benches) -> None:
 def run(args: argparse.Namespace) -> int:
     from moeswap.ops import triton_mxfp4
 
-    tokens = tuple(int(t) for t in args.tokens.split(",") if t.strip())
-    if not tokens or min(tokens) < 1:
-        raise ValueError(f"--tokens must list positive integers, got {args.tokens!r}")
-    if args.in_dim % 32 or args.expert_dim % 32:
-        raise ValueError(f"--in-dim and --expert-dim must be multiples of 32, got {args.in_dim} and {args.expert_dim}")
+    tokens = shape_args(args)
     ready = triton_mxfp4.available() if args.device == "cuda" else triton_mxfp4.interpreted()
     if not ready:
         raise ValueError(f"--device {args.device}: the Triton kernels cannot run here (" +

@@ -253,12 +253,27 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def add_shape_flags(b, tokens: str, tokens_help: str) -> None:
+    """The expert shape and token counts of a kernel benchmark (`shape_args` reads them back)."""
+    b.add_argument("--in-dim", type=int, default=K3_EXPERT[0], help="expert input width (K3 latent: 3584)")
+    b.add_argument("--expert-dim", type=int, default=K3_EXPERT[1], help="expert width (K3: 3072)")
+    b.add_argument("--tokens", default=tokens, help=tokens_help)
+
+
+def shape_args(args: argparse.Namespace) -> tuple[int, ...]:
+    """--tokens as a tuple, once it and the widths are valid (else a ValueError naming the flag)."""
+    tokens = tuple(int(t) for t in args.tokens.split(",") if t.strip())
+    if not tokens or min(tokens) < 1:
+        raise ValueError(f"--tokens must list positive integers, got {args.tokens!r}")
+    if args.in_dim % 32 or args.expert_dim % 32:
+        raise ValueError(f"--in-dim and --expert-dim must be multiples of 32, got {args.in_dim} and {args.expert_dim}")
+    return tokens
+
+
 def add_parser(benches) -> None:
     b = benches.add_parser("kernels", help="µs per MXFP4 / block-FP8 / INT4 expert call: direct kernel vs "
                                            "dequantise+matmul vs bf16")
-    b.add_argument("--in-dim", type=int, default=K3_EXPERT[0], help="expert input width (K3 latent: 3584)")
-    b.add_argument("--expert-dim", type=int, default=K3_EXPERT[1], help="expert width (K3: 3072)")
-    b.add_argument("--tokens", default="1,4,16", help="comma-separated token counts per call")
+    add_shape_flags(b, "1,4,16", "comma-separated token counts per call")
     b.add_argument("--experts", type=int, default=16, help="experts cycled (enough to overflow the caches)")
     b.add_argument("--rounds", type=int, default=5)
     b.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
@@ -271,11 +286,7 @@ def add_parser(benches) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    tokens = tuple(int(t) for t in args.tokens.split(",") if t.strip())
-    if not tokens or min(tokens) < 1:
-        raise ValueError(f"--tokens must list positive integers, got {args.tokens!r}")
-    if args.in_dim % 32 or args.expert_dim % 32:
-        raise ValueError(f"--in-dim and --expert-dim must be multiples of 32, got {args.in_dim} and {args.expert_dim}")
+    tokens = shape_args(args)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     unknown = [f for f in formats if f not in ("mxfp4", "fp8", "int4")]
     if unknown:
