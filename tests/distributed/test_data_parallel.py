@@ -16,8 +16,8 @@ import pytest
 import torch
 
 # arch_dir is a fixture: imported, pytest finds it here too
-from distributed.test_expert_parallel import SRC, arch_dir, config_and_budgets, launch  # noqa: F401
-from moeswap.distributed.launch import free_port
+from distributed.test_expert_parallel import (SRC, arch_dir, config_and_budgets,  # noqa: F401
+                                              generate_alone_and_under_torchrun, launch)
 from moeswap.distributed.placement import contiguous
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.models.loader import LoadOptions, load_model
@@ -93,17 +93,10 @@ def test_a_rank_without_prompts_serves_the_others_experts(tiny_k3_dir, tmp_path)
 
 
 def test_torchrun_generate_with_several_prompts_prints_one_process_outputs_in_order(tiny_linear_dir, strict_json):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     args = ["-m", "moeswap", "generate", str(tiny_linear_dir), "--prompt", "hello world", "--prompt",
             "the quick brown fox jumps over", "--prompt", "a", "--max-tokens", "5", "--json", "--ignore-eos"]
-    one = subprocess.run([sys.executable, *args], env=env, capture_output=True, timeout=120)
-    assert one.returncode == 0, one.stderr.decode()
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), *args], env=env, capture_output=True, timeout=240)
-    assert two.returncode == 0, two.stderr.decode()[-3000:]
-    lines = [l for l in two.stdout.decode().splitlines() if l.strip()]
-    assert len(lines) == 1  # rank 1 writes nothing
-    single, ep = strict_json(one.stdout.decode()), strict_json(lines[0])
+    single, ep = generate_alone_and_under_torchrun(args, strict_json)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     alone = subprocess.run([sys.executable, *args[:4], "--prompt", "a", *args[-4:]], env=env, capture_output=True,
                            timeout=120)
     assert alone.returncode == 0, alone.stderr.decode()

@@ -164,10 +164,10 @@ def test_ranks_with_different_checkpoints_or_versions_are_refused(tiny_k3_dir, t
     assert codes == [3, 3] and "moeswap version" in results[1]["error"], results[1]
 
 
-def test_torchrun_generate_matches_one_process_and_only_rank_0_prints(tiny_linear_dir, strict_json):
+def generate_alone_and_under_torchrun(args: list[str], strict_json) -> tuple[dict, dict]:
+    """`python ARGS` (a `-m moeswap generate ... --json` command line) in one process, then under torchrun on 2
+    ranks: the two JSON outputs, once both exited 0 and rank 1 printed nothing."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-    args = ["-m", "moeswap", "generate", str(tiny_linear_dir), "--prompt", "hello world", "--max-tokens", "6",
-            "--json", "--ignore-eos"]
     one = subprocess.run([sys.executable, *args], env=env, capture_output=True, timeout=120)
     assert one.returncode == 0, one.stderr.decode()
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -175,7 +175,13 @@ def test_torchrun_generate_matches_one_process_and_only_rank_0_prints(tiny_linea
     assert two.returncode == 0, two.stderr.decode()[-3000:]
     lines = [l for l in two.stdout.decode().splitlines() if l.strip()]
     assert len(lines) == 1  # rank 1 writes nothing
-    single, ep = strict_json(one.stdout.decode()), strict_json(lines[0])
+    return strict_json(one.stdout.decode()), strict_json(lines[0])
+
+
+def test_torchrun_generate_matches_one_process_and_only_rank_0_prints(tiny_linear_dir, strict_json):
+    args = ["-m", "moeswap", "generate", str(tiny_linear_dir), "--prompt", "hello world", "--max-tokens", "6",
+            "--json", "--ignore-eos"]
+    single, ep = generate_alone_and_under_torchrun(args, strict_json)
     assert ep["tokens"] == single["tokens"] and ep["text"] == single["text"]
     par = ep["expert_parallel"]
     assert par["world"] == 2 and par["rank0"]["bytes_received"] > 0
