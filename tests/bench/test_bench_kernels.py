@@ -44,3 +44,15 @@ def test_tiny_kernel_bench_reports_every_variant(tmp_path, monkeypatch, capsys, 
         assert fg["fraction_of_read_bandwidth"] == pytest.approx(row["GBps"] / r["bandwidth"]["read_GBps"])
         assert fg["met"] == (fg["fraction_of_read_bandwidth"] >= 0.5)
         assert f"goal: {kind} direct (cpu_c) at 1 token" in md
+
+
+@pytest.mark.parametrize("bench", ["kernels", "gpu-kernels"])
+@pytest.mark.parametrize("flags, message", [
+    (["--tokens", "0"], "--tokens must list positive integers, got '0'"),
+    (["--tokens", ","], "--tokens must list positive integers, got ','"),
+    (["--in-dim", "33"], "--in-dim and --expert-dim must be multiples of 32, got 33 and 3072"),
+])
+def test_bad_shapes_are_refused_in_one_line_with_exit_2(bench, flags, message, capsys):
+    assert main(["bench", bench, *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
