@@ -28,7 +28,7 @@ import torch
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.config import load_config
-from moeswap.formats.checkpoint import Checkpoint
+from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint
 from moeswap.formats.files import confined
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.config import base_fingerprint
@@ -38,6 +38,7 @@ from moeswap.lora.peft_io import expert_lora_for, plan_adapter, read_adapter
 from moeswap.lora.targets import moe_blocks
 from moeswap.models.layers.expert_lora import ExpertLoRA
 from moeswap.ops import expert_format
+from moeswap.quantize import copy_side_files, side_files
 
 REPORT_NAME = "merge_report.json"
 MERGEABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -56,6 +57,10 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory; choose another destination or remove it")
     config = load_config(base)
+    # config.json and the index stay valid (the same names, shapes and shards); the side files as quantize copies
+    # them (a training run's record or a quantisation report describes the base, not the merge)
+    side = [confined(base, n, ValueError, str(base)) for n in ("config.json", INDEX_NAME)
+            if (base / n).exists()] + side_files(base)
     adapter = read_adapter(adapter_dir)
     recorded = base_fingerprint(adapter.raw)
     if recorded is not None:
@@ -110,7 +115,7 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
                                                         expert_rows))
                 if progress:
                     print(f"merge: wrote {file.name}", file=sys.stderr)
-            _copy_side_files(base, tmp, {f.name for f in ckpt.files()})
+            copy_side_files(side, tmp)
             report = _report(rows, _expert_summary(expert_rows), base, adapter.directory, out,
                              time.perf_counter() - t0)
             with writing(tmp / REPORT_NAME):
@@ -215,19 +220,6 @@ def _expert_summary(expert_rows: dict[tuple[str, str], list[dict]]) -> list[dict
                     "mean_abs_error": sum(r["sum_abs_error"] for r in rs) / sum(r["count"] for r in rs),
                     "error_over_update": (sum(r["err_sq"] for r in rs) / update_sq) ** 0.5 if update_sq else None})
     return out
-
-
-def _copy_side_files(base: Path, out: Path, shards: set[str]) -> None:
-    """config.json, the index, tokenizer files and the rest: everything but the shards, as they are."""
-    for path in sorted(base.iterdir()):
-        if path.name in shards or path.name == REPORT_NAME:
-            continue
-        src = confined(base, path.name, ValueError, str(base))
-        with writing(out / path.name):
-            if src.is_dir():
-                shutil.copytree(src, out / path.name, symlinks=True)
-            elif src.is_file():
-                shutil.copy2(src, out / path.name)
 
 
 def _report(rows: list[dict], experts: list[dict], base: Path, adapter: Path, out: Path, seconds: float) -> dict:
