@@ -275,19 +275,16 @@ def run(args: argparse.Namespace) -> int:
     options = LoadOptions.from_args(args)
     if options.device != "cpu":
         raise ValueError("bench ep runs on the CPU (gloo); use torchrun with NCCL for GPUs (docs/distributed.md)")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     result = run_bench(args.model, args.nproc, options, args.prompt_tokens, args.max_tokens, args.threads,
                        args.ep_placement, mode=args.mode)
     result["elapsed_s"] = time.perf_counter() - t0
+    from moeswap.bench.sidebyside import write_report
+
     report = format_report(result)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    md, js = out / f"ep-{stamp}.md", out / f"ep-{stamp}.json"
-    md.write_text(report + "\n")
-    js.write_text(jsonio.dumps(result, indent=2) + "\n")
+    paths = write_report("ep", result, report, args.out_dir or None, None, None)
     print(report)
-    print(f"wrote {md} and {js} in {result['elapsed_s']:.0f}s")
+    print(f"wrote {' and '.join(paths)} in {result['elapsed_s']:.0f}s")
     return 0
 
 

@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 
 from moeswap.options import LoadOptions, NO_CACHE, PREFETCH_MODES, add_load_flags, add_model_argument
-from moeswap import jsonio
 
 BASELINE_RESIDENT = "all experts resident"
 BASELINE_NO_CACHE = "no cache: every expert read from disk every time"
@@ -270,8 +269,6 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -281,11 +278,10 @@ def run(args: argparse.Namespace) -> int:
     result = run_bench(args.model, budgets, policies, args.prompt_tokens, args.max_tokens, LoadOptions.from_args(args),
                        not args.warm_disk, args.out_dir, args.repeats, args.warmup_tokens, prompts=prompts)
     result["elapsed_s"] = time.perf_counter() - t0
+    from moeswap.bench.sidebyside import write_report
+
     report = format_report(result)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    md, js = out / f"swap-{stamp}.md", out / f"swap-{stamp}.json"
-    md.write_text(report + "\n")
-    js.write_text(jsonio.dumps(result, indent=2) + "\n")
+    paths = write_report("swap", result, report, args.out_dir or None, None, None)
     print(report)
-    print(f"wrote {md} and {js} in {result['elapsed_s']:.0f}s")
+    print(f"wrote {' and '.join(paths)} in {result['elapsed_s']:.0f}s")
     return 0
