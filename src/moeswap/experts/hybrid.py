@@ -52,6 +52,8 @@ class HybridExperts:
         accelerator, else a HybridFetched whose missing experts come from host memory."""
         ids = [int(e) for e in expert_ids]
         store = self.store
+        if store.trace is not None:  # a routing trace wants every step's whole set in one fetch
+            return store.fetch(layer, ids)
         if not self.on_cpu(tokens):
             if not all(store.resident(layer, ids)):
                 store.stats.hybrid.fetch_steps += 1
