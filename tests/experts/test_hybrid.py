@@ -183,3 +183,30 @@ def test_options_check_the_mode_the_threshold_and_prefetch():
     options = LoadOptions(expert_compute="auto", expert_gpu_min_tokens=8, prefetch="next-layer")
     assert options.to_argv() == ["--prefetch", "next-layer", "--expert-compute", "auto",
                                  "--expert-gpu-min-tokens", "8"]
+
+
+def test_a_store_recording_a_trace_fetches_the_whole_step(tiny_k3_dir, quarter):
+    """A routing trace wants every step's experts in one fetch: hybrid steps aside while one records."""
+    _, store = _load(tiny_k3_dir, expert_memory=quarter, expert_compute="cpu")
+    recorded = []
+    store.trace = type("Recorder", (), {"record": lambda self, layer, ids: recorded.append((layer, list(ids)))})()
+    experts = store.hybrid.fetch(1, list(range(16)), tokens=1)
+    assert recorded == [(1, list(range(16)))] and not hasattr(experts, "host")
+    assert store.stats.hybrid.cpu_steps == 0
+
+
+def test_stats_report_where_hybrid_experts_ran(tiny_k3_dir, quarter):
+    """An empty tier with room for 20 experts: layer 1's 16 go into it (no CPU step), of layer 2's 16 the first
+    4 fill the rest and 12 run from host memory; the books and the --stats line say so."""
+    _, store = _load(tiny_k3_dir, expert_memory=quarter, expert_compute="cpu")
+    slots = quarter // store.fast.cost(min(store.index.entries))
+    assert slots == 20
+    first = store.hybrid.fetch(1, range(16), tokens=1)
+    assert not hasattr(first, "host") and len(list(first)) == 16  # (a fetch loads each expert when indexed)
+    experts = store.hybrid.fetch(2, range(16), tokens=1)
+    assert experts.host == [False] * 4 + [True] * 12 and all(w is not None for w in experts)
+    assert sorted(k.expert for k in store.fast.keys() if k.layer == 2) == [0, 1, 2, 3]
+    d = store.stats.as_dict()["hybrid"]
+    assert d == {"cpu_steps": 1, "fetch_steps": 0, "cpu_experts": 12, "filled": 20}
+    assert "hybrid: 1 layer steps computed 12 experts on the CPU, 0 fetched them" in store.stats.summary()
+    assert store.stats.fast.evictions == 0 and store.fast.used == store.fast.capacity
