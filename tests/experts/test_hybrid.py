@@ -210,3 +210,24 @@ def test_stats_report_where_hybrid_experts_ran(tiny_k3_dir, quarter):
     assert d == {"cpu_steps": 1, "fetch_steps": 0, "cpu_experts": 12, "filled": 20}
     assert "hybrid: 1 layer steps computed 12 experts on the CPU, 0 fetched them" in store.stats.summary()
     assert store.stats.fast.evictions == 0 and store.fast.used == store.fast.capacity
+
+
+@pytest.mark.skipif(cpu_kernels.kernel() is None, reason="no CPU kernel")
+def test_generate_takes_the_flags_to_the_store(tiny_k3_dir, capsys, strict_json):
+    """`generate --expert-compute cpu` at a quarter: the default run's tokens, and its JSON counts the CPU's
+    experts; auto with the threshold at 1 token swaps like the default."""
+    from moeswap.cli import main
+
+    def run(*flags):
+        assert main(["generate", str(tiny_k3_dir), "--prompt", "the quick brown fox", "--max-tokens", "6",
+                     "--ignore-eos", "--json", "--expert-memory", "64KiB", *flags]) == 0
+        return strict_json(capsys.readouterr().out.strip())
+
+    want = run()
+    cpu = run("--expert-compute", "cpu")
+    auto = run("--expert-compute", "auto", "--expert-gpu-min-tokens", "1")
+    assert cpu["tokens"] == auto["tokens"] == want["tokens"]
+    assert cpu["expert_store"]["hybrid"]["cpu_experts"] > 0 and cpu["expert_store"]["tiers"]["fast"]["evictions"] == 0
+    assert want["expert_store"]["hybrid"] == {"cpu_steps": 0, "fetch_steps": 0, "cpu_experts": 0, "filled": 0}
+    assert auto["expert_store"]["hybrid"]["fetch_steps"] > 0 and auto["expert_store"]["hybrid"]["cpu_steps"] == 0
+    assert auto["expert_store"]["tiers"]["fast"] == want["expert_store"]["tiers"]["fast"]
