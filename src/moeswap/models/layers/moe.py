@@ -2,7 +2,9 @@
 projection (K3), routed experts fetched from an expert store, optional latent norm, shared experts.
 
 Routed experts are not parameters of this module: `store.fetch(layer, ids)` returns callables
-(see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
+(see ops.expert.ExpertWeights); with hybrid experts (experts/hybrid.py) the store's `hybrid.fetch` hands over
+some from host memory, which run on the CPU (_OnHost) when the block is on an accelerator. Tokens routed to
+the same expert in a step are computed together.
 Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
 LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
 through ops.expert_format (`train_forward` per expert with an adapter; float experts without one as one
