@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (its image has torch; nothing is installed), under 8 minutes:
-# the CUDA parity tests (the model on CUDA, then the Triton MXFP4 kernels of ops/triton_mxfp4.py), the
-# Triton kernels' benchmark (`moeswap bench gpu-kernels`), then decode speed of the bench-size K3 on the
-# GPU vs its CPU cores. Everything lands under $OUT (JSON where it is data, .txt logs beside it). The new
-# Triton steps carry timeouts (2 + 1.5 min at most) so that a hang there cannot eat the steps after them.
+# the CUDA parity tests (the model on CUDA, hybrid experts included, then the Triton MXFP4 kernels of
+# ops/triton_mxfp4.py), the Triton kernels' benchmark (`moeswap bench gpu-kernels`), then decode speed of the
+# bench-size K3 on the GPU vs its CPU cores, and with a quarter of its experts in HBM per --expert-compute.
+# Everything lands under $OUT (JSON where it is data, .txt logs beside it). The new Triton and hybrid steps
+# carry timeouts (2 + 1.5 + 3 x 1.5 min at most) so that a hang there cannot eat the steps after them.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must compile for the GPU here
@@ -45,6 +46,14 @@ for dev in cuda cpu; do
   python3 -m moeswap generate /tmp/bench-k3 --prompt "The quick brown fox jumps over the lazy dog" \
     --max-tokens 32 --ignore-eos --json --device $dev --dtype bfloat16 --expert-memory 4GiB \
     2>&1 | tail -1 | tee "$OUT/generate_$dev.json"
+done
+# Issue 21's hybrid experts: the fast tier in HBM at 25 % of bench-k3's 0.44 GB of MXFP4 experts (105 MiB), a
+# 1 GiB pinned host tier: swap into HBM (gpu) vs misses computed by the CPU kernels (cpu) vs auto; each JSON
+# has decode_tokens_per_s, the tokens (to compare with generate_cuda.json) and expert_store.hybrid.
+for mode in gpu cpu auto; do
+  timeout 90 python3 -m moeswap generate /tmp/bench-k3 --prompt "The quick brown fox jumps over the lazy dog" \
+    --max-tokens 32 --ignore-eos --json --device cuda --dtype bfloat16 --expert-memory 105MiB --host-memory 1GiB \
+    --expert-compute $mode 2>&1 | tail -1 | tee "$OUT/generate_hybrid_$mode.json"
 done
 # The CPU kernel benchmark on the GPU machine's quiet host cores, pinned to 2 of them (the dev/CI
 # machines are 2-core and were saturated when it was first measured).

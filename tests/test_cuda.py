@@ -98,3 +98,31 @@ def test_swapping_experts_on_cuda_gives_the_cpu_tokens(k3_dir):
         s = store.stats
         assert s.misses > 0 and s.prefetch.loaded > 0 and store.fast.used <= store.fast.capacity
         assert all(t.is_cuda for key in store.fast.keys() for t in tensors_of(store.fast.get(key)))
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu", "auto"])
+def test_hybrid_experts_at_a_quarter_give_the_all_resident_tokens(k3_dir, mode):
+    """Issue 21's acceptance for --expert-compute: the fast tier in device memory at 25 % of the expert bytes.
+    gpu copies missing experts up and computes them there (evicting); cpu computes them on the CPU's C kernels
+    from host memory (the step's rows copied down, outputs back) and never evicts; auto does that for decode
+    and swaps for the 40-token prefill. Greedy tokens equal the all-resident run's in every mode."""
+    prompts = [_ids(20, 4)[0].tolist(), _ids(40, 5)[0].tolist()]
+    cfg = GenerationConfig(max_tokens=12, stop_ids=())
+    resident, probe = load_model(k3_dir, LoadOptions(dtype="float32", device="cuda"))
+    total = sum(probe.fast.cost(k) for k in probe.index.entries)
+    want = [generate(resident, p, cfg).tokens for p in prompts]
+    gpu, store = load_model(k3_dir, LoadOptions(dtype="float32", device="cuda", expert_memory=total // 4,
+                                                expert_compute=mode))
+    try:
+        assert [generate(gpu, p, cfg).tokens for p in prompts] == want
+    finally:
+        store.close()
+    s = store.stats
+    assert store.fast.used <= store.fast.capacity
+    assert all(t.is_cuda for key in store.fast.keys() for t in tensors_of(store.fast.get(key)))
+    if mode == "gpu":
+        assert s.fast.evictions > 0 and s.hybrid.cpu_steps == 0
+    elif mode == "cpu":
+        assert s.hybrid.cpu_experts > 0 and s.hybrid.fetch_steps == 0 and s.fast.evictions == 0
+    else:
+        assert s.hybrid.cpu_experts > 0 and s.hybrid.fetch_steps > 0 and s.fast.evictions > 0

@@ -22,6 +22,15 @@ PREFETCH_MODES = ("none", "next-layer")
 DENSE_WEIGHTS = ("auto", "compute")
 EXPERT_ACTIVATIONS = ("fp32", "int8")
 GEMM_PRECISIONS = ("fp32", "bf16")
+# --expert-compute (experts/hybrid.py): where a routed expert the fast tier lacks is computed. The planner's
+# `plan --offload-compute` models the same choice under its own names: gpu = swap, cpu = host, auto = auto.
+EXPERT_COMPUTE = ("gpu", "cpu", "auto")
+# auto: a layer step of at least this many tokens copies its missing experts up and computes there; fewer
+# compute them on the CPU. A missed expert costs one copy of its bytes up whatever the tokens, while its CPU
+# time grows with its rows: decode (a few tokens, most experts touched by one) is far cheaper on the CPU,
+# a long prefill (many rows per expert) on the accelerator. 32 is llama.cpp's switch for the same choice
+# (ggml's op offload of host-weight ops to the GPU from a batch of 32) and the planner's `auto` uses it too.
+EXPERT_GPU_MIN_TOKENS = 32
 
 
 def _policy_choices() -> tuple[str, ...]:
@@ -32,7 +41,7 @@ def _policy_choices() -> tuple[str, ...]:
 
 def _option(default: Any, help: str, *, choices: Callable[[], Iterable[str]] | tuple[str, ...] | None = None,
             kind: str = "str", metavar: str | None = None, flag: bool = True):
-    """A field with its flag: kind is str, bytes (parsed '2GiB') or bool (a switch); flag=False keeps
+    """A field with its flag: kind is str, int (>= 1), bytes (parsed '2GiB') or bool (a switch); flag=False keeps
     it out of the CLI (set by code only)."""
     return field(default=default, metadata={"help": help, "choices": choices, "kind": kind, "metavar": metavar,
                                             "flag": flag})
@@ -66,6 +75,17 @@ class LoadOptions:
                                            "block-FP8 or INT4 bytes", kind="bool")
     expert_profile: str | None = _option(None, "routing trace (moeswap trace) for --expert-policy static",
                                          metavar="TRACE")
+    expert_compute: str = _option(
+        "gpu", "where a routed expert the fast tier lacks is computed: gpu copies it up into the fast tier and "
+               "computes it there; cpu computes it on the CPU with the C kernels from host memory or disk (its "
+               "token rows copied down, the result back; the fast tier keeps what it holds, filling only free "
+               "room); auto picks per layer step: cpu below --expert-gpu-min-tokens tokens (decode), gpu from "
+               "there (long prefill). Same on a CPU-only machine, where the fast tier is host memory",
+        choices=EXPERT_COMPUTE)
+    expert_gpu_min_tokens: int = _option(
+        EXPERT_GPU_MIN_TOKENS, "--expert-compute auto: layer steps of at least this many tokens copy missing "
+                               "experts up; fewer compute them on the CPU (llama.cpp's switch is 32 too)",
+        kind="int", metavar="N")
     # benchmarks: every disk read comes from the device, not the OS page cache
     drop_page_cache: bool = _option(False, "", kind="bool", flag=False)
 
@@ -76,8 +96,13 @@ class LoadOptions:
                 raise ValueError(f"{_flag(f)} {value!r}: expected one of {', '.join(choices)}")
             if f.metadata["kind"] == "bytes" and not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{_flag(f)} must be a byte count >= 0, got {value!r}")
+            if f.metadata["kind"] == "int" and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{_flag(f)} must be an integer >= 1, got {value!r}")
         if self.expert_policy == NO_CACHE and self.prefetch != "none":
             raise ValueError("--prefetch needs a cache: --expert-policy none keeps no experts to prefetch into")
+        if self.expert_compute == "cpu" and self.prefetch != "none":
+            raise ValueError("--expert-compute cpu computes missing experts where they are; --prefetch would copy "
+                             "them up anyway (use --expert-compute auto, or --prefetch none)")
 
     @property
     def caching(self) -> bool:
@@ -145,6 +170,8 @@ def add_load_flags(parser: argparse.ArgumentParser, *, only: Iterable[str] | Non
         kw["help"] = meta["help"] + (f" (default {shown})" if shown not in (None, "") else "")
         if meta["kind"] == "bytes":
             kw["type"] = parse_bytes
+        elif meta["kind"] == "int":
+            kw["type"] = int
         if meta["choices"] is not None:
             kw["choices"] = _choices(f)
         if meta["metavar"]:

@@ -64,3 +64,21 @@ def test_swap_time_follows_hit_rate(k3p):
     touched = 896 * touched_fraction(16, 16, 896)
     expect = 47 * touched * 0.5 * 17_547_264 / 8 / (63e9 * 0.8)
     assert miss.parts["swap"] == pytest.approx(expect, rel=1e-6)
+
+
+@pytest.mark.parametrize("tokens, same_as", [(1, "host"), (31, "host"), (32, "swap"), (8192, "swap")])
+def test_auto_offload_compute_is_the_runtimes_rule(k3p, tokens, same_as):
+    """--offload-compute auto costs a pass as the runtime's --expert-compute auto runs it: misses on the
+    host below options.EXPERT_GPU_MIN_TOKENS tokens, swapped into HBM from there."""
+    from moeswap.options import EXPERT_GPU_MIN_TOKENS
+
+    assert EXPERT_GPU_MIN_TOKENS == 32
+    hw, lay = resolve_hardware("h200"), Layout(tp=8, pp=2)
+    layers = stage_layers(k3p.cfg, lay.pp)[0]
+
+    def cost(compute):
+        pl = Placement(hit_rate=0.5, compute=compute)
+        return stage_cost(k3p, layers, 0, lay, hw, Precision(), pl, Pass(tokens, 9000, tokens < 64, tokens)).parts
+
+    auto, want, other = cost("auto"), cost(same_as), cost("swap" if same_as == "host" else "host")
+    assert auto == want and auto != other

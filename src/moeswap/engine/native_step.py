@@ -387,7 +387,7 @@ class NativeDecode:
             layer, x = m.model.layers[i], m_out.view(B, 1, D)
             if lookahead is not None:
                 lookahead(i, x)
-            rows = None if plan.table[i].stop else self._fetched_rows(tables[i], i, chosen[i, :B * plan.table[i].topk])
+            rows = None if plan.table[i].stop else self._fetched_rows(tables[i], i, chosen[i, :B * plan.table[i].topk], B)
             if rows is not None:  # resume at this FFN with its experts (their rows kept alive by `rows`)
                 plan.table[i].table, first, ffn_first = rows[0].data_ptr(), i, 1
                 continue
@@ -414,13 +414,14 @@ class NativeDecode:
                 tables[i].book(i, chosen[i, :B * plan.table[i].topk], used[i])
 
     @staticmethod
-    def _fetched_rows(table, i: int, ids: torch.Tensor) -> tuple | None:
+    def _fetched_rows(table, i: int, ids: torch.Tensor, B: int) -> tuple | None:
         """Layer i's chosen experts fetched through the store (its books, its loads; the evictions may or
-        may not leave them all in the tier), as a copy of the table with their rows: (rows, the experts
-        they point into). None where one cannot be in the table (the model runs the FFN then, and the
-        store books this layer step twice)."""
+        may not leave them all in the tier; hybrid experts: those it lacks read into host memory instead),
+        as a copy of the table with their rows: (rows, the experts they point into). None where one cannot
+        be in the table (the model runs the FFN then, and the store books this layer step twice)."""
         unique = sorted(set(ids.tolist()))
-        experts = table.store.fetch(i, unique)
+        hybrid = getattr(table.store, "hybrid", None)
+        experts = table.store.fetch(i, unique) if hybrid is None else hybrid.fetch(i, unique, B)
         kept = [experts[j] for j in range(len(unique))]  # loaded (and evicting) before the table is read
         rows = table.rows.clone()
         for e, w in zip(unique, kept):

@@ -108,6 +108,10 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
         policies.append(make_policy("lru" if policy == "belady" else policy, **kwargs))
     store = ExpertStore(tiers, policies, max_hint=max(top_k, slots // 4))
     store.can_evict = not caching or options.expert_memory < len(index.entries) * fast_cost(Key(*first))
+    if options.expert_compute != "gpu":
+        from moeswap.experts.hybrid import HybridExperts
+
+        store.hybrid = HybridExperts(store, options.expert_compute, options.expert_gpu_min_tokens)
     if options.prefetch == "next-layer":
         from moeswap.experts.prefetch import Prefetcher
 

@@ -1,5 +1,5 @@
 """Counters of the expert store: hits and misses per tier, bytes moved, time stalled, prefetch accuracy,
-experts kept for backward passes.
+experts kept for backward passes, where hybrid experts were computed.
 
 Plain dataclasses filled by ExpertStore under its lock; `as_dict()` is what the API, `generate --stats`
 and (later) the server export, `summary()` the one line the CLI prints.
@@ -54,6 +54,17 @@ class GraphStats:
 
 
 @dataclass
+class HybridStats:
+    """Hybrid experts (experts/hybrid.py): layer steps with an expert the fast tier lacked, by where those
+    experts were computed."""
+
+    cpu_steps: int = 0  # steps that computed their missing experts on the CPU from host memory
+    fetch_steps: int = 0  # steps (auto, many tokens) that fetched them into the fast tier instead
+    cpu_experts: int = 0  # experts computed on the CPU from host memory
+    filled: int = 0  # experts a CPU step loaded into the fast tier's free room (evicting nothing)
+
+
+@dataclass
 class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)  # fastest first
     disk_reads: int = 0  # experts read from the checkpoint
@@ -62,6 +73,7 @@ class StoreStats:
     load_s: float = 0.0  # time the model's thread spent reading (demand misses) and taking in experts
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
     graph: GraphStats = field(default_factory=GraphStats)
+    hybrid: HybridStats = field(default_factory=HybridStats)
 
     @cached_property  # (the store counts into it on every hit and miss; tiers are fixed once made)
     def fast(self) -> TierStats:
@@ -100,6 +112,10 @@ class StoreStats:
         if p.loaded or p.predicted:
             line += (f"; prefetch precision {_percent(p.precision)} recall {_percent(p.recall)}, {p.loaded} loaded, "
                      f"{p.used} used, {p.late} late, {p.wasted} wasted, {p.dropped} dropped")
+        h = self.hybrid
+        if h.cpu_steps or h.fetch_steps:
+            line += (f"; hybrid: {h.cpu_steps} layer steps computed {h.cpu_experts} experts on the CPU, "
+                     f"{h.fetch_steps} fetched them")
         return line
 
 

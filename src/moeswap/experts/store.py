@@ -102,6 +102,7 @@ class ExpertStore:
         self.stats = StoreStats({t.name: TierStats() for t in self.tiers[:-1]})
         self.trace = None  # a TraceRecorder, when recording
         self.prefetcher = None  # a Prefetcher, when prefetching
+        self.hybrid = None  # experts/hybrid.py HybridExperts: computes experts the fast tier lacks on the CPU
         self.max_hint = max_hint  # most experts one hint may load (None: no limit)
         # False when the fast tier can hold every expert (build_store knows): then no eviction ever
         # asks the policy, and hits skip its books (~1 us each, 8-16 per layer step)
@@ -180,6 +181,35 @@ class ExpertStore:
             self._pending = set()
             for key in keys:
                 self._hit(key)
+
+    def resident(self, layer: int, expert_ids: Sequence[int], fill: bool = False) -> list[bool]:
+        """Which of `expert_ids` the fast tier holds now (books nothing). fill: also those it lacks that fit,
+        in order, in its free bytes (what no load has promised), so that fetching them evicts nothing."""
+        with self._lock:
+            fast = self.fast
+            free = fast.capacity - fast.used - self._reserved[0] if fill else 0
+            out = []
+            for e in expert_ids:
+                key = Key(layer, int(e))
+                if key in fast:
+                    out.append(True)
+                elif key not in self._inflight and 0 < fast.cost(key) <= free:
+                    free -= fast.cost(key)
+                    out.append(True)
+                else:
+                    out.append(False)
+            return out
+
+    def read_host(self, layer: int, expert: int) -> Weights:
+        """Expert `expert` of `layer` in host memory, from a host tier or read from the checkpoint (and put
+        into the host tiers), without storing it in the fast tier: for computing it on the CPU where it is
+        (experts/hybrid.py). Books host-tier hits and misses and disk reads, no fast-tier miss."""
+        key = Key(layer, int(expert))
+        with self._lock:
+            w = self._from_host(key) if len(self.tiers) > 2 else None
+        if w is None:
+            w = self._promote(key, self.source.get(key))
+        return w
 
     def hold(self, layer: int, expert: int, w: Weights) -> Held:
         """What an autograd graph keeps of expert `w` (just fetched) for its backward: `w` itself while the

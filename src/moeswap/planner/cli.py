@@ -14,7 +14,9 @@ from pathlib import Path
 from moeswap import jsonio
 
 from .errors import PlanError
-from .workload import COMPUTE, LORA_TARGETS, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
+from moeswap.options import EXPERT_GPU_MIN_TOKENS
+
+from .workload import COMPUTE, LORA_TARGETS, OFFLOAD_COMPUTE, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -72,8 +74,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o = p.add_argument_group("expert offload")
     o.add_argument("--spill", choices=("none", "host", "nvme"), default="none",
                    help="where experts that do not fit in HBM may live")
-    o.add_argument("--offload-compute", choices=("swap", "host"), default="swap",
-                   help="swap spilled experts into HBM, or run them on the host CPU")
+    o.add_argument("--offload-compute", choices=OFFLOAD_COMPUTE, default="swap",
+                   help="swap spilled experts into HBM, run them on the host CPU, or auto: the host for passes "
+                        f"under {EXPERT_GPU_MIN_TOKENS} tokens (decode), swap for longer ones (prefill), as "
+                        "`--expert-compute gpu|cpu|auto` of generate/serve runs them")
     o.add_argument("--hit-rate", type=float, help="expert-cache hit rate (default: resident fraction, uniform routing)")
     o.add_argument("--trace", help="routing trace from `moeswap trace` (trace.bin), or JSON "
                    "{\"expert_counts\": [[count per expert] per layer]}, for hit rates")

@@ -78,4 +78,4 @@ def _miss_bytes(mp: ModelParams, layers: range, lay: Layout, prec: Precision, pl
         if mp.layers[i].num_experts:
             pop = pl.touched[i] if pl.touched and i < len(pl.touched) else None
             out += moe.num_experts / lay.ep * touched_fraction(tokens, moe.top_k, moe.num_experts, pop) * eb
-    return out * (1 - pl.hit_rate) if pl.compute == "swap" else 0.0
+    return out * (1 - pl.hit_rate) if pl.compute_for(tokens) == "swap" else 0.0

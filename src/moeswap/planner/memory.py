@@ -169,7 +169,7 @@ def _place_experts(mp: ModelParams, lay: Layout, layers: range, hw: Hardware, pr
     need = n_moe * per_layer
     mem.expert_need = need
     # Swapping needs the experts of the layer in use and of the next one (prefetch); computing on the
-    # host needs none. A batch of T tokens touches 1-(1-k/E)^T of a layer's experts.
+    # host needs none (auto swaps for prefill, so it needs them too). A batch of T tokens touches 1-(1-k/E)^T of a layer's experts.
     touched = 1.0 if ws_tokens is None else 1 - (1 - moe.top_k / moe.num_experts) ** max(ws_tokens, 1)
     mem.working_set = 0.0 if off.compute == "host" else min(need, 2 * per_layer * touched)
     budget = mem.capacity - mem.used

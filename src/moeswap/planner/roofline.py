@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeswap.config import ModelConfig
+from moeswap.options import EXPERT_GPU_MIN_TOKENS
 
 from .hardware import Hardware
 from .layouts import Layout
@@ -61,9 +62,16 @@ class Placement:
 
     hit_rate: float = 1.0
     host_fraction: float = 1.0  # of misses, the share served from host RAM (rest from NVMe)
-    compute: str = "swap"  # "swap": copy misses into HBM; "host": run misses on the host CPU
+    compute: str = "swap"  # "swap": copy misses into HBM; "host": run misses on the host CPU; "auto": per pass
     swap_overlap: float = 0.0
     touched: tuple[float, ...] | None = None  # per-layer expert popularity from a trace (sums to 1)
+
+    def compute_for(self, tokens: float) -> str:
+        """Where a pass of `tokens` tokens computes its misses. auto is the runtime's `--expert-compute auto`
+        (experts/hybrid.py): the host below options.EXPERT_GPU_MIN_TOKENS tokens, swap from there."""
+        if self.compute != "auto":
+            return self.compute
+        return "host" if tokens < EXPERT_GPU_MIN_TOKENS else "swap"
 
 
 def touched_fraction(tokens: float, top_k: int, num_experts: int, popularity: tuple[float, ...] | None = None) -> float:
@@ -193,7 +201,8 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     elif prec.experts != "bf16" and not (prec.experts == "mxfp4" and prec.expert_compute == "fp4"):
         eff *= eng.lowbit_gemm_efficiency  # dequantised inside the GEMM main loop
     hit = pl.hit_rate
-    on_device = 1.0 if pl.compute == "swap" else hit
+    compute = pl.compute_for(p.tokens)
+    on_device = 1.0 if compute == "swap" else hit
     t_dev = _roof(cost, "experts", flops * on_device, f_rate * eff, (weight_bytes + act) * on_device, cx.expert_bw)
     # Fixed time per expert (an eager engine's lookup and grouping) and per output row (a kernel that
     # finishes each row on its own: reduction, scale, activation).
@@ -206,7 +215,7 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     misses = touched * (1 - hit) * cx.exp_b / lay.expert_tp
     if misses <= 0:
         return
-    if pl.compute == "swap":
+    if compute == "swap":
         t = misses * pl.host_fraction / max(hw.host_bw_per_device(lay.devices), 1e-9)
         if pl.host_fraction < 1:
             t += misses * (1 - pl.host_fraction) / hw.storage_bw_per_device(lay.devices)

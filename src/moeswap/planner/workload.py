@@ -9,6 +9,10 @@ from dataclasses import dataclass, field, replace
 
 from .errors import PlanError
 
+# --offload-compute; the runtime's --expert-compute (options.EXPERT_COMPUTE) names the same choices gpu
+# (swap), cpu (host) and auto
+OFFLOAD_COMPUTE = ("swap", "host", "auto")
+
 # Bytes per weight: MXFP4 = 4-bit codes + one E8M0 byte per 32; block FP8 = fp32 scale per 128x128.
 BYTES = {"mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32, "fp8": 1 + 4 / (128 * 128), "int4": 0.5 + 2 / 32, "bf16": 2.0,
          "fp32": 4.0}  # int4: compressed-tensors pack-quantized, a bf16 scale per 32
@@ -101,7 +105,9 @@ class Lora:
 @dataclass(frozen=True)
 class Offload:
     spill: str = "none"  # where experts that do not fit in HBM may go: "none" | "host" | "nvme"
-    compute: str = "swap"  # spilled experts: "swap" them into HBM, or compute them on the "host" CPU
+    # spilled experts: "swap" them into HBM, compute them on the "host" CPU, or "auto": host for passes of
+    # fewer tokens than the runtime's --expert-gpu-min-tokens default, swap from there (Placement.compute_for)
+    compute: str = "swap"
     hit_rate: float | None = None  # expert-cache hit rate; default: the resident fraction (uniform routing)
     trace_counts: tuple[tuple[float, ...], ...] = field(default=(), compare=False)  # per-layer expert counts
     swap_overlap: float = 0.0  # fraction of swap time hidden behind compute by prefetch (0: on demand)
@@ -109,8 +115,8 @@ class Offload:
     def check(self) -> None:
         if self.spill not in ("none", "host", "nvme"):
             raise PlanError(f"--spill {self.spill!r} is not one of none, host, nvme")
-        if self.compute not in ("swap", "host"):
-            raise PlanError(f"--offload-compute {self.compute!r} is not 'swap' or 'host'")
+        if self.compute not in OFFLOAD_COMPUTE:
+            raise PlanError(f"--offload-compute {self.compute!r} is not one of {', '.join(OFFLOAD_COMPUTE)}")
         if self.hit_rate is not None and not 0.0 <= self.hit_rate <= 1.0:
             raise PlanError(f"--hit-rate {self.hit_rate} must be between 0 and 1")
         if not 0.0 <= self.swap_overlap <= 1.0:

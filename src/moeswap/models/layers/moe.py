@@ -2,7 +2,9 @@
 projection (K3), routed experts fetched from an expert store, optional latent norm, shared experts.
 
 Routed experts are not parameters of this module: `store.fetch(layer, ids)` returns callables
-(see ops.expert.ExpertWeights). Tokens routed to the same expert in a step are computed together.
+(see ops.expert.ExpertWeights); with hybrid experts (experts/hybrid.py) the store's `hybrid.fetch` hands over
+some from host memory, which run on the CPU (_OnHost) when the block is on an accelerator. Tokens routed to
+the same expert in a step are computed together.
 Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
 LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
 through ops.expert_format (`train_forward` per expert with an adapter; float experts without one as one
@@ -178,18 +180,28 @@ class MoE(nn.Module):
         # One fetch per layer step, so the store sees the whole active set (pins, traces, read-ahead);
         # it hands each expert over when indexed, one at a time (unless all are resident): a prefill step
         # may route to every expert of the layer, and holding them all would defeat the memory budget.
-        experts = self.store.fetch(self.layer_idx, unique_ids)
+        # With hybrid experts (experts/hybrid.py) those the fast tier lacks may come from host memory.
+        hybrid = getattr(self.store, "hybrid", None)
+        experts = (self.store.fetch(self.layer_idx, unique_ids) if hybrid is None
+                   else hybrid.fetch(self.layer_idx, unique_ids, h_TI.shape[0]))
+        host = getattr(experts, "host", None) if runs_apart(h_TI.device) else None
+        on_host = None
         group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
         start = 0
         for i, n in enumerate(counts):
             expert = experts[i]
-            if not group.add(expert, start, n):
+            if host is not None and host[i]:
+                on_host = on_host or _OnHost(h_TI, token_of, weights, self)
+                on_host.add(expert, start, n)
+            elif not group.add(expert, start, n):
                 rows = token_of[start : start + n]
                 y = expert(h_TI[rows], self.act, self.situ_betas)
                 out_TI.index_add_(0, rows, y.float() * weights[start : start + n, None])
             del expert  # the store may evict it while the next one loads; do not keep it alive here
             start += n
         group.flush()
+        if on_host is not None:
+            on_host.finish(out_TI)
         return out_TI.to(h_TI.dtype)
 
     def _run_experts_served(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, served,
@@ -411,6 +423,36 @@ def pairs_by_expert(ids_TK: torch.Tensor, w_TK: torch.Tensor) -> tuple[list[int]
     order = flat_ids.argsort(stable=True)
     unique_ids_t, counts_t = flat_ids[order].unique_consecutive(return_counts=True)
     return unique_ids_t.tolist(), counts_t.tolist(), order // K, w_TK.flatten()[order]
+
+
+def runs_apart(device: torch.device) -> bool:
+    """Whether hybrid experts read into host memory run apart from a block on `device` (_OnHost): on an
+    accelerator; on the CPU they join the step's one group, the same calls as resident experts."""
+    return device.type != "cpu"
+
+
+class _OnHost:
+    """The experts of a layer step that run on the CPU while the block runs on an accelerator (hybrid experts,
+    experts/hybrid.py): the step's rows copied down once, its experts computed as a CPU-only run computes
+    them (_Group, or alone), their fp32 outputs copied back and added once."""
+
+    def __init__(self, h_TI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, moe: MoE):
+        self.h_TI = h_TI.float().cpu()
+        self.token_of, self.weights = token_of.cpu(), weights.float().cpu()
+        self.out_TI = torch.zeros(self.h_TI.shape, dtype=torch.float32)
+        self.act, self.situ_betas = moe.act, moe.situ_betas
+        self.group = _Group(self.h_TI, self.token_of, self.weights, self.out_TI, moe.act, moe.situ_betas,
+                            moe.int8_activations)
+
+    def add(self, expert, start: int, n: int) -> None:
+        if not self.group.add(expert, start, n):
+            rows = self.token_of[start : start + n]
+            y = expert(self.h_TI[rows], self.act, self.situ_betas)
+            self.out_TI.index_add_(0, rows, y.float() * self.weights[start : start + n, None])
+
+    def finish(self, out_TI: torch.Tensor) -> None:
+        self.group.flush()
+        out_TI += self.out_TI.to(out_TI.device)
 
 
 class _Group:

@@ -1,0 +1,78 @@
+"""Hybrid experts (`--expert-compute gpu|cpu|auto`): where a routed expert the fast tier lacks is computed.
+
+gpu (the store without this): a miss is copied up into the fast tier, evicting by its policy, and computed
+there. cpu: the experts the fast tier holds are fetched as usual (hits), those it lacks are read into host
+memory (a host tier or the checkpoint, `ExpertStore.read_host`) and computed on the CPU by the C kernels,
+never copied up; the fast tier still fills its free room with the first experts used, then keeps what it
+holds (KTransformers and llama.cpp's --n-cpu-moe place experts statically too). auto: cpu for layer steps of
+fewer than `min_tokens` tokens, gpu from there (options.EXPERT_GPU_MIN_TOKENS says why).
+Owns the per-step choice and the fetch that mixes tiers (counted in the store's `stats.hybrid`); the MoE
+block (models/layers/moe.py) and the native decode step compute what `fetch` hands them. Knows nothing of
+models. Entry point: `HybridExperts.fetch`, built by experts/build.py as the store's `hybrid`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moeswap.options import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS
+
+
+class HybridFetched(Sequence):
+    """One layer step's experts, in the order asked: those of the fast tier (a store fetch) and those read
+    into host memory (`host[i]` True: computed on the CPU). Each is looked up when indexed, as a fetch's."""
+
+    __slots__ = ("_fast", "_where", "_read", "host")
+
+    def __init__(self, fast: Sequence, where: list[int | None], read, host: list[bool]):
+        self._fast, self._where, self._read, self.host = fast, where, read, host
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    def __getitem__(self, i: int):
+        j = self._where[i]
+        return self._read(i) if j is None else self._fast[j]
+
+
+class HybridExperts:
+    """The store's `hybrid`: `fetch(layer, ids, tokens)` in place of `store.fetch(layer, ids)`."""
+
+    def __init__(self, store, mode: str = "cpu", min_tokens: int = EXPERT_GPU_MIN_TOKENS):
+        if mode not in EXPERT_COMPUTE or mode == "gpu":
+            raise ValueError(f"hybrid experts for --expert-compute {mode!r}: expected cpu or auto")
+        self.store, self.mode, self.min_tokens = store, mode, min_tokens
+
+    def on_cpu(self, tokens: int) -> bool:
+        """Whether a layer step of `tokens` tokens computes the experts the fast tier lacks on the CPU."""
+        return self.mode == "cpu" or tokens < self.min_tokens
+
+    def fetch(self, layer: int, expert_ids: Sequence[int], tokens: int) -> Sequence:
+        """The step's experts: a plain store fetch where every one is resident or the step goes to the
+        accelerator, else a HybridFetched whose missing experts come from host memory."""
+        ids = [int(e) for e in expert_ids]
+        store = self.store
+        if store.trace is not None:  # a routing trace wants every step's whole set in one fetch
+            return store.fetch(layer, ids)
+        if not self.on_cpu(tokens):
+            if not all(store.resident(layer, ids)):
+                store.stats.hybrid.fetch_steps += 1
+            return store.fetch(layer, ids)
+        held = store.resident(layer, ids)
+        if all(held):
+            return store.fetch(layer, ids)
+        fits = store.resident(layer, ids, fill=True)
+        stats = store.stats.hybrid  # (the store's: reset with its other counters)
+        stats.filled += sum(f and not h for f, h in zip(fits, held))
+        if all(fits):
+            return store.fetch(layer, ids)
+        stats.cpu_steps += 1
+        stats.cpu_experts += fits.count(False)
+        fast_ids = [e for e, f in zip(ids, fits) if f]
+        where, n = [], 0
+        for f in fits:
+            where.append(n if f else None)
+            n += f
+        # one fetch of the fast tier's part, so the store sees the step (pins, policy books, hint scoring)
+        fast = store.fetch(layer, fast_ids)
+        return HybridFetched(fast, where, lambda i: store.read_host(layer, ids[i]), [not f for f in fits])
