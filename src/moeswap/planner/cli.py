@@ -64,7 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pr.add_argument("--experts", choices=WEIGHT_FORMATS, help="routed expert weights (default: as the checkpoint stores them)")
     pr.add_argument("--dense", choices=WEIGHT_FORMATS, default="bf16", help="all other weights")
     pr.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16")
-    pr.add_argument("--expert-compute", choices=COMPUTE, default="bf16", help="dtype the expert matmuls run in")
+    pr.add_argument("--expert-matmul", choices=COMPUTE, default="bf16", help="dtype the expert matmuls run in (where they run: --offload-compute)")
     pr.add_argument("--expert-kernel", choices=("fused", "materialize"), default="fused",
                     help="dequantise experts inside the GEMM, or write bf16 first")
     pr.add_argument("--pp-split", choices=("block", "layer"), default="block",
@@ -133,7 +133,7 @@ def request_from_args(args: argparse.Namespace, catalog):
                   seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                   checkpointing=not args.no_checkpointing),
         precision=Precision(experts=args.experts, dense=args.dense, kv_cache=args.kv_cache,
-                            expert_compute=args.expert_compute, expert_kernel=args.expert_kernel),
+                            expert_matmul=args.expert_matmul, expert_kernel=args.expert_kernel),
         offload=Offload(spill=args.spill, compute=args.offload_compute, hit_rate=args.hit_rate,
                         trace_counts=_trace(args.trace) if args.trace else (), swap_overlap=args.swap_overlap),
         layout=args.layout, objective=args.objective, pp_split=args.pp_split, dcp=args.dcp, engine=args.engine,

@@ -190,7 +190,7 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     m = assignments / max(moe.num_experts * frac, 1e-9)
     n = moe.expert_dim / lay.expert_tp
     eff = gemm_efficiency(hw, m, n)
-    f_rate = hw.flops(prec.expert_compute)
+    f_rate = hw.flops(prec.expert_matmul)
     width = moe.latent_dim or cfg.hidden_size
     # Each device handles 1/ep of the token-expert assignments, at full input width (TP splits the
     # expert's hidden width only): gather inputs, gate/up out and back in, down out, combine.
@@ -198,7 +198,7 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     weight_bytes = touched * eb
     if prec.expert_kernel == "materialize":  # decode to bf16 in memory, then a plain bf16 GEMM
         weight_bytes += touched * cx.mp.expert_params * 2 / lay.expert_tp * 2
-    elif prec.experts != "bf16" and not (prec.experts == "mxfp4" and prec.expert_compute == "fp4"):
+    elif prec.experts != "bf16" and not (prec.experts == "mxfp4" and prec.expert_matmul == "fp4"):
         eff *= eng.lowbit_gemm_efficiency  # dequantised inside the GEMM main loop
     hit = pl.hit_rate
     compute = pl.compute_for(p.tokens)

@@ -33,7 +33,7 @@ class Precision:
     experts: str | None = None  # routed experts; None: as the checkpoint stores them (K3: MXFP4)
     dense: str = "bf16"  # everything else (attention, shared experts, dense MLP, embeddings)
     kv_cache: str = "bf16"  # MLA latent cache
-    expert_compute: str = "bf16"  # tensor-core dtype the expert matmuls run in
+    expert_matmul: str = "bf16"  # tensor-core dtype the expert matmuls run in
     expert_kernel: str = "fused"  # "fused": dequantise inside the GEMM; "materialize": write bf16 first
 
     def for_model(self, cfg) -> "Precision":
@@ -48,7 +48,7 @@ class Precision:
         for name, val, allowed in (("experts", self.experts or "mxfp4", WEIGHT_FORMATS),
                                    ("dense", self.dense, WEIGHT_FORMATS),
                                    ("kv_cache", self.kv_cache, CACHE_FORMATS),
-                                   ("expert_compute", self.expert_compute, COMPUTE),
+                                   ("expert_matmul", self.expert_matmul, COMPUTE),
                                    ("expert_kernel", self.expert_kernel, ("fused", "materialize"))):
             if val not in allowed:
                 raise PlanError(f"precision {name}={val!r} is not one of {', '.join(allowed)}")
