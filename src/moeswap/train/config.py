@@ -122,6 +122,11 @@ class TrainConfig:
             (self.save_interval >= 0, "--save-interval must be >= 0"),
             (self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1"),
             (self.target_modules is None or len(self.target_modules) > 0, "--target-modules is empty"),
+            # training's autograd path fetches each expert it computes through the store; hybrid compute is a
+            # decode path (experts/hybrid.py), so a setting here would be ignored: refuse it rather
+            (self.load.expert_compute == "gpu", f"--expert-compute {self.load.expert_compute}: training computes "
+                                                "every expert where the model runs (hybrid experts are for "
+                                                "generate and serve)"),
         ]
         for ok, message in checks:
             if not ok:
