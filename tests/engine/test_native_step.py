@@ -162,6 +162,30 @@ def test_a_swapping_store_computes_its_experts_in_the_call(tiny_k3_dir, policy, 
         assert {e for e in range(moe.num_experts) if table.rows[e, 0]} == held
 
 
+def test_a_prefetching_store_reads_a_stopped_layers_misses_on_the_models_thread(tiny_k3_dir):
+    """With next-layer prefetch the call still guesses at each layer that stops, but the experts of that layer
+    it then fetches are read at once on the model's thread: it takes them all before it computes, so handing
+    them to the reader threads (the forward's read-ahead) would only add a wait."""
+    _, probe = load_model(tiny_k3_dir, LoadOptions(expert_memory=1 << 30))
+    total = sum(probe.fast.cost(k) for k in probe.index.entries)
+    model, store = _load(tiny_k3_dir, expert_memory=total // 10, expert_policy="lru", prefetch="next-layer")
+    native, state = NativeDecode(model), model.make_state(2)
+    readaheads, hints = [], []
+    try:
+        with torch.inference_mode():
+            tokens = model(_prompts(2, 5), state)[:, -1:].argmax(-1)  # the prefill: the forward, with read-ahead
+            store.prefetcher.readahead = lambda keys: readaheads.append(keys)
+            real_hint = store.prefetcher.hint
+            store.prefetcher.hint = lambda layer, ids: hints.append(layer) or real_hint(layer, ids)
+            misses = store.stats.misses
+            for _ in range(4):
+                tokens = native(tokens, state)[:, -1:].argmax(-1)
+        assert native.reason is None and store.stats.misses > misses and hints
+        assert readaheads == []
+    finally:
+        store.close()
+
+
 def test_scheduler_uses_it_with_the_same_tokens(model_dir):
     model, _ = _load(model_dir)
     reqs = [Request(_prompts(1, n)[0].tolist(), m) for n, m in [(5, 6), (9, 3), (2, 8)]]

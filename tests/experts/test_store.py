@@ -239,3 +239,52 @@ def test_a_newer_hint_cancels_the_older_hints_queued_reads():
         assert {Key(1, 0), Key(2, 5)} <= set(store.fast.keys())
     finally:
         store.close()
+
+
+def test_a_fetch_without_readahead_reads_its_misses_on_the_callers_thread():
+    """fetch(..., readahead=False) (the native decode step, which takes every expert before it computes):
+    its misses are demand reads on this thread, never handed to the reader threads and waited for; the same
+    experts, books and reads as with read-ahead."""
+    got = {}
+    for readahead in (True, False):
+        store, source = make_store(slots=4)
+        store.prefetcher = Prefetcher(store)
+        started = []
+        real = store.start_background_many
+        store.start_background_many = lambda keys, urgent: started.append(list(keys)) or real(keys, urgent)
+        try:
+            keys = [[w.key for w in store.fetch(layer, ids, readahead=readahead)]
+                    for layer, ids in ((1, [0, 1]), (2, [0, 2]), (1, [0, 3]), (1, [1, 0]))]
+            s = store.stats
+            got[readahead] = (keys, s.hits, s.misses, s.tiers["fast"].evictions, sorted(store.fast.keys()),
+                              sorted(source.reads))
+            assert (started == []) is (not readahead)
+            assert s.prefetch.loaded == (s.misses if readahead else 0)
+        finally:
+            store.close()
+    assert got[False] == got[True]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_the_lookaheads_guess_is_most_chosen_first_however_it_is_counted(tokens, monkeypatch):
+    """NextLayerLookahead counts a small guess in Python and a large one with torch; both hint the same
+    order: most-chosen first, lower id first among equals."""
+    import torch
+
+    from moeswap.experts import prefetch
+
+    ids_TK = torch.randint(0, 12, (tokens, 4), generator=torch.Generator().manual_seed(tokens))
+
+    class Hints:
+        def hint(self, layer, ids):
+            self.got = (layer, ids)
+
+    orders = []
+    for limit in (0, 1 << 20):  # torch's unique, then Python's Counter
+        monkeypatch.setattr(prefetch, "GUESSES_IN_PYTHON", limit)
+        hints = Hints()
+        prefetch.NextLayerLookahead({3: (4, lambda h: ids_TK)}, hints)(3, torch.zeros(tokens, 1, 8))
+        orders.append(hints.got)
+    flat = ids_TK.flatten().tolist()
+    want = sorted(set(flat), key=lambda e: (-flat.count(e), e))
+    assert orders == [(4, want), (4, want)]

@@ -420,7 +420,7 @@ class NativeDecode:
         they point into). None where one cannot be in the table (the model runs the FFN then, and the
         store books this layer step twice)."""
         unique = sorted(set(ids.tolist()))
-        experts = table.store.fetch(i, unique)
+        experts = table.store.fetch(i, unique, readahead=False)  # all taken before any computes
         kept = [experts[j] for j in range(len(unique))]  # loaded (and evicting) before the table is read
         rows = table.rows.clone()
         for e, w in zip(unique, kept):

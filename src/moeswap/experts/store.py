@@ -137,9 +137,11 @@ class ExpertStore:
     def index(self) -> ExpertIndex:
         return self.source.index
 
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Sequence[Weights]:
+    def fetch(self, layer: int, expert_ids: Sequence[int], readahead: bool = True) -> Sequence[Weights]:
         """The experts `expert_ids` of `layer` (one layer step), ready for compute when indexed: a list
-        when all are in the fast tier, else a `Fetched` that loads each when asked for it."""
+        when all are in the fast tier, else a `Fetched` that loads each when asked for it. `readahead`
+        False: a caller that takes every expert before it computes any (the native decode step) gets the
+        misses read on its own thread, since reader threads could overlap them with nothing."""
         ids = [int(e) for e in expert_ids]
         keys = [Key(layer, e) for e in ids]
         with self._lock:
@@ -155,7 +157,7 @@ class ExpertStore:
                     return resident
             self._pending = set(keys)
             missing = [k for k in keys if k not in self.fast and k not in self._inflight]
-        if self.prefetcher is not None and missing:
+        if self.prefetcher is not None and missing and readahead:
             self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
         return Fetched(self, keys)
 
