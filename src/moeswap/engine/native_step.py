@@ -15,8 +15,10 @@ Routed experts run in the call from the layers' resident tables (models/layers/m
 the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
 call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). Where a chosen expert is not
 in its layer's table, the call stops after that layer's attention; here the expert lookahead runs (a
-store that can evict: the next MoE layer's guess is loaded in the background), the layer's experts are
-fetched through the store (the same books and loads as the model's own fetch), and the call resumes at
+store that can evict: the next MoE layer's guess is loaded in the background; the call has routed the next
+layer on this input already, so NextLayerLookahead only counts and hints its ids), the layer's experts are
+read at once on this thread through the store (the same books and loads as the model's own fetch, without
+its read-ahead: all are taken before any computes), and the call resumes at
 that FFN with them. A layer without a table (a store that records a trace or keeps nothing) stops and
 the model runs that FFN. So the store sees the same fetches, in the same order, as under the model's
 forward (tests/engine/test_native_step.py), but the lookahead guesses only at layers that missed.
@@ -363,6 +365,8 @@ class NativeDecode:
         plan.set_rope(next((st.lengths_B for st in state.layers if isinstance(st, MLACache)), None))
         # a lookahead runs only where a store can evict: with every expert resident it has nothing to load
         lookahead = m.expert_lookahead if any(getattr(s, "can_evict", True) for s in plan.stores) else None
+        # the call itself routes the next layer at a stop (its `chosen` row), for a lookahead that takes a guess
+        guessed = getattr(lookahead, "guessed", None)
         tables = plan.refresh()
         partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
         bank, m_out, used, chosen = plan.scratch(B)
@@ -375,7 +379,8 @@ class NativeDecode:
                 plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
                 ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, plan.final_norm, plan.head, plan.V,
                 None if logits is None else logits.data_ptr(), B, D, plan.eps, L2_EPS, plan.act,
-                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), ffn_first, int(m.gemm_precision == "bf16"),
+                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), ffn_first, int(guessed is not None),
+                int(m.gemm_precision == "bf16"),
                 max(1, torch.get_num_threads()))
             if ffn_first:  # the resumed layer's experts are back from their own table
                 plan.table[first].table = tables[first].rows.data_ptr()
@@ -386,7 +391,11 @@ class NativeDecode:
             i = stopped.value
             layer, x = m.model.layers[i], m_out.view(B, 1, D)
             if lookahead is not None:
-                lookahead(i, x)
+                nxt = plan.table[i + 1] if i + 1 < n_layers else None
+                if guessed is not None and nxt is not None and nxt.moe and nxt.router and nxt.chosen:
+                    guessed(i, chosen[i + 1, :B * nxt.topk].view(B, nxt.topk))  # the call's guess, as the hook's
+                else:
+                    lookahead(i, x)
             rows = None if plan.table[i].stop else self._fetched_rows(tables[i], i, chosen[i, :B * plan.table[i].topk])
             if rows is not None:  # resume at this FFN with its experts (their rows kept alive by `rows`)
                 plan.table[i].table, first, ffn_first = rows[0].data_ptr(), i, 1

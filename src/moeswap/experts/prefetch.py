@@ -58,7 +58,7 @@ class NextLayerLookahead:
     """Model hook `(layer, hidden)`: called before layer `layer` computes its MLP, it predicts the experts
     of the next MoE layer from this hidden state and hints them, most-chosen first (ties: lower id first).
 
-    routes: layer -> (next MoE layer, router(hidden [T, D]) -> expert ids [T, K])."""
+    routes: layer -> (layer + 1, an MoE layer; its norm and router(hidden [T, D]) -> expert ids [T, K])."""
 
     def __init__(self, routes: dict[int, tuple[int, Callable[[torch.Tensor], torch.Tensor]]], prefetcher: Prefetcher):
         self.routes, self.prefetcher = routes, prefetcher
@@ -68,8 +68,15 @@ class NextLayerLookahead:
         route = self.routes.get(layer)
         if route is None:
             return
-        target, route_fn = route
-        ids_TK = route_fn(hidden.reshape(-1, hidden.shape[-1]))
+        self.guessed(layer, route[1](hidden.reshape(-1, hidden.shape[-1])))
+
+    def guessed(self, layer: int, ids_TK: torch.Tensor) -> None:
+        """Hint the next MoE layer's experts from its router's ids on layer `layer`'s hidden state, computed by
+        the caller (the native decode step's call routes it at a stop): the hook without its own routing."""
+        route = self.routes.get(layer)
+        if route is None:
+            return
+        target = route[0]
         if ids_TK.numel() <= GUESSES_IN_PYTHON:
             counts = Counter(ids_TK.flatten().tolist())
             self.prefetcher.hint(target, sorted(counts, key=lambda e: (-counts[e], e)))
