@@ -288,3 +288,30 @@ def test_the_lookaheads_guess_is_most_chosen_first_however_it_is_counted(tokens,
     flat = ids_TK.flatten().tolist()
     want = sorted(set(flat), key=lambda e: (-flat.count(e), e))
     assert orders == [(4, want), (4, want)]
+
+
+def test_settle_takes_a_layers_hinted_loads_in_now():
+    """settle(layer) waits for that layer's background loads (a hint's, slow reads here) and stores them, so a
+    mirror table has them before the caller computes; another layer's loads stay in flight."""
+    store, source = make_store(slots=8, delay=0.05)
+    store.prefetcher = Prefetcher(store)
+    added = []
+
+    class Table:
+        def added(self, e, w):
+            added.append(e)
+
+        def removed(self, e):
+            pass
+
+    store.mirror(2, Table())
+    try:
+        store.prefetcher.hint(2, [4, 5])
+        store.settle(3)  # nothing of layer 3 in flight: returns at once
+        assert {k.layer for k in store._inflight} == {2}
+        store.settle(2)
+        assert store._inflight == {} and sorted(added) == [4, 5]
+        assert {Key(2, 4), Key(2, 5)} <= set(store.fast.keys()) and store.stats.stall_s > 0
+        assert fetch(store, 2, [4, 5]) == [Key(2, 4), Key(2, 5)] and store.stats.prefetch.used == 2
+    finally:
+        store.close()

@@ -397,6 +397,9 @@ class NativeDecode:
                 else:
                     lookahead(i, x)
             rows = None if plan.table[i].stop else self._fetched_rows(tables[i], i, chosen[i, :B * plan.table[i].topk])
+            if lookahead is not None and i + 1 < n_layers:  # the guess in the next layer's table before it runs
+                for store in plan.stores:
+                    store.settle(i + 1)
             if rows is not None:  # resume at this FFN with its experts (their rows kept alive by `rows`)
                 plan.table[i].table, first, ffn_first = rows[0].data_ptr(), i, 1
                 continue
