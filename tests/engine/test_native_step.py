@@ -162,26 +162,40 @@ def test_a_swapping_store_computes_its_experts_in_the_call(tiny_k3_dir, policy, 
         assert {e for e in range(moe.num_experts) if table.rows[e, 0]} == held
 
 
-def test_a_prefetching_store_reads_a_stopped_layers_misses_on_the_models_thread(tiny_k3_dir):
-    """With next-layer prefetch the call still guesses at each layer that stops, but the experts of that layer
-    it then fetches are read at once on the model's thread: it takes them all before it computes, so handing
-    them to the reader threads (the forward's read-ahead) would only add a wait."""
+def test_a_prefetching_store_reads_a_stopped_layers_first_miss_on_the_models_thread(tiny_k3_dir):
+    """With next-layer prefetch the call guesses at each layer that stops, fetches that layer's experts (the
+    first miss read on the model's thread, only the rest handed to the reader threads: it takes them all
+    before it computes) and, before it resumes, takes in the next layer's hinted loads (settle)."""
+    from moeswap.experts.keys import Key
+
     _, probe = load_model(tiny_k3_dir, LoadOptions(expert_memory=1 << 30))
     total = sum(probe.fast.cost(k) for k in probe.index.entries)
     model, store = _load(tiny_k3_dir, expert_memory=total // 10, expert_policy="lru", prefetch="next-layer")
     native, state = NativeDecode(model), model.make_state(2)
-    readaheads, hints = [], []
+    readaheads, wanted, settled = [], [], []
     try:
         with torch.inference_mode():
             tokens = model(_prompts(2, 5), state)[:, -1:].argmax(-1)  # the prefill: the forward, with read-ahead
-            store.prefetcher.readahead = lambda keys: readaheads.append(keys)
-            real_hint = store.prefetcher.hint
-            store.prefetcher.hint = lambda layer, ids: hints.append(layer) or real_hint(layer, ids)
+            store.prefetcher.readahead = lambda keys: readaheads.append(list(keys))
+            real_fetch, real_settle = store.fetch, store.settle
+
+            def fetch(layer, ids, takes_all=False):
+                missing = [Key(layer, int(e)) for e in ids if Key(layer, int(e)) not in store.fast
+                           and Key(layer, int(e)) not in store._inflight]
+                wanted.extend([missing[1:]] if len(missing) > 1 else [])
+                assert takes_all
+                return real_fetch(layer, ids, takes_all)
+
+            def settle(layer):
+                real_settle(layer)
+                settled.append(not any(k.layer == layer for k in store._inflight))
+
+            store.fetch, store.settle = fetch, settle
             misses = store.stats.misses
             for _ in range(4):
                 tokens = native(tokens, state)[:, -1:].argmax(-1)
-        assert native.reason is None and store.stats.misses > misses and hints
-        assert readaheads == []
+        assert native.reason is None and store.stats.misses > misses and settled and all(settled)
+        assert wanted and readaheads == wanted
     finally:
         store.close()
 

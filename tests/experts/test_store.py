@@ -241,25 +241,28 @@ def test_a_newer_hint_cancels_the_older_hints_queued_reads():
         store.close()
 
 
-def test_a_fetch_without_readahead_reads_its_misses_on_the_callers_thread():
-    """fetch(..., readahead=False) (the native decode step, which takes every expert before it computes):
-    its misses are demand reads on this thread, never handed to the reader threads and waited for; the same
-    experts, books and reads as with read-ahead."""
+def test_a_caller_that_takes_every_expert_reads_its_first_miss_itself():
+    """fetch(..., takes_all=True) (the native decode step, which takes every expert before it computes): its
+    first miss is a demand read on this thread, only the rest go to the reader threads (handing the first
+    over too would only add a wait); the same experts, books and reads as the plain fetch."""
     got = {}
-    for readahead in (True, False):
+    for takes_all in (False, True):
         store, source = make_store(slots=4)
         store.prefetcher = Prefetcher(store)
         started = []
         real = store.start_background_many
         store.start_background_many = lambda keys, urgent: started.append(list(keys)) or real(keys, urgent)
         try:
-            keys = [[w.key for w in store.fetch(layer, ids, readahead=readahead)]
-                    for layer, ids in ((1, [0, 1]), (2, [0, 2]), (1, [0, 3]), (1, [1, 0]))]
+            keys, wanted = [], []
+            for layer, ids in ((1, [0, 1]), (2, [0, 2]), (1, [0, 3]), (1, [1, 0]), (3, [5]), (4, [0, 1, 2])):
+                missing = [Key(layer, e) for e in ids if Key(layer, e) not in store.fast]
+                wanted += [missing[1:] if takes_all else missing] if missing[takes_all:] else []
+                keys.append([w.key for w in store.fetch(layer, ids, takes_all=takes_all)])
             s = store.stats
-            got[readahead] = (keys, s.hits, s.misses, s.tiers["fast"].evictions, sorted(store.fast.keys()),
+            got[takes_all] = (keys, s.hits, s.misses, s.tiers["fast"].evictions, sorted(store.fast.keys()),
                               sorted(source.reads))
-            assert (started == []) is (not readahead)
-            assert s.prefetch.loaded == (s.misses if readahead else 0)
+            assert started == wanted and s.prefetch.loaded == sum(map(len, wanted))
+            assert any(len(w) > 1 for w in wanted)
         finally:
             store.close()
     assert got[False] == got[True]

@@ -17,8 +17,9 @@ call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). Wh
 in its layer's table, the call stops after that layer's attention; here the expert lookahead runs (a
 store that can evict: the next MoE layer's guess is loaded in the background; the call has routed the next
 layer on this input already, so NextLayerLookahead only counts and hints its ids), the layer's experts are
-read at once on this thread through the store (the same books and loads as the model's own fetch, without
-its read-ahead: all are taken before any computes), and the call resumes at
+taken through the store (the same books and loads as the model's own fetch; all are taken before any
+computes, so the first miss is read on this thread while the reader threads read the rest), the next layer's
+hinted loads are waited for and stored (in its table before the call reaches it), and the call resumes at
 that FFN with them. A layer without a table (a store that records a trace or keeps nothing) stops and
 the model runs that FFN. So the store sees the same fetches, in the same order, as under the model's
 forward (tests/engine/test_native_step.py), but the lookahead guesses only at layers that missed.
@@ -432,7 +433,7 @@ class NativeDecode:
         they point into). None where one cannot be in the table (the model runs the FFN then, and the
         store books this layer step twice)."""
         unique = sorted(set(ids.tolist()))
-        experts = table.store.fetch(i, unique, readahead=False)  # all taken before any computes
+        experts = table.store.fetch(i, unique, takes_all=True)  # the first miss read here, the rest meanwhile
         kept = [experts[j] for j in range(len(unique))]  # loaded (and evicting) before the table is read
         rows = table.rows.clone()
         for e, w in zip(unique, kept):

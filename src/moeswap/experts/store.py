@@ -137,11 +137,12 @@ class ExpertStore:
     def index(self) -> ExpertIndex:
         return self.source.index
 
-    def fetch(self, layer: int, expert_ids: Sequence[int], readahead: bool = True) -> Sequence[Weights]:
+    def fetch(self, layer: int, expert_ids: Sequence[int], takes_all: bool = False) -> Sequence[Weights]:
         """The experts `expert_ids` of `layer` (one layer step), ready for compute when indexed: a list
-        when all are in the fast tier, else a `Fetched` that loads each when asked for it. `readahead`
-        False: a caller that takes every expert before it computes any (the native decode step) gets the
-        misses read on its own thread, since reader threads could overlap them with nothing."""
+        when all are in the fast tier, else a `Fetched` that loads each when asked for it. With a prefetcher,
+        the misses are read ahead on the reader threads while the first experts compute; `takes_all`: the
+        caller takes every expert before it computes any (the native decode step), so its first miss is read
+        on its own thread meanwhile, not handed to a reader and waited for."""
         ids = [int(e) for e in expert_ids]
         keys = [Key(layer, e) for e in ids]
         with self._lock:
@@ -157,7 +158,9 @@ class ExpertStore:
                     return resident
             self._pending = set(keys)
             missing = [k for k in keys if k not in self.fast and k not in self._inflight]
-        if self.prefetcher is not None and missing and readahead:
+        if takes_all:
+            missing = missing[1:]
+        if self.prefetcher is not None and missing:
             self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
         return Fetched(self, keys)
 
