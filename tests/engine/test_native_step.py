@@ -227,7 +227,8 @@ def test_the_calls_own_guess_hints_what_the_lookahead_hook_would(tiny_k3_dir):
                     tokens = outs[-1][:, -1:].argmax(-1)
         finally:
             store.close()
-        assert native.reason is None and (len(routed) == len(hints)) is hook_routes and (routed == []) is not hook_routes
+        assert native.reason is None
+        assert (len(routed) == len(hints)) if hook_routes else routed == []  # who routed the guesses
         runs.append((torch.cat(outs), hints))
     assert runs[0][1] and runs[0][1] == runs[1][1]
     assert torch.equal(runs[0][0], runs[1][0])

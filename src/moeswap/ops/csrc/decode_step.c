@@ -216,7 +216,8 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
             memcpy(m_out, h, (size_t)(N * D) * sizeof(float));
             *stopped = i;
             const decode_layer *next = i + 1 < n_layers ? l + 1 : NULL;
-            if (guess && next && next->moe && next->router && next->chosen) status = next_guess(next, h, N, D, eps, xn, nt);
+            if (guess && next && next->moe && next->router && next->chosen)
+                status = next_guess(next, h, N, D, eps, xn, nt);
             if (!status) status = 4;
             break;
         }
