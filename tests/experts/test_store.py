@@ -293,11 +293,11 @@ def test_the_lookaheads_guess_is_most_chosen_first_however_it_is_counted(tokens,
     assert orders == [(4, want), (4, want)]
 
 
-def test_settle_takes_a_layers_hinted_loads_in_now():
-    """settle(layer) waits for that layer's background loads (a hint's, slow reads here) and stores them, so a
-    mirror table has them before the caller computes; another layer's loads stay in flight."""
-    store, source = make_store(slots=8, delay=0.05)
-    store.prefetcher = Prefetcher(store)
+def test_settle_takes_a_layers_finished_hinted_loads_in_now():
+    """settle(layer) stores that layer's background loads (a hint's) whose reads are done, so a mirror table
+    has them before the caller computes; a read still in flight, and another layer's loads, stay in flight."""
+    store, source = make_store(slots=8, delay=0.2)
+    store.prefetcher = Prefetcher(store, threads=1)
     added = []
 
     class Table:
@@ -309,12 +309,16 @@ def test_settle_takes_a_layers_hinted_loads_in_now():
 
     store.mirror(2, Table())
     try:
-        store.prefetcher.hint(2, [4, 5])
-        store.settle(3)  # nothing of layer 3 in flight: returns at once
-        assert {k.layer for k in store._inflight} == {2}
+        store.prefetcher.hint(2, [4, 5])  # one reader thread: 4 is read first, 5 waits for it
+        first = store._inflight[Key(2, 4)].pending
+        t0 = time.time()
+        while not first.ready() and time.time() - t0 < 5:
+            time.sleep(0.001)
+        store.settle(3)  # nothing of layer 3 in flight
         store.settle(2)
-        assert store._inflight == {} and sorted(added) == [4, 5]
-        assert {Key(2, 4), Key(2, 5)} <= set(store.fast.keys()) and store.stats.stall_s > 0
+        assert added == [4] and Key(2, 4) in store.fast and set(store._inflight) == {Key(2, 5)}
+        wait_idle(store)
+        assert sorted(added) == [4, 5]
         assert fetch(store, 2, [4, 5]) == [Key(2, 4), Key(2, 5)] and store.stats.prefetch.used == 2
     finally:
         store.close()

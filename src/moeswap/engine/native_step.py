@@ -19,7 +19,7 @@ store that can evict: the next MoE layer's guess is loaded in the background; th
 layer on this input already, so NextLayerLookahead only counts and hints its ids), the layer's experts are
 taken through the store (the same books and loads as the model's own fetch; all are taken before any
 computes, so the first miss is read on this thread while the reader threads read the rest), the next layer's
-hinted loads are waited for and stored (in its table before the call reaches it), and the call resumes at
+hinted loads whose reads are done are stored (in its table before the call reaches it), and the call resumes at
 that FFN with them. A layer without a table (a store that records a trace or keeps nothing) stops and
 the model runs that FFN. So the store sees the same fetches, in the same order, as under the model's
 forward (tests/engine/test_native_step.py), but the lookahead guesses only at layers that missed.

@@ -398,21 +398,15 @@ class ExpertStore:
                     self.stats.prefetch.dropped += 1
 
     def settle(self, layer: int) -> None:
-        """Wait for the background loads of `layer` in flight (a hint's) and take them into the fast tier now,
-        so into its mirror table: for a caller about to compute that layer from the table without asking the
-        store first (the native decode step resuming its call after a stop), where a load still in flight
-        would make it stop there again. The wait counts as stall."""
+        """Take `layer`'s background loads (a hint's) whose reads are done into the fast tier now, so into its
+        mirror table: for a caller about to compute that layer from the table without asking the store first
+        (the native decode step resuming its call after a stop), where a load left for the store's next look
+        would make it stop there anyway. Reads still in flight are left to overlap its compute (a large
+        expert's read takes longer than a layer)."""
         with self._lock:
-            loads = [l for l in self._inflight.values() if l.key.layer == layer and l.pending is not None]
-            if not loads:
-                return
-            t0 = time.perf_counter()
-            for load in loads:
-                load.pending.wait()  # a read on a reader thread (the native reader drops the GIL meanwhile)
-            self.stats.stall_s += time.perf_counter() - t0
-            for load in loads:
-                if not load.done:
-                    self._finish(load)
+            for load in [l for l in self._inflight.values()
+                         if l.key.layer == layer and l.pending is not None and l.pending.ready()]:
+                self._finish(load)
 
     def _harvest(self) -> None:
         """Under the lock: finish background loads whose reads are done (store them, free their books)."""
