@@ -1,7 +1,7 @@
 """The expert store's CPU cost on the model's thread while swapping, per decoded token and per load.
 
 Decodes `--tokens` tokens with the fast tier at `--budget` % of the experts' bytes and a warm page cache,
-recording every fetch and lookahead hint the model makes; then replays that sequence `--rounds` times
+recording every fetch, table hit and lookahead hint the model makes; then replays that sequence `--rounds` times
 through fresh stores with no model compute, the per-expert load path (ExpertStore.batch_loads False) and
 the batched one taking turns, and measures the CPU seconds of this thread (time.thread_time: the native
 reader threads and other processes are not counted, so a busy machine inflates it far less than wall
@@ -59,12 +59,16 @@ def main() -> None:
 
     # the decode, recording what the model asks of the store
     store = build_store(ckpt, index, cfg, dtype, "cpu", opts)
-    events: list[tuple[str, int, list[int]]] = []
+    events: list[tuple[str, int, list[int], dict]] = []  # (what, layer, ids, fetch's keywords)
     fetch = store.fetch
-    store.fetch = lambda layer, ids: (events.append(("fetch", layer, [int(e) for e in ids])), fetch(layer, ids))[1]
+    store.fetch = lambda layer, ids, **kw: (events.append(("fetch", layer, [int(e) for e in ids], kw)),
+                                            fetch(layer, ids, **kw))[1]
+    table_hits = store.table_hits  # the native decode step's hits, served from the resident tables
+    store.table_hits = lambda layer, ids: (events.append(("hits", layer, [int(e) for e in ids], {})),
+                                           table_hits(layer, ids))[1]
     if store.prefetcher is not None:
         hint = store.prefetcher.hint
-        store.prefetcher.hint = lambda layer, ids: (events.append(("hint", layer, [int(e) for e in ids])),
+        store.prefetcher.hint = lambda layer, ids: (events.append(("hint", layer, [int(e) for e in ids], {})),
                                                     hint(layer, ids))[1]
     attach_store(model, store)
     prompt = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -83,13 +87,15 @@ def main() -> None:
         if hasattr(s, "batch_loads"):
             s.batch_loads = batched
         cpu = 0.0
-        for i, (kind, layer, ids) in enumerate(events):
+        for i, (kind, layer, ids, kw) in enumerate(events):
             if i == warm_events:
                 cpu, before = time.thread_time(), loads(s)
             if kind == "hint":
                 s.prefetcher.hint(layer, ids)
+            elif kind == "hits":
+                s.table_hits(layer, ids)
             else:
-                got = s.fetch(layer, ids)
+                got = s.fetch(layer, ids, **kw)
                 for j in range(len(ids)):
                     got[j]  # each expert handed over and let go, as the MoE block does
                 del got  # (the MoE block's fetch result dies with its call)

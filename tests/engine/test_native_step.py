@@ -162,6 +162,78 @@ def test_a_swapping_store_computes_its_experts_in_the_call(tiny_k3_dir, policy, 
         assert {e for e in range(moe.num_experts) if table.rows[e, 0]} == held
 
 
+def test_a_prefetching_store_reads_a_stopped_layers_first_miss_on_the_models_thread(tiny_k3_dir):
+    """With next-layer prefetch the call guesses at each layer that stops, fetches that layer's experts (the
+    first miss read on the model's thread, only the rest handed to the reader threads: it takes them all
+    before it computes) and, before it resumes, takes in the next layer's hinted loads that are read (settle)."""
+    from moeswap.experts.keys import Key
+
+    _, probe = load_model(tiny_k3_dir, LoadOptions(expert_memory=1 << 30))
+    total = sum(probe.fast.cost(k) for k in probe.index.entries)
+    model, store = _load(tiny_k3_dir, expert_memory=total // 10, expert_policy="lru", prefetch="next-layer")
+    native, state = NativeDecode(model), model.make_state(2)
+    readaheads, wanted, settled = [], [], []
+    try:
+        with torch.inference_mode():
+            tokens = model(_prompts(2, 5), state)[:, -1:].argmax(-1)  # the prefill: the forward, with read-ahead
+            store.prefetcher.readahead = lambda keys: readaheads.append(list(keys))
+            real_fetch, real_settle = store.fetch, store.settle
+
+            def fetch(layer, ids, takes_all=False):
+                missing = [Key(layer, int(e)) for e in ids if Key(layer, int(e)) not in store.fast
+                           and Key(layer, int(e)) not in store._inflight]
+                wanted.extend([missing[1:]] if len(missing) > 1 else [])
+                assert takes_all
+                return real_fetch(layer, ids, takes_all)
+
+            def settle(layer):
+                settled.append(layer)
+                real_settle(layer)
+
+            store.fetch, store.settle = fetch, settle
+            misses = store.stats.misses
+            for _ in range(4):
+                tokens = native(tokens, state)[:, -1:].argmax(-1)
+        assert native.reason is None and store.stats.misses > misses and settled
+        assert wanted and readaheads == wanted
+    finally:
+        store.close()
+
+
+def test_the_calls_own_guess_hints_what_the_lookahead_hook_would(tiny_k3_dir):
+    """At a stop the call routes the next MoE layer on the stopped layer's input (its `chosen` row) and the
+    lookahead only counts those ids: the same hints, in the same order, as the hook routing them with the
+    model's norm and router modules; the same logits."""
+    _, probe = load_model(tiny_k3_dir, LoadOptions(expert_memory=1 << 30))
+    total = sum(probe.fast.cost(k) for k in probe.index.entries)
+    runs = []
+    for hook_routes in (False, True):
+        model, store = _load(tiny_k3_dir, expert_memory=total // 10, expert_policy="lru", prefetch="next-layer")
+        hook, routed = model.expert_lookahead, []
+        hook.routes = {i: (t, lambda h, fn=fn: routed.append(1) or fn(h)) for i, (t, fn) in hook.routes.items()}
+        if hook_routes:  # a plain callable: the step cannot hand it a guess and calls it
+            model.expert_lookahead = lambda i, x: hook(i, x)
+        hints, real_hint = [], store.prefetcher.hint
+        store.prefetcher.hint = lambda layer, ids: hints.append((layer, list(ids))) or real_hint(layer, ids)
+        native = NativeDecode(model)
+        try:
+            state = model.make_state(2)
+            with torch.inference_mode():
+                tokens, outs = model(_prompts(2, 5), state)[:, -1:].argmax(-1), []
+                hints.clear()  # the prefill's, made by the forward
+                routed.clear()
+                for _ in range(4):
+                    outs.append(native(tokens, state))
+                    tokens = outs[-1][:, -1:].argmax(-1)
+        finally:
+            store.close()
+        assert native.reason is None
+        assert (len(routed) == len(hints)) if hook_routes else routed == []  # who routed the guesses
+        runs.append((torch.cat(outs), hints))
+    assert runs[0][1] and runs[0][1] == runs[1][1]
+    assert torch.equal(runs[0][0], runs[1][0])
+
+
 def test_scheduler_uses_it_with_the_same_tokens(model_dir):
     model, _ = _load(model_dir)
     reqs = [Request(_prompts(1, n)[0].tolist(), m) for n, m in [(5, 6), (9, 3), (2, 8)]]

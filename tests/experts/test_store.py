@@ -239,3 +239,86 @@ def test_a_newer_hint_cancels_the_older_hints_queued_reads():
         assert {Key(1, 0), Key(2, 5)} <= set(store.fast.keys())
     finally:
         store.close()
+
+
+def test_a_caller_that_takes_every_expert_reads_its_first_miss_itself():
+    """fetch(..., takes_all=True) (the native decode step, which takes every expert before it computes): its
+    first miss is a demand read on this thread, only the rest go to the reader threads (handing the first
+    over too would only add a wait); the same experts, books and reads as the plain fetch."""
+    got = {}
+    for takes_all in (False, True):
+        store, source = make_store(slots=4)
+        store.prefetcher = Prefetcher(store)
+        started = []
+        real = store.start_background_many
+        store.start_background_many = lambda keys, urgent: started.append(list(keys)) or real(keys, urgent)
+        try:
+            keys, wanted = [], []
+            for layer, ids in ((1, [0, 1]), (2, [0, 2]), (1, [0, 3]), (1, [1, 0]), (3, [5]), (4, [0, 1, 2])):
+                missing = [Key(layer, e) for e in ids if Key(layer, e) not in store.fast]
+                wanted += [missing[1:] if takes_all else missing] if missing[takes_all:] else []
+                keys.append([w.key for w in store.fetch(layer, ids, takes_all=takes_all)])
+            s = store.stats
+            got[takes_all] = (keys, s.hits, s.misses, s.tiers["fast"].evictions, sorted(store.fast.keys()),
+                              sorted(source.reads))
+            assert started == wanted and s.prefetch.loaded == sum(map(len, wanted))
+            assert any(len(w) > 1 for w in wanted)
+        finally:
+            store.close()
+    assert got[False] == got[True]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_the_lookaheads_guess_is_most_chosen_first_however_it_is_counted(tokens, monkeypatch):
+    """NextLayerLookahead counts a small guess in Python and a large one with torch; both hint the same
+    order: most-chosen first, lower id first among equals."""
+    import torch
+
+    from moeswap.experts import prefetch
+
+    ids_TK = torch.randint(0, 12, (tokens, 4), generator=torch.Generator().manual_seed(tokens))
+
+    class Hints:
+        def hint(self, layer, ids):
+            self.got = (layer, ids)
+
+    orders = []
+    for limit in (0, 1 << 20):  # torch's unique, then Python's Counter
+        monkeypatch.setattr(prefetch, "GUESSES_IN_PYTHON", limit)
+        hints = Hints()
+        prefetch.NextLayerLookahead({3: (4, lambda h: ids_TK)}, hints)(3, torch.zeros(tokens, 1, 8))
+        orders.append(hints.got)
+    flat = ids_TK.flatten().tolist()
+    want = sorted(set(flat), key=lambda e: (-flat.count(e), e))
+    assert orders == [(4, want), (4, want)]
+
+
+def test_settle_takes_a_layers_finished_hinted_loads_in_now():
+    """settle(layer) stores that layer's background loads (a hint's) whose reads are done, so a mirror table
+    has them before the caller computes; a read still in flight, and another layer's loads, stay in flight."""
+    store, source = make_store(slots=8, delay=0.2)
+    store.prefetcher = Prefetcher(store, threads=1)
+    added = []
+
+    class Table:
+        def added(self, e, w):
+            added.append(e)
+
+        def removed(self, e):
+            pass
+
+    store.mirror(2, Table())
+    try:
+        store.prefetcher.hint(2, [4, 5])  # one reader thread: 4 is read first, 5 waits for it
+        first = store._inflight[Key(2, 4)].pending
+        t0 = time.time()
+        while not first.ready() and time.time() - t0 < 5:
+            time.sleep(0.001)
+        store.settle(3)  # nothing of layer 3 in flight
+        store.settle(2)
+        assert added == [4] and Key(2, 4) in store.fast and set(store._inflight) == {Key(2, 5)}
+        wait_idle(store)
+        assert sorted(added) == [4, 5]
+        assert fetch(store, 2, [4, 5]) == [Key(2, 4), Key(2, 5)] and store.stats.prefetch.used == 2
+    finally:
+        store.close()

@@ -15,8 +15,11 @@ Routed experts run in the call from the layers' resident tables (models/layers/m
 the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
 call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). Where a chosen expert is not
 in its layer's table, the call stops after that layer's attention; here the expert lookahead runs (a
-store that can evict: the next MoE layer's guess is loaded in the background), the layer's experts are
-fetched through the store (the same books and loads as the model's own fetch), and the call resumes at
+store that can evict: the next MoE layer's guess is loaded in the background; the call has routed the next
+layer on this input already, so NextLayerLookahead only counts and hints its ids), the layer's experts are
+taken through the store (the same books and loads as the model's own fetch; all are taken before any
+computes, so the first miss is read on this thread while the reader threads read the rest), the next layer's
+hinted loads whose reads are done are stored (in its table before the call reaches it), and the call resumes at
 that FFN with them. A layer without a table (a store that records a trace or keeps nothing) stops and
 the model runs that FFN. So the store sees the same fetches, in the same order, as under the model's
 forward (tests/engine/test_native_step.py), but the lookahead guesses only at layers that missed.
@@ -363,6 +366,8 @@ class NativeDecode:
         plan.set_rope(next((st.lengths_B for st in state.layers if isinstance(st, MLACache)), None))
         # a lookahead runs only where a store can evict: with every expert resident it has nothing to load
         lookahead = m.expert_lookahead if any(getattr(s, "can_evict", True) for s in plan.stores) else None
+        # the call itself routes the next layer at a stop (its `chosen` row), for a lookahead that takes a guess
+        guessed = getattr(lookahead, "guessed", None)
         tables = plan.refresh()
         partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
         bank, m_out, used, chosen = plan.scratch(B)
@@ -375,7 +380,8 @@ class NativeDecode:
                 plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
                 ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, plan.final_norm, plan.head, plan.V,
                 None if logits is None else logits.data_ptr(), B, D, plan.eps, L2_EPS, plan.act,
-                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), ffn_first, int(m.gemm_precision == "bf16"),
+                plan.betas[0], plan.betas[1], used, ctypes.byref(stopped), ffn_first, int(guessed is not None),
+                int(m.gemm_precision == "bf16"),
                 max(1, torch.get_num_threads()))
             if ffn_first:  # the resumed layer's experts are back from their own table
                 plan.table[first].table = tables[first].rows.data_ptr()
@@ -386,8 +392,15 @@ class NativeDecode:
             i = stopped.value
             layer, x = m.model.layers[i], m_out.view(B, 1, D)
             if lookahead is not None:
-                lookahead(i, x)
+                nxt = plan.table[i + 1] if i + 1 < n_layers else None
+                if guessed is not None and nxt is not None and nxt.moe and nxt.router and nxt.chosen:
+                    guessed(i, chosen[i + 1, :B * nxt.topk].view(B, nxt.topk))  # the call's guess, as the hook's
+                else:
+                    lookahead(i, x)
             rows = None if plan.table[i].stop else self._fetched_rows(tables[i], i, chosen[i, :B * plan.table[i].topk], B)
+            if lookahead is not None and i + 1 < n_layers:  # the guess in the next layer's table before it runs
+                for store in plan.stores:
+                    store.settle(i + 1)
             if rows is not None:  # resume at this FFN with its experts (their rows kept alive by `rows`)
                 plan.table[i].table, first, ffn_first = rows[0].data_ptr(), i, 1
                 continue
@@ -421,7 +434,9 @@ class NativeDecode:
         be in the table (the model runs the FFN then, and the store books this layer step twice)."""
         unique = sorted(set(ids.tolist()))
         hybrid = getattr(table.store, "hybrid", None)
-        experts = table.store.fetch(i, unique) if hybrid is None else hybrid.fetch(i, unique, B)
+        # takes_all: the first miss read on this thread, the rest by the readers meanwhile
+        experts = (table.store.fetch(i, unique, takes_all=True) if hybrid is None
+                   else hybrid.fetch(i, unique, B, takes_all=True))
         kept = [experts[j] for j in range(len(unique))]  # loaded (and evicting) before the table is read
         rows = table.rows.clone()
         for e, w in zip(unique, kept):

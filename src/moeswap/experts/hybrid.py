@@ -47,25 +47,26 @@ class HybridExperts:
         """Whether a layer step of `tokens` tokens computes the experts the fast tier lacks on the CPU."""
         return self.mode == "cpu" or tokens < self.min_tokens
 
-    def fetch(self, layer: int, expert_ids: Sequence[int], tokens: int) -> Sequence:
+    def fetch(self, layer: int, expert_ids: Sequence[int], tokens: int, takes_all: bool = False) -> Sequence:
         """The step's experts: a plain store fetch where every one is resident or the step goes to the
-        accelerator, else a HybridFetched whose missing experts come from host memory."""
+        accelerator, else a HybridFetched whose missing experts come from host memory. `takes_all` as the
+        store's fetch."""
         ids = [int(e) for e in expert_ids]
         store = self.store
         if store.trace is not None:  # a routing trace wants every step's whole set in one fetch
-            return store.fetch(layer, ids)
+            return store.fetch(layer, ids, takes_all)
         if not self.on_cpu(tokens):
             if not all(store.resident(layer, ids)):
                 store.stats.hybrid.fetch_steps += 1
-            return store.fetch(layer, ids)
+            return store.fetch(layer, ids, takes_all)
         held = store.resident(layer, ids)
         if all(held):
-            return store.fetch(layer, ids)
+            return store.fetch(layer, ids, takes_all)
         fits = store.resident(layer, ids, fill=True)
         stats = store.stats.hybrid  # (the store's: reset with its other counters)
         stats.filled += sum(f and not h for f, h in zip(fits, held))
         if all(fits):
-            return store.fetch(layer, ids)
+            return store.fetch(layer, ids, takes_all)
         stats.cpu_steps += 1
         stats.cpu_experts += fits.count(False)
         fast_ids = [e for e, f in zip(ids, fits) if f]
@@ -74,5 +75,5 @@ class HybridExperts:
             where.append(n if f else None)
             n += f
         # one fetch of the fast tier's part, so the store sees the step (pins, policy books, hint scoring)
-        fast = store.fetch(layer, fast_ids)
+        fast = store.fetch(layer, fast_ids, takes_all)
         return HybridFetched(fast, where, lambda i: store.read_host(layer, ids[i]), [not f for f in fits])

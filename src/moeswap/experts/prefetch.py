@@ -10,12 +10,18 @@ from the loader, so this module knows nothing of models.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 
 from moeswap.experts.keys import Key
 from moeswap.experts.reads import DEFAULT_THREADS, Reads
+
+
+# up to this many guessed (token, slot) pairs, counting in Python beats torch's unique and argsort (~50 us on
+# a decode step's handful, where the native decode step makes a guess at every layer that stops)
+GUESSES_IN_PYTHON = 256
 
 
 class Prefetcher:
@@ -50,9 +56,9 @@ class Prefetcher:
 
 class NextLayerLookahead:
     """Model hook `(layer, hidden)`: called before layer `layer` computes its MLP, it predicts the experts
-    of the next MoE layer from this hidden state and hints them, most-chosen first.
+    of the next MoE layer from this hidden state and hints them, most-chosen first (ties: lower id first).
 
-    routes: layer -> (next MoE layer, router(hidden [T, D]) -> expert ids [T, K])."""
+    routes: layer -> (layer + 1, an MoE layer; its norm and router(hidden [T, D]) -> expert ids [T, K])."""
 
     def __init__(self, routes: dict[int, tuple[int, Callable[[torch.Tensor], torch.Tensor]]], prefetcher: Prefetcher):
         self.routes, self.prefetcher = routes, prefetcher
@@ -62,8 +68,19 @@ class NextLayerLookahead:
         route = self.routes.get(layer)
         if route is None:
             return
-        target, route_fn = route
-        ids_TK = route_fn(hidden.reshape(-1, hidden.shape[-1]))
+        self.guessed(layer, route[1](hidden.reshape(-1, hidden.shape[-1])))
+
+    def guessed(self, layer: int, ids_TK: torch.Tensor) -> None:
+        """Hint the next MoE layer's experts from its router's ids on layer `layer`'s hidden state, computed by
+        the caller (the native decode step's call routes it at a stop): the hook without its own routing."""
+        route = self.routes.get(layer)
+        if route is None:
+            return
+        target = route[0]
+        if ids_TK.numel() <= GUESSES_IN_PYTHON:
+            counts = Counter(ids_TK.flatten().tolist())
+            self.prefetcher.hint(target, sorted(counts, key=lambda e: (-counts[e], e)))
+            return
         ids, counts = ids_TK.flatten().unique(return_counts=True)
         order = counts.argsort(descending=True, stable=True)
         self.prefetcher.hint(target, ids[order].tolist())

@@ -138,9 +138,12 @@ class ExpertStore:
     def index(self) -> ExpertIndex:
         return self.source.index
 
-    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Sequence[Weights]:
+    def fetch(self, layer: int, expert_ids: Sequence[int], takes_all: bool = False) -> Sequence[Weights]:
         """The experts `expert_ids` of `layer` (one layer step), ready for compute when indexed: a list
-        when all are in the fast tier, else a `Fetched` that loads each when asked for it."""
+        when all are in the fast tier, else a `Fetched` that loads each when asked for it. With a prefetcher,
+        the misses are read ahead on the reader threads while the first experts compute; `takes_all`: the
+        caller takes every expert before it computes any (the native decode step), so its first miss is read
+        on its own thread meanwhile, not handed to a reader and waited for."""
         ids = [int(e) for e in expert_ids]
         keys = [Key(layer, e) for e in ids]
         with self._lock:
@@ -156,6 +159,8 @@ class ExpertStore:
                     return resident
             self._pending = set(keys)
             missing = [k for k in keys if k not in self.fast and k not in self._inflight]
+        if takes_all:
+            missing = missing[1:]
         if self.prefetcher is not None and missing:
             self.prefetcher.readahead(missing)  # load later experts of this step while earlier ones compute
         return Fetched(self, keys)
@@ -421,6 +426,17 @@ class ExpertStore:
                     load.error = RuntimeError(f"{key}: prefetch cancelled")
                     self._complete(load, None, stored=False)
                     self.stats.prefetch.dropped += 1
+
+    def settle(self, layer: int) -> None:
+        """Take `layer`'s background loads (a hint's) whose reads are done into the fast tier now, so into its
+        mirror table: for a caller about to compute that layer from the table without asking the store first
+        (the native decode step resuming its call after a stop), where a load left for the store's next look
+        would make it stop there anyway. Reads still in flight are left to overlap its compute (a large
+        expert's read takes longer than a layer)."""
+        with self._lock:
+            for load in [l for l in self._inflight.values()
+                         if l.key.layer == layer and l.pending is not None and l.pending.ready()]:
+                self._finish(load)
 
     def _harvest(self) -> None:
         """Under the lock: finish background loads whose reads are done (store them, free their books)."""

@@ -370,7 +370,7 @@ class CpuKernels:
         """act(gate) * up (ops.activation.glu) for fp32 CPU tensors of one shape, in one pass; a new tensor.
         Within a few ulp of torch's tanh/sigmoid (its own exp), the same bits for any shape or split."""
         if (gate.shape != up.shape or gate.dtype != torch.float32 or up.dtype != torch.float32
-                or gate.device.type != "cpu" or up.device.type != "cpu"):
+                or not gate.is_cpu or not up.is_cpu):
             raise ValueError(f"glu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                              f"(expected fp32 CPU tensors of one shape)")
         gate, up = gate.contiguous(), up.contiguous()
@@ -385,7 +385,7 @@ class CpuKernels:
                      situ_betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
         """(d gate, d up) of `glu` from its output's gradient, in one pass (fp32 CPU tensors of one shape)."""
         if (not gate.shape == up.shape == d_out.shape
-                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (gate, up, d_out))):
+                or any(t.dtype != torch.float32 or not t.is_cpu for t in (gate, up, d_out))):
             raise ValueError(f"glu_backward: gate {tuple(gate.shape)}, up {tuple(up.shape)}, d_out "
                              f"{tuple(d_out.shape)} (expected fp32 CPU tensors of one shape)")
         gate, up, d_out = gate.contiguous(), up.contiguous(), d_out.contiguous()
@@ -461,7 +461,7 @@ class CpuKernels:
         if (tuple(w_ED.shape) != (E, D) or tuple(bias_E.shape) != (E,) or not 0 < top_k <= E or E > 4096
                 or groups < 1 or E % groups or (groups > 1 and (per < 2 or top_k > topk_group * per))
                 or not 0 < topk_group <= groups
-                or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x_TD, w_ED, bias_E))):
+                or any(t.dtype != torch.float32 or not t.is_cpu for t in (x_TD, w_ED, bias_E))):
             raise ValueError(f"route: x {tuple(x_TD.shape)} {x_TD.dtype}, weight {tuple(w_ED.shape)} {w_ED.dtype}, "
                              f"bias {tuple(bias_E.shape)} {bias_E.dtype}, top-{top_k}, {topk_group} of {groups} groups "
                              f"(expected fp32 CPU tensors, weight [E <= 4096, D], bias [E], 0 < k <= E, groups "
@@ -488,10 +488,10 @@ class CpuKernels:
         R = NR - N
         cap = latent_BCX.shape[1] if latent_BCX.ndim == 3 else 0
         fp32 = [q_BHX, latent_BCX, w_k_HNL, w_v_HLV]
-        if (any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in fp32)
+        if (any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in fp32)
                 or tuple(latent_BCX.shape) != (B, cap, L + R) or tuple(w_v_HLV.shape) != (H, L, V)
                 or w_k_HNL.shape[0] != H or R < 0 or L > 4096 or lengths_B.dtype != torch.int64
-                or tuple(lengths_B.shape) != (B,) or lengths_B.device.type != "cpu"):
+                or tuple(lengths_B.shape) != (B,) or not lengths_B.is_cpu):
             raise ValueError(f"mla_decode: q {tuple(q_BHX.shape)}, cache {tuple(latent_BCX.shape)}, lengths "
                              f"{tuple(lengths_B.shape)} {lengths_B.dtype}, keys {tuple(w_k_HNL.shape)}, values "
                              f"{tuple(w_v_HLV.shape)} (expected contiguous fp32 CPU tensors [B, H, N+R], "
@@ -525,8 +525,8 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU tensor (weight fp32 [D] or None); a new tensor."""
         D = x.shape[-1] if x.ndim else 0
-        if (x.dtype != torch.float32 or x.device.type != "cpu" or D < 1 or (weight is not None and (
-                weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape != (D,)))):
+        if (x.dtype != torch.float32 or not x.is_cpu or D < 1 or (weight is not None and (
+                weight.dtype != torch.float32 or not weight.is_cpu or weight.shape != (D,)))):
             raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight "
                              f"{None if weight is None else (tuple(weight.shape), weight.dtype)} (expected fp32 "
                              f"CPU tensors, weight [last dim of x])")
@@ -545,8 +545,8 @@ class CpuKernels:
         shape = sources[0].shape if sources else ()
         D = shape[-1] if shape else 0
         if (not sources or len(sources) > 64 or D < 1 or score_D.shape != (D,) or score_D.dtype != torch.float32
-                or score_D.device.type != "cpu"
-                or any(t.shape != shape or t.dtype != torch.float32 or t.device.type != "cpu" for t in sources)):
+                or not score_D.is_cpu
+                or any(t.shape != shape or t.dtype != torch.float32 or not t.is_cpu for t in sources)):
             raise ValueError(f"res_mix: {len(sources)} sources {[tuple(t.shape) for t in sources][:3]}..., score "
                              f"{tuple(score_D.shape)} {score_D.dtype} (expected 1-64 fp32 CPU tensors of one "
                              f"shape [..., D] and an fp32 [D] score)")
@@ -567,7 +567,7 @@ class CpuKernels:
         args = [q_NK, k_NK, v_NV, g_NK, beta_N]
         shapes_ok = (k_NK.shape == g_NK.shape == (N, K) and tuple(v_NV.shape) == (N, V) and beta_N.numel() == N
                      and tuple(state_NKV.shape) == (N, K, V))
-        if (not shapes_ok or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in [*args, state_NKV])
+        if (not shapes_ok or any(t.dtype != torch.float32 or not t.is_cpu for t in [*args, state_NKV])
                 or not state_NKV.is_contiguous()):
             raise ValueError(f"kda_decode: q {tuple(q_NK.shape)}, k {tuple(k_NK.shape)}, v {tuple(v_NV.shape)}, "
                              f"g {tuple(g_NK.shape)}, beta {tuple(beta_N.shape)}, state {tuple(state_NKV.shape)} "
@@ -704,7 +704,7 @@ def _checked(packed: torch.Tensor, scale: torch.Tensor, in_dim: int) -> tuple[to
     """uint8 contiguous [O, in/2] and [O, in/32] on the CPU, or a ValueError naming the shapes."""
     scale = mx.as_scale_bytes(scale, "MXFP4 kernel")
     if (packed.dtype != torch.uint8 or packed.ndim != 2
-            or packed.shape[1] * 2 != in_dim or packed.device.type != "cpu"):
+            or packed.shape[1] * 2 != in_dim or not packed.is_cpu):
         raise ValueError(f"MXFP4 kernel: packed {tuple(packed.shape)} {packed.dtype} / scale {tuple(scale.shape)} "
                          f"{scale.dtype} do not fit input width {in_dim} (expected CPU uint8 [O, {in_dim // 2}] "
                          f"and [O, {in_dim // 32}])")

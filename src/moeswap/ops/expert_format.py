@@ -549,7 +549,7 @@ class MXFP4Format(_MXFormat):
         return dx.reshape(*dy.shape[:-1], N)
 
     def group_kind(self, w):
-        return "mxfp4" if w.w1_packed.device.type == "cpu" else None
+        return "mxfp4" if w.w1_packed.is_cpu else None  # (is_cpu: ~0.1 us, .device.type ~5 us)
 
     def width(self, w):
         return w.w1_packed.shape[0]
@@ -558,7 +558,7 @@ class MXFP4Format(_MXFormat):
         mats = [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, w.w2_packed, w.w2_scale]
         if mats[0].shape[1] * 2 != I:
             raise ValueError(f"MXFP4 expert of input width {mats[0].shape[1] * 2} given inputs of width {I}")
-        if not all(t.device.type == "cpu" for t in mats):
+        if not all(t.is_cpu for t in mats):  # (is_cpu: no device object per tensor; this runs on every load)
             raise ValueError("MXFP4 expert: the CPU kernel needs CPU tensors")
         return [t if t.is_contiguous() else t.contiguous() for t in mats]
 

@@ -99,7 +99,8 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
                           float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
                           const float *score_out, const float *final_norm, const uint16_t *head, int64_t V,
                           float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
-                          int64_t *used, int64_t *stopped, int64_t ffn_first, int bf16_in, int nt);
+                          int64_t *used, int64_t *stopped, int64_t ffn_first, int guess, int bf16_in,
+                          int nt);
 /* The layout check: sizeof(decode_layer), and field i's name, offset, size and type as spelled above
  * (e.g. "const float *", "int64_t[6]"); 0, or 1 past the last field. */
 int moeswap_decode_layer_size(void);

@@ -130,6 +130,20 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
     return status;
 }
 
+/* The router of MoE layer `next` on h [N, D] normalised by next's ln_post (xn: scratch [N, D]), into next->chosen:
+ * what KimiModel's expert lookahead computes from the same h. */
+static int next_guess(const decode_layer *next, const float *h, int64_t N, int64_t D, float eps, float *xn, int nt) {
+    float *w = (float *)malloc((size_t)(N * next->topk) * sizeof(float) + 64);
+    if (!w) return 2;
+    int status = moeswap_rms_norm(h, N, D, next->ln_post, eps, xn, nt);
+    if (!status)
+        status = moeswap_route(xn, N, D, next->router, next->E, next->router_bias, next->topk, (int)next->softmax,
+                               (int)next->renorm, (float)next->route_scale, next->groups, next->topk_group,
+                               next->chosen, w, nt);
+    free(w);
+    return status;
+}
+
 /* AttnRes: the mix of the banked sums and the running one into out (models/layers/attn_res.py mix); with no
  * score or an empty bank, the running sum itself. */
 static int mixed(const float *score, const float *bank, int64_t n_bank, const float *partial, int64_t N, int64_t D,
@@ -152,13 +166,17 @@ static int mixed(const float *score, const float *bank, int64_t n_bank, const fl
  * done, m_out [N, D] holds its FFN input before the norm, and the caller runs that FFN (and whatever the
  * model does there, such as an expert lookahead) and resumes at *stopped + 1, or calls again with
  * first = *stopped, ffn_first = 1 and m_out as it was to run that FFN here (its experts now in the table).
- * Each MoE layer whose `chosen` is set gets its router's ids there. Else 1 bad sizes, 2 out of memory (the
- * step's state is then not to be trusted). */
+ * Each MoE layer whose `chosen` is set gets its router's ids there. With `guess`, a stop also writes into the
+ * next layer's `chosen` (an MoE layer with a router) its router's ids on this FFN input, normalised by its
+ * ln_post: the expert lookahead's guess (experts/prefetch.py NextLayerLookahead computes the same from m_out),
+ * overwritten when that layer routes. Else 1 bad sizes, 2 out of memory (the step's state is then not to be
+ * trusted). */
 int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t first, const int64_t *state,
                           float *partial, float *bank, int64_t max_bank, int64_t *n_bank, float *m_out,
                           const float *score_out, const float *final_norm, const uint16_t *head, int64_t V,
                           float *logits, int64_t N, int64_t D, float eps, float l2_eps, int act, float b1, float b2,
-                          int64_t *used, int64_t *stopped, int64_t ffn_first, int bf16_in, int nt) {
+                          int64_t *used, int64_t *stopped, int64_t ffn_first, int guess, int bf16_in,
+                          int nt) {
     if (N < 1 || D < 1 || first < 0 || first > n_layers || *n_bank < 0 || *n_bank > max_bank) return 1;
     float *buf = (float *)malloc((size_t)(3 * N * D) * sizeof(float) + 64);
     if (!buf) return 2;
@@ -197,6 +215,10 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
         if (status == 4) {
             memcpy(m_out, h, (size_t)(N * D) * sizeof(float));
             *stopped = i;
+            const decode_layer *next = i + 1 < n_layers ? l + 1 : NULL;
+            if (guess && next && next->moe && next->router && next->chosen)
+                status = next_guess(next, h, N, D, eps, xn, nt);
+            if (!status) status = 4;
             break;
         }
         for (int64_t j = 0; !status && j < N * D; j++) partial[j] += y[j];
