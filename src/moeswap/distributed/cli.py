@@ -11,6 +11,9 @@ from __future__ import annotations
 import secrets
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer fails (a hung or lost peer)
+# how ranks share the work (docs/distributed.md): each rank its own sequences or micro-batches, tokens
+# dispatched to the experts' owners; or every rank the same tokens, expert outputs exchanged
+EP_MODES = ("data-parallel", "replicated")
 
 
 def add_ep_flags(parser) -> None:
