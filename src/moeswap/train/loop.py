@@ -130,11 +130,11 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def step_gradients(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, step: int,
-                   ep=None) -> tuple[float, int]:
+                   ep=None, after: Callable[[int], None] | None = None) -> tuple[float, int]:
     """Accumulates into .grad the gradient of one optimizer step's mean loss over all its rows' target
     tokens, grad_accum forward passes of micro_batch rows; returns (that mean, real tokens). Under
-    data-parallel expert parallelism (`ep` with token dispatch) micro-batch k runs on rank k mod N and each
-    rank's .grad holds its micro-batches' part (distributed/grads.py sums them); the mean is summed from
+    data-parallel expert parallelism (`ep` with token dispatch) micro-batch k runs on rank k mod N, and
+    `after(k)` follows its backward (distributed/grads.py takes its gradients); the mean is summed from
     every micro-batch's loss in k order, as one process sums it."""
     targets = sum(sum(mask[1:]) for _, mask in rows)  # the whole step's: each rank divides by the global count
 
@@ -145,6 +145,8 @@ def step_gradients(model, rows, pad_id: int, cfg: TrainConfig, device: torch.dev
             raise NonFiniteError(f"step {step + 1}: the loss is {value}; stopping without saving "
                                  f"(lower --lr, or check the data and the base model)")
         (loss / targets).backward()
+        if after is not None:
+            after(k)
         return value, n
 
     total, tokens = 0.0, 0
@@ -305,11 +307,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = stream.rows(history["rows"], cfg.rows_per_step)
-            loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step, ep)
-            if ep is not None and ep.dispatch is not None:  # data-parallel: each rank's part summed over ranks
-                from moeswap.distributed.grads import sum_gradients
+            summed = None
+            if ep is not None and ep.dispatch is not None:  # data-parallel: every micro-batch's part, summed
+                from moeswap.distributed.grads import StepGradients
 
-                sum_gradients(ep, params, set() if shards is None else set(shards.parts))
+                summed = StepGradients(ep, params, set() if shards is None else set(shards.parts))
+            loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step, ep,
+                                               None if summed is None else summed.take)
+            if summed is not None:
+                summed.sum(cfg.grad_accum)
             elif ep is not None:  # expert LoRA not split by owner (none is, today): every rank sums its gradients
                 ep.reduce_expert_lora_grads(model)
             if shards is not None:  # the norm over whole gradients; zeros where an owner's experts got none
