@@ -353,7 +353,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
                     bar.write(f"step {step + 1}: eval loss {loss_eval:.4f}", file=sys.stderr)
             if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last:
                 # split expert LoRA: every rank hands its rows over, rank 0 writes one process's layout
-                whole, whole_opt = shards.whole(saved, optimizer) if shards is not None else (saved, optimizer)
+                whole, whole_opt = shards.whole(saved, optimizer, root=0) if shards is not None else (saved, optimizer)
                 if lead:
                     history["wall_s"] += time.perf_counter() - started
                     started = time.perf_counter()
@@ -370,8 +370,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         if not history["eval"] or history["eval"][-1]["step"] != total:
             history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device, ep)})
         history["wall_s"] += time.perf_counter() - started
-        if shards is not None:  # the adapter is one PEFT file: every expert's LoRA whole again
-            params = shards.join(params)
+        if shards is not None:  # the adapter is one PEFT file: every expert's LoRA whole again, on rank 0
+            params = shards.join(params, root=0)
         if not lead:  # the same parameters as rank 0's, which writes them
             return TrainResult(out, {})
         manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s, ep)
