@@ -26,6 +26,8 @@ def main() -> None:
         return train_step(job, rank, out)
     if job.get("split_lora"):
         return split_lora_step(job, rank, out)
+    if job.get("dp_serve"):
+        return dp_serve(job, rank, out)
     if job.get("dp_train"):
         try:
             return dp_train_steps(job, rank, out)
@@ -166,6 +168,53 @@ def split_lora_step(job: dict, rank: int, out: str) -> None:
                 "optimizer": whole_opt.state_dict()}, out)
     store.close()
     shutdown(ep)
+
+
+SERVE_PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(30)], [(11 * i + 1) % 500 + 5 for i in range(9)],
+                 [(5 * i + 2) % 500 + 5 for i in range(17)]]
+SERVE_MAX_TOKENS = [6, 9, 4]
+
+
+def serve_requests():
+    """Greedy requests for the data-parallel serving test (ids 0, 1, 2)."""
+    from moeswap.engine.scheduler import Request
+
+    return [Request(p, n, stop_ids=(), id=i) for i, (p, n) in enumerate(zip(SERVE_PROMPTS, SERVE_MAX_TOKENS))]
+
+
+def dp_serve(job: dict, rank: int, out: str) -> None:
+    """Data-parallel serving without HTTP: rank 0 submits serve_requests() to its DataParallelLeader at once
+    and steps it until done (which rank runs each, every token); the other ranks follow."""
+    from moeswap.distributed.lockstep import follow, leader_scheduler, stop_followers
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.engine.scheduler import EngineConfig
+    from moeswap.models.loader import LoadOptions, load_model
+
+    options = LoadOptions(dtype="float32")
+    model, store = load_model(job["model"], options)
+    ep = init_expert_parallel(model, job["model"], options, None, timeout_s=job["timeout"], data_parallel=True)
+    result: dict = {}
+    if rank == 0:
+        sched = leader_scheduler(ep)(model, EngineConfig(max_batch=4, max_len=256))
+        for req in serve_requests():
+            sched.submit(req)
+        result["ranks"] = [sched._where.get(i, 0) for i in range(len(SERVE_PROMPTS))]
+        tokens: dict = {}
+        finish: dict = {}
+        while sched.busy:
+            for ev in sched.step():
+                if ev.token is not None:
+                    tokens.setdefault(ev.id, []).append(ev.token)
+                if ev.finish_reason is not None:
+                    finish[ev.id] = (ev.finish_reason, sched.finished.pop(ev.id).tokens)
+        result.update(tokens=tokens, finish=finish)
+        stop_followers(ep)
+    else:
+        follow(model, ep)
+    result["dispatch"] = ep.dispatch.stats.as_dict()
+    store.close()
+    shutdown(ep)
+    torch.save(result, out)
 
 
 MICRO_BATCHES = 3  # on 2 ranks: rank 0 runs micro-batches 0 and 2, rank 1 serves its experts in the second round
