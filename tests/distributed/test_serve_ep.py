@@ -114,9 +114,10 @@ def test_two_rank_server_answers_as_one_process_and_stops_cleanly(tiny_k3_dir, m
     assert (code0, code1) == (0, 0), (err0[-2000:], err1[-2000:])
 
 
-def test_a_rank_lost_under_serve_stops_the_server_naming_it(tiny_k3_dir):
+@pytest.mark.parametrize("mode", ["replicated", "data-parallel"])
+def test_a_rank_lost_under_serve_stops_the_server_naming_it(tiny_k3_dir, mode):
     port = free_port()
-    procs = start_ranks(tiny_k3_dir, port)
+    procs = start_ranks(tiny_k3_dir, port, mode)
     try:
         wait_ready(f"http://127.0.0.1:{port}", procs)
         procs[1].kill()
