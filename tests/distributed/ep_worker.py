@@ -26,6 +26,15 @@ def main() -> None:
         return train_step(job, rank, out)
     if job.get("split_lora"):
         return split_lora_step(job, rank, out)
+    if job.get("dp_serve"):
+        return dp_serve(job, rank, out)
+    if job.get("dp_train"):
+        try:
+            return dp_train_steps(job, rank, out)
+        except Exception as err:  # the test reads the message
+            torch.save({"error": f"{type(err).__name__}: {err}"}, out)
+            sys.stdout.flush()
+            os._exit(3)  # no clean-up that waits on peers
     if job.get("data_parallel"):
         try:
             return data_parallel_runs(job, rank, out)
@@ -159,6 +168,142 @@ def split_lora_step(job: dict, rank: int, out: str) -> None:
                 "optimizer": whole_opt.state_dict()}, out)
     store.close()
     shutdown(ep)
+
+
+SERVE_PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(30)], [(11 * i + 1) % 500 + 5 for i in range(9)],
+                 [(5 * i + 2) % 500 + 5 for i in range(17)]]
+SERVE_MAX_TOKENS = [6, 9, 4]
+
+
+def serve_requests():
+    """Greedy requests for the data-parallel serving test (ids 0, 1, 2)."""
+    from moeswap.engine.scheduler import Request
+
+    return [Request(p, n, stop_ids=(), id=i) for i, (p, n) in enumerate(zip(SERVE_PROMPTS, SERVE_MAX_TOKENS))]
+
+
+def dp_serve(job: dict, rank: int, out: str) -> None:
+    """Data-parallel serving without HTTP: rank 0 submits serve_requests() to its DataParallelLeader at once
+    and steps it until done (which rank runs each, every token); the other ranks follow."""
+    from moeswap.distributed.lockstep import follow, leader_scheduler, stop_followers
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+    from moeswap.engine.scheduler import EngineConfig
+    from moeswap.models.loader import LoadOptions, load_model
+
+    options = LoadOptions(dtype="float32")
+    model, store = load_model(job["model"], options)
+    ep = init_expert_parallel(model, job["model"], options, None, timeout_s=job["timeout"], data_parallel=True)
+    result: dict = {}
+    if rank == 0:
+        sched = leader_scheduler(ep)(model, EngineConfig(max_batch=4, max_len=256))
+        for req in serve_requests():
+            sched.submit(req)
+        result["ranks"] = [sched._where.get(i, 0) for i in range(len(SERVE_PROMPTS))]
+        tokens: dict = {}
+        finish: dict = {}
+        while sched.busy:
+            for ev in sched.step():
+                if ev.token is not None:
+                    tokens.setdefault(ev.id, []).append(ev.token)
+                if ev.finish_reason is not None:
+                    finish[ev.id] = (ev.finish_reason, sched.finished.pop(ev.id).tokens)
+        result.update(tokens=tokens, finish=finish)
+        stop_followers(ep)
+    else:
+        follow(model, ep)
+    result["dispatch"] = ep.dispatch.stats.as_dict()
+    store.close()
+    shutdown(ep)
+    torch.save(result, out)
+
+
+MICRO_BATCHES = 3  # on 2 ranks: rank 0 runs micro-batches 0 and 2, rank 1 serves its experts in the second round
+
+
+def dp_lora_gradients(model_dir: str, budget: int, checkpointing: bool, join=None, die: int | None = None,
+                      targets: list[str] | None = None):
+    """One LoRA optimizer step's gradients over MICRO_BATCHES micro-batches of one row each (`targets`, by
+    default K3's every target kind, routed experts included): (each micro-batch's loss, every gradient whole,
+    the ExpertParallel).
+    join(model, load options) -> ExpertParallel with token dispatch: data-parallel training as train/loop.py
+    runs it (micro-batch k on rank k mod N, expert LoRA split by owner, gradients summed in micro-batch
+    order); None: one process. die: that rank exits after its first forward pass, before its backward."""
+    from moeswap.distributed.cli import data_parallel_map
+    from moeswap.distributed.grads import StepGradients
+    from moeswap.distributed.lora_shards import LoRAShards
+    from moeswap.models.loader import load_model
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.loop import make_optimizer
+    from moeswap.train.targets import prepare_model
+    from train.test_lora_grad import ALL_TARGETS, kda_in_range, set_adapter  # tests/ is on PYTHONPATH
+
+    cfg = TrainConfig(model=model_dir, mode="lora", target_modules=tuple(targets or ALL_TARGETS), rank=3, alpha=6.0,
+                      gradient_checkpointing=checkpointing)
+    load = cfg.load.replace(expert_memory=budget)
+    model, store = load_model(model_dir, load)
+    try:
+        ep = None if join is None else join(model, load)
+        kda_in_range(model)
+        params = prepare_model(model, cfg)
+        set_adapter(model)
+        shards = summed = None
+        if ep is not None:
+            shards, params, _ = LoRAShards.split(ep, model, params, make_optimizer(params, cfg),
+                                                 lambda ps: make_optimizer(ps, cfg))
+            summed = StepGradients(ep, params, set(shards.parts))
+        gen = torch.Generator().manual_seed(5)
+        tokens = torch.randint(3, 500, (MICRO_BATCHES, 20), generator=gen)
+        weights = torch.randn(MICRO_BATCHES, 20, model.config.vocab_size, generator=gen, dtype=torch.float64)
+
+        def one(k: int) -> float:
+            loss = (model(tokens[k : k + 1]).double() * weights[k : k + 1]).sum()
+            if ep is not None and die == ep.rank:
+                os._exit(17)  # lost after its forward: the others wait for it in a backward exchange
+            loss.backward()
+            if summed is not None:
+                summed.take(k)
+            return loss.item()
+
+        losses = data_parallel_map(ep, MICRO_BATCHES, one)
+        if summed is not None:
+            summed.sum(MICRO_BATCHES)
+        grads = {}
+        for name, p in params:
+            if shards is not None and id(p) in shards.parts:  # every rank takes part in each gather
+                grads[name] = shards._gather(p.grad if p.grad is not None else torch.zeros_like(p),
+                                             shards.parts[id(p)][2])
+            else:
+                grads[name] = p.grad
+        return losses, grads, ep
+    finally:
+        store.close()
+
+
+def dp_train_steps(job: dict, rank: int, out: str) -> None:
+    """dp_lora_gradients under data-parallel expert parallelism, without and with gradient checkpointing
+    (one process group, a fresh model each)."""
+    from moeswap.distributed.ep import apply_expert_parallel
+    from moeswap.distributed.runtime import init_expert_parallel, shutdown
+
+    first: list = []
+
+    def join(model, load):
+        if not first:
+            first.append(init_expert_parallel(model, job["model"], load, None, timeout_s=job["timeout"],
+                                              data_parallel=True))
+            return first[0]
+        fresh = apply_expert_parallel(model, None, first[0].placement, data_parallel=True)
+        fresh.diagnose, fresh.heartbeat = first[0].diagnose, first[0].heartbeat
+        return fresh
+
+    runs = []
+    for checkpointing in job["checkpointing"]:
+        losses, grads, ep = dp_lora_gradients(job["model"], job["budget"], checkpointing, join, job.get("die"),
+                                              job.get("targets"))
+        runs.append({"checkpointing": checkpointing, "losses": losses, "grads": grads,
+                     "graphs_left": len(ep.dispatch._graphs), "dispatch": ep.dispatch.stats.as_dict()})
+    shutdown(first[0])
+    torch.save({"runs": runs}, out)
 
 
 def train_step(job: dict, rank: int, out: str) -> None:

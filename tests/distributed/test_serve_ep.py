@@ -1,7 +1,9 @@
-"""`moeswap serve` under expert parallelism: 2 ranks started as torchrun would, rank 0 serving HTTP and
-rank 1 stepping a copy of its scheduler in lockstep. Completions (greedy, seeded sampling, two at once
-in one batch) equal a single-process server's; SIGTERM to rank 0 stops both cleanly; a rank that dies
-stops the server with an error naming it."""
+"""`moeswap serve` under expert parallelism: 2 ranks started as torchrun would, rank 0 serving HTTP. In the
+replicated mode rank 1 steps a copy of rank 0's scheduler in lockstep; in the data-parallel mode (the
+default) rank 0 gives each request to one rank and gathers every rank's tokens each step. Completions
+(greedy, seeded sampling, two at once) equal a single-process server's; SIGTERM to rank 0 stops both
+cleanly; a rank that dies stops the server with an error naming it. The data-parallel schedulers are also
+driven directly, without HTTP, so that which rank runs which request is known (test_data_parallel_serve)."""
 
 from __future__ import annotations
 
@@ -54,11 +56,12 @@ def completions(url: str) -> list:
     return [c["choices"][0]["text"] for c in out + both]
 
 
-def start_ranks(model_dir, port: int) -> list[subprocess.Popen]:
+def start_ranks(model_dir, port: int, mode: str = "data-parallel") -> list[subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     mport = free_port()
     return [subprocess.Popen([sys.executable, "-m", "moeswap", "serve", str(model_dir), "--port", str(port),
-                              "--served-model-name", "m", "--log-level", "warning", "--ep-timeout", "30"],
+                              "--served-model-name", "m", "--log-level", "warning", "--ep-timeout", "30",
+                              "--ep-mode", mode],
                              env={**env, **rank_env(r, 2, mport)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for r in range(2)]
 
@@ -87,7 +90,8 @@ def finish(procs, timeout: float = 60) -> list:
     return out
 
 
-def test_two_rank_server_answers_as_one_process_and_stops_cleanly(tiny_k3_dir):
+@pytest.mark.parametrize("mode", ["replicated", "data-parallel"])
+def test_two_rank_server_answers_as_one_process_and_stops_cleanly(tiny_k3_dir, mode):
     model, store = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
     app = build_app(model, load_tokenizer(tiny_k3_dir), ServeOptions(model_name="m"), store)
     url, stop = serve_in_thread(app)
@@ -97,7 +101,7 @@ def test_two_rank_server_answers_as_one_process_and_stops_cleanly(tiny_k3_dir):
         stop()
         store.close()
     port = free_port()
-    procs = start_ranks(tiny_k3_dir, port)
+    procs = start_ranks(tiny_k3_dir, port, mode)
     try:
         wait_ready(f"http://127.0.0.1:{port}", procs)
         assert completions(f"http://127.0.0.1:{port}") == expected
@@ -110,9 +114,10 @@ def test_two_rank_server_answers_as_one_process_and_stops_cleanly(tiny_k3_dir):
     assert (code0, code1) == (0, 0), (err0[-2000:], err1[-2000:])
 
 
-def test_a_rank_lost_under_serve_stops_the_server_naming_it(tiny_k3_dir):
+@pytest.mark.parametrize("mode", ["replicated", "data-parallel"])
+def test_a_rank_lost_under_serve_stops_the_server_naming_it(tiny_k3_dir, mode):
     port = free_port()
-    procs = start_ranks(tiny_k3_dir, port)
+    procs = start_ranks(tiny_k3_dir, port, mode)
     try:
         wait_ready(f"http://127.0.0.1:{port}", procs)
         procs[1].kill()
@@ -126,3 +131,29 @@ def test_a_rank_lost_under_serve_stops_the_server_naming_it(tiny_k3_dir):
     assert "error" in json.dumps(answer), answer
     lines = [l for l in err0.splitlines() if l.startswith("moeswap: error:")]
     assert code0 == 1 and lines and "rank 1 has stopped" in lines[-1], err0[-3000:]
+
+
+def test_data_parallel_serve_spreads_requests_and_gathers_one_process_tokens(tiny_k3_dir, tmp_path):
+    """Three requests submitted at once go to ranks 0, 1, 0 (each to the rank with the fewest unfinished);
+    rank 0's step returns every rank's tokens and results, and they equal one Scheduler running all three
+    in one process. Rank 1 ran its request's tokens through its own forward passes."""
+    from distributed.ep_worker import SERVE_PROMPTS, serve_requests
+    from distributed.test_expert_parallel import launch
+    from moeswap.engine.scheduler import EngineConfig, Scheduler
+
+    model, store = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
+    try:
+        want = {r.id: r.tokens for r in Scheduler(model, EngineConfig(max_batch=4, max_len=256)).run(serve_requests())}
+    finally:
+        store.close()
+    results, codes, _ = launch({"model": str(tiny_k3_dir), "dp_serve": True}, tmp_path)
+    assert codes == [0, 0], [r.get("error") for r in results]
+    lead = results[0]
+    assert lead["ranks"] == [0, 1, 0]
+    assert lead["tokens"] == want
+    assert {i: f[1] for i, f in lead["finish"].items()} == want
+    assert all(f[0] == "length" for f in lead["finish"].values()) and len(want) == len(SERVE_PROMPTS)
+    # rank 1's own tokens went through the exchanges (prefill and decode), and it served rank 0's
+    d1 = results[1]["dispatch"]
+    assert d1["tokens_through_moe_layers"] > 0 and d1["pairs_computed"] > 0
+    assert results[0]["dispatch"]["exchanges"] == d1["exchanges"]

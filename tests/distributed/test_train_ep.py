@@ -1,5 +1,5 @@
-"""`moeswap train` under torchrun with 2 ranks (gloo, loopback): a LoRA run with adapters on attention,
-the routed experts and the head gives the single-process run's loss curve and writes the same adapter
+"""`moeswap train --ep-mode replicated` under torchrun with 2 ranks (gloo, loopback): a LoRA run with adapters on
+attention, the routed experts and the head gives the single-process run's loss curve and writes the same adapter
 file, byte for byte, from rank 0 alone, and the same checkpoint (the routed experts' LoRA and AdamW state,
 split by owner during the run, gathered whole), which 2 ranks resume from one process's checkpoint; each
 rank holds only its experts' LoRA rows and moments."""
@@ -33,6 +33,7 @@ def test_torchrun_lora_training_equals_one_process(tiny_k3_dir, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"model": str(tiny_k3_dir), "train_data": str(data), "eval_split": 0.2,
                                       "max_steps": 3, "micro_batch": 2, "seq_len": 32, "save_interval": 2,
+                                      "ep_mode": "replicated",
                                       **{k: list(v) if isinstance(v, tuple) else v for k, v in LORA_RUN.items()}}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     args = ["-m", "moeswap", "train", str(config), "--no-progress"]
@@ -45,6 +46,7 @@ def test_torchrun_lora_training_equals_one_process(tiny_k3_dir, tmp_path):
     assert two.returncode == 0, two.stderr.decode()[-3000:]
     assert two.stdout.decode().count("trained 3 steps") == 1  # rank 0 reports
     manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two")]
+    assert (manifests[1]["expert_parallel"]["world_size"], manifests[1]["expert_parallel"]["mode"]) == (2, "replicated")
     assert [c["loss"] for c in manifests[0]["curve"]] == [c["loss"] for c in manifests[1]["curve"]]
     assert [c["grad_norm"] for c in manifests[0]["curve"]] == [c["grad_norm"] for c in manifests[1]["curve"]]
     assert manifests[0]["eval"] == manifests[1]["eval"]

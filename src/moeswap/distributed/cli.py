@@ -11,10 +11,18 @@ from __future__ import annotations
 import secrets
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer fails (a hung or lost peer)
+# how ranks share the work (docs/distributed.md): each rank its own sequences or micro-batches, tokens
+# dispatched to the experts' owners; or every rank the same tokens, expert outputs exchanged
+EP_MODES = ("data-parallel", "replicated")
 
 
-def add_ep_flags(parser) -> None:
+def add_ep_flags(parser, mode: str | None = None) -> None:
+    """The expert-parallel flags; with `mode`, also --ep-mode with that default (serve)."""
     g = parser.add_argument_group("expert parallelism (under torchrun; docs/distributed.md)")
+    if mode is not None:
+        g.add_argument("--ep-mode", choices=EP_MODES, default=mode,
+                       help="data-parallel: each request on one rank, its tokens dispatched to the experts' owners; "
+                            f"replicated: every request on every rank (default {mode})")
     g.add_argument("--ep-placement", default=None, metavar="TRACE",
                    help="routing trace (moeswap trace) to place experts over ranks balanced by use "
                         "(default: contiguous ranges)")
@@ -24,7 +32,8 @@ def add_ep_flags(parser) -> None:
 
 def join_if_launched(model, args, data_parallel: bool = False):
     """The ExpertParallel of this rank when started by torchrun with WORLD_SIZE > 1, else None.
-    data_parallel: each rank runs its own sequences, tokens dispatched to the experts' owners."""
+    data_parallel (or args.ep_mode data-parallel): each rank runs its own sequences, tokens dispatched to the
+    experts' owners."""
     from moeswap.distributed.runtime import init_expert_parallel, launched
     from moeswap.options import LoadOptions
 
@@ -32,6 +41,7 @@ def join_if_launched(model, args, data_parallel: bool = False):
         return None
     if args.ep_timeout <= 0:
         raise ValueError(f"--ep-timeout must be > 0 seconds, got {args.ep_timeout}")
+    data_parallel = data_parallel or getattr(args, "ep_mode", None) == "data-parallel"
     return init_expert_parallel(model, args.model, LoadOptions.from_args(args), args.ep_placement, args.ep_timeout,
                                 data_parallel)
 

@@ -1,7 +1,10 @@
 """Data-parallel attention with token dispatch (docs/distributed.md): each rank runs its own sequences, and
 at each MoE layer sends its (token, expert) pairs' input rows to the experts' owners, which compute them
 and send the outputs back; the source sums its tokens' pairs as one process does (`ep._combine`), so each
-sequence gets one process's bits. Inference only; knows nothing of launching (runtime.py) or the commands.
+sequence gets one process's bits. Under autograd (training: expert LoRA, gradients) the owner keeps the graph
+of the rows it computed, and backward runs the same exchange the other way: each pair's output gradient to
+its owner, which backpropagates its rows (expert-LoRA gradients land there) and sends each row's input
+gradient back to its source. Knows nothing of launching (runtime.py) or the commands.
 Entry point: `TokenDispatch` (`apply_expert_parallel(..., data_parallel=True)` makes it as `ep.dispatch`).
 Shapes: T tokens, I expert input width, K top-k, P pairs, E experts, S source ranks."""
 
@@ -14,11 +17,17 @@ import torch
 import torch.distributed as dist
 
 from moeswap.distributed.ep import _combine
-from moeswap.models.layers.moe import MoE, pairs_by_expert
+from moeswap.models.layers.moe import MoE, combine_pairs, pairs_by_expert
 from moeswap.ops.expert_mxfp4 import GEMM_MIN_TOKENS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # activation dtypes, by header code
-HEAD = 4  # header fields before the per-expert counts: has tokens, layer, tokens, dtype code
+# what an exchange carries, the header's kind field: rows for the inference kernels; rows for the experts' torch
+# path without autograd (expert LoRA at eval); the same with autograd (the owner keeps its graph for backward);
+# backward: output gradients to the owners, input gradients back
+FAST, TORCH, GRAD, BACKWARD = range(4)
+# header fields before the per-expert counts: has tokens, layer, tokens, dtype code, kind, and (backward) the
+# forward exchange whose graph it runs back through
+HEAD = 6
 
 
 @dataclass
@@ -26,6 +35,7 @@ class DispatchStats:
     """What the dispatch cost this rank, summed over exchanges (bytes: rows to or from other ranks only)."""
 
     exchanges: int = 0  # MoE layer steps this rank took part in, without tokens of its own too
+    backward_exchanges: int = 0  # of those, backward ones (training)
     tokens: int = 0  # this rank's tokens through MoE layer steps (a token counts once per layer)
     tokens_all_ranks: int = 0  # every rank's tokens through the same layer steps
     pairs_computed: int = 0  # (token, expert) pairs this rank's experts computed, any rank's tokens
@@ -42,7 +52,8 @@ class DispatchStats:
     def as_dict(self) -> dict:
         # per token of the whole batch (every rank's tokens), as the planner's expert_exchange_bytes counts
         per = self.dispatch_bytes_received / self.tokens_all_ranks if self.tokens_all_ranks else None
-        return {"mode": "data-parallel", "exchanges": self.exchanges, "tokens_through_moe_layers": self.tokens,
+        return {"mode": "data-parallel", "exchanges": self.exchanges, "backward_exchanges": self.backward_exchanges,
+                "tokens_through_moe_layers": self.tokens,
                 "tokens_all_ranks": self.tokens_all_ranks, "pairs_computed": self.pairs_computed,
                 "split_computes": self.split_computes,
                 "dispatch_bytes_sent": self.dispatch_bytes_sent,
@@ -54,15 +65,33 @@ class DispatchStats:
                 "combine_s": round(self.combine_s, 6)}
 
 
+@dataclass
+class _Mine:
+    """This rank's side of one exchange: its pairs (experts ascending, each its tokens in order) and the rows
+    it sends for them, pair p's row being rows[token_of[p]] (forward: `rows` are the tokens' inputs) or
+    rows[p] (backward: `rows` are the pairs' output gradients)."""
+
+    layer: int
+    T: int
+    unique: list[int]
+    counts: list[int]
+    token_of: torch.Tensor
+    rows: torch.Tensor | None
+    by_token: bool
+    ref: int = 0  # backward: the forward exchange whose graphs it runs back through
+
+
 class TokenDispatch:
     """One rank's token dispatch for `model`'s MoE blocks under `ep` (an ExpertParallel).
 
-    One exchange per MoE layer step, three collectives: an all_gather of every rank's pair count per expert
-    (the header, which also says whether the rank has tokens, the layer, its token count and dtype), then
-    two all_to_all_single with uneven splits (dispatch: input rows to the owners; combine: outputs back).
-    Every forward pass visits the MoE layers in order, so the ranks with tokens meet at the same layer
-    (checked); a rank whose sequences are done calls `finish()` and answers the others with no tokens of
-    its own until every rank has finished, so ranks may run different numbers of forward passes."""
+    One exchange per MoE layer step (and under autograd one more per layer in backward), three collectives:
+    an all_gather of every rank's pair count per expert (the header, which also says whether the rank has
+    tokens, the layer, its token count, dtype and the exchange's kind), then two all_to_all_single with
+    uneven splits (dispatch: rows to the owners; combine: their results back). Every forward pass visits
+    the MoE layers in order and every backward pass in reverse, so the ranks with tokens meet at the same
+    layer and kind (checked); a rank whose sequences or micro-batches are done calls `finish()` and answers
+    the others with no tokens of its own until every rank has finished, so ranks may run different numbers
+    of forward and backward passes."""
 
     def __init__(self, ep, model):
         self.ep = ep
@@ -72,89 +101,132 @@ class TokenDispatch:
         self.width = cfg.moe.latent_dim or cfg.hidden_size
         self.device = next(iter(self.blocks.values())).gate.weight.device
         self.stats = DispatchStats()
+        self.forwards = 0  # forward exchanges so far: the same count on every rank, as all take part in each
+        # forward exchange -> (layer, [(source rank, its rows as a leaf [n, I], their outputs [n, I])]): the
+        # graphs of the rows this rank computed under autograd, kept until backward runs through them
+        self._graphs: dict[int, tuple[int, list]] = {}
 
     def run_experts(self, block: MoE, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         """MoE.run_experts with this rank's own tokens (installed on each block by apply_expert_parallel)."""
         if block.store is None:
             raise RuntimeError(f"layer {block.layer_idx}: MoE block has no expert store attached")
-        if "served_lora" in block._modules or block._experts_in_torch(h_TI, w_TK):
-            raise NotImplementedError(f"layer {block.layer_idx}: data-parallel expert parallelism runs inference "
-                                      f"only (no autograd, no expert LoRA): use the replicated mode")
+        if "served_lora" in block._modules:
+            raise NotImplementedError(f"layer {block.layer_idx}: served expert LoRA (serve --lora) is not supported "
+                                      f"under expert parallelism yet")
         if h_TI.dtype not in DTYPES:
             raise ValueError(f"data-parallel expert parallelism: unsupported activation dtype {h_TI.dtype}")
-        return self._step(block.layer_idx, h_TI, ids_TK, w_TK)
+        if not block._experts_in_torch(h_TI, w_TK):
+            return self._fast(block.layer_idx, h_TI, ids_TK, w_TK)
+        lora = block._modules.get("expert_lora")
+        if lora is not None and lora.shared_a:
+            raise NotImplementedError(f"layer {block.layer_idx}: expert LoRA with a shared A sums every expert's "
+                                      f"gradient into one tensor; not supported under expert parallelism")
+        unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
+        token_of = token_of.to(h_TI.device)
+        y_PI = _Dispatched.apply(h_TI, self, block.layer_idx, unique, counts, token_of, torch.is_grad_enabled())
+        # as MoE._run_experts_torch combines its pairs: the routing weights' gradient stays on this rank
+        return combine_pairs(h_TI, y_PI, weights, token_of).to(h_TI.dtype)
 
     def finish(self) -> None:
-        """After this rank's last forward pass: takes part in the other ranks' exchanges (computing its
-        experts for their tokens) until every rank has called finish. Every rank must call it."""
-        while self._step(None, None, None, None) is not None:
+        """After this rank's last forward (and backward) pass: takes part in the other ranks' exchanges
+        (computing its experts for their tokens, and backward through them) until every rank has called
+        finish. Every rank must call it."""
+        while self._exchange(None, FAST) is not None:
             pass
+        self._graphs.clear()  # forward exchanges that no backward came back through (a rank stopped by an error)
 
-    def _step(self, layer: int | None, h_TI, ids_TK, w_TK) -> torch.Tensor | bool | None:
-        """One exchange: this rank's output rows [T, I] (layer given), True (no tokens of its own, others
-        had some), None (no rank had tokens: everyone has finished)."""
+    def _fast(self, layer: int, h_TI, ids_TK, w_TK) -> torch.Tensor:
+        """Inference: this rank's pairs on the owners' inference kernels, summed per token (ep._combine)."""
+        T, K = ids_TK.shape
+        unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
+        y_PI, _ = self._exchange(_Mine(layer, T, unique, counts, token_of, h_TI, True), FAST)
+        t = time.perf_counter()
+        out_TI = _combine(y_PI, token_of.to(h_TI.device), weights.to(h_TI.device), T, K)
+        self.stats.combine_s += time.perf_counter() - t
+        return out_TI.to(h_TI.dtype)
+
+    def _exchange(self, mine: _Mine | None, kind: int):
+        """One exchange: (this rank's pairs' results [P, I] in pair order, the forward exchange's number)
+        when it has pairs (`mine`), True when it had none and others had some, None when no rank had any
+        (everyone has finished). A rank without pairs takes the kind, layer and dtype from the others."""
         ep, st, E = self.ep, self.stats, self.E
         t0 = time.perf_counter()
         header = torch.zeros(HEAD + E, dtype=torch.int64)
-        if layer is not None:
-            T, K = ids_TK.shape
-            unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
-            header[:HEAD] = torch.tensor([1, layer, T, DTYPES.index(h_TI.dtype)])
-            if unique:
-                header[HEAD + torch.tensor(unique, dtype=torch.int64)] = torch.tensor(counts, dtype=torch.int64)
-        table = self._gather(header, -1 if layer is None else layer)  # [S, HEAD + E]
+        if mine is not None:
+            header[:HEAD] = torch.tensor([1, mine.layer, mine.T, DTYPES.index(mine.rows.dtype), kind, mine.ref])
+            if mine.unique:
+                header[HEAD + torch.tensor(mine.unique, dtype=torch.int64)] = torch.tensor(mine.counts,
+                                                                                        dtype=torch.int64)
+        table = self._gather(header, -1 if mine is None else mine.layer)  # [S, HEAD + E]
         active = table[:, 0] == 1
         if not bool(active.any()):
             return None
-        L, dtype = self._agree(table, active, layer)
+        L, dtype, kind, ref = self._agree(table, active, mine, kind)
         block = self.blocks[L]
         owners = ep.owners[L]
         counts_SE = table[:, HEAD:]
         send_SQ = torch.stack([counts_SE[:, owners == q].sum(1) for q in range(ep.world)], dim=1)  # [S, S]
-        if layer is not None:
-            expert_of = torch.tensor(unique, dtype=torch.int64).repeat_interleave(
-                torch.tensor(counts, dtype=torch.int64))
+        if mine is not None:
+            expert_of = torch.tensor(mine.unique, dtype=torch.int64).repeat_interleave(
+                torch.tensor(mine.counts, dtype=torch.int64))
             # by owner, stably: within an owner the pairs stay in expert order, as the owner expects them
             order = owners[expert_of].argsort(stable=True)
-            h_send = h_TI.index_select(0, token_of[order].to(h_TI.device))
+            index = mine.token_of[order.to(mine.token_of.device)] if mine.by_token else order
+            x_send = mine.rows.index_select(0, index.to(mine.rows.device))
         else:
-            h_send = torch.empty(0, self.width, dtype=dtype, device=self.device)
+            x_send = torch.empty(0, self.width, dtype=dtype, device=self.device)
         send, recv = send_SQ[ep.rank].tolist(), send_SQ[:, ep.rank].tolist()
         t1 = time.perf_counter()
-        h_recv = self._all_to_all(h_send, send, recv, L, "dispatch")
+        x_recv = self._all_to_all(x_send, send, recv, L, "dispatch")
         t2 = time.perf_counter()
         # the received rows: source by source, this rank's experts ascending, each its count of rows
         owned = (owners == ep.rank).nonzero().squeeze(1)
         per_source_SO = counts_SE[:, owned]
         expert_recv = owned.repeat(ep.world).repeat_interleave(per_source_SO.flatten())
-        y_recv = self._compute(block, h_recv, expert_recv, per_source_SO)
+        forward = None
+        if kind == BACKWARD:
+            y_recv = self._backward(L, ref, x_recv, per_source_SO)
+        else:
+            self.forwards += 1
+            forward = self.forwards
+            if kind == FAST:
+                y_recv = self._compute(block, x_recv, expert_recv, per_source_SO)
+            else:
+                y_recv = self._compute_torch(block, x_recv, expert_recv, per_source_SO, kind == GRAD, forward)
         t3 = time.perf_counter()
         y_back = self._all_to_all(y_recv, recv, send, L, "combine")
         t4 = time.perf_counter()
         st.exchanges += 1
-        st.tokens_all_ranks += int(table[:, 2].sum())
-        st.pairs_computed += int(h_recv.shape[0])
+        if kind == BACKWARD:
+            st.backward_exchanges += 1
+        else:
+            st.tokens_all_ranks += int(table[:, 2].sum())
+        st.pairs_computed += int(x_recv.shape[0])
         st.collective_s += (t2 - t1) + (t4 - t3)
         st.expert_s += t3 - t2
-        if layer is None:
-            st.combine_s += t1 - t0
+        st.combine_s += t1 - t0
+        if mine is None:
             return True
         y_PI = torch.empty_like(y_back)
         y_PI[order.to(y_back.device)] = y_back
-        out_TI = _combine(y_PI, token_of.to(h_TI.device), weights.to(h_TI.device), T, K)
-        st.tokens += T
-        st.combine_s += (t1 - t0) + (time.perf_counter() - t4)
-        return out_TI.to(h_TI.dtype)
+        if kind != BACKWARD:
+            st.tokens += mine.T
+        return y_PI, forward
 
-    def _agree(self, table: torch.Tensor, active: torch.Tensor, layer: int | None) -> tuple[int, torch.dtype]:
-        """The layer and dtype of this exchange, which every rank with tokens must share."""
-        layers = sorted(set(table[active, 1].tolist()))
-        codes = set(table[active, 3].tolist())
-        if len(layers) != 1 or (layer is not None and layers[0] != layer) or len(codes) != 1:
+    def _agree(self, table: torch.Tensor, active: torch.Tensor, mine: _Mine | None,
+               kind: int) -> tuple[int, torch.dtype, int, int]:
+        """The layer, dtype, kind and (backward) forward exchange of this exchange, which every rank with
+        tokens must share."""
+        fields = [sorted(set(table[active, i].tolist())) for i in (1, 3, 4, 5)]
+        ours = None if mine is None else [mine.layer, None, kind, mine.ref]
+        if any(len(f) != 1 for f in fields) or (ours is not None and any(
+                o is not None and f[0] != o for f, o in zip(fields, ours))):
             ranks = [r for r in range(self.ep.world) if bool(active[r])]
             raise RuntimeError(f"rank {self.ep.rank}: data-parallel ranks {ranks} reached different MoE layers "
-                               f"{layers} or activation dtypes in one exchange (their forward passes went out of step)")
-        return layers[0], DTYPES[codes.pop()]
+                               f"{fields[0]}, activation dtypes, or forward and backward passes in one exchange "
+                               f"(their passes went out of step)")
+        L, code, kind, ref = (f[0] for f in fields)
+        return L, DTYPES[code], kind, ref
 
     def _compute(self, block: MoE, h_PI: torch.Tensor, expert_of: torch.Tensor, per_source_SO: torch.Tensor):
         """Each received row's expert output, exactly as the source rank's single process computes it. The
@@ -180,6 +252,55 @@ class TokenDispatch:
             return torch.cat(parts)
         finally:
             ep._local = False
+
+    def _compute_torch(self, block: MoE, x_PI: torch.Tensor, expert_of: torch.Tensor, per_source_SO: torch.Tensor,
+                       grad: bool, forward: int) -> torch.Tensor:
+        """Each received row's expert output through the block's torch path (expert LoRA included), each
+        source's rows in a call of their own: the rows and counts its single process runs, so the outputs
+        are its bits. With `grad` the graph of each call is kept (under the exchange's number `forward`) for
+        backward. It holds its tensors itself, outside any gradient checkpointing the source runs: a
+        checkpoint would recompute them by re-running the source's layer, exchange included, on one rank
+        alone, from within this rank's side of a backward exchange."""
+        parts, graph, at = [], [], 0
+        for s, n in enumerate(per_source_SO.sum(1).tolist()):
+            if not n:
+                continue
+            with torch.enable_grad() if grad else torch.no_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                x = x_PI[at : at + n].detach().requires_grad_(grad)
+                ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
+                # K=1, weight 1: each row is its pair's expert output exactly (0 + 1*y), as in ep._PairExchange
+                y = MoE._run_experts_torch(block, x, expert_of[at : at + n][:, None].to(x.device), ones)
+            parts.append(y.detach())
+            if grad:
+                graph.append((s, x, y))
+            at += n
+        if graph:
+            self._graphs[forward] = (block.layer_idx, graph)
+        return torch.cat(parts) if parts else x_PI.new_zeros(0, x_PI.shape[-1])
+
+    def _backward(self, layer: int, forward: int, g_PI: torch.Tensor, per_source_SO: torch.Tensor) -> torch.Tensor:
+        """The input gradients of the rows forward exchange `forward` brought here, from their outputs'
+        gradients `g_PI` (source by source): backward through the graphs kept for them, each source's in
+        source order (expert-LoRA gradients accumulate on this rank as one process accumulates its
+        micro-batches'). Graphs of later forward exchanges are dropped: gradient checkpointing's
+        recomputations, which backward never comes through (it runs through the first pass's graph)."""
+        kept_layer, graph = self._graphs.pop(forward, (layer, []))
+        for later in [f for f in self._graphs if f > forward]:
+            del self._graphs[later]
+        kept = {s: (x, y) for s, x, y in graph}
+        parts, at = [], 0
+        for s, n in enumerate(per_source_SO.sum(1).tolist()):
+            if not n:
+                continue
+            if kept_layer != layer or s not in kept or kept[s][0].shape[0] != n:
+                raise RuntimeError(f"rank {self.ep.rank}: backward at MoE layer {layer} sent {n} rows from rank {s} "
+                                   f"that forward exchange {forward} did not compute here")
+            x, y = kept.pop(s)
+            torch.autograd.backward(y, g_PI[at : at + n].to(y.dtype))
+            parts.append(x.grad.to(g_PI.dtype))
+            at += n
+        return torch.cat(parts) if parts else g_PI.new_zeros(0, g_PI.shape[-1])
 
     def _gather(self, header: torch.Tensor, layer: int) -> torch.Tensor:
         """Every rank's header [S, HEAD + E], on the CPU (sent from the model's device: NCCL takes only
@@ -213,3 +334,25 @@ class TokenDispatch:
             self.stats.combine_bytes_sent += sent
             self.stats.combine_bytes_received += got
         return out
+
+class _Dispatched(torch.autograd.Function):
+    """h_TI -> this rank's pairs' expert outputs [P, I] in pair order, computed by the experts' owners (one
+    exchange). Backward: the outputs' gradients to the owners, which send back their rows' input gradients
+    (one exchange the other way); they are summed per token from zero in pair order, as index_select's
+    backward (index_add_) sums them in one process."""
+
+    @staticmethod
+    def forward(ctx, h_TI, disp, layer, unique, counts, token_of, grad):
+        mine = _Mine(layer, h_TI.shape[0], unique, counts, token_of, h_TI.detach(), True)
+        y_PI, forward = disp._exchange(mine, GRAD if grad else TORCH)
+        mine.rows = None  # backward sends gradients, not these
+        ctx.disp, ctx.mine, ctx.forward, ctx.dtype = disp, mine, forward, h_TI.dtype
+        return y_PI
+
+    @staticmethod
+    def backward(ctx, g_PI):
+        m = ctx.mine
+        back = _Mine(m.layer, m.T, m.unique, m.counts, m.token_of, g_PI.contiguous(), False, ref=ctx.forward)
+        dx_PI, _ = ctx.disp._exchange(back, BACKWARD)
+        dh_TI = dx_PI.new_zeros(m.T, dx_PI.shape[-1]).index_add_(0, m.token_of.to(dx_PI.device), dx_PI)
+        return dh_TI.to(ctx.dtype), None, None, None, None, None, None

@@ -256,8 +256,8 @@ def apply_expert_parallel(model, group=None, placement: Placement | None = None,
     an instance-level `run_experts` and no resident table (whose C paths would compute every expert
     locally) except inside the rank's own expert compute, and a next-layer prefetcher is limited to the
     rank's experts, so its store only ever loads experts this rank owns. data_parallel: every rank runs its
-    own sequences and dispatches its tokens to the experts' owners (distributed/dispatch.py; inference
-    only), instead of every rank running the same tokens. Returns the ExpertParallel (its `stats`)."""
+    own sequences or micro-batches and dispatches its tokens to the experts' owners (distributed/dispatch.py;
+    backward too), instead of every rank running the same tokens. Returns the ExpertParallel (its `stats`)."""
     from moeswap.distributed.placement import contiguous
 
     if placement is None:

@@ -1,9 +1,17 @@
-"""Serving under expert parallelism: rank 0's scheduler (the server's engine thread owns it) and a copy of
-it on every other rank, stepped in lockstep. Rank 0 records what changes the scheduler (new engine
-config, submitted requests, aborts) and, before each step, publishes that list and "step" through the
-rendezvous store; the others apply the same calls to their own Scheduler and step it, so every rank runs
-the same forward passes and meets at the same expert exchanges. The Scheduler is deterministic given
-its calls (only its statistics read the clock); requests that sample get a seed from rank 0.
+"""Serving under expert parallelism: rank 0's scheduler (the server's engine thread owns it) and one on
+every other rank, stepped in lockstep. Rank 0 records what changes the schedulers (new engine config,
+submitted requests, aborts) and, before each step, publishes that list and "step" through the rendezvous
+store; the others apply the calls to their own Scheduler and step it.
+
+Replicated mode: every rank gets every call, so every rank runs the same forward passes and meets at the
+same expert exchanges. The Scheduler is deterministic given its calls (only its statistics read the
+clock); requests that sample get a seed from rank 0.
+
+Data-parallel mode (`ep.dispatch`, token dispatch): rank 0 gives each request to one rank (the one with
+the fewest unfinished requests, rank 0 itself included), and only that rank's scheduler gets it. Every
+step, each rank steps its own scheduler (possibly with nothing to run), then serves the others' expert
+exchanges until every rank's step is done (`TokenDispatch.finish`), and rank 0 gathers every rank's tokens
+and finished results, which it hands to the server as its own.
 
 Knows nothing of HTTP. Entry points: `leader_scheduler(ep)` (a factory for server.app.build_app) and
 `follow(model, ep)` (the other ranks' loop), `stop_followers(ep)`.
@@ -108,11 +116,93 @@ class LeaderScheduler(Scheduler):
             raise
 
 
+class DataParallelLeader(Scheduler):
+    """Rank 0's Scheduler in data-parallel mode: its own share of the requests, and the other ranks' through
+    the channel; `step` returns every rank's tokens and puts their results in `finished`."""
+
+    def __init__(self, model, config, channel: Channel):
+        super().__init__(model, config)
+        self.channel = channel
+        self._pending: list = [("reset", config)]  # a fresh scheduler on every rank (start, or a failed step)
+        self._where: dict = {}  # request id -> the other rank running it, until it finishes there
+        self._load = [0] * channel.ep.world  # unfinished requests on each other rank
+
+    def submit(self, req):
+        rid = super().submit(req)  # checked here (the server hears a refusal at once), and queued here
+        loads = [len(self.waiting) + len(self.live) - 1] + self._load[1:]
+        rank = loads.index(min(loads))
+        if rank != 0:
+            self.waiting.pop()  # that rank runs it: queued there instead
+            self._pending.append(("submit", rank, req))
+            self._where[rid] = rank
+            self._load[rank] += 1
+        return rid
+
+    def abort(self, request_id) -> bool:
+        rank = self._where.get(request_id)
+        if rank is None:
+            return super().abort(request_id)
+        self._pending.append(("abort", rank, request_id))  # its "abort" event comes with a later step
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return super().busy or bool(self._where)
+
+    def step(self):
+        ep = self.channel.ep
+        self.channel.send(self._pending + [("step",)])
+        self._pending = []
+        try:
+            everyone, failed = data_parallel_step(ep, super().step, {})
+        except PeerLost as err:  # as LeaderScheduler: the job cannot serve without its peers
+            log.error("moeswap: error: %s", err)
+            ep.failed = err
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise
+        if failed is not None:
+            raise failed
+        events = list(everyone[0][0])
+        for rank, (theirs, finished, error) in enumerate(everyone[1:], start=1):
+            if error is not None:  # its scheduler may be half-updated: the server starts afresh on every rank
+                raise RuntimeError(f"rank {rank}'s engine step failed: {error}")
+            events += theirs
+            self.finished.update(finished)
+            for rid in finished:
+                if self._where.pop(rid, None) is not None:
+                    self._load[rank] -= 1
+        return events
+
+
+def data_parallel_step(ep: ExpertParallel, step, finished: dict):
+    """One data-parallel engine step on this rank: `step()` (its own scheduler's), then the others' expert
+    exchanges served until every rank's step is done, then every rank's (tokens, finished results taken
+    out of `finished`, error text or None) gathered on every rank. Returns (that list, the exception
+    `step` raised or None); PeerLost is raised at once."""
+    failed = None
+    try:
+        events = step()
+    except PeerLost:
+        raise
+    except Exception as err:  # noqa: BLE001 - the step's error goes to rank 0, which fails the step everywhere
+        failed, events = err, []
+    ep.dispatch.finish()
+    mine = (events, dict(finished), None if failed is None else f"{type(failed).__name__}: {failed}")
+    finished.clear()
+    everyone: list = [None] * ep.world
+    try:
+        dist.all_gather_object(everyone, mine, group=ep.group)
+    except Exception as err:  # gloo/NCCL raise RuntimeError subclasses whose names vary by version
+        raise ep._lost(-1, err) from None
+    return everyone, failed
+
+
 def leader_scheduler(ep: ExpertParallel):
     """The `scheduler(model, config)` factory for rank 0's server."""
     channel = Channel(ep)
     ep.channel = channel
-    return lambda model, config: LeaderScheduler(model, config, channel)
+    kind = LeaderScheduler if ep.dispatch is None else DataParallelLeader
+    return lambda model, config: kind(model, config, channel)
 
 
 def stop_followers(ep: ExpertParallel) -> None:
@@ -125,15 +215,23 @@ def follow(model, ep: ExpertParallel) -> None:
     """A rank other than 0: apply rank 0's commands and step, until it stops (or is lost: PeerLost)."""
     channel = Channel(ep)
     sched = None
+    dp = ep.dispatch is not None
     while True:
         for cmd in channel.recv():
             kind = cmd[0]
             if kind == "reset":
                 sched = Scheduler(model, cmd[1])
+            elif kind in ("submit", "abort") and dp:  # (kind, rank, request or id): that rank's only
+                if cmd[1] == ep.rank:
+                    sched.submit(cmd[2]) if kind == "submit" else sched.abort(cmd[2])
             elif kind == "submit":
                 sched.submit(cmd[1])
             elif kind == "abort":
                 sched.abort(cmd[1])
+            elif kind == "step" and dp:
+                _, failed = data_parallel_step(ep, sched.step, sched.finished)
+                if failed is not None:
+                    log.error("engine step failed (rank 0 fails the step everywhere): %s", failed)
             elif kind == "step":
                 try:
                     sched.step()

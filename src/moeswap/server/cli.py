@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     add_load_flags(p)
     from moeswap.distributed.cli import add_ep_flags
 
-    add_ep_flags(p)
+    add_ep_flags(p, mode="data-parallel")
 
 
 def run(args) -> int:

@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from moeswap.distributed.cli import EP_MODES
 from moeswap.options import LoadOptions, add_load_flags, load_flag_names
 from moeswap.units import parse_bytes
 
@@ -87,6 +88,10 @@ class TrainConfig:
                                              "keeping their activations", "bool")
     loss_chunk: int = _f(1024, "tokens whose logits the loss computes at a time, recomputing them in backward "
                                "(the full [tokens, vocab] logits are never held; 0: all at once)", "int")
+    ep_mode: str = _f("data-parallel", "under torchrun, how the ranks share each step (docs/distributed.md): "
+                                        "data-parallel, micro-batch k of the step on rank k mod N (the same global "
+                                        "batch; set --grad-accum to a multiple of N), or replicated, every rank every "
+                                        "row (one process's bits)", choices=EP_MODES)
     eval_interval: int = _f(0, "eval every N optimizer steps (eval always runs before and after; 0: only then)",
                             "int")
     save_interval: int = _f(0, "write a checkpoint every N optimizer steps (0: none; --resume needs them)", "int")

@@ -34,7 +34,8 @@ from moeswap.train.targets import prepare_model, save_trained
 
 # Settings a resumed run may change: when and what it writes, where experts are kept. Anything else
 # changes the math, and the run would no longer be the one its checkpoint continues.
-RESUME_MAY_CHANGE = {"eval_interval", "save_interval", "keep_checkpoints"}
+# ep_mode too: like the number of ranks (not a setting), it changes only the order gradients are summed in.
+RESUME_MAY_CHANGE = {"eval_interval", "save_interval", "keep_checkpoints", "ep_mode"}
 LOAD_MAY_CHANGE = {"expert_memory", "host_memory", "expert_policy", "prefetch", "expert_profile", "drop_page_cache"}
 
 
@@ -128,39 +129,62 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
 
 
-def step_gradients(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, step: int) -> tuple[float, int]:
+def step_gradients(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, step: int,
+                   ep=None, after: Callable[[int], None] | None = None) -> tuple[float, int]:
     """Accumulates into .grad the gradient of one optimizer step's mean loss over all its rows' target
-    tokens, grad_accum forward passes of micro_batch rows; returns (that mean, real tokens)."""
-    targets = sum(sum(mask[1:]) for _, mask in rows)
-    total, tokens = 0.0, 0
-    for k in range(cfg.grad_accum):
+    tokens, grad_accum forward passes of micro_batch rows; returns (that mean, real tokens). Under
+    data-parallel expert parallelism (`ep` with token dispatch) micro-batch k runs on rank k mod N, and
+    `after(k)` follows its backward (distributed/grads.py takes its gradients); the mean is summed from
+    every micro-batch's loss in k order, as one process sums it."""
+    targets = sum(sum(mask[1:]) for _, mask in rows)  # the whole step's: each rank divides by the global count
+
+    def one(k: int) -> tuple[float, int]:
         loss, n = _loss_sum(model, rows[k * cfg.micro_batch:(k + 1) * cfg.micro_batch], pad_id, cfg, device)
         value = loss.item()
         if not math.isfinite(value):
             raise NonFiniteError(f"step {step + 1}: the loss is {value}; stopping without saving "
                                  f"(lower --lr, or check the data and the base model)")
         (loss / targets).backward()
+        if after is not None:
+            after(k)
+        return value, n
+
+    total, tokens = 0.0, 0
+    for value, n in _micro_batches(ep, cfg.grad_accum, one):
         total += value
         tokens += n
     return total / targets, tokens
 
 
+def _micro_batches(ep, n: int, run: Callable[[int], Any]) -> list:
+    """[run(k) for k in range(n)]: here, or under data-parallel expert parallelism k on rank k mod N, every
+    result gathered on every rank in k order (a rank with fewer micro-batches serves the others' experts
+    until all are done)."""
+    if ep is None or ep.dispatch is None:
+        return [run(k) for k in range(n)]
+    from moeswap.distributed.cli import data_parallel_map
+
+    return data_parallel_map(ep, n, run)
+
+
 @torch.no_grad()
-def evaluate(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device) -> float | None:
-    """Mean loss per target token over the eval rows (None without eval rows); dropout off."""
+def evaluate(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, ep=None) -> float | None:
+    """Mean loss per target token over the eval rows (None without eval rows); dropout off. Under
+    data-parallel expert parallelism the micro-batches are split over the ranks as in training."""
     if not rows:
         return None
     was_training = model.training
     model.eval()
+    parts = [rows[i:i + cfg.micro_batch] for i in range(0, len(rows), cfg.micro_batch)]
     total, targets = 0.0, 0
     try:
-        for i in range(0, len(rows), cfg.micro_batch):
-            part = rows[i:i + cfg.micro_batch]
-            loss, _ = _loss_sum(model, part, pad_id, cfg, device)
-            total += loss.item()
-            targets += sum(sum(mask[1:]) for _, mask in part)
+        results = _micro_batches(ep, len(parts), lambda i: (_loss_sum(model, parts[i], pad_id, cfg, device)[0].item(),
+                                                            sum(sum(mask[1:]) for _, mask in parts[i])))
     finally:
         model.train(was_training)
+    for value, n in results:
+        total += value
+        targets += n
     value = total / targets
     if not math.isfinite(value):
         raise NonFiniteError(f"the eval loss is {value}: the model computes non-finite values")
@@ -263,7 +287,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             load_checkpoint(path, saved, optimizer, state)
             history = state["history"]
         else:
-            history["eval"].append({"step": 0, "loss": evaluate(model, held_out, pad_id, cfg, device)})
+            history["eval"].append({"step": 0, "loss": evaluate(model, held_out, pad_id, cfg, device, ep)})
         shards = None
         if ep is not None:  # each routed expert's LoRA and AdamW state from here on only on its owner's rank
             from moeswap.distributed.lora_shards import LoRAShards
@@ -283,8 +307,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = stream.rows(history["rows"], cfg.rows_per_step)
-            loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step)
-            if ep is not None:  # expert LoRA not split by owner (none is, today): every rank sums its gradients
+            summed = None
+            if ep is not None and ep.dispatch is not None:  # data-parallel: every micro-batch's part, summed
+                from moeswap.distributed.grads import StepGradients
+
+                summed = StepGradients(ep, params, set() if shards is None else set(shards.parts))
+            loss_mean, tokens = step_gradients(model, rows, pad_id, cfg, device, step, ep,
+                                               None if summed is None else summed.take)
+            if summed is not None:
+                summed.sum(cfg.grad_accum)
+            elif ep is not None:  # expert LoRA not split by owner (none is, today): every rank sums its gradients
                 ep.reduce_expert_lora_grads(model)
             if shards is not None:  # the norm over whole gradients; zeros where an owner's experts got none
                 norm = shards.clip_gradients(params, cfg.max_grad_norm)
@@ -315,13 +347,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             bar.update(1)
             last = step + 1 == total
             if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and not last:
-                loss_eval = evaluate(model, held_out, pad_id, cfg, device)
+                loss_eval = evaluate(model, held_out, pad_id, cfg, device, ep)
                 history["eval"].append({"step": step + 1, "loss": loss_eval})
                 if loss_eval is not None and lead:
                     bar.write(f"step {step + 1}: eval loss {loss_eval:.4f}", file=sys.stderr)
             if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last:
                 # split expert LoRA: every rank hands its rows over, rank 0 writes one process's layout
-                whole, whole_opt = shards.whole(saved, optimizer) if shards is not None else (saved, optimizer)
+                whole, whole_opt = shards.whole(saved, optimizer, root=0) if shards is not None else (saved, optimizer)
                 if lead:
                     history["wall_s"] += time.perf_counter() - started
                     started = time.perf_counter()
@@ -336,13 +368,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             evals = [e for e in history["eval"] if e["loss"] is not None]
             return TrainResult(out, {"curve": history["curve"], "eval": evals})
         if not history["eval"] or history["eval"][-1]["step"] != total:
-            history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device)})
+            history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device, ep)})
         history["wall_s"] += time.perf_counter() - started
-        if shards is not None:  # the adapter is one PEFT file: every expert's LoRA whole again
-            params = shards.join(params)
+        if shards is not None:  # the adapter is one PEFT file: every expert's LoRA whole again, on rank 0
+            params = shards.join(params, root=0)
         if not lead:  # the same parameters as rank 0's, which writes them
             return TrainResult(out, {})
-        manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s)
+        manifest = _manifest(cfg, data, base, params, history, store, segment_tokens, segment_s, ep)
         if balanced:
             manifest["expert_load"] = load_report(model)
         meta = {"base_digest": base["digest"], "steps": total}
@@ -357,9 +389,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
 
 
 def _join_expert_parallel(model, cfg: TrainConfig, options):
-    """This rank's ExpertParallel when started by torchrun (WORLD_SIZE > 1), else None. Every rank trains
-    on the same rows (the dense parts are replicated, not data-parallel); LoRA dropout draws per expert
-    from the process's generator, so ranks computing different experts would draw different masks."""
+    """This rank's ExpertParallel when started by torchrun (WORLD_SIZE > 1), else None. cfg.ep_mode
+    data-parallel: each rank runs its micro-batches, its tokens dispatched to the experts' owners;
+    replicated: every rank trains on the same rows. LoRA dropout draws per expert from the process's
+    generator, so ranks computing different experts would draw different masks."""
     from moeswap.distributed.runtime import init_expert_parallel, launched
 
     if not launched():
@@ -371,7 +404,12 @@ def _join_expert_parallel(model, cfg: TrainConfig, options):
     if cfg.dropout:
         raise ValueError("--dropout must be 0 under expert parallelism (each rank draws only for its own experts, "
                          "so the ranks' dropout masks would differ)")
-    return init_expert_parallel(model, cfg.model, options)
+    data_parallel = cfg.ep_mode == "data-parallel"
+    if data_parallel and cfg.precision != "fp32":
+        raise ValueError(f"--precision {cfg.precision} is not supported with --ep-mode data-parallel yet (an owner "
+                         "computing other ranks' tokens outside their forward would miss its autocast); use fp32 or "
+                         "--ep-mode replicated")
+    return init_expert_parallel(model, cfg.model, options, data_parallel=data_parallel)
 
 
 def _warn_no_gradient(params) -> list[str]:
@@ -388,7 +426,7 @@ def _warn_no_gradient(params) -> list[str]:
 
 
 def _manifest(cfg: TrainConfig, data: Data, base: dict[str, Any], params, history: dict[str, Any], store,
-              segment_tokens: int, segment_s: float) -> dict[str, Any]:
+              segment_tokens: int, segment_s: float, ep=None) -> dict[str, Any]:
     evals = [e for e in history["eval"] if e["loss"] is not None]
     return {
         "format": record.FORMAT, "kind": "moeswap train", "mode": cfg.mode,
@@ -403,6 +441,11 @@ def _manifest(cfg: TrainConfig, data: Data, base: dict[str, Any], params, histor
         "last_segment_tokens_per_s": segment_tokens / segment_s if segment_s else None,
         "segments": history["segments"], "peak_rss_bytes": peak_rss_bytes(),
         "expert_store": store.stats.as_dict(),  # of the last segment (a resumed run starts a fresh store)
+        # of the last segment, as the store: rank 0's figures; None in one process
+        "expert_parallel": None if ep is None else {
+            "world_size": ep.world, "mode": "replicated" if ep.dispatch is None else "data-parallel",
+            "placement": ep.placement.kind,
+            "rank0": ep.stats.as_dict() if ep.dispatch is None else ep.dispatch.stats.as_dict()},
         "curve": history["curve"], "eval": evals,
         "eval_loss_before": evals[0]["loss"] if evals and evals[0]["step"] == 0 else None,
         "eval_loss_after": evals[-1]["loss"] if evals else None,
