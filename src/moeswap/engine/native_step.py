@@ -50,7 +50,7 @@ from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
 from moeswap.ops.kda import L2_EPS
-from moeswap.ops.linear import KERNEL_MAX_ROWS, FP8BlockLinear, StoredWeightLinear, gemm_precision
+from moeswap.ops.linear import KERNEL_MAX_ROWS, FP8BlockLinear, StoredWeightLinear, gemm_precision, weight_sources
 
 _i64 = ctypes.c_int64
 
@@ -213,7 +213,8 @@ class _Plan:
         self._norm_eps(a.kv_a_layernorm)
         t.kv_norm = self._f32(a.kv_a_layernorm.weight)
         w_k, w_v = a.absorbed_weights(torch.float32)
-        t.wk, t.wv = self._f32(w_k, a.kv_b_proj.weight), self._f32(w_v, a.kv_b_proj.weight)
+        sources = weight_sources(unadapted(a.kv_b_proj))  # block FP8: the codes and their scales
+        t.wk, t.wv = self._f32(w_k, *sources), self._f32(w_v, *sources)
         t.H, t.N, t.R, t.L, t.V, t.mla_scale = a.H, a.N, a.R, a.L, a.V, a.scale
         t.gated = int(hasattr(a, "g_proj"))
         t.w_o, t.s_o = self._weight(a.o_proj)

@@ -18,10 +18,10 @@ from torch import nn
 from moeswap.config import ModelConfig, load_config
 from moeswap.experts.source import ExpertIndex
 from moeswap.experts.build import build_store
+from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
 from moeswap.ops import expert_format
-from moeswap.formats import fp8_block
 from moeswap.ops.linear import FP8BlockLinear, StoredWeightLinear, can_keep_fp8, can_keep_stored
 from moeswap.options import LoadOptions
 
