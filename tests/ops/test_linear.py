@@ -134,5 +134,5 @@ def test_block_fp8_weights_refuse_a_lora_wrapper():
     """A LoRA would read the codes as values: refused by name (load with --dense-weights compute)."""
     from moeswap.lora.layer import LoRALinear
 
-    with pytest.raises(TypeError, match="block-FP8 weight kept as stored.*--dense-weights compute"):
+    with pytest.raises(ValueError, match="block-FP8 weight kept as stored.*--dense-weights compute"):
         LoRALinear.from_base(_fp8_linear(128, 64)[0], r=4, alpha=8)

@@ -57,7 +57,7 @@ class LoRALinear(nn.Module):
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRA wraps nn.Linear layers, not {type(base).__name__}")
         if isinstance(base, FP8BlockLinear):  # its `weight` holds codes, which the LoRA paths read as values
-            raise TypeError("LoRA on a block-FP8 weight kept as stored: load the model with --dense-weights compute")
+            raise ValueError("LoRA on a block-FP8 weight kept as stored: load the model with --dense-weights compute")
         # fp32 LoRA tensors over bf16/fp16/fp32 weights (PEFT's default), fp64 over fp64 ones
         module = cls(base, r, alpha, dropout, use_rslora, torch.promote_types(base.weight.dtype, torch.float32))
         module.reset_parameters(generator)

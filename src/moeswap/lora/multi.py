@@ -136,7 +136,7 @@ class MultiLoRALinear(nn.Module):
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRA wraps nn.Linear layers, not {type(base).__name__}")
         if isinstance(base, FP8BlockLinear):  # its `weight` holds codes, which the LoRA paths read as values
-            raise TypeError("LoRA on a block-FP8 weight kept as stored: load the model with --dense-weights compute")
+            raise ValueError("LoRA on a block-FP8 weight kept as stored: load the model with --dense-weights compute")
         self.__dict__["base"] = base
         self.__dict__["rows"] = rows
         self.in_features, self.out_features = base.in_features, base.out_features
