@@ -52,8 +52,9 @@ class LoadOptions:
     dtype: str = _option("auto", "compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
     device: str = _option("cpu", "torch device, e.g. cpu or cuda")
     dense_weights: str = _option(
-        "auto", "auto: keep bf16-stored Linear weights in bf16 under fp32 math where a CPU kernel runs them "
-                "(half the bytes per decode step, same values); compute: convert to --dtype", choices=DENSE_WEIGHTS)
+        "auto", "auto: keep bf16-stored Linear weights in bf16, and block-FP8 ones as their codes and scales, "
+                "under fp32 math where a CPU kernel runs them (fewer bytes per decode step, same values); "
+                "compute: convert to --dtype", choices=DENSE_WEIGHTS)
     expert_activations: str = _option(
         "fp32", "MXFP4 experts on the CPU: fp32 activations (default), or int8 per 32-value block with integer "
                 "dot products, as llama.cpp computes them (faster; AVX-512 VNNI only)", choices=EXPERT_ACTIVATIONS)

@@ -293,7 +293,7 @@ def _drifted(change: str) -> list:
 
 
 @pytest.mark.parametrize("change, field", [("swap", "ln_in"), ("type", "lower"), ("array", "off"),
-                                           ("missing", "stop")])
+                                           ("missing", "s_down")])
 def test_a_drifted_ctypes_layout_is_refused_naming_the_field(change, field):
     problem = cpu_kernels.kernel().layout_problem(_layer_like(_drifted(change)))
     assert problem is not None and field in problem, problem
@@ -388,3 +388,39 @@ def test_a_lookahead_with_every_expert_resident_costs_nothing(tiny_k3_dir, monke
     assert native.reason is None and len(ran) == layers and len(guesses) == layers  # the prefill's only
     assert torch.equal(got, want)
     store.close()
+
+
+@pytest.fixture(scope="module")
+def fp8_dsv3_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3 with every Linear but the router and lm_head block FP8, as published; q-LoRA and expert
+    widths of one 128-row block, so the fused projections' scales line up as in the published models."""
+    from moeswap.tiny import SIZES, write_tiny_model
+
+    saved = SIZES["tiny"]
+    SIZES["tiny"] = {**saved, "q_lora": 128, "expert_dim": 128}
+    try:
+        return write_tiny_model(tmp_path_factory.mktemp("ds") / "fp8", "deepseek_v3", "tiny", seed=4, quant="fp8")
+    finally:
+        SIZES["tiny"] = saved
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_block_fp8_dense_weights_run_in_the_call_bit_for_bit(fp8_dsv3_dir, precision):
+    """DeepSeek-V3 as published (dense weights block FP8, kept as their codes): the call multiplies from the
+    codes as the modules do (csrc/quant.c, fp32 inputs under either precision) and gives their bits; no layer
+    stops for the model."""
+    (want, _, _), (got, _, _), native = _forward_then_native(fp8_dsv3_dir, 3, 6, 4, gemm_precision=precision)
+    assert native.reason is None and torch.equal(got, want)
+    plan = native._plan
+    assert all(t.s_in and t.s_o and t.s_qb and t.s_gu and t.s_down for t in plan.table)  # read as FP8
+    assert not plan.module_ffn and plan.head is not None  # lm_head stays bf16, as published
+
+
+def test_block_fp8_projections_whose_scales_do_not_line_up_take_the_forward(tmp_path):
+    """init-tiny's own tiny size (q-LoRA 32 rows): the fused codes' scales would not line up, so no fusion, and
+    the step says why."""
+    from moeswap.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "fp8", "deepseek_v3", "tiny", seed=4, quant="fp8")
+    (want, _, _), (got, _, _), native = _forward_then_native(path, 1, 4, 1)
+    assert "not fused bf16 or block-FP8 weights" in native.reason and torch.equal(got, want)

@@ -1,5 +1,5 @@
 """DeepSeek-V3 checkpoints beyond the float parity: init-tiny's block-FP8 layout loads to the decoded
-values (dense at load; routed experts kept as their stored bytes by the store's FP8_BLOCK format, computing
+values (dense weights kept as their codes and scales, or decoded at load; routed experts kept as their stored bytes by the store's FP8_BLOCK format, computing
 from them, also under an evicting cache), the multi-token-prediction layer is skipped, and malformed FP8 tensors fail naming the tensor."""
 
 import shutil
@@ -14,6 +14,8 @@ from moeswap.jsonio import dumps
 from moeswap.models import deepseek_v3
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
+from moeswap.ops import cpu_kernels
+from moeswap.ops.linear import FP8BlockLinear
 from moeswap.experts.keys import Key
 from moeswap.tiny import write_tiny_model
 
@@ -28,8 +30,11 @@ def _decoded(ckpt: Checkpoint, module: str) -> torch.Tensor:
                             dtype=torch.float32)
 
 
-def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny):
-    model, store = load_model(fp8_tiny, LoadOptions(dtype="float32"))
+@pytest.mark.parametrize("dense_weights", ["auto", "compute"])
+def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights):
+    """Dense block-FP8 Linears: kept as their stored codes and scales (FP8BlockLinear, whose values are the
+    decoded ones) on the CPU by default; decoded to fp32 parameters under --dense-weights compute."""
+    model, store = load_model(fp8_tiny, LoadOptions(dtype="float32", dense_weights=dense_weights))
     params = dict(model.named_parameters())
     with Checkpoint.open(fp8_tiny) as ckpt:
         scaled = [n.removesuffix(".weight_scale_inv") for n in ckpt.names() if n.endswith(".weight_scale_inv")]
@@ -37,7 +42,14 @@ def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny):
         assert any("kv_a_proj_with_mqa" in m for m in dense) and any("shared_experts" in m for m in dense)
         for module in dense:
             target, _ = deepseek_v3.classify(module + ".weight")
-            assert torch.equal(params[target], _decoded(ckpt, module)), module
+            linear = model.get_submodule(target.removesuffix(".weight"))
+            if dense_weights == "compute" or cpu_kernels.kernel() is None:
+                assert type(linear) is torch.nn.Linear and torch.equal(params[target], _decoded(ckpt, module)), module
+                continue
+            assert isinstance(linear, FP8BlockLinear), module
+            assert torch.equal(params[target].view(torch.uint8), ckpt.read(module + ".weight").view(torch.uint8))
+            assert torch.equal(params[target + "_scale_inv"], ckpt.read(module + ".weight_scale_inv"))
+            assert torch.equal(linear.dense_weight(), _decoded(ckpt, module)), module
         assert ckpt.info("lm_head.weight").dtype == torch.bfloat16  # not quantised, as published
         layer = next(i for i, k in enumerate(model.config.mlp_kinds) if k == "moe")
         (expert,) = store.fetch(layer, [5])

@@ -80,6 +80,29 @@ def test_int4_kernel_weights_are_compressed_tensors_decode_of_every_nibble(flags
         _exact_columns(kernel, "int4", q, scale, W)
 
 
+@pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
+@pytest.mark.parametrize("bad", [2.0 ** -133, math.nan])
+def test_one_subnormal_or_nan_int4_scale_anywhere_in_a_tile_gives_the_decode(flags, bad):
+    """The vector tiles check a tile's scales 32 at a time (and a masked tail) and rerun a tile holding a
+    subnormal or NaN scale on rounded products: one such scale at the start, middle or end of a tile's scales,
+    in a tile of 4 rows, of 2 and of one row; one token alone gets the bits it gets among many."""
+    kernel = _kernel(flags)
+    gen = torch.Generator().manual_seed(5)
+    O, I = 10, 32 * 24
+    q = int4.pack(torch.randint(-8, 8, (O, I), generator=gen, dtype=torch.int8))
+    for row, block in ((0, 0), (2, 23), (5, 10), (8, 0), (9, 23)):
+        scale = (torch.rand(O, I // 32, generator=gen) + 0.5).bfloat16()
+        scale[row, block] = bad
+        W = int4.decode(q, scale, (O, I), torch.float32)
+        _exact_columns(kernel, "int4", q, scale, W)
+        x = torch.randn(3, I, generator=gen)
+        many = kernel.quant_linear("int4", x, q, scale)
+        for t in range(3):
+            alone = kernel.quant_linear("int4", x[t:t + 1], q, scale)
+            assert torch.equal(alone.isnan(), many[t:t + 1].isnan())
+            assert torch.equal(alone.nan_to_num(0.0), many[t:t + 1].nan_to_num(0.0))
+
+
 def _expert(kind: str, F: int, I: int, gen: torch.Generator):
     cls, encode = (FP8ExpertWeights, fp8_block.encode) if kind == "fp8" else (Int4ExpertWeights, int4.encode)
     return cls(*(t for s in ((F, I), (F, I), (I, F)) for t in encode(torch.randn(*s, generator=gen))))

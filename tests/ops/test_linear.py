@@ -94,3 +94,45 @@ def test_many_rows_widen_into_a_reused_buffer_in_and_out_of_inference_mode(monke
     huge = torch.randn(64, 40, generator=g).bfloat16()
     assert torch.equal(linear(x, huge), F.linear(x, huge.float()))
     assert linear_module._scratch.buf.numel() == large.numel()
+
+
+def _fp8_linear(out_features: int, in_features: int, seed: int = 0):
+    """An FP8BlockLinear holding fp8_block.encode of a random weight (rows not a multiple of 128: a partial block)."""
+    from moeswap.formats import fp8_block
+    from moeswap.ops.linear import FP8BlockLinear
+
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    codes, scale = fp8_block.encode(w)
+    layer = nn.Linear(in_features, out_features, bias=False)
+    layer.__class__ = FP8BlockLinear
+    layer._parameters["weight"] = nn.Parameter(codes, requires_grad=False)
+    layer._parameters["weight_scale_inv"] = nn.Parameter(scale, requires_grad=False)
+    return layer, fp8_block.decode(codes, scale, dtype=torch.float32)
+
+
+@pytest.mark.skipif(cpu_kernels.kernel() is None, reason="no CPU kernel")
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
+def test_block_fp8_linear_computes_from_its_codes_as_the_decoded_weight(rows):
+    """FP8BlockLinear: decode-sized inputs run the quant kernel from the codes (its bits, the decoded weight's
+    values to fp32 rounding), more rows (prefill) and autograd the decoded weight (formats/fp8_block.decode)."""
+    layer, decoded = _fp8_linear(200, 256)
+    assert torch.equal(layer.dense_weight(), decoded)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        y = layer(x.view(rows, 1, 256)).view(rows, 200)
+    if rows <= KERNEL_MAX_ROWS:
+        assert torch.equal(y, cpu_kernels.kernel().quant_linear("fp8", x, layer.weight, layer.weight_scale_inv))
+        torch.testing.assert_close(y, x @ decoded.T, rtol=1e-5, atol=1e-4)
+    else:
+        assert torch.equal(y, F.linear(x, decoded))
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, decoded.sum(0).expand(rows, 256))
+
+
+def test_block_fp8_weights_refuse_a_lora_wrapper():
+    """A LoRA would read the codes as values: refused by name (load with --dense-weights compute)."""
+    from moeswap.lora.layer import LoRALinear
+
+    with pytest.raises(ValueError, match="block-FP8 weight kept as stored.*--dense-weights compute"):
+        LoRALinear.from_base(_fp8_linear(128, 64)[0], r=4, alpha=8)

@@ -8,8 +8,9 @@ whenever this does not apply:
 
 - eager CPU inference without gradients, fp32 activations, at most 32 sequences (either GEMM precision:
   under bf16, every bf16-weight product rounds its input as ops/linear.py does);
-- dense weights kept bf16 (the loader's default on the CPU) with each attention's input projections and
-  each gated MLP's gate/up fused (EngineConfig.fuse).
+- dense weights kept bf16 (the loader's default on the CPU), or block FP8 kept as their codes and scales
+  (ops.linear.FP8BlockLinear, DeepSeek-V3's published layout; MLA and MLPs), with each attention's input
+  projections and each gated MLP's gate/up fused (EngineConfig.fuse).
 
 Routed experts run in the call from the layers' resident tables (models/layers/moe.py), which mirror what
 the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
@@ -47,12 +48,12 @@ import torch
 
 from moeswap.models.kimi_k3 import KimiModel, ModelState
 from moeswap.models.layers.attn_res import score_vector
-from moeswap.models.layers.basic import fused_weight, unadapted
+from moeswap.models.layers.basic import fused_fp8, fused_weight, unadapted
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
 from moeswap.ops.kda import L2_EPS
-from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, gemm_precision, linear
+from moeswap.ops.linear import KERNEL_MAX_ROWS, FP8BlockLinear, StoredWeightLinear, gemm_precision, weight_sources
 
 _i64 = ctypes.c_int64
 
@@ -149,18 +150,30 @@ class _Plan:
             raise Unsupported(f"{type(linear_module).__name__} with {w.dtype} weights (expected bf16 kept as stored)")
         return self._ptr(w)
 
-    def _fused(self, module, names: tuple[str, ...]) -> tuple[int, int, list[int]]:
-        """The named Linears' fused bf16 weight: (pointer, rows, each one's first row)."""
-        w = fused_weight(module, names, unadapted_rows=True)
-        if w is None or w.dtype != torch.bfloat16:
-            raise Unsupported(f"{type(module).__name__}'s {', '.join(names)} are not fused bf16 weights")
+    def _weight(self, linear_module) -> tuple[int, int | None]:
+        """A Linear's (weight pointer, scales pointer): bf16 kept as stored (no scales), or block FP8 kept as
+        its codes (ops.linear.FP8BlockLinear), which the call multiplies from them as the module does."""
+        m = unadapted(linear_module)
+        if type(m) is FP8BlockLinear and m.weight.is_contiguous() and m.in_features % 32 == 0:
+            return self._ptr(m.weight), self._ptr(m.weight_scale_inv)
+        return self._bf16(linear_module), None
+
+    def _fused(self, module, names: tuple[str, ...]) -> tuple[int, int, list[int], int | None]:
+        """The named Linears' fused weight: (pointer, rows, each one's first row, scales pointer or None):
+        bf16, or block-FP8 codes with their scales (models/layers/basic.py fuses both)."""
+        fp8 = fused_fp8(module, names, unadapted_rows=True)
+        w = fused_weight(module, names, unadapted_rows=True) if fp8 is None else fp8[0]
+        if fp8 is None and (w is None or w.dtype != torch.bfloat16):
+            raise Unsupported(f"{type(module).__name__}'s {', '.join(names)} are not fused bf16 or block-FP8 weights")
         for n in names:
-            self._bf16(getattr(module, n))
+            self._weight(getattr(module, n))
         starts, at = [], 0
         for rows in module.__dict__["_fused_input"][3]:
             starts.append(at)
             at += rows
-        return self._ptr(w), at, starts
+        if fp8 is not None and (w.shape[1] % 32 or any(s % 128 for s in starts)):
+            raise Unsupported(f"{type(module).__name__}'s block-FP8 {', '.join(names)} do not fit the kernel's blocks")
+        return self._ptr(w), at, starts, None if fp8 is None else self._ptr(fp8[1])
 
     def _norm_eps(self, *norms) -> None:
         if any(n.eps != self.eps for n in norms):
@@ -168,7 +181,9 @@ class _Plan:
 
     # -- layers -------------------------------------------------------------------------------------
     def _kda(self, t: _Layer, a) -> None:
-        t.w_in, t.in_rows, starts = self._fused(a, a.input_projections())
+        t.w_in, t.in_rows, starts, scales = self._fused(a, a.input_projections())
+        if scales is not None:
+            raise Unsupported("KDA with block-FP8 weights")
         C = a.H * a.K
         if starts[1:3] != [starts[0] + C, starts[0] + 2 * C] or a.f_a_proj.weight.shape[0] != a.K:
             raise Unsupported("KDA's q, k, v projections are not adjacent")
@@ -191,24 +206,30 @@ class _Plan:
             self.rotary = self.rotary or a.rotary
             self.rope_layers.append(t)
             t.rope_interleave = int(a.rotary.interleave)
-        t.w_in, t.in_rows, starts = self._fused(a, a.input_projections())
+        t.w_in, t.in_rows, starts, t.s_in = self._fused(a, a.input_projections())
         t.off[:] = starts + [0] * (6 - len(starts))
         if hasattr(a, "q_a_proj"):
             self._norm_eps(a.q_a_layernorm)
-            t.q_norm, t.w_qb = self._f32(a.q_a_layernorm.weight), self._bf16(a.q_b_proj)
+            t.q_norm = self._f32(a.q_a_layernorm.weight)
+            t.w_qb, t.s_qb = self._weight(a.q_b_proj)
             t.q_rank = a.q_a_proj.weight.shape[0]
         self._norm_eps(a.kv_a_layernorm)
         t.kv_norm = self._f32(a.kv_a_layernorm.weight)
         w_k, w_v = a.absorbed_weights(torch.float32)
-        t.wk, t.wv = self._f32(w_k, a.kv_b_proj.weight), self._f32(w_v, a.kv_b_proj.weight)
+        sources = weight_sources(unadapted(a.kv_b_proj))  # block FP8: the codes and their scales
+        t.wk, t.wv = self._f32(w_k, *sources), self._f32(w_v, *sources)
         t.H, t.N, t.R, t.L, t.V, t.mla_scale = a.H, a.N, a.R, a.L, a.V, a.scale
-        t.gated, t.w_o = int(hasattr(a, "g_proj")), self._bf16(a.o_proj)
+        t.gated = int(hasattr(a, "g_proj"))
+        t.w_o, t.s_o = self._weight(a.o_proj)
 
     def _gated_mlp(self, t: _Layer, mlp) -> None:
         if (mlp.act, tuple(mlp.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("an MLP with its own activation")
-        t.w_gu, _, _ = self._fused(mlp, ("gate_proj", "up_proj"))
-        t.w_down, t.hidden = self._bf16(mlp.down_proj), mlp.down_proj.weight.shape[1]
+        t.w_gu, _, _, t.s_gu = self._fused(mlp, ("gate_proj", "up_proj"))
+        t.w_down, t.s_down = self._weight(mlp.down_proj)
+        t.hidden = mlp.down_proj.weight.shape[1]
+        if (t.s_gu is None) != (t.s_down is None):
+            raise Unsupported("an MLP with block-FP8 and bf16 weights mixed")
 
     def _moe(self, t: _Layer, i: int, moe) -> None:
         t.moe = 1
@@ -415,9 +436,7 @@ class NativeDecode:
             st.max_length = n + 1
         if logits is not None:
             return logits.view(B, 1, plan.V)
-        hidden = m.model.norm(partial.view(B, 1, D))
-        head = m.model.embed_tokens.weight if m.config.tie_word_embeddings else m.lm_head.weight
-        return linear(hidden, head)
+        return m.head(m.model.norm(partial.view(B, 1, D)))  # the forward's own last step
 
     @staticmethod
     def _book(plan: _Plan, tables: dict, used, chosen: torch.Tensor, start: int, end: int, B: int) -> None:

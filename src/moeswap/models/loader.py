@@ -18,10 +18,11 @@ from torch import nn
 from moeswap.config import ModelConfig, load_config
 from moeswap.experts.source import ExpertIndex
 from moeswap.experts.build import build_store
+from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
 from moeswap.ops import expert_format
-from moeswap.ops.linear import StoredWeightLinear, can_keep_stored
+from moeswap.ops.linear import FP8BlockLinear, StoredWeightLinear, can_keep_fp8, can_keep_stored
 from moeswap.options import LoadOptions
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -126,7 +127,8 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
     filled: set[str] = set()
     index = ExpertIndex()
     prefix = config.weight_prefix
-    # block-FP8 dense weights (DeepSeek): `weight_scale_inv` beside a float8 weight, decoded at load
+    # block-FP8 dense weights (DeepSeek): `weight_scale_inv` beside a float8 weight, kept as stored (_fp8_kept)
+    # or decoded at load
     scales = {n for n in ckpt.names() if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in ckpt
               and not arch.classify(n[len(prefix):] if prefix and n.startswith(prefix) else n)[0] == "expert"}
     for name in ckpt.names():
@@ -146,12 +148,16 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         info = ckpt.info(name)
         if not info.dtype.is_floating_point:
             raise CheckpointError(f"{name} in {info.file.name}: expected a float tensor, found {info.dtype}")
-        tensor = arch.sanitize(target, _read_dense(ckpt, name, config, scales), config)
+        kept = _fp8_kept(model, ckpt, name, target, config, dtype, device, dense_weights, scales)
+        tensor = arch.sanitize(target, kept[0] if kept else _read_dense(ckpt, name, config, scales), config)
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name} in {info.file.name}: expected shape {list(param.shape)} from config.json, "
                 f"found {list(info.shape)}")
-        _set_param(model, target, tensor, dtype, device, dense_weights)
+        if kept:
+            _set_fp8(model, target, tensor, kept[1])
+        else:
+            _set_param(model, target, tensor, dtype, device, dense_weights)
         filled.add(target)
     missing = sorted(set(params) - filled)
     if missing:
@@ -178,6 +184,36 @@ def _read_dense(ckpt: Checkpoint, name: str, config: ModelConfig, scales: set[st
         return fmt.decode({"weight": ckpt.read(name), "weight_scale_inv": ckpt.read(scale)}, torch.float32, block)
     except ValueError as err:
         raise CheckpointError(f"{name} in {info.file.name}: cannot decode its block FP8 weight: {err}") from None
+
+
+def _fp8_kept(model: nn.Module, ckpt: Checkpoint, name: str, target: str, config: ModelConfig, dtype: torch.dtype,
+              device: str, dense_weights: str, scales: set[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A block-FP8 Linear weight's (codes, fp32 scales) as stored, where the model keeps them so
+    (ops.linear.FP8BlockLinear: a bias-free Linear, dense weights not converted, fp32 math on a CPU with the
+    kernel, 128 x 128 blocks); else None (decoded at load by `_read_dense`)."""
+    owner_name, _, attr = target.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    block = config.quant.fp8_block if config.quant is not None else None
+    if (name + "_scale_inv" not in scales or dense_weights == "compute" or attr != "weight"
+            or type(owner) is not nn.Linear or owner.bias is not None or not can_keep_fp8(block, dtype, device)):
+        return None
+    info = ckpt.info(name)
+    codes, scale = ckpt.read(name), ckpt.read(name + "_scale_inv")
+    if codes.dtype != torch.float8_e4m3fn:
+        return None  # another float8 (e5m2): decoded at load, as before
+    if codes.ndim != 2 or not scale.is_floating_point() or tuple(scale.shape) != fp8_block.scale_shape(tuple(codes.shape)):
+        raise CheckpointError(f"{name} in {info.file.name}: block FP8 weight {list(codes.shape)} needs a float "
+                              f"weight_scale_inv of shape {list(fp8_block.scale_shape(tuple(codes.shape)))} "
+                              f"([128, 128] blocks), found {scale.dtype} {list(scale.shape)}")
+    return codes, scale.float()
+
+
+def _set_fp8(model: nn.Module, target: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """The Linear owning `target` becomes an FP8BlockLinear holding the stored codes and scales."""
+    owner = model.get_submodule(target.rpartition(".")[0])
+    owner.__class__ = FP8BlockLinear  # same names; state_dict gains the checkpoint's weight_scale_inv
+    owner._parameters["weight"] = nn.Parameter(codes.contiguous(), requires_grad=False)
+    owner._parameters["weight_scale_inv"] = nn.Parameter(scale.contiguous(), requires_grad=False)
 
 
 def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str,

@@ -10,7 +10,7 @@ from torch import nn
 
 from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu
-from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, gemm_in_bf16, linear
+from moeswap.ops.linear import KERNEL_MAX_ROWS, FP8BlockLinear, StoredWeightLinear, gemm_in_bf16, linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -65,6 +65,9 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
     (fewer kernel launches; on a 2-core CPU it measured neutral end to end). Values, names and
     state_dict are unchanged; memory is not duplicated. No-op unless all are plain (or stored-weight) Linears of one dtype."""
     mods = [getattr(module, n) for n in names]
+    if all(type(m) is FP8BlockLinear for m in mods):
+        _fuse_fp8(module, names, mods)
+        return
     if not all(type(m) in FUSABLE and m.bias is None for m in mods) or len({m.weight.dtype for m in mods}) > 1:
         return
     fused = torch.cat([m.weight.detach() for m in mods])
@@ -75,6 +78,37 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
         start += rows
     module.__dict__["_fused_input"] = (fused, tuple(names), [m.weight.data_ptr() for m in mods],
                                        [m.weight.shape[0] for m in mods])
+
+
+def _fuse_fp8(module: nn.Module, names: Sequence[str], mods: list[FP8BlockLinear]) -> None:
+    """fuse_linears for block-FP8 Linears: codes and scales each become views into one tensor, for the C decode
+    step's one product (the modules still run one product each: csrc/quant.c sums a row alike either way).
+    Scales concatenate only where every part but the last fills whole 128-row blocks; else no fusion."""
+    if any(m.weight.shape[0] % 128 for m in mods[:-1]) or len({m.weight.shape[1] for m in mods}) > 1:
+        return
+    codes = torch.cat([m.weight.detach() for m in mods])
+    scales = torch.cat([m.weight_scale_inv.detach() for m in mods])
+    start = s_start = 0
+    for m in mods:
+        rows, s_rows = m.weight.shape[0], m.weight_scale_inv.shape[0]
+        m.weight = nn.Parameter(codes[start:start + rows], requires_grad=False)
+        m.weight_scale_inv = nn.Parameter(scales[s_start:s_start + s_rows], requires_grad=False)
+        start, s_start = start + rows, s_start + s_rows
+    module.__dict__["_fused_input"] = (codes, tuple(names), [m.weight.data_ptr() for m in mods],
+                                       [m.weight.shape[0] for m in mods], scales,
+                                       [m.weight_scale_inv.data_ptr() for m in mods])
+
+
+def fused_fp8(module: nn.Module, names: Sequence[str], unadapted_rows: bool = False):
+    """(codes, scales) of the named block-FP8 Linears fused by `_fuse_fp8`, while that fusion holds; else None."""
+    fused = module.__dict__.get("_fused_input")
+    if fused is None or len(fused) < 6 or fused[1] != tuple(names):
+        return None
+    mods = [unadapted(getattr(module, n)) if unadapted_rows else getattr(module, n) for n in names]
+    if (all(type(m) is FP8BlockLinear for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]
+            and [m.weight_scale_inv.data_ptr() for m in mods] == fused[5]):
+        return fused[0], fused[4]
+    return None
 
 
 def fuse_projections(model: nn.Module) -> None:
@@ -188,6 +222,13 @@ class GatedMLP(nn.Module):
                     with adapters.subset(adapted):
                         y[adapted] = self._modules_forward(x_RD[adapted])
                 return y.view(*x.shape[:-1], y.shape[-1])
+        if (0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.shape[-1] % 32 == 0
+                and all(type(m) is FP8BlockLinear for m in (self.gate_proj, self.up_proj, self.down_proj))):
+            # block-FP8 weights (a decode step): each product from the codes, the activation in C, as the
+            # native decode step runs them (csrc/decode_step.c layer_mlp), the same bits
+            kernel = cpu_kernels.for_inference(x)
+            if kernel is not None and self.down_proj.in_features % 32 == 0:
+                return self.down_proj(kernel.glu(self.gate_proj(x), self.up_proj(x), self.act, self.situ_betas))
         return self._modules_forward(x)
 
     def _modules_forward(self, x: torch.Tensor) -> torch.Tensor:

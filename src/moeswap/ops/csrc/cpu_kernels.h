@@ -89,7 +89,15 @@
     FIELD(const float *, lat_norm, )                                                                          \
     FIELD(int64_t, lat_dim, )                                                                                 \
     FIELD(int64_t *, chosen, )             /* out: the router's ids [N, topk] of a step (NULL: not kept) */   \
-    FIELD(int64_t, stop, )                 /* stop before this layer's FFN: the caller runs it (status 4) */
+    FIELD(int64_t, stop, )                 /* stop before this layer's FFN: the caller runs it (status 4) */ \
+    /* block FP8 (DeepSeek-V3's published dense weights): the fp32 scales [ceil(out/128), ceil(in/128)] of     \
+     * w_in, w_o, w_qb, w_gu and w_down; where one is set, that weight holds E4M3 codes [out, in] (one byte    \
+     * each) instead of bf16, run by csrc/quant.c (NULL: bf16) */                                             \
+    FIELD(const float *, s_in, )                                                                              \
+    FIELD(const float *, s_o, )                                                                               \
+    FIELD(const float *, s_qb, )                                                                              \
+    FIELD(const float *, s_gu, )                                                                              \
+    FIELD(const float *, s_down, )
 
 #define MOESWAP_DECLARE_FIELD(type, name, dims) type name dims;
 typedef struct { MOESWAP_DECODE_LAYER_FIELDS(MOESWAP_DECLARE_FIELD) } decode_layer;

@@ -13,6 +13,31 @@ static void take_columns(const float *src, int64_t N, int64_t stride, int64_t fr
     for (int64_t n = 0; n < N; n++) memcpy(dst + n * w, src + n * stride + from, (size_t)w * sizeof(float));
 }
 
+/* y [T, O] = x [T, I] @ W^T for one of a layer's weights: block-FP8 codes with their scales s (csrc/quant.c; fp32
+ * inputs under either GEMM precision, as ops/linear.py's FP8BlockLinear computes them), else bf16. */
+static int weight_linear(int bf16_in, const float *x, int64_t T, int64_t I, const uint16_t *W, const float *s,
+                         int64_t O, float *y, int nt) {
+    if (s) return moeswap_quant_linear(3, x, T, I, W, s, O, y, nt);
+    return dense_linear(bf16_in, x, T, I, W, O, y, nt);
+}
+
+/* The layer's gated MLP (dense, or the shared experts) on x [T, D] into y [T, D]. Block-FP8 weights (both set:
+ * engine/native_step.py): gate|up in one product (each row summed as alone), act(gate) * up, down: the products
+ * and the C activation that models/layers/basic.py GatedMLP runs for them, so the same bits. */
+static int layer_mlp(int bf16_in, const decode_layer *l, const float *x, int64_t T, int64_t D, int act, float b1,
+                     float b2, float *y, int nt) {
+    const int64_t H = l->hidden;
+    if (!l->s_gu) return gated_mlp(bf16_in, x, T, D, l->w_gu, H, l->w_down, act, b1, b2, y, nt);
+    float *gu = (float *)malloc((size_t)(T * 3 * H) * sizeof(float) + 64);
+    if (!gu) return 2;
+    float *h = gu + T * 2 * H;
+    int status = moeswap_quant_linear(3, x, T, D, l->w_gu, l->s_gu, 2 * H, gu, nt);
+    for (int64_t t = 0; !status && t < T; t++) glu_span(gu + t * 2 * H, gu + t * 2 * H + H, h + t * H, H, act, b1, b2);
+    if (!status) status = moeswap_quant_linear(3, h, T, H, l->w_down, l->s_down, D, y, nt);
+    free(gu);
+    return status;
+}
+
 /* A KDA layer for one token per sequence: out [N, D] = o_proj(kda(...)). state: conv [N, W-1, 3C], S. */
 static int kda_block(int bf16_in, const decode_layer *l, float *conv, float *S, const float *proj, int64_t N,
                      float eps, float l2_eps, float *out, int64_t D, int nt) {
@@ -68,7 +93,7 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
     if (l->w_qb) {
         take_columns(proj, N, P, l->off[0], l->q_rank, qa);
         status = moeswap_rms_norm(qa, N, l->q_rank, l->q_norm, eps, qa, nt);
-        if (!status) status = dense_linear(bf16_in, qa, N, l->q_rank, l->w_qb, Q, q, nt);
+        if (!status) status = weight_linear(bf16_in, qa, N, l->q_rank, l->w_qb, l->s_qb, Q, q, nt);
     } else {
         take_columns(proj, N, P, l->off[0], Q, q);
     }
@@ -94,7 +119,7 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
         status = moeswap_mla_decode(q, latent, cap, lengths, l->wk, l->wv, (float)l->mla_scale, att, N, H, l->N,
                                     l->R, l->L, l->V, nt);
     if (!status && l->gated) status = moeswap_sigmoid_gate(att, proj + l->off[2], N, HV, P);
-    if (!status) status = dense_linear(bf16_in, att, N, HV, l->w_o, D, out, nt);
+    if (!status) status = weight_linear(bf16_in, att, N, HV, l->w_o, l->s_o, D, out, nt);
     free(buf);
     return status;
 }
@@ -106,7 +131,7 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
                      float b1, float b2, float *out, int nt, int64_t *used) {
     *used = 0;
     if (l->stop) return 4;
-    if (!l->moe) return gated_mlp(bf16_in, xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, out, nt);
+    if (!l->moe) return layer_mlp(bf16_in, l, xn, N, D, act, b1, b2, out, nt);
     int64_t *ids = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
     float *w = (float *)malloc((size_t)(N * l->topk) * sizeof(float) + 64);
     float *routed = (float *)calloc((size_t)(N * D), sizeof(float));
@@ -123,7 +148,7 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
         status = moeswap_moe_resident((int)l->format, xn, N, D, l->F, l->E, l->table, ids, w, l->topk, act, b1, b2,
                                       routed, nt, used);
     if (!status && l->w_gu)
-        status = gated_mlp(bf16_in, xn, N, D, l->w_gu, l->hidden, l->w_down, act, b1, b2, shared, nt);
+        status = layer_mlp(bf16_in, l, xn, N, D, act, b1, b2, shared, nt);
     if (!status)
         for (int64_t j = 0; j < N * D; j++) out[j] = l->w_gu ? routed[j] + shared[j] : routed[j];
     free(ids); free(w); free(routed); free(shared);
@@ -201,7 +226,7 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
             free(proj);
             proj = status ? NULL : (float *)malloc((size_t)(N * l->in_rows) * sizeof(float) + 64);
             if (!status && !proj) status = 2;
-            if (!status) status = dense_linear(bf16_in, xn, N, D, l->w_in, l->in_rows, proj, nt);
+            if (!status) status = weight_linear(bf16_in, xn, N, D, l->w_in, l->s_in, l->in_rows, proj, nt);
             if (!status)
                 status = l->mla ? mla_block(bf16_in, l, (float *)(intptr_t)st[0], (int64_t *)(intptr_t)st[1], st[2],
                                             proj, N, eps, y, D, nt)
