@@ -130,9 +130,15 @@ def test_block_fp8_linear_computes_from_its_codes_as_the_decoded_weight(rows):
     torch.testing.assert_close(xg.grad, decoded.sum(0).expand(rows, 256))
 
 
-def test_block_fp8_weights_refuse_a_lora_wrapper():
-    """A LoRA would read the codes as values: refused by name (load with --dense-weights compute)."""
+def test_a_lora_wrapper_over_block_fp8_weights_reads_their_values():
+    """A LoRA wrapper reads and merges into `weight`: over a block-FP8 Linear it holds the decoded weight
+    (what --dense-weights compute loads), so with B = 0 it gives the decoded weight's outputs."""
     from moeswap.lora.layer import LoRALinear
+    from moeswap.lora.multi import AdapterRows, MultiLoRALinear
 
-    with pytest.raises(ValueError, match="block-FP8 weight kept as stored.*--dense-weights compute"):
-        LoRALinear.from_base(_fp8_linear(128, 64)[0], r=4, alpha=8)
+    layer, decoded = _fp8_linear(128, 64)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    for wrapped in (LoRALinear.from_base(layer, r=4, alpha=8), MultiLoRALinear(layer, AdapterRows(1))):
+        assert torch.equal(wrapped.weight, decoded) and not wrapped.weight.requires_grad
+        with torch.no_grad():
+            assert torch.equal(wrapped(x), F.linear(x, decoded))

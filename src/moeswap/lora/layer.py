@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeswap.ops.linear import FP8BlockLinear, StoredWeightLinear, linear
+from moeswap.ops.linear import StoredWeightLinear, linear, with_weight_values
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
@@ -56,8 +56,7 @@ class LoRALinear(nn.Module):
         """A wrapper around `base` with PEFT's initialisation (B = 0: the model's outputs are unchanged)."""
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRA wraps nn.Linear layers, not {type(base).__name__}")
-        if isinstance(base, FP8BlockLinear):  # its `weight` holds codes, which the LoRA paths read as values
-            raise ValueError("LoRA on a block-FP8 weight kept as stored: load the model with --dense-weights compute")
+        base = with_weight_values(base)  # block-FP8 codes decoded: the LoRA paths read `weight` as values
         # fp32 LoRA tensors over bf16/fp16/fp32 weights (PEFT's default), fp64 over fp64 ones
         module = cls(base, r, alpha, dropout, use_rslora, torch.promote_types(base.weight.dtype, torch.float32))
         module.reset_parameters(generator)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeswap.ops.linear import FP8BlockLinear, StoredWeightLinear, linear
+from moeswap.ops.linear import StoredWeightLinear, linear, with_weight_values
 
 
 class AdapterRows:
@@ -135,8 +135,7 @@ class MultiLoRALinear(nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRA wraps nn.Linear layers, not {type(base).__name__}")
-        if isinstance(base, FP8BlockLinear):  # its `weight` holds codes, which the LoRA paths read as values
-            raise ValueError("LoRA on a block-FP8 weight kept as stored: load the model with --dense-weights compute")
+        base = with_weight_values(base)  # block-FP8 codes decoded: the LoRA paths read `weight` as values
         self.__dict__["base"] = base
         self.__dict__["rows"] = rows
         self.in_features, self.out_features = base.in_features, base.out_features

@@ -132,6 +132,16 @@ class FP8BlockLinear(nn.Linear):
         return fp8_block.decode(self.weight, self.weight_scale_inv, fp8_block.BLOCK, dtype)
 
 
+def with_weight_values(module: nn.Linear) -> nn.Linear:
+    """`module` as a Linear whose `weight` holds values: an FP8BlockLinear's decoded into a plain fp32 Linear
+    (what --dense-weights compute loads; LoRA wrappers read and merge into `weight`), anything else as it is."""
+    if not isinstance(module, FP8BlockLinear):
+        return module
+    plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+    plain.weight = nn.Parameter(module.dense_weight(), requires_grad=False)
+    return plain
+
+
 def weight_value(module: nn.Module) -> torch.Tensor:
     """A Linear's weight as values: the decoded one of an FP8BlockLinear, else its `weight` as it is."""
     return module.dense_weight() if isinstance(module, FP8BlockLinear) else module.weight
