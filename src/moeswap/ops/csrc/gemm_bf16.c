@@ -39,7 +39,7 @@ typedef __m256 vf;
 #define MR 4
 #endif
 #define NR (2 * VL) /* columns per panel: two vectors */
-#define UNROLL_MR _Pragma("GCC unroll 16") /* whole tiles, so the accumulators stay in registers */
+#define UNROLL_MR _Pragma("GCC unroll 16") /* whole tiles and transposes, so they stay in registers */
 
 static inline float widen(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16; /* exact: bf16 is the top half of the fp32 pattern */
@@ -78,16 +78,16 @@ static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0,
         for (; k + 16 <= K; k += 16)
             for (int c0 = 0; c0 < NR; c0 += 16) {
                 __m512 r[16], t[16];
-                for (int i = 0; i < 16; i++) {
+                UNROLL_MR for (int i = 0; i < 16; i++) {
                     const __m256i h = _mm256_loadu_si256((const __m256i *)(W + (n0 + c0 + i) * K + k));
                     r[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
                 }
                 /* r[i][j] = W(k + j, n0 + c0 + i) -> r'[j][i]: 32-bit, 64-bit, then 128-bit interleaves */
-                for (int i = 0; i < 16; i += 2) {
+                UNROLL_MR for (int i = 0; i < 16; i += 2) {
                     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
                     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
                 }
-                for (int i = 0; i < 16; i += 4) {
+                UNROLL_MR for (int i = 0; i < 16; i += 4) {
                     const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
                     const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
                     r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
@@ -96,7 +96,7 @@ static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0,
                     r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
                 }
                 /* r[4g + q] now holds, in 128-bit lane L, column k + 4L + q of rows 4g .. 4g + 3 */
-                for (int q = 0; q < 4; q++) {
+                UNROLL_MR for (int q = 0; q < 4; q++) {
                     /* lanes (0, 2) and (1, 3) of groups 0|1 and 2|3 */
                     const __m512 a02 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88);
                     const __m512 a13 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
@@ -107,7 +107,7 @@ static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0,
                     t[4 + q] = _mm512_shuffle_f32x4(a13, b13, 0x88);  /* lane 1: k + 4 + q */
                     t[12 + q] = _mm512_shuffle_f32x4(a13, b13, 0xDD); /* lane 3: k + 12 + q */
                 }
-                for (int j = 0; j < 16; j++) _mm512_storeu_ps(Bp + (k + j) * NR + c0, t[j]);
+                UNROLL_MR for (int j = 0; j < 16; j++) _mm512_storeu_ps(Bp + (k + j) * NR + c0, t[j]);
             }
 #endif
     for (; k < K; k++) {
