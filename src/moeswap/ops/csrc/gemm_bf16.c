@@ -71,7 +71,7 @@ static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0,
         }
         return;
     }
-    /* W [N, K]: column c of the panel is row n0 + c of W; transposed in 16 x 16 blocks where AVX-512 allows */
+    /* W [N, K]: column c of the panel is row n0 + c of W; transposed in 16 x 16 blocks (AVX-512) or 8 x 8 (AVX2) */
     int64_t k = 0;
 #if defined(__AVX512F__)
     if (nr == NR)
@@ -108,6 +108,31 @@ static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0,
                     t[12 + q] = _mm512_shuffle_f32x4(a13, b13, 0xDD); /* lane 3: k + 12 + q */
                 }
                 UNROLL_MR for (int j = 0; j < 16; j++) _mm512_storeu_ps(Bp + (k + j) * NR + c0, t[j]);
+            }
+#elif defined(__AVX2__)
+    if (nr == NR)
+        for (; k + 8 <= K; k += 8)
+            for (int c0 = 0; c0 < NR; c0 += 8) {
+                __m256 r[8], t[8];
+                UNROLL_MR for (int i = 0; i < 8; i++) {
+                    const __m128i h = _mm_loadu_si128((const __m128i *)(W + (n0 + c0 + i) * K + k));
+                    r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                }
+                /* 8 x 8: 32-bit interleaves, then 64-bit, then the 128-bit halves */
+                UNROLL_MR for (int i = 0; i < 8; i += 2) {
+                    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+                }
+                UNROLL_MR for (int i = 0; i < 8; i += 4) { /* r[i + q]: columns k + q | k + 4 + q of rows i .. i + 3 */
+                    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+                    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+                    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+                    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+                }
+                UNROLL_MR for (int q = 0; q < 4; q++) {
+                    _mm256_storeu_ps(Bp + (k + q) * NR + c0, _mm256_permute2f128_ps(r[q], r[4 + q], 0x20));
+                    _mm256_storeu_ps(Bp + (k + 4 + q) * NR + c0, _mm256_permute2f128_ps(r[q], r[4 + q], 0x31));
+                }
             }
 #endif
     for (; k < K; k++) {
