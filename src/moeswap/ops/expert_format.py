@@ -9,7 +9,8 @@ expert through `w.fmt` (the format of its kept form): `forward` (the
 kernel choice), `reference` (plain torch), `project` (x W^T under autograd: the fast kernel forward, backward
 dx = dy W decoded in row chunks, no weight gradient) and `train_forward` (an expert from three `project`s,
 plus adapters); `frozen_group` / `frozen_moe`: a layer step's frozen float experts without adapters as one
-autograd node (without / with the gather and the weighted sum).
+autograd node (without / with the gather and the weighted sum), whose bf16 products run on the stored weights
+in C (cpu_kernels.bf16_gemm, both directions) and fp32/float64 ones in torch.
 In ops/, not formats/, because kernels and backward are ops; formats/weights.py imports it lazily.
 Shapes: T tokens, I expert input width, F expert width, O/N one projection's output/input width.
 """
@@ -655,12 +656,13 @@ def train_forward(held, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, f
     return proj("w2", h_TF)
 
 
-GROUP_WIDE_BYTES = 64 << 20  # one expert's widened weights `frozen_group` holds at once, at most
+GROUP_WIDE_BYTES = 64 << 20  # one expert's widened weights `frozen_group` holds at once, at most (torch path)
 
 
 def groupable(w, x: torch.Tensor) -> bool:
-    """Whether `frozen_group` takes this kept expert with inputs like x: a decoded (float) expert whose widened
-    weights fit GROUP_WIDE_BYTES, under fp32 or float64 x on the same device."""
+    """Whether `frozen_group` takes this kept expert with inputs like x: a decoded (float) expert whose weights
+    widened to x's dtype would fit GROUP_WIDE_BYTES (where `_direct` they are not widened at all), under fp32
+    or float64 x on the same device."""
     if not isinstance(w, ExpertWeights) or not x.dtype.is_floating_point or x.dtype.itemsize < 4:
         return False
     return w.w1_FI.device == x.device and 3 * w.w1_FI.numel() * x.element_size() <= GROUP_WIDE_BYTES
@@ -760,7 +762,8 @@ class _FrozenGroup(torch.autograd.Function):
     pass, as `train_forward`'s projections fetch it) the gate, up and down products and the activation,
     written into whole-step outputs (contiguous rows: the activation kernels need no copies). Keeps the
     gate and up pre-activations (as GLUFunction does) and the held experts; backward per expert:
-    dh = dy W2, (dg, du) from the activation, dx = dg W1 + du W3, from weights widened again."""
+    dh = dy W2, (dg, du) from the activation, dx = dg W1 + du W3, on the weights as `_Widened` gives them
+    again (bf16 ones as stored: `_xwT`, `_dyW`)."""
 
     @staticmethod
     def forward(ctx, x_PI, helds, counts, act, situ_betas):
