@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moeswap.formats import fp8_block, mxfp4, mxfp8
+from moeswap.ops import cpu_kernels
 from moeswap.ops import expert_format as ef
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.activation import glu_reference
@@ -232,3 +233,17 @@ def test_frozen_moe_passes_gradcheck_in_float64():
     token_of = torch.tensor([0, 2, 0, 1])
     helds = [ef.Held(w) for w in experts]
     assert torch.autograd.gradcheck(lambda h, w: ef.frozen_moe(helds, h, token_of, w, [2, 2], "situ", BETAS), (h, wts))
+
+
+def test_frozen_nodes_take_bf16_weights_as_stored_and_widen_the_rest():
+    """Where the C kernel is, bf16 experts under fp32 math go to the products as stored (no fp32 copy); fp16
+    ones are widened into the reused buffers, fp32 ones taken as they are."""
+    if cpu_kernels.kernel() is None:
+        pytest.skip(f"the kernel does not build here: {cpu_kernels.build_error()}")
+    wide = ef._Widened(torch.float32, torch.device("cpu"))
+    bf16, fp16, fp32 = (dense_expert(64, 32, t, seed=30) for t in (torch.bfloat16, torch.float16, torch.float32))
+    assert all(m is getattr(bf16, f) for m, f in zip(wide.get(bf16), ef._Widened.FIELDS))
+    assert all(m is getattr(fp32, f) for m, f in zip(wide.get(fp32), ef._Widened.FIELDS))
+    mats = wide.get(fp16)
+    assert all(m.dtype == torch.float32 and torch.equal(m, getattr(fp16, f).float()) and m is wide.bufs[f]
+               for m, f in zip(mats, ef._Widened.FIELDS))

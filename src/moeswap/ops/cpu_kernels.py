@@ -366,6 +366,34 @@ class CpuKernels:
             self._fail(status, f"bf16_linear (x {tuple(x_TI.shape)}, weight {tuple(w_OI.shape)})")
         return y
 
+    def bf16_gemm(self, a: torch.Tensor, w: torch.Tensor, trans: bool, out: torch.Tensor | None = None,
+                  accumulate: bool = False) -> torch.Tensor:
+        """a fp32 [M, K] @ (w^T if trans, w [N, K]; else w, w [K, N]) for w bf16 as stored (csrc/gemm_bf16.c:
+        widened per panel, fp32 sums, each output one chain in k order whatever the threads or tiling), into
+        `out` (contiguous fp32 [M, N]; accumulate: out += the product) or a new tensor. Called per expert and
+        direction in training: the checks are few attribute reads (a few us a call add up)."""
+        sa, sw = a.shape, w.shape
+        if (a.dtype is not torch.float32 or w.dtype is not torch.bfloat16 or len(sa) != 2 or len(sw) != 2
+                or sa[1] != sw[1 if trans else 0] or not a.is_cpu or not w.is_cpu):
+            raise ValueError(f"bf16_gemm: a {tuple(sa)} {a.dtype} and w {tuple(sw)} {w.dtype} "
+                             f"(trans={trans}; expected fp32 [M, K] and bf16 {'[N, K]' if trans else '[K, N]'} "
+                             f"on the CPU)")
+        M, K = sa
+        N = sw[0 if trans else 1]
+        if out is None:
+            if accumulate:
+                raise ValueError("bf16_gemm: accumulate needs an out tensor")
+            out = torch.empty(M, N, dtype=torch.float32)
+        elif out.dtype is not torch.float32 or out.shape != (M, N) or not out.is_contiguous() or not out.is_cpu:
+            raise ValueError(f"bf16_gemm: out {tuple(out.shape)} {out.dtype} (expected contiguous fp32 [{M}, {N}] "
+                             f"on the CPU)")
+        a, w = a.contiguous(), w.contiguous()  # held until the call returns
+        status = self.lib.moeswap_bf16_gemm(a.data_ptr(), M, K, w.data_ptr(), N, int(trans), int(accumulate),
+                                            out.data_ptr(), self._threads())
+        if status:
+            self._fail(status, f"bf16_gemm (a {tuple(sa)}, w {tuple(sw)}, trans={trans})")
+        return out
+
     def glu(self, gate: torch.Tensor, up: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
         """act(gate) * up (ops.activation.glu) for fp32 CPU tensors of one shape, in one pass; a new tensor.
         Within a few ulp of torch's tanh/sigmoid (its own exp), the same bits for any shape or split."""

@@ -9,7 +9,8 @@ expert through `w.fmt` (the format of its kept form): `forward` (the
 kernel choice), `reference` (plain torch), `project` (x W^T under autograd: the fast kernel forward, backward
 dx = dy W decoded in row chunks, no weight gradient) and `train_forward` (an expert from three `project`s,
 plus adapters); `frozen_group` / `frozen_moe`: a layer step's frozen float experts without adapters as one
-autograd node (without / with the gather and the weighted sum).
+autograd node (without / with the gather and the weighted sum), whose bf16 products run on the stored weights
+in C (cpu_kernels.bf16_gemm, both directions) and fp32/float64 ones in torch.
 In ops/, not formats/, because kernels and backward are ops; formats/weights.py imports it lazily.
 Shapes: T tokens, I expert input width, F expert width, O/N one projection's output/input width.
 """
@@ -655,12 +656,13 @@ def train_forward(held, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, f
     return proj("w2", h_TF)
 
 
-GROUP_WIDE_BYTES = 64 << 20  # one expert's widened weights `frozen_group` holds at once, at most
+GROUP_WIDE_BYTES = 64 << 20  # one expert's widened weights `frozen_group` holds at once, at most (torch path)
 
 
 def groupable(w, x: torch.Tensor) -> bool:
-    """Whether `frozen_group` takes this kept expert with inputs like x: a decoded (float) expert whose widened
-    weights fit GROUP_WIDE_BYTES, under fp32 or float64 x on the same device."""
+    """Whether `frozen_group` takes this kept expert with inputs like x: a decoded (float) expert whose weights
+    widened to x's dtype would fit GROUP_WIDE_BYTES (where `_direct` they are not widened at all), under fp32
+    or float64 x on the same device."""
     if not isinstance(w, ExpertWeights) or not x.dtype.is_floating_point or x.dtype.itemsize < 4:
         return False
     return w.w1_FI.device == x.device and 3 * w.w1_FI.numel() * x.element_size() <= GROUP_WIDE_BYTES
@@ -677,8 +679,9 @@ def frozen_group(helds: list, x_PI: torch.Tensor, counts: list[int], act: str,
 
 
 class _Widened:
-    """An expert's three matrices in the compute dtype: as kept where they already are, else widened into
-    buffers reused from expert to expert (no allocation per call)."""
+    """An expert's three matrices as the products (`_xwT`, `_dyW`) take them: as kept where they already are
+    in the compute dtype or `_direct`, else widened into buffers reused from expert to expert (no allocation
+    per call)."""
 
     FIELDS = ("w1_FI", "w3_FI", "w2_IF")
 
@@ -700,7 +703,7 @@ class _Widened:
             yield mats
 
     def _one(self, field: str, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype == self.dtype:
+        if t.dtype == self.dtype or _direct(t, self.dtype):
             return t
         buf = self.bufs.get(field)
         if buf is None or buf.shape != t.shape:
@@ -708,11 +711,34 @@ class _Widened:
         return buf.copy_(t)
 
 
+def _direct(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the products take weight t as stored: bf16 on the CPU under fp32 math, where the C kernel is
+    (csrc/gemm_bf16.c widens it panel by panel inside the GEMM: no fp32 copy of the weights)."""
+    return t.dtype == torch.bfloat16 and dtype == torch.float32 and t.is_cpu and cpu_kernels.kernel() is not None
+
+
+def _xwT(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x w^T (w [O, N] from `_Widened`): torch's GEMM on weights in x's dtype, else the bf16 kernel."""
+    if w.dtype == x.dtype:
+        return torch.mm(x, w.T, out=out)
+    return cpu_kernels.kernel().bf16_gemm(x, w, trans=True, out=out)
+
+
+def _dyW(dy: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False
+         ) -> torch.Tensor:
+    """dy w (w [O, N] from `_Widened`) into out (accumulate: out += dy w) or a new tensor, as `_xwT` chooses."""
+    if w.dtype == dy.dtype:
+        if accumulate:
+            return out.addmm_(dy, w)
+        return torch.mm(dy, w) if out is None else torch.mm(dy, w, out=out)
+    return cpu_kernels.kernel().bf16_gemm(dy, w, trans=False, out=out, accumulate=accumulate)
+
+
 def _glu_products(x, w1, w3, w2, gate_out, up_out, y_out, act: str, situ_betas) -> torch.Tensor:
     """w2 act(w1 x, w3 x) into y_out, the pre-activations into gate_out and up_out (kept for backward)."""
-    torch.mm(x, w1.T, out=gate_out)
-    torch.mm(x, w3.T, out=up_out)
-    return torch.mm(glu(act, gate_out, up_out, situ_betas), w2.T, out=y_out)
+    _xwT(x, w1, gate_out)
+    _xwT(x, w3, up_out)
+    return _xwT(glu(act, gate_out, up_out, situ_betas), w2, y_out)
 
 
 def _step_buffers(like: torch.Tensor, P: int, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -736,7 +762,8 @@ class _FrozenGroup(torch.autograd.Function):
     pass, as `train_forward`'s projections fetch it) the gate, up and down products and the activation,
     written into whole-step outputs (contiguous rows: the activation kernels need no copies). Keeps the
     gate and up pre-activations (as GLUFunction does) and the held experts; backward per expert:
-    dh = dy W2, (dg, du) from the activation, dx = dg W1 + du W3, from weights widened again."""
+    dh = dy W2, (dg, du) from the activation, dx = dg W1 + du W3, on the weights as `_Widened` gives them
+    again (bf16 ones as stored: `_xwT`, `_dyW`)."""
 
     @staticmethod
     def forward(ctx, x_PI, helds, counts, act, situ_betas):
@@ -760,10 +787,10 @@ class _FrozenGroup(torch.autograd.Function):
         dx_PI = torch.empty_like(dy_PI)
         for i, (w1, w3, w2) in enumerate(wide.each(ctx.helds)):
             lo, hi = ctx.starts[i], ctx.starts[i + 1]
-            dh = dy_PI[lo:hi] @ w2
+            dh = _dyW(dy_PI[lo:hi], w2)
             dg, du = _glu_grads(gate_PF[lo:hi], up_PF[lo:hi], dh, ctx.act, ctx.situ_betas)
-            dx = torch.mm(dg, w1, out=dx_PI[lo:hi])
-            dx.addmm_(du, w3)
+            dx = _dyW(dg, w1, out=dx_PI[lo:hi])
+            _dyW(du, w3, out=dx, accumulate=True)
         return dx_PI, None, None, None, None
 
 
@@ -812,8 +839,7 @@ class _FrozenMoE(torch.autograd.Function):
             rows = token_of[lo:hi]
             dc = dout_TI.index_select(0, rows)  # d (weighted output) of each pair
             torch.sum(dc * y_PI[lo:hi], 1, out=dw_P[lo:hi])
-            dh = dc.mul_(w_P1[lo:hi]) @ w2
+            dh = _dyW(dc.mul_(w_P1[lo:hi]), w2)
             dg, du = _glu_grads(gate_PF[lo:hi], up_PF[lo:hi], dh, ctx.act, ctx.situ_betas)
-            dx = torch.mm(dg, w1)
-            dh_TI.index_add_(0, rows, dx.addmm_(du, w3))
+            dh_TI.index_add_(0, rows, _dyW(du, w3, out=_dyW(dg, w1), accumulate=True))
         return dh_TI, dw_P.to(ctx.w_dtype), None, None, None, None, None

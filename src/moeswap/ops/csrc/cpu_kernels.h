@@ -137,6 +137,10 @@ int moeswap_bf16x_linear(const uint16_t *x, int64_t T, int64_t I, const uint16_t
 int moeswap_bf16_mlp(const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H, const uint16_t *w_down,
                      int act, float b1, float b2, float *y, int nthreads);
 
+/* ---- gemm_bf16.c: training's GEMM on frozen bf16 weights, either direction ---- */
+int moeswap_bf16_gemm(const float *a, int64_t M, int64_t K, const uint16_t *W, int64_t N, int trans, int accumulate,
+                      float *c, int nthreads);
+
 /* ---- moe.c: a layer step's routed experts ---- */
 int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint8_t *const *p1,
                       const uint8_t *const *s1, const uint8_t *const *p3, const uint8_t *const *s3,

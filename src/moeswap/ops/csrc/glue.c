@@ -43,12 +43,22 @@ static inline float act_tanh(float x) {
 
 static inline float act_sigmoid(float x) { return 1.0f / (1.0f + act_exp(-x)); }
 
+/* One loop per act: with the choice inside, the vectorized loop computed both (SiTU's three exps and
+ * divisions for SiLU too: 3x the time). The same per-element math either way. */
 void glu_span(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2) {
+    if (act == 0) {
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float gv = g[i], uv = u[i];
+            const float y = gv * act_sigmoid(gv) * uv;
+            out[i] = gv != gv || uv != uv ? gv + uv : y;
+        }
+        return;
+    }
     #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         const float gv = g[i], uv = u[i];
-        const float y = act == 0 ? gv * act_sigmoid(gv) * uv
-                                 : (b1 * act_tanh(gv / b1) * act_sigmoid(gv)) * (b2 * act_tanh(uv / b2));
+        const float y = (b1 * act_tanh(gv / b1) * act_sigmoid(gv)) * (b2 * act_tanh(uv / b2));
         out[i] = gv != gv || uv != uv ? gv + uv : y;
     }
 }
@@ -78,14 +88,18 @@ int moeswap_glu_backward(const float *g, const float *u, const float *dout, floa
     #pragma omp parallel for num_threads(spans > 1 ? nthreads : 1) schedule(static)
     for (int64_t sp = 0; sp < spans; sp++) {
         const int64_t o = sp * span, m = n - o < span ? n - o : span;
-        #pragma omp simd
-        for (int64_t i = o; i < o + m; i++) {
-            const float gv = g[i], uv = u[i], d = dout[i], s = act_sigmoid(gv);
-            if (act == 0) {
+        if (act == 0) { /* one loop per act, as glu_span */
+            #pragma omp simd
+            for (int64_t i = o; i < o + m; i++) {
+                const float gv = g[i], uv = u[i], d = dout[i], s = act_sigmoid(gv);
                 const float silu = gv * s;
                 dg[i] = d * uv * s * (1.0f + gv * (1.0f - s));
                 du[i] = d * silu;
-            } else {
+            }
+        } else {
+            #pragma omp simd
+            for (int64_t i = o; i < o + m; i++) {
+                const float gv = g[i], uv = u[i], d = dout[i], s = act_sigmoid(gv);
                 const float tg = act_tanh(gv / b1), tu = act_tanh(uv / b2);
                 const float A = b1 * tg * s, B = b2 * tu;
                 dg[i] = d * B * ((1.0f - tg * tg) * s + A * (1.0f - s));
