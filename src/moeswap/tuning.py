@@ -7,6 +7,7 @@ same knobs its own way). Entry point: `tune_process()`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -121,7 +122,11 @@ def use_huge_pages() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
+MMAP_THRESHOLD = 512 << 10  # inference: what return_large_frees_to_os's docstring measured
+TRAIN_MMAP_THRESHOLD = 64 << 20  # training: see heap_for_training
+
+
+def return_large_frees_to_os(threshold: int = MMAP_THRESHOLD) -> None:
     """Serve allocations >= threshold with mmap so freeing them returns memory to the OS (glibc only).
 
     Experts come and go in blocks of one buffer each (0.8 MB on the bench model, 17.5 MB on K3); glibc's
@@ -134,3 +139,22 @@ def return_large_frees_to_os(threshold: int = 512 << 10) -> None:
             ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
         except (OSError, AttributeError):
             pass  # not glibc: nothing to tune
+
+
+@contextlib.contextmanager
+def heap_for_training(threshold: int = TRAIN_MMAP_THRESHOLD):
+    """Allocations below `threshold` from the heap while the block runs, then MMAP_THRESHOLD again.
+
+    A training step's activations and the frozen-experts node's buffers (several MB each) are freed and
+    allocated again every step: served by mmap, each is page-faulted afresh (55-65K minor faults a step on
+    `bench train`'s Kimi Linear; 5-10K with this threshold). 2026-12-02, `moeswap bench train
+    models/small-linear --threads 1`, load 0.6-0.8: 417.8 -> 521.1 tokens/s, peak RSS 801 -> 920 MiB (8 MiB
+    gave the same RSS and speed there; 64 MiB also keeps longer rows' activations). The expert store's
+    buffers are pooled (experts/buffers.py), so the heap growth the inference threshold guards against does
+    not come from them.
+    """
+    return_large_frees_to_os(threshold)
+    try:
+        yield
+    finally:
+        return_large_frees_to_os()

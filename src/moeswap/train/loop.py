@@ -241,6 +241,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     weights or adapter, manifest.json, loss.csv and loss.png into cfg.output. stop_after=N: only the run's
     first N steps, on its own schedule, writing nothing but checkpoints; the result's manifest then holds
     just the curve and the evals so far (a prefix for `reproduce`)."""
+    from moeswap import tuning
+
+    with tuning.heap_for_training():  # a step's large buffers reused from the heap, not page-faulted afresh
+        return _train(cfg, resume, progress, on_checkpoint, stop_after)
+
+
+def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint, stop_after: int | None) -> TrainResult:
     from tqdm import tqdm
 
     from moeswap.engine.tokenizer import load_tokenizer
