@@ -26,6 +26,8 @@ def main() -> None:
         return train_step(job, rank, out)
     if job.get("split_lora"):
         return split_lora_step(job, rank, out)
+    if job.get("train_rows"):
+        return train_rows(job, rank, out)
     if job.get("dp_serve"):
         return dp_serve(job, rank, out)
     if job.get("dp_train"):
@@ -304,6 +306,26 @@ def dp_train_steps(job: dict, rank: int, out: str) -> None:
                      "graphs_left": len(ep.dispatch._graphs), "dispatch": ep.dispatch.stats.as_dict()})
     shutdown(first[0])
     torch.save({"runs": runs}, out)
+
+
+def train_rows(job: dict, rank: int, out: str) -> None:
+    """`moeswap train` as torchrun starts it (train/loop.py joins the process group from this environment),
+    recording every ExpertLoRA's rows when it is built: (layer-less) [(num_experts, rows of each
+    lora_A/lora_B tensor)] and where the rank's parameters ended."""
+    from moeswap.models.layers.expert_lora import ExpertLoRA
+    from moeswap.train.config import TrainConfig
+    from moeswap.train.loop import train
+
+    built = []
+    init = ExpertLoRA.__init__
+
+    def recording(lora, *args, **kwargs):
+        init(lora, *args, **kwargs)
+        built.append((lora.num_experts, sorted({p.shape[0] for p in lora.parameters()}), lora.experts))
+
+    ExpertLoRA.__init__ = recording
+    train(TrainConfig.from_dict(job["config"]), progress=False)
+    torch.save({"built": built}, out)
 
 
 def train_step(job: dict, rank: int, out: str) -> None:

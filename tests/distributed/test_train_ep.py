@@ -111,3 +111,28 @@ def test_expert_lora_and_its_optimizer_state_live_on_the_owner_only(tiny_k3_dir,
         for i, st in want_opt["state"].items():
             for k, v in st.items():
                 assert torch.equal(res["optimizer"]["state"][i][k], v), (i, k)
+
+
+def test_under_torchrun_each_rank_builds_only_its_own_experts_lora_rows(tiny_k3_dir, tmp_path):
+    """`moeswap train` under torchrun builds each rank's routed-expert LoRA with only the rows of the experts
+    it owns (ExpertLoRA's `experts`; distributed/lora_shards.py then keeps it as it is): no rank ever holds
+    another rank's rows at start-up. (The runs above check the values are one process's, bit for bit.)"""
+    from distributed.test_expert_parallel import launch
+    from moeswap.distributed.placement import contiguous
+    from moeswap.models.loader import LoadOptions, load_model
+
+    data = write_chains(tmp_path / "chains.jsonl", load_tokenizer(tiny_k3_dir), samples=20)
+    config = {"model": str(tiny_k3_dir), "train_data": str(data), "eval_split": 0.2, "max_steps": 1,
+              "micro_batch": 2, "seq_len": 32, "ep_mode": "replicated", "output": str(tmp_path / "run"),
+              **{k: list(v) if isinstance(v, tuple) else v for k, v in LORA_RUN.items()}}
+    results, codes, _ = launch({"train_rows": True, "config": config}, tmp_path, wait_s=400)
+    assert codes == [0, 0], [r.get("error") for r in results]
+    model, store = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
+    store.close()
+    placement = contiguous(model.config, 2)
+    layers = [b.layer_idx for b in model.moe_blocks()]
+    E = model.config.moe.num_experts
+    for rank, res in enumerate(results):
+        assert [b[2] for b in res["built"]] == [tuple(placement.owned(rank, layer)) for layer in layers]
+        assert all(n == E and rows == [E // 2] for n, rows, _ in res["built"])
+    assert (tmp_path / "run" / WEIGHTS_NAME).exists()

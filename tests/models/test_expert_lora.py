@@ -197,3 +197,46 @@ def test_keep_rows_holds_some_experts_with_the_same_deltas_and_peft_keys():
     shared = ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, shared_a=True)
     with pytest.raises(ValueError, match="shared A"):
         shared.keep_rows([0, 1])
+
+
+def test_uniform_drawn_row_by_row_is_the_whole_draw():
+    """What ExpertLoRA(experts=...) relies on: a CPU generator's uniform_ over [E, r, N] gives the values of E
+    successive uniform_ calls on one [r, N] row, and leaves the generator in the same state."""
+    for E, r, N in ((6, 2, 8), (5, 16, 7), (3, 1, 33)):
+        gen = torch.Generator().manual_seed(11)
+        whole = torch.empty(E, r, N).uniform_(-0.5, 0.5, generator=gen)
+        after_whole = torch.rand(5, generator=gen)
+        gen = torch.Generator().manual_seed(11)
+        row, rows = torch.empty(r, N), []
+        for _ in range(E):
+            rows.append(row.uniform_(-0.5, 0.5, generator=gen).clone())
+        assert torch.equal(torch.stack(rows), whole) and torch.equal(torch.rand(5, generator=gen), after_whole)
+
+
+def test_built_with_some_experts_rows_only_it_holds_the_whole_adapters_rows_bit_for_bit():
+    """ExpertLoRA(experts=...) (expert parallelism: a rank builds its own experts' LoRA only) holds those rows
+    alone, each equal to the whole LoRA's from the same seed, and leaves the generator where the whole one
+    does (what is drawn after it is the same)."""
+    gen_whole, gen_part = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    full = ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, generator=gen_whole)
+    part = ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, generator=gen_part, experts=[1, 4, 5])
+    assert torch.equal(torch.rand(3, generator=gen_part), torch.rand(3, generator=gen_whole))
+    assert part.experts == (1, 4, 5) and all(p.shape[0] == 3 for p in part.parameters())
+    rows = torch.tensor([1, 4, 5])
+    for name, value in full.state_dict().items():
+        assert torch.equal(part.state_dict()[name], value.index_select(0, rows)), name
+    whole, mine = full.peft_state_dict(7), part.peft_state_dict(7)
+    assert sorted(mine) == sorted(k for k in whole if any(f".experts.{e}." in k for e in (1, 4, 5)))
+    assert all(torch.equal(v, whole[k]) for k, v in mine.items())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(part.delta("w1", 4, x), full.delta("w1", 4, x))
+    with pytest.raises(KeyError):
+        part.delta("w1", 2, x)
+    # every expert given: the whole LoRA, with its plain row numbering
+    every = ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, generator=torch.Generator().manual_seed(1), experts=range(6))
+    assert every._row is None and all(torch.equal(v, full.state_dict()[k]) for k, v in every.state_dict().items())
+    for bad in ([4, 1], [1, 1], [6]):
+        with pytest.raises(ValueError, match="ascending distinct experts below 6"):
+            ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, experts=bad)
+    with pytest.raises(ValueError, match="shared A"):
+        ExpertLoRA(6, SHAPES, rank=2, alpha=4.0, shared_a=True, experts=[0, 1])

@@ -24,7 +24,9 @@ class LoRAShards:
     @classmethod
     def split(cls, ep, model, params: list[tuple[str, nn.Parameter]], optimizer, make_optimizer):
         """Keeps each block's expert LoRA rows of this rank's experts only, and their optimizer state;
-        returns (LoRAShards, the params list with the split parameters, a new optimizer over them)."""
+        returns (LoRAShards, the params list with the split parameters, a new optimizer over them). A LoRA
+        built with only those rows (ExpertLoRA's `experts`, what `train` does unless it resumes) is kept as
+        it is, and the optimizer too when no LoRA had other rows."""
         old_sd = optimizer.state_dict()
         old_order = [p for g in optimizer.param_groups for p in g["params"]]
         replaced: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # id(old) -> (new, rows kept)
@@ -33,7 +35,10 @@ class LoRAShards:
             lora = block._modules.get("expert_lora")
             if lora is None:
                 continue
-            owned = ep.placement.owned(ep.rank, block.layer_idx)
+            owned = tuple(ep.placement.owned(ep.rank, block.layer_idx))
+            if lora.experts == owned:  # built with this rank's rows only
+                parts.update((id(p), (lora, name, block.layer_idx)) for name, p in _named(lora))
+                continue
             rows = torch.tensor([lora.row(e) for e in owned], dtype=torch.int64)
             before = dict(_named(lora))
             lora.keep_rows(owned)
@@ -41,7 +46,7 @@ class LoRAShards:
                 replaced[id(before[name])] = (new, rows)
                 parts[id(new)] = (lora, name, block.layer_idx)
         if not replaced:
-            return None, params, optimizer
+            return (cls(ep, parts) if parts else None), params, optimizer
         params = [(n, replaced[id(p)][0] if id(p) in replaced else p) for n, p in params]
         new_opt = make_optimizer(params)
         new_order = [p for g in new_opt.param_groups for p in g["params"]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -97,10 +98,13 @@ def resolve_targets(model: nn.Module, targets: tuple[str, ...] | str, prefix: st
     return found
 
 
-def attach_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator | None = None) -> Targets:
+def attach_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator | None = None,
+                owned: Callable[[int], Sequence[int]] | None = None) -> Targets:
     """Freezes every parameter of `model`, then wraps each targeted Linear in a LoRALinear (PEFT's init:
     A kaiming-uniform from `generator`, B zeros) and gives each targeted MoE block its expert LoRA.
-    Only the adapter's parameters require grad afterwards. Returns what was targeted."""
+    Only the adapter's parameters require grad afterwards. Returns what was targeted. owned: an MoE
+    layer's experts whose expert-LoRA rows to build (expert parallelism: the rank's own, with the values
+    the whole LoRA has there); None: every expert's."""
     if lora_modules(model) or getattr(model, "lora_config", None) is not None:
         raise ValueError("this model already carries a LoRA adapter; detach_lora(model) first")
     if getattr(model, "adapter_rows", None) is not None:
@@ -113,7 +117,8 @@ def attach_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator
         wrap(model, name, r, alpha, config.dropout, config.use_rslora, generator)
     for name, projections in targets.experts.items():
         r, alpha = config.rank_alpha(expert_name(name, 0, projections[0]))
-        attach_experts(blocks[name], r, alpha, config, projections, generator)
+        attach_experts(blocks[name], r, alpha, config, projections, generator,
+                       None if owned is None else owned(blocks[name].layer_idx))
     for p in model.parameters():
         p.requires_grad_(id(p) not in base)
     model.lora_config = config
@@ -128,10 +133,11 @@ def freeze(model: nn.Module) -> set[int]:
 
 
 def attach_experts(block: nn.Module, r: int, alpha: float, config: LoRAConfig, projections: tuple[str, ...],
-                   generator: torch.Generator | None = None) -> None:
-    """The block's expert LoRA (MoE.attach_expert_lora: per-expert A and B, or one A shared by the experts)."""
+                   generator: torch.Generator | None = None, experts: Sequence[int] | None = None) -> None:
+    """The block's expert LoRA (MoE.attach_expert_lora: per-expert A and B, or one A shared by the experts;
+    experts: only these experts' rows)."""
     block.attach_expert_lora(r, expert_alpha(r, alpha, config), config.dropout, projections=projections,
-                             shared_a=config.expert_shared_a, generator=generator)
+                             shared_a=config.expert_shared_a, generator=generator, experts=experts)
 
 
 def expert_alpha(r: int, alpha: float, config: LoRAConfig) -> float:

@@ -277,7 +277,10 @@ def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint,
             check_same_everywhere(ep, "training data (SHA-256 of each file)", data_sha)
         base = record.fingerprint(cfg.model)
         device = torch.device(options.device)
-        params = prepare_model(model, cfg)
+        # under expert parallelism each rank builds only its own experts' LoRA rows (LoRAShards.split keeps
+        # them); --resume loads one process's checkpoint whole first, so it builds every row
+        owned = None if ep is None or resume_from is not None else (lambda layer: ep.placement.owned(ep.rank, layer))
+        params = prepare_model(model, cfg, owned)
         # routers whose selection bias follows the balancing rule: state a checkpoint must keep too
         balanced = balanced_biases(model)
         saved = params + balanced

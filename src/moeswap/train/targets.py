@@ -15,6 +15,7 @@ Entry points: `prepare_model(model, cfg)`, `save_trained(model, cfg, params, out
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,11 @@ NEVER_TRAINED = ("e_score_correction_bias",)
 _REGEX_CHARS = set("*?[]()|\\^$+{}")
 
 
-def prepare_model(model: nn.Module, cfg) -> list[tuple[str, nn.Parameter]]:
+def prepare_model(model: nn.Module, cfg, owned: Callable[[int], Sequence[int]] | None = None
+                  ) -> list[tuple[str, nn.Parameter]]:
     """Freezes the model, makes the parameters `cfg` trains trainable and returns them by name, in model
-    order. ValueError when nothing, or a pattern, matches."""
+    order. ValueError when nothing, or a pattern, matches. owned: LoRA's routed-expert rows built for an MoE
+    layer's experts `owned(layer)` only (lora.attach_lora; expert parallelism), the others never held."""
     for p in model.parameters():
         p.requires_grad_(False)
     if cfg.mode == "full":
@@ -42,7 +45,7 @@ def prepare_model(model: nn.Module, cfg) -> list[tuple[str, nn.Parameter]]:
             make_experts_trainable(model)
         params = _full_parameters(model, cfg.target_modules)
     else:
-        params = _lora_parameters(model, cfg)
+        params = _lora_parameters(model, cfg, owned)
     # the model's own per-layer activation checkpointing (models/kimi_k3.py)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if not params:
@@ -72,9 +75,9 @@ def target_patterns(patterns: tuple[str, ...]) -> tuple[str, ...] | str:
     return patterns[0]
 
 
-def _lora_parameters(model: nn.Module, cfg) -> list[tuple[str, nn.Parameter]]:
+def _lora_parameters(model: nn.Module, cfg, owned=None) -> list[tuple[str, nn.Parameter]]:
     # the seed fixes A's initialisation (dense and routed experts), independent of what ran before
-    lora.attach_lora(model, lora_config(cfg), generator=torch.Generator().manual_seed(cfg.seed))
+    lora.attach_lora(model, lora_config(cfg), generator=torch.Generator().manual_seed(cfg.seed), owned=owned)
     return list(lora.trainable_parameters(model).items())
 
 

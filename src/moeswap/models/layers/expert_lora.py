@@ -29,8 +29,12 @@ def peft_key(layer: int, expert: int, proj: str, part: str) -> str:
 class ExpertLoRA(nn.Module):
     def __init__(self, num_experts: int, shapes: Mapping[str, tuple[int, int]], rank: int, alpha: float,
                  dropout: float = 0.0, projections: Sequence[str] = PROJS, shared_a: bool = False,
-                 device=None, dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None):
-        """shapes: each projection's [O, N] (w1, w3 [F, I], w2 [I, F])."""
+                 device=None, dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None,
+                 experts: Sequence[int] | None = None):
+        """shapes: each projection's [O, N] (w1, w3 [F, I], w2 [I, F]). experts: hold only these experts' rows
+        (ascending; expert parallelism, distributed/lora_shards.py), with the values the whole LoRA has there:
+        A is drawn one expert at a time through an [r, N] scratch row, which on a CPU generator gives the
+        whole [E, r, N] draw's values and leaves the generator where it leaves it; only the rows kept stay."""
         super().__init__()
         projections = tuple(projections)
         if not projections or len(set(projections)) != len(projections) or not set(projections) <= set(PROJS):
@@ -46,18 +50,28 @@ class ExpertLoRA(nn.Module):
         self.scaling = self.alpha / rank
         self.shared_a, self.projections = shared_a, projections
         self.shapes = {p: tuple(shapes[p]) for p in projections}
+        rows = tuple(range(num_experts)) if experts is None else self._check_rows(experts)
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         for p in projections:
             O, N = self.shapes[p]
             bound = 1.0 / math.sqrt(N)  # kaiming_uniform_(a=sqrt(5)) on an [r, N] weight: U(-1/sqrt(N), 1/sqrt(N))
-            A = torch.empty(1 if shared_a else num_experts, rank, N, device=device, dtype=dtype)
+            A = torch.empty(1 if shared_a else len(rows), rank, N, device=device, dtype=dtype)
             with torch.no_grad():
-                A.uniform_(-bound, bound, generator=generator)
+                if experts is None:
+                    A.uniform_(-bound, bound, generator=generator)
+                else:  # every expert's row drawn in order (the generator's state), the rows kept copied out
+                    kept = dict(zip(rows, range(len(rows))))
+                    scratch = A.new_empty(rank, N)
+                    for e in range(num_experts):
+                        scratch.uniform_(-bound, bound, generator=generator)
+                        if e in kept:
+                            A[kept[e]].copy_(scratch)
+                    del scratch
             self.lora_A[p] = nn.Parameter(A)
-            self.lora_B[p] = nn.Parameter(torch.zeros(num_experts, O, rank, device=device, dtype=dtype))
-        self.experts: tuple[int, ...] = tuple(range(num_experts))  # the expert of each row (keep_rows: a subset)
-        self._row: dict[int, int] | None = None  # expert -> row when the rows are a subset
+            self.lora_B[p] = nn.Parameter(torch.zeros(len(rows), O, rank, device=device, dtype=dtype))
+        self.experts: tuple[int, ...] = rows  # the expert of each row (experts= or keep_rows: a subset)
+        self._row: dict[int, int] | None = None if experts is None else self._rows_map(rows)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, "
@@ -68,11 +82,7 @@ class ExpertLoRA(nn.Module):
         that owns it, distributed/lora_shards.py), in new parameters: taken from the current rows, or the
         whole [len(experts), ...] values from `tensors` ({"lora_A.w1": ..., "lora_B.w1": ...}). Not with a
         shared A."""
-        experts = tuple(int(e) for e in experts)
-        if self.shared_a:
-            raise ValueError("expert LoRA with a shared A cannot be split by expert")
-        if list(experts) != sorted(set(experts)) or not set(experts) <= set(range(self.num_experts)):
-            raise ValueError(f"expert LoRA rows: expected ascending distinct experts below {self.num_experts}")
+        experts = self._check_rows(experts)
         idx = None if tensors is not None else torch.tensor([self.row(e) for e in experts], dtype=torch.int64)
         for part in (self.lora_A, self.lora_B):
             for p in self.projections:
@@ -82,7 +92,18 @@ class ExpertLoRA(nn.Module):
                 part[p] = nn.Parameter(value.to(device=old.device, dtype=old.dtype).clone(),
                                        requires_grad=old.requires_grad)
         self.experts = experts
-        self._row = None if experts == tuple(range(self.num_experts)) else {e: i for i, e in enumerate(experts)}
+        self._row = self._rows_map(experts)
+
+    def _check_rows(self, experts: Sequence[int]) -> tuple[int, ...]:
+        experts = tuple(int(e) for e in experts)
+        if self.shared_a:
+            raise ValueError("expert LoRA with a shared A cannot be split by expert")
+        if list(experts) != sorted(set(experts)) or not set(experts) <= set(range(self.num_experts)):
+            raise ValueError(f"expert LoRA rows: expected ascending distinct experts below {self.num_experts}")
+        return experts
+
+    def _rows_map(self, experts: tuple[int, ...]) -> dict[int, int] | None:
+        return None if experts == tuple(range(self.num_experts)) else {e: i for i, e in enumerate(experts)}
 
     def row(self, expert: int) -> int:
         """The parameters' row of `expert` (KeyError: held by another rank)."""

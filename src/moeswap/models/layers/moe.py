@@ -117,12 +117,13 @@ class MoE(nn.Module):
     # -- routed-expert LoRA ---------------------------------------------------------------------------
 
     def attach_expert_lora(self, rank: int, alpha: float, dropout: float = 0.0, projections: Sequence[str] = PROJS,
-                           shared_a: bool = False, generator: torch.Generator | None = None) -> ExpertLoRA:
+                           shared_a: bool = False, generator: torch.Generator | None = None,
+                           experts: Sequence[int] | None = None) -> ExpertLoRA:
         """Adds LoRA adapters to every routed expert's projections (the `expert_lora` submodule, fp32, on
         the router's device; B zero, so the block computes what it did until trained). Replaces one that
-        was attached before."""
+        was attached before. experts: only these experts' rows (ExpertLoRA's `experts`)."""
         self.expert_lora = ExpertLoRA(self.num_experts, self.expert_shapes, rank, alpha, dropout, projections,
-                                      shared_a, device=self.gate.weight.device, generator=generator)
+                                      shared_a, device=self.gate.weight.device, generator=generator, experts=experts)
         return self.expert_lora.train(self.training)  # dropout only when the block trains, as LoRALinear
 
     def serve_expert_lora(self, rows) -> ExpertLoRASlots:
