@@ -310,8 +310,8 @@ def dp_train_steps(job: dict, rank: int, out: str) -> None:
 
 def train_rows(job: dict, rank: int, out: str) -> None:
     """`moeswap train` as torchrun starts it (train/loop.py joins the process group from this environment),
-    recording every ExpertLoRA's rows when it is built: (layer-less) [(num_experts, rows of each
-    lora_A/lora_B tensor)] and where the rank's parameters ended."""
+    recording for every ExpertLoRA built, in build order: (num_experts, the row counts of its lora_A/lora_B
+    tensors, its experts)."""
     from moeswap.models.layers.expert_lora import ExpertLoRA
     from moeswap.train.config import TrainConfig
     from moeswap.train.loop import train

@@ -1,8 +1,9 @@
-"""Routed-expert LoRA split by owner in expert-parallel training: each expert's LoRA rows (ExpertLoRA.keep_rows)
-and AdamW state live on the rank that computes its pairs; whole views are gathered only for each step's
-gradient norm, checkpoints (one process's layout) and the adapter at the end, on rank 0 alone where only
-rank 0 needs them (train/loop.py: the norm is computed there and broadcast; rank 0 writes). Other parameters
-stay replicated. Knows nothing of the loop's schedule (train/loop.py calls it).
+"""Routed-expert LoRA split by owner in expert-parallel training: each expert's LoRA rows (built so with
+ExpertLoRA's `experts`, or cut by ExpertLoRA.keep_rows after a whole checkpoint's load) and AdamW state
+live on the rank that computes its pairs; whole views are gathered only for each step's gradient norm,
+checkpoints (one process's layout) and the adapter at the end, on rank 0 alone where only rank 0 needs
+them (train/loop.py: the norm is computed there and broadcast; rank 0 writes). Other parameters stay
+replicated. Knows nothing of the loop's schedule (train/loop.py calls it).
 Entry point: `LoRAShards.split(ep, model, params, optimizer, make_optimizer)`."""
 
 from __future__ import annotations

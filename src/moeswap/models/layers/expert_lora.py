@@ -2,7 +2,8 @@
 block, with PEFT's math (y += B A dropout(x) * alpha / r; B starts at zero, A uniform in +-1/sqrt(in) as
 PEFT's kaiming_uniform(a=sqrt(5)) draws it) and one A per projection shared by all experts as an option.
 
-Holds only the adapter parameters (lora_A[proj] [E or 1, r, N], lora_B[proj] [E, O, r]); the MoE block adds
+Holds only the adapter parameters (lora_A[proj] [E or 1, r, N], lora_B[proj] [E, O, r]; or some experts' rows
+only, `experts` / `keep_rows`, for expert parallelism); the MoE block adds
 `adapters(ids)` to its experts' projections (ops.expert_format.train_forward). `peft_state_dict` /
 `load_peft_state_dict` read and write PEFT's per-expert key names. `ExpertLoRASlots`: several adapters' expert
 LoRA served at once (lora.serving), each (token, expert) pair with its row's adapter. Shapes: E experts, r rank, O/N one
