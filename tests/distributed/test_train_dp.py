@@ -11,45 +11,22 @@ rank 0, forward and backward."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-import yaml
 
 # arch_dir is a fixture: imported, pytest finds it here too
 from distributed.ep_worker import MICRO_BATCHES, dp_lora_gradients
-from distributed.test_expert_parallel import SRC, arch_dir, launch  # noqa: F401
-from moeswap.distributed.launch import free_port
-from moeswap.engine.tokenizer import load_tokenizer
+from distributed.test_expert_parallel import arch_dir, launch  # noqa: F401
 from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME
 from moeswap.train.checkpoint import OPTIMIZER, PARAMS, checkpoint_dir
-from train.conftest import LORA_RUN, write_chains
+from distributed.test_train_ep import train_alone_and_under_torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def test_torchrun_data_parallel_training_equals_one_process_with_the_global_batch(tiny_k3_dir, tmp_path):
-    data = write_chains(tmp_path / "chains.jsonl", load_tokenizer(tiny_k3_dir), samples=40)
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"model": str(tiny_k3_dir), "train_data": str(data), "eval_split": 0.2,
-                                      "max_steps": 3, "micro_batch": 2, "grad_accum": 3, "seq_len": 32,
-                                      "save_interval": 2,
-                                      **{k: list(v) if isinstance(v, tuple) else v for k, v in LORA_RUN.items()}}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
-    args = ["-m", "moeswap", "train", str(config), "--no-progress"]
-    one = subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one")], env=env, capture_output=True,
-                         timeout=300)
-    assert one.returncode == 0, one.stderr.decode()[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), *args, "--output", str(tmp_path / "two")], env=env, capture_output=True,
-                         timeout=600)
-    assert two.returncode == 0, two.stderr.decode()[-3000:]
-    assert two.stdout.decode().count("trained 3 steps") == 1  # rank 0 reports
-    m1, m2 = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two"))
+    m1, m2, _ = train_alone_and_under_torchrun(tiny_k3_dir, tmp_path, grad_accum=3)
     assert m1["expert_parallel"] is None
     par = m2["expert_parallel"]
     assert (par["world_size"], par["mode"], par["placement"]) == (2, "data-parallel", "contiguous")

@@ -28,24 +28,36 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def test_torchrun_lora_training_equals_one_process(tiny_k3_dir, tmp_path):
-    data = write_chains(tmp_path / "chains.jsonl", load_tokenizer(tiny_k3_dir), samples=40)
+def train_alone_and_under_torchrun(model_dir, tmp_path, **settings):
+    """A 3-step LoRA run (LORA_RUN, `settings` on top) as one process into tmp_path/one and under torchrun on 2
+    ranks into tmp_path/two: their manifests, and `torchrun(output, *flags)` that runs the same command again on 2
+    ranks. Rank 0 alone reports."""
+    data = write_chains(tmp_path / "chains.jsonl", load_tokenizer(model_dir), samples=40)
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"model": str(tiny_k3_dir), "train_data": str(data), "eval_split": 0.2,
+    config.write_text(yaml.safe_dump({"model": str(model_dir), "train_data": str(data), "eval_split": 0.2,
                                       "max_steps": 3, "micro_batch": 2, "seq_len": 32, "save_interval": 2,
-                                      "ep_mode": "replicated",
-                                      **{k: list(v) if isinstance(v, tuple) else v for k, v in LORA_RUN.items()}}))
+                                      **{k: list(v) if isinstance(v, tuple) else v for k, v in LORA_RUN.items()},
+                                      **settings}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
     args = ["-m", "moeswap", "train", str(config), "--no-progress"]
     one = subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one")], env=env, capture_output=True,
                          timeout=300)
     assert one.returncode == 0, one.stderr.decode()[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), *args, "--output", str(tmp_path / "two")], env=env, capture_output=True,
-                         timeout=600)
-    assert two.returncode == 0, two.stderr.decode()[-3000:]
-    assert two.stdout.decode().count("trained 3 steps") == 1  # rank 0 reports
-    manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two")]
+
+    def torchrun(output, *flags):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                              str(free_port()), *args, "--output", str(output), *flags], env=env, capture_output=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr.decode()[-3000:]
+        return run
+
+    assert torchrun(tmp_path / "two").stdout.decode().count("trained 3 steps") == 1  # rank 0 reports
+    one, two = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two"))
+    return one, two, torchrun
+
+
+def test_torchrun_lora_training_equals_one_process(tiny_k3_dir, tmp_path):
+    *manifests, torchrun = train_alone_and_under_torchrun(tiny_k3_dir, tmp_path, ep_mode="replicated")
     assert (manifests[1]["expert_parallel"]["world_size"], manifests[1]["expert_parallel"]["mode"]) == (2, "replicated")
     assert [c["loss"] for c in manifests[0]["curve"]] == [c["loss"] for c in manifests[1]["curve"]]
     assert [c["grad_norm"] for c in manifests[0]["curve"]] == [c["grad_norm"] for c in manifests[1]["curve"]]
@@ -66,10 +78,7 @@ def test_torchrun_lora_training_equals_one_process(tiny_k3_dir, tmp_path):
     for entry in (tmp_path / "one").iterdir():
         if entry.name != CHECKPOINTS:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    three = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                            str(free_port()), *args, "--output", str(tmp_path / "one"), "--resume"], env=env,
-                           capture_output=True, timeout=600)
-    assert three.returncode == 0, three.stderr.decode()[-3000:]
+    torchrun(tmp_path / "one", "--resume")
     resumed = json.loads((tmp_path / "one" / "manifest.json").read_text())
     assert [c["loss"] for c in resumed["curve"]] == [c["loss"] for c in manifests[0]["curve"]]
     assert (tmp_path / "one" / WEIGHTS_NAME).read_bytes() == reference
