@@ -82,16 +82,17 @@ def test_int4_kernel_weights_are_compressed_tensors_decode_of_every_nibble(flags
 
 @pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
 def test_int4_kernel_weights_under_a_different_bf16_scale_per_block(flags):
-    """Each block's table comes from its own scale's two bytes (the low one holds the exponent's lowest bit):
-    any bf16 bit pattern per (row, block), neighbours differing, tiles with and without a scale off the fast
-    path (exponent 0, 1 or 255), gives compressed-tensors' decode."""
+    """Each block's table comes from its own scale (the vector tiles read two blocks' scales in one load and
+    split them): any bf16 bit pattern per (row, block), neighbours differing, in tiles whose scales are all
+    normal and in tiles holding a subnormal, Inf, NaN or smallest-exponent one, gives compressed-tensors'
+    decode."""
     kernel = _kernel(flags)
     gen = torch.Generator().manual_seed(11)
     O, I = 24, 32 * 6
     q = int4.pack(torch.randint(-8, 8, (O, I), generator=gen, dtype=torch.int8))
     bits = torch.randint(0, 1 << 16, (O, I // 32), generator=gen, dtype=torch.int32)
     bits[:8] = (bits[:8] & 0x807F) | (torch.randint(2, 255, (8, I // 32), generator=gen, dtype=torch.int32) << 7)
-    # off the fast path, one each: exponent 1 (negative), Inf, the smallest subnormal, NaN
+    # one each: exponent 1 (negative), Inf, the smallest subnormal, NaN
     bits[10, 3], bits[13, 0], bits[17, 5], bits[22, 2] = 0x80C5, 0x7F80, 0x0001, 0x7FC1
     scale = bits.to(torch.int16).view(torch.bfloat16)  # rows 0-7 all normal: the fast path throughout
     W = int4.decode(q, scale, (O, I), torch.float32)

@@ -24,15 +24,12 @@
 #endif
 
 static float E4M3[256];
-/* A bf16 scale's two bytes index two tables (byte loads, no shifts or masks of the scale in the hot loop):
- * INT4_LOW[j][n] = bf16((n - 8) * (1 + m / 128)) * 2^z for the low byte j = z.mmmmmmm (z: the exponent's lowest
- * bit, m the mantissa), INT4_HIGH[k] = the fp32 value of the high byte k = sign.eeeeeee as sign and exponent bits
- * 7..1 (exponent bit 0 clear), mantissa 0. A scale whose exponent is 2..254 (or a zero scale) has the table
- * INT4_LOW[j] * INT4_HIGH[k], exactly: the products stay normal, and rounding commutes with a power of two
- * there. Exponents 0 (subnormal), 1 and 255 (Inf, NaN) go the rounded-products way (abnormal_scales).
- * 64-byte rows: one cache line each. */
-static float INT4_LOW[256][16] __attribute__((aligned(64)));
-static float INT4_HIGH[256];
+/* INT4_MANTISSA[m][n] = bf16((n - 8) * (1 + m / 128)): the INT4 table of a bf16 scale of mantissa m and exponent 0.
+ * A normal scale's table is this row times the scale's sign and power of two, exactly: its products stay
+ * normal, and rounding commutes with a power of two there. 64-byte rows: one cache line each. */
+static float INT4_MANTISSA[128][16] __attribute__((aligned(64)));
+/* INT4_SIGN_EXP[k]: the fp32 value of sign and exponent bits k (a bf16 scale's top 9 bits), mantissa 0. */
+static float INT4_SIGN_EXP[512];
 /* FP8_BF16[0][c], [1][c]: the low and high bytes of the bf16 value of E4M3 code c (0-127, sign clear). */
 static uint8_t FP8_BF16[2][128] __attribute__((aligned(64)));
 static int quant_ready = 0;
@@ -54,13 +51,12 @@ static void quant_tables(void) {
         FP8_BF16[0][c] = (uint8_t)(bits >> 16);
         FP8_BF16[1][c] = (uint8_t)(bits >> 24);
     }
-    for (uint32_t k = 0; k < 256; k++) {
-        const uint32_t bits = k << 24;
-        memcpy(&INT4_HIGH[k], &bits, 4);
+    for (uint32_t k = 0; k < 512; k++) {
+        const uint32_t bits = k << 23;
+        memcpy(&INT4_SIGN_EXP[k], &bits, 4);
     }
-    for (int j = 0; j < 256; j++) /* exact: a power of two times a bf16 value of magnitude at most 8 */
-        for (int n = 0; n < 16; n++)
-            INT4_LOW[j][n] = bf16_round((float)(n - 8) * (1.f + (float)(j & 0x7F) / 128.f)) * (j & 0x80 ? 2.f : 1.f);
+    for (int m = 0; m < 128; m++)
+        for (int n = 0; n < 16; n++) INT4_MANTISSA[m][n] = bf16_round((float)(n - 8) * (1.f + (float)m / 128.f));
     quant_ready = 1;
 }
 
@@ -231,12 +227,9 @@ INLINE void fp8_tile(const float *x, const int TT, const int R, int64_t I, const
 
 /* INT4: each (row, block) gets its 16-entry table bf16(code * scale), codes -8..7, as fp32 lanes; one lane
  * permute (vpermps) by the block's low nibbles gives the 16 even columns, one by its high nibbles the odd ones,
- * in `permuted` order, as MXFP4's tiles do. A normal scale's table is one product of two rows the scale's two
- * bytes index (INT4_LOW, INT4_HIGH): two byte loads, a row load and a product with a broadcast per block, near
- * MXFP4's work (splitting a 32-bit load of two scales into fields in scalar registers measured ~5 % slower). The
- * rows go a cache line (4 blocks) a step with one unconditional prefetch each; per-block prefetch tests cost ~10 %
- * at one token, where the loop is bound by its instruction count. A tile with a subnormal, Inf or NaN scale, or
- * one of exponent 1 (`normal` 0), rounds its products on the bits instead. */
+ * in `permuted` order, as MXFP4's tiles do. A normal scale's table is a row of INT4_MANTISSA times the scale with
+ * its mantissa cleared (one exact product; the rows stay in L1). Blocks go in pairs: one 32-bit load holds both
+ * scales. A tile with a subnormal or NaN scale (`normal` 0) rounds its products on the bits instead. */
 #define TOP _mm512_set1_epi32((int)0xFFFF0000u)
 
 /* v rounded to bf16 (to nearest even), kept as fp32 lanes; NaN stays NaN. */
@@ -247,15 +240,18 @@ INLINE __m512 bf16_rounded(__m512 v) {
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), bits));
 }
 
-/* The fp32 table of a block whose bf16 scale is at sp. */
-INLINE __m512 int4_table(const uint16_t *sp, const int normal) {
-    if (normal) { /* a compile-time choice per tile; the scale's bytes (little-endian) index the rows */
-        const uint8_t *bytes = (const uint8_t *)sp;
-        return _mm512_mul_ps(_mm512_load_ps(INT4_LOW[bytes[0]]), _mm512_set1_ps(INT4_HIGH[bytes[1]]));
+/* The fp32 tables of two blocks whose bf16 scales are the low (t0) and high (t1) words of `both`. */
+INLINE void int4_tables(uint32_t both, const int normal, __m512 *t0, __m512 *t1) {
+    if (normal) { /* a compile-time choice per tile; broadcasts and products only, the indices in scalars */
+        *t0 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[both & 0x7F]), _mm512_set1_ps(INT4_SIGN_EXP[(both >> 7) & 0x1FF]));
+        *t1 = _mm512_mul_ps(_mm512_load_ps(INT4_MANTISSA[(both >> 16) & 0x7F]), _mm512_set1_ps(INT4_SIGN_EXP[both >> 23]));
+        return;
     }
+    const __m512i pair = _mm512_set1_epi32((int)both);
     static const float CODES[16] = {-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
-    const __m512 scale = _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)*sp << 16)));
-    return bf16_rounded(_mm512_mul_ps(_mm512_loadu_ps(CODES), scale)); /* the product exact: 4 x 8 bits */
+    const __m512 lut = _mm512_loadu_ps(CODES);
+    *t0 = bf16_rounded(_mm512_mul_ps(lut, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)))); /* exact: 4 x 8 bits */
+    *t1 = bf16_rounded(_mm512_mul_ps(lut, _mm512_castsi512_ps(_mm512_and_si512(pair, TOP))));
 }
 
 /* The even and odd columns of the 32 weights of block p (16 bytes) under table t. */
@@ -265,31 +261,29 @@ INLINE void int4_decode(const uint8_t *p, __m512 t, __m512 *even, __m512 *odd) {
     *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), t);
 }
 
-/* Whether any of n bf16 scales has exponent bits 0 with a mantissa (subnormal), 1, or all ones (Inf, NaN): their
- * tables are not an INT4_LOW row times an INT4_HIGH value. 32 scales a step, per tile, on scales the tile is about
- * to read (a scalar pass over a chunk's scales before its tiles measured ~8 % of a one-token call). */
+/* Whether any of n bf16 scales is subnormal or NaN (exponent bits all 0 or all 1, mantissa not 0): their tables are
+ * not a mantissa row times a power of two. 32 scales a step, per tile, on scales the tile is about to read (a scalar
+ * pass over a chunk's scales before its tiles measured ~8 % of a one-token call). */
 INLINE uint32_t abnormal_scales(const uint16_t *s, int64_t n) {
-    const __m512i exp_bits = _mm512_set1_epi16(0x7F80), exp_one = _mm512_set1_epi16(0x0080);
-    const __m512i mantissa = _mm512_set1_epi16(0x7F);
+    const __m512i exp_bits = _mm512_set1_epi16(0x7F80), mantissa = _mm512_set1_epi16(0x7F);
     __mmask32 found = 0;
     int64_t k = 0;
     for (; k + 32 <= n; k += 32) {
         const __m512i v = _mm512_loadu_si512(s + k), e = _mm512_and_si512(v, exp_bits);
-        found |= _mm512_mask_test_epi16_mask(_mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512()), v, mantissa) |
-                 _mm512_cmpeq_epi16_mask(e, exp_bits) | _mm512_cmpeq_epi16_mask(e, exp_one);
+        const __mmask32 edge = _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512()) | _mm512_cmpeq_epi16_mask(e, exp_bits);
+        found |= _mm512_mask_test_epi16_mask(edge, v, mantissa);
     }
     if (k < n) {
         const __mmask32 tail = (__mmask32)((1ull << (n - k)) - 1);
         const __m512i v = _mm512_maskz_loadu_epi16(tail, s + k), e = _mm512_and_si512(v, exp_bits);
-        found |= (_mm512_mask_test_epi16_mask(_mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512()), v, mantissa) |
-                  _mm512_cmpeq_epi16_mask(e, exp_bits) | _mm512_cmpeq_epi16_mask(e, exp_one)) & tail;
+        const __mmask32 edge = _mm512_cmpeq_epi16_mask(e, _mm512_setzero_si512()) | _mm512_cmpeq_epi16_mask(e, exp_bits);
+        found |= _mm512_mask_test_epi16_mask(edge & tail, v, mantissa);
     }
     return found;
 }
 
-/* With `normal` set, a tile returns nonzero where one of its scales is not normal (abnormal_scales): its sums are
- * then not to be used, and the caller runs it again with `normal` 0 (the tables' indices stay in range either
- * way). */
+/* With `normal` set, a tile returns nonzero where one of its scales is subnormal or NaN: its sums are then not to be
+ * used, and the caller runs it again with `normal` 0 (the tables' indices stay in range either way). */
 INLINE uint32_t int4_tile(const float *xp, const int TT, const int R, int64_t I, const uint8_t *q, const uint16_t *s,
                           int64_t o, float *y, int64_t O, const int normal) {
     uint32_t bad = 0;
@@ -299,25 +293,38 @@ INLINE uint32_t int4_tile(const float *xp, const int TT, const int R, int64_t I,
     if (normal) bad = abnormal_scales(srow[0], R * nb);
     __m512 acc[8][8];
     tile_zero(acc, TT, R);
-    for (int64_t b0 = 0; b0 < nb; b0 += 4) { /* a cache line of each row's bytes a step */
-        /* the next tile's rows, and its scales every 32 blocks: the hardware prefetcher does not follow R
-         * interleaved streams well */
-        UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)(q + (o + r + R) * half + b0 * 16), _MM_HINT_T0);
-        if ((b0 & 31) == 0) UNROLL for (int r = 0; r < R; r++) _mm_prefetch((const char *)(srow[r] + b0 + R * nb), _MM_HINT_T0);
-        const int64_t b1 = b0 + 4 < nb ? b0 + 4 : nb;
-        for (int64_t b = b0; b < b1; b++) {
-            __m512 ve[8], vo[8];
-            UNROLL for (int r = 0; r < R; r++)
-                int4_decode(q + (o + r) * half + b * 16, int4_table(srow[r] + b, normal), &ve[r], &vo[r]);
-            tile_fma(acc, ve, vo, xp + b * 32, I, TT, R);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512 e0[8], o0[8], e1[8], o1[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint8_t *p = q + (o + r) * half + b * 16;
+            if ((b & 3) == 0) _mm_prefetch((const char *)(p + R * half), _MM_HINT_T0);
+            if ((b & 31) == 0) _mm_prefetch((const char *)(srow[r] + b + R * nb), _MM_HINT_T0); /* the next tile's */
+            uint32_t both;
+            memcpy(&both, srow[r] + b, 4); /* the scales of blocks b (low word) and b + 1 */
+            __m512 t0, t1;
+            int4_tables(both, normal, &t0, &t1);
+            int4_decode(p, t0, &e0[r], &o0[r]);
+            int4_decode(p + 16, t1, &e1[r], &o1[r]);
         }
+        tile_fma(acc, e0, o0, xp + b * 32, I, TT, R);
+        tile_fma(acc, e1, o1, xp + b * 32 + 32, I, TT, R);
+    }
+    if (b < nb) { /* an odd last block: its table twice */
+        __m512 e0[8], o0[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            __m512 t0, t1;
+            int4_tables((uint32_t)srow[r][b] * 0x10001u, normal, &t0, &t1);
+            int4_decode(q + (o + r) * half + b * 16, t0, &e0[r], &o0[r]);
+        }
+        tile_fma(acc, e0, o0, xp + b * 32, I, TT, R);
     }
     tile_store(acc, y, O, o, TT, R);
     return bad;
 }
 #undef TOP
 
-/* a tile on the scales' tables (the rule); where a scale is not normal (rare), again on rounded products */
+/* a tile on the scales' tables (the rule); where a scale is subnormal or NaN (rare), again on rounded products */
 #define INT4_TILE(TT_, R_)                                                                                     \
     if (int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 1))                                         \
     int4_tile(xp, TT_, R_, I, q, (const uint16_t *)s, o, y, O, 0)
