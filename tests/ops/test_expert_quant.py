@@ -81,6 +81,25 @@ def test_int4_kernel_weights_are_compressed_tensors_decode_of_every_nibble(flags
 
 
 @pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
+def test_int4_kernel_weights_under_a_different_bf16_scale_per_block(flags):
+    """Each block's table comes from its own scale (the vector tiles read two blocks' scales in one load and
+    split them): any bf16 bit pattern per (row, block), neighbours differing, in tiles whose scales are all
+    normal and in tiles holding a subnormal, Inf, NaN or smallest-exponent one, gives compressed-tensors'
+    decode."""
+    kernel = _kernel(flags)
+    gen = torch.Generator().manual_seed(11)
+    O, I = 24, 32 * 6
+    q = int4.pack(torch.randint(-8, 8, (O, I), generator=gen, dtype=torch.int8))
+    bits = torch.randint(0, 1 << 16, (O, I // 32), generator=gen, dtype=torch.int32)
+    bits[:8] = (bits[:8] & 0x807F) | (torch.randint(2, 255, (8, I // 32), generator=gen, dtype=torch.int32) << 7)
+    # one each: exponent 1 (negative), Inf, the smallest subnormal, NaN
+    bits[10, 3], bits[13, 0], bits[17, 5], bits[22, 2] = 0x80C5, 0x7F80, 0x0001, 0x7FC1
+    scale = bits.to(torch.int16).view(torch.bfloat16)  # rows 0-7 all normal: the fast path throughout
+    W = int4.decode(q, scale, (O, I), torch.float32)
+    _exact_columns(kernel, "int4", q, scale, W)
+
+
+@pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
 @pytest.mark.parametrize("bad", [2.0 ** -133, math.nan])
 def test_one_subnormal_or_nan_int4_scale_anywhere_in_a_tile_gives_the_decode(flags, bad):
     """The vector tiles check a tile's scales 32 at a time (and a masked tail) and rerun a tile holding a
