@@ -30,20 +30,14 @@ def main() -> None:
         return train_rows(job, rank, out)
     if job.get("dp_serve"):
         return dp_serve(job, rank, out)
-    if job.get("dp_train"):
-        try:
-            return dp_train_steps(job, rank, out)
-        except Exception as err:  # the test reads the message
-            torch.save({"error": f"{type(err).__name__}: {err}"}, out)
-            sys.stdout.flush()
-            os._exit(3)  # no clean-up that waits on peers
-    if job.get("data_parallel"):
-        try:
-            return data_parallel_runs(job, rank, out)
-        except Exception as err:  # the test reads the message
-            torch.save({"error": f"{type(err).__name__}: {err}"}, out)
-            sys.stdout.flush()
-            os._exit(3)  # no clean-up that waits on peers
+    for key, run in (("dp_train", dp_train_steps), ("data_parallel", data_parallel_runs)):
+        if job.get(key):
+            try:
+                return run(job, rank, out)
+            except Exception as err:  # the test reads the message
+                torch.save({"error": f"{type(err).__name__}: {err}"}, out)
+                sys.stdout.flush()
+                os._exit(3)  # no clean-up that waits on peers
     if job.get("version", {}).get(str(rank)):
         moeswap.__version__ = job["version"][str(rank)]  # a rank started from another moeswap release
     model_dir = job["models"][rank] if "models" in job else job["model"]
