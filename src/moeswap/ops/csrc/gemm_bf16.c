@@ -41,13 +41,6 @@ typedef __m256 vf;
 #define NR (2 * VL) /* columns per panel: two vectors */
 #define UNROLL_MR _Pragma("GCC unroll 16") /* whole tiles and transposes, so they stay in registers */
 
-static inline float widen(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16; /* exact: bf16 is the top half of the fp32 pattern */
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Bp[k][c] = W(k, n0 + c) for c < nr, 0 past it (the tiles compute those columns and drop them). */
 static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0, int nr, float *Bp) {
     if (!trans) { /* W [K, N]: row k's nr weights from n0 are contiguous */
@@ -66,7 +59,7 @@ static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0,
                 _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
             }
 #endif
-            for (; c < nr; c++) dst[c] = widen(src[c]);
+            for (; c < nr; c++) dst[c] = bf16_to_f32(src[c]);
             for (; c < NR; c++) dst[c] = 0.f;
         }
         return;
@@ -138,7 +131,7 @@ static void pack(const uint16_t *W, int trans, int64_t K, int64_t N, int64_t n0,
     for (; k < K; k++) {
         float *dst = Bp + k * NR;
         int c = 0;
-        for (; c < nr; c++) dst[c] = widen(W[(n0 + c) * K + k]);
+        for (; c < nr; c++) dst[c] = bf16_to_f32(W[(n0 + c) * K + k]);
         for (; c < NR; c++) dst[c] = 0.f;
     }
 }

@@ -24,6 +24,14 @@
 
 #define CHUNK_ROWS 32 /* output rows per work item of the linear kernels */
 
+/* bf16 -> fp32 is exact: the 16 bits are the top half of the fp32 pattern. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

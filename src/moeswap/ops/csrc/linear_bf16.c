@@ -5,14 +5,6 @@
  */
 #include "internal.h"
 
-/* bf16 -> fp32 is exact: the 16 bits are the top half of the fp32 pattern. */
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* The order of the sums. Every (row, token) sum of moeswap_bf16_linear runs the same steps whatever T is and
  * however the call tiles tokens and rows, so a token's outputs do not depend on the batch it came in (a server
  * decoding it with others gives the bits it gets alone). x is read in `permuted` column order (internal.h):

@@ -70,13 +70,6 @@ static inline float bf16_round(float v) {
     return v;
 }
 
-static inline float bf16_value(uint16_t h) {
-    const uint32_t b = (uint32_t)h << 16;
-    float v;
-    memcpy(&v, &b, 4);
-    return v;
-}
-
 /* Position in `permuted` order of column k (0..31) of a 32-column block. */
 #if PERMUTED_WIDTH == 16
 #define PPOS(k) ((k) % 2 ? 16 + (k) / 2 : (k) / 2)
@@ -103,7 +96,7 @@ INLINE void scalar_tile(int fp8, const float *xp, const int TT, int64_t I, const
             for (int k = 0; k < 32; k++) w[k] = E4M3[p[k]] * sc; /* x in natural order */
         } else {
             const uint8_t *p = q + o * (I / 2) + b * 16;
-            const float sc = bf16_value(((const uint16_t *)s)[o * nb + b]);
+            const float sc = bf16_to_f32(((const uint16_t *)s)[o * nb + b]);
             for (int k = 0; k < 16; k++) {
                 w[PPOS(2 * k)] = bf16_round((float)((p[k] & 15) - 8) * sc);
                 w[PPOS(2 * k + 1)] = bf16_round((float)((p[k] >> 4) - 8) * sc);
