@@ -46,6 +46,7 @@ import ctypes
 
 import torch
 
+from moeswap.experts.hybrid import fetch_step
 from moeswap.models.kimi_k3 import KimiModel, ModelState
 from moeswap.models.layers.attn_res import score_vector
 from moeswap.models.layers.basic import fused_fp8, fused_weight, unadapted
@@ -452,10 +453,8 @@ class NativeDecode:
         as a copy of the table with their rows: (rows, the experts they point into). None where one cannot
         be in the table (the model runs the FFN then, and the store books this layer step twice)."""
         unique = sorted(set(ids.tolist()))
-        hybrid = getattr(table.store, "hybrid", None)
         # takes_all: the first miss read on this thread, the rest by the readers meanwhile
-        experts = (table.store.fetch(i, unique, takes_all=True) if hybrid is None
-                   else hybrid.fetch(i, unique, B, takes_all=True))
+        experts = fetch_step(table.store, i, unique, B, takes_all=True)
         kept = [experts[j] for j in range(len(unique))]  # loaded (and evicting) before the table is read
         rows = table.rows.clone()
         for e, w in zip(unique, kept):

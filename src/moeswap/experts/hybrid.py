@@ -8,7 +8,8 @@ holds (KTransformers and llama.cpp's --n-cpu-moe place experts statically too). 
 fewer than `min_tokens` tokens, gpu from there (options.EXPERT_GPU_MIN_TOKENS says why).
 Owns the per-step choice and the fetch that mixes tiers (counted in the store's `stats.hybrid`); the MoE
 block (models/layers/moe.py) and the native decode step compute what `fetch` hands them. Knows nothing of
-models. Entry point: `HybridExperts.fetch`, built by experts/build.py as the store's `hybrid`.
+models. Entry points: `HybridExperts.fetch`, built by experts/build.py as the store's `hybrid`; `fetch_step`,
+which callers use in place of `store.fetch` for a layer step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from moeswap.options import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS
+
+
+def fetch_step(store, layer: int, expert_ids: Sequence[int], tokens: int, **kw) -> Sequence:
+    """A layer step's experts (of `tokens` tokens): `store.fetch`, or with hybrid experts (the store's `hybrid`)
+    its fetch, where those the fast tier lacks may come from host memory. `kw`: the store fetch's keywords."""
+    hybrid = getattr(store, "hybrid", None)
+    return store.fetch(layer, expert_ids, **kw) if hybrid is None else hybrid.fetch(layer, expert_ids, tokens, **kw)
 
 
 class HybridFetched(Sequence):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from moeswap.config import ModelConfig
+from moeswap.experts.hybrid import fetch_step
 from moeswap.models import routed_expert_shapes
 from moeswap.models.layers.basic import GatedMLP, RMSNorm, adapter_split, derived, unadapted
 from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA, ExpertLoRASlots
@@ -182,9 +183,7 @@ class MoE(nn.Module):
         # it hands each expert over when indexed, one at a time (unless all are resident): a prefill step
         # may route to every expert of the layer, and holding them all would defeat the memory budget.
         # With hybrid experts (experts/hybrid.py) those the fast tier lacks may come from host memory.
-        hybrid = getattr(self.store, "hybrid", None)
-        experts = (self.store.fetch(self.layer_idx, unique_ids) if hybrid is None
-                   else hybrid.fetch(self.layer_idx, unique_ids, h_TI.shape[0]))
+        experts = fetch_step(self.store, self.layer_idx, unique_ids, h_TI.shape[0])
         host = getattr(experts, "host", None) if runs_apart(h_TI.device) else None
         on_host = None
         group = _Group(h_TI, token_of, weights, out_TI, self.act, self.situ_betas, self.int8_activations)
@@ -193,11 +192,9 @@ class MoE(nn.Module):
             expert = experts[i]
             if host is not None and host[i]:
                 on_host = on_host or _OnHost(h_TI, token_of, weights, self)
-                on_host.add(expert, start, n)
-            elif not group.add(expert, start, n):
-                rows = token_of[start : start + n]
-                y = expert(h_TI[rows], self.act, self.situ_betas)
-                out_TI.index_add_(0, rows, y.float() * weights[start : start + n, None])
+                on_host.group.take(expert, start, n)
+            else:
+                group.take(expert, start, n)
             del expert  # the store may evict it while the next one loads; do not keep it alive here
             start += n
         group.flush()
@@ -438,22 +435,13 @@ class _OnHost:
     them (_Group, or alone), their fp32 outputs copied back and added once."""
 
     def __init__(self, h_TI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, moe: MoE):
-        self.h_TI = h_TI.float().cpu()
-        self.token_of, self.weights = token_of.cpu(), weights.float().cpu()
-        self.out_TI = torch.zeros(self.h_TI.shape, dtype=torch.float32)
-        self.act, self.situ_betas = moe.act, moe.situ_betas
-        self.group = _Group(self.h_TI, self.token_of, self.weights, self.out_TI, moe.act, moe.situ_betas,
-                            moe.int8_activations)
-
-    def add(self, expert, start: int, n: int) -> None:
-        if not self.group.add(expert, start, n):
-            rows = self.token_of[start : start + n]
-            y = expert(self.h_TI[rows], self.act, self.situ_betas)
-            self.out_TI.index_add_(0, rows, y.float() * self.weights[start : start + n, None])
+        h_TI = h_TI.float().cpu()
+        self.group = _Group(h_TI, token_of.cpu(), weights.float().cpu(), torch.zeros(h_TI.shape, dtype=torch.float32),
+                            moe.act, moe.situ_betas, moe.int8_activations)
 
     def finish(self, out_TI: torch.Tensor) -> None:
         self.group.flush()
-        out_TI += self.out_TI.to(out_TI.device)
+        out_TI += self.group.out_TI.to(out_TI.device)
 
 
 class _Group:
@@ -495,6 +483,13 @@ class _Group:
         if self.nbytes >= self.GROUP_BYTES or pairs_bytes >= self.GROUP_SCRATCH:
             self.flush()
         return True
+
+    def take(self, expert, start: int, n: int) -> None:
+        """The expert's n pairs from `start`: into the group, or computed now on their own where it cannot join."""
+        if not self.add(expert, start, n):
+            rows = self.token_of[start : start + n]
+            y = expert(self.h_TI[rows], self.act, self.situ_betas)
+            self.out_TI.index_add_(0, rows, y.float() * self.weights[start : start + n, None])
 
     def flush(self) -> None:
         if not self.experts:
