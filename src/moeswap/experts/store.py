@@ -434,13 +434,13 @@ class ExpertStore:
         would make it stop there anyway. Reads still in flight are left to overlap its compute (a large
         expert's read takes longer than a layer)."""
         with self._lock:
-            for load in [l for l in self._inflight.values()
-                         if l.key.layer == layer and l.pending is not None and l.pending.ready()]:
-                self._finish(load)
+            self._harvest(layer)
 
-    def _harvest(self) -> None:
-        """Under the lock: finish background loads whose reads are done (store them, free their books)."""
-        for load in [l for l in self._inflight.values() if l.pending is not None and l.pending.ready()]:
+    def _harvest(self, layer: int | None = None) -> None:
+        """Under the lock: finish background loads (of `layer`, or all) whose reads are done (store them, free
+        their books)."""
+        for load in [l for l in self._inflight.values() if l.pending is not None and l.pending.ready()
+                     and (layer is None or l.key.layer == layer)]:
             self._finish(load)
 
     # -- loading ----------------------------------------------------------------------------------------
