@@ -128,6 +128,15 @@ def test_fp8_weight_without_its_scale_names_the_tensor(fp8_tiny, tmp_path):
         load_model(broken, LoadOptions(dtype="float32"))
 
 
+@pytest.mark.parametrize("dense_weights", ["auto", "compute"])  # kept as codes (CPU kernel) or decoded at load
+def test_fp8_scale_of_the_wrong_shape_names_the_tensor(fp8_tiny, tmp_path, dense_weights):
+    name = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    broken = _copy(fp8_tiny, tmp_path / "badscale", drop=(name,), add={name: torch.ones(7, 3)})
+    with pytest.raises(CheckpointError, match=r"q_a_proj\.weight .*cannot decode its block FP8 weight: .*"
+                                              r"needs weight_scale_inv of shape .*found \[7, 3\]"):
+        load_model(broken, LoadOptions(dtype="float32", dense_weights=dense_weights))
+
+
 def test_fp8_scales_without_a_declared_block_size_fail(fp8_tiny, tmp_path):
     broken = _copy(fp8_tiny, tmp_path / "undeclared", lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointError, match="weight_scale_inv.*no quant_method 'fp8'"):

@@ -38,6 +38,12 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple
 def decode(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """weight float8_e4m3fn [out, in] * scale_inv fp32 per block -> [out, in] in `dtype` (products in fp32)."""
+    check(weight, scale_inv, block)
+    return (weight.float() * _expand(scale_inv.float(), weight.shape, block)).to(dtype)
+
+
+def check(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK) -> None:
+    """ValueError naming the problem unless `weight` and `scale_inv` are a block-FP8 pair `decode` takes."""
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"block FP8 weight must be float8_e4m3fn, got dtype {weight.dtype}")
     if weight.ndim != 2:
@@ -50,7 +56,6 @@ def decode(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
             f"block FP8 weight {tuple(weight.shape)} with block {list(block)} needs weight_scale_inv of shape "
             f"{list(expected)}, found {list(scale_inv.shape)}: wrong block size or a mismatched scale tensor"
         )
-    return (weight.float() * _expand(scale_inv.float(), weight.shape, block)).to(dtype)
 
 
 def encode(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

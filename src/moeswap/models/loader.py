@@ -201,10 +201,10 @@ def _fp8_kept(model: nn.Module, ckpt: Checkpoint, name: str, target: str, config
     codes, scale = ckpt.read(name), ckpt.read(name + "_scale_inv")
     if codes.dtype != torch.float8_e4m3fn:
         return None  # another float8 (e5m2): decoded at load, as before
-    if codes.ndim != 2 or not scale.is_floating_point() or tuple(scale.shape) != fp8_block.scale_shape(tuple(codes.shape)):
-        raise CheckpointError(f"{name} in {info.file.name}: block FP8 weight {list(codes.shape)} needs a float "
-                              f"weight_scale_inv of shape {list(fp8_block.scale_shape(tuple(codes.shape)))} "
-                              f"([128, 128] blocks), found {scale.dtype} {list(scale.shape)}")
+    try:
+        fp8_block.check(codes, scale, block)
+    except ValueError as err:  # as _read_dense words it
+        raise CheckpointError(f"{name} in {info.file.name}: cannot decode its block FP8 weight: {err}") from None
     return codes, scale.float()
 
 
