@@ -35,3 +35,10 @@ def test_bench_train_plumbing(tiny_linear_dir, tiny_k3_dir, tmp_path, capsys, st
     md = (tmp_path / "r.md").read_text()
     assert md.strip() == out.split("wrote ")[0].strip()
     assert "moeswap / PEFT: " in md and "| 25 % (" in md and "the median of 2 rounds" in md
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--steps", "--threads"])
+def test_bench_train_refuses_counts_below_one_in_one_line(tiny_linear_dir, capsys, flag):
+    assert cli.main(["bench", "train", str(tiny_linear_dir), flag, "0", "--out-dir", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag} must be >= 1" in err
