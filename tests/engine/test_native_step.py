@@ -293,7 +293,7 @@ def _drifted(change: str) -> list:
 
 
 @pytest.mark.parametrize("change, field", [("swap", "ln_in"), ("type", "lower"), ("array", "off"),
-                                           ("missing", "s_down")])
+                                           ("missing", "load_log")])
 def test_a_drifted_ctypes_layout_is_refused_naming_the_field(change, field):
     problem = cpu_kernels.kernel().layout_problem(_layer_like(_drifted(change)))
     assert problem is not None and field in problem, problem

@@ -223,11 +223,18 @@ def test_bad_trace_file(tmp_path, capsys):
 
 
 def test_bench_swap_runs_and_checks_tokens(tiny_k3_dir, tmp_path):
+    import torch
+
     from moeswap.bench.swap import format_report, run_bench
 
     r = run_bench(str(tiny_k3_dir), budgets=(10, 50), policies=("lru", "belady"), prompt_tokens=4, max_tokens=3,
-                  out_dir=tmp_path, log=lambda *_: None)
+                  out_dir=tmp_path, log=lambda *_: None, timed_prompts=2)
     assert len(r["runs"]) == 8 and all(c["same_tokens"] for c in r["runs"] + r["baselines"])
+    # two prompts decoded one after another, each its own tokens (as generated alone), 2 decode steps each
+    assert [len(t) for t in r["baselines"][0]["tokens"]] == [3, 3] and r["baselines"][0]["decoded"] == 4
+    model, _ = load_model(tiny_k3_dir)
+    first = torch.randint(0, model.config.vocab_size, (4,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert generate(model, first, GenerationConfig(max_tokens=3, stop_ids=())).tokens == r["baselines"][0]["tokens"][0]
     assert r["baselines"][1]["hit_rate"] == 0 and r["baselines"][0]["hit_rate"] == 1
     cfg = load_config(tiny_k3_dir)  # no cache reads each token's top-k experts of every MoE layer, once
     per_token = cfg.moe.top_k * cfg.mlp_kinds.count("moe") * r["expert_bytes"] / 1e6

@@ -2,8 +2,9 @@
 every cache policy with and without next-layer prefetch, next to two named baselines: "all experts
 resident" (the reference of every ratio) and "no cache: read each expert from disk every time".
 
-One process and one model load; each configuration gets a fresh store, the same prompt (seeded random
-token ids) and greedy decoding, and must reproduce the all-resident tokens (checked and reported).
+One process and one model load; each configuration gets a fresh store, the same prompts (seeded random
+token ids, or a file's lines decoded one after another) and greedy decoding, and must reproduce the
+all-resident tokens (checked and reported).
 Budgets are fractions of all experts' bytes in the fast tier's form (MXFP4, or decoded with
 --decoded-experts). Disk reads are cold by default (each expert's pages are dropped from the OS page
 cache after it is read), as for a checkpoint larger than RAM. All-resident (the reference)
@@ -42,14 +43,17 @@ def _drop_page_cache(ckpt) -> None:
 def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_tokens: int = 8,
               max_tokens: int = 16, options: LoadOptions = LoadOptions(), cold: bool = True,
               out_dir: str | Path = ".", repeats: int = 1, warmup_tokens: int = 24, log=print,
-              prompts: list[str] | None = None) -> dict:
+              prompts: list[str] | None = None, timed_prompts: int | None = None) -> dict:
     """Every configuration `repeats` times, round-robin (so machine noise hits all alike); tokens/s is the
     median over rounds, hit rate and stall are those of the timed decode steps. Each run first generates
     `warmup_tokens` from another prompt with the same store (untimed), so the cache is measured warm, as
     in a server that has been running, not just filling up. `policies`: default every registered one;
     `options`: how the model is loaded (its store's budget, policy and prefetch are what this varies).
-    `prompts`: texts for the timed, the profile and the warm-up prompt (cycled; encoded with the model's
-    tokenizer), real text where a trained model's routing matters; default seeded random tokens."""
+    `prompts`: texts (encoded with the model's tokenizer), real text where a trained model's routing matters;
+    default seeded random tokens. The first `timed_prompts` are decoded one after another with the same store
+    (as a server's requests; default: all but two of `prompts`, one random prompt), the next one profiles
+    `static` and the one after warms the cache (cycled). Tokens/s is decoded tokens over decode time of all
+    timed prompts: a few dozen tokens of a small model take tens of ms, which a shared machine's noise swamps."""
     import statistics
 
     import torch
@@ -69,16 +73,17 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
     wdtype = next(model.parameters()).dtype
     keys = sorted(index.entries)
     vocab = config.vocab_size
+    n_timed = timed_prompts or (max(1, len(prompts) - 2) if prompts else 1)
     if prompts:
         from moeswap.engine.tokenizer import load_tokenizer
 
         tok = load_tokenizer(model_dir)
-        prompt, profile_prompt, warmup_prompt = (tok.encode(prompts[i % len(prompts)]) for i in range(3))
-        prompt_tokens = len(prompt)
+        encoded = [tok.encode(prompts[i % len(prompts)]) for i in range(n_timed + 2)]
     else:
-        prompt, profile_prompt, warmup_prompt = (
-            torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(i)).tolist()
-            for i in range(3))
+        encoded = [torch.randint(0, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i in range(n_timed + 2)]
+    timed, (profile_prompt, warmup_prompt) = encoded[:n_timed], encoded[n_timed:]
+    prompt_tokens = sum(map(len, timed)) / n_timed
     gen_cfg = GenerationConfig(max_tokens=max_tokens, stop_ids=())
 
     def make(policy: str, budget: int, prefetch: str = "none", profile: str | None = None):
@@ -91,30 +96,39 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
     total = sum(probe.fast.cost(k) for k in keys)
     probe.close()
 
-    def generate_with(store, record=None, ids=prompt) -> dict:
+    def generate_with(store, record=None, prompts_=None) -> dict:
         if cold:
             _drop_page_cache(ckpt)
         attach_store(model, store)
         store.trace = record
         if warmup_tokens:
             generate(model, warmup_prompt, GenerationConfig(max_tokens=warmup_tokens, stop_ids=()))
-        at_first = {}
+        books = lambda s: (s.hits, s.misses, s.stall_s, s.disk_bytes)
+        decoding = [0, 0, 0.0, 0]  # the decode steps' hits, misses, stall seconds and disk bytes
+        tokens, decoded, decode_s, ttft = [], 0, 0.0, []
+        for ids in prompts_ or timed:
+            at_first = []
 
-        def on_token(_):  # the first token ends the prompt: decode-only statistics start here
-            if not at_first:
-                s = store.stats
-                at_first.update(hits=s.hits, misses=s.misses, stall=s.stall_s, disk=s.disk_bytes)
+            def on_token(_):  # the first token ends the prompt: decode-only statistics start here
+                if not at_first:
+                    at_first.extend(books(store.stats))
 
-        result = generate(model, ids, gen_cfg, on_token=on_token)
+            result = generate(model, ids, gen_cfg, on_token=on_token)
+            for i, (now, then) in enumerate(zip(books(store.stats), at_first)):
+                decoding[i] += now - then
+            tokens.append(result.tokens)
+            decoded, decode_s = decoded + result.decoded, decode_s + result.decode_s
+            ttft.append(result.ttft_s)
         store.close()
         s = store.stats
-        hits, misses = s.hits - at_first["hits"], s.misses - at_first["misses"]
-        return {"tokens_per_s": result.decode_tokens_per_s, "tokens": result.tokens, "ttft_s": result.ttft_s,
-                "hit_rate": hits / max(1, hits + misses), "stall_ms_per_token": (s.stall_s - at_first["stall"]) * 1e3
-                / max(1, result.decoded), "disk_reads": s.disk_reads, "prefetch_stats": s.as_dict()["prefetch"],
+        hits, misses, stall_s, disk_bytes = decoding
+        return {"tokens_per_s": decoded / decode_s, "tokens": tokens, "ttft_s": statistics.median(ttft),
+                "decoded": decoded, "hit_rate": hits / max(1, hits + misses),
+                "stall_ms_per_token": stall_s * 1e3 / max(1, decoded), "disk_reads": s.disk_reads,
+                "prefetch_stats": s.as_dict()["prefetch"],
                 # what the disk delivered while decoding: when it is the limit, tokens/s follows this
-                "disk_mb_per_token": (s.disk_bytes - at_first["disk"]) / 1e6 / max(1, result.decoded),
-                "disk_gb_per_s": (s.disk_bytes - at_first["disk"]) / 1e9 / result.decode_s if result.decode_s else 0.0}
+                "disk_mb_per_token": disk_bytes / 1e6 / max(1, decoded),
+                "disk_gb_per_s": disk_bytes / 1e9 / decode_s if decode_s else 0.0}
 
     def resident_store():
         store = make("lru", total + expert_bytes)
@@ -131,7 +145,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
     profile_path = None
     if "static" in policies:
         prof = TraceRecorder(meta)
-        generate_with(resident_store(), prof, profile_prompt)
+        generate_with(resident_store(), prof, [profile_prompt])
         profile_path = write_trace(prof.trace, out_dir / "swap-profile.bin")
 
     configs = [{"name": BASELINE_RESIDENT, "make": resident_store},
@@ -175,7 +189,8 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
 
     return {"bench": "swap", "model": str(model_dir), "experts": len(keys), "expert_bytes_total": total,
             "expert_bytes": expert_bytes, "form": "decoded" if options.decoded_experts else "mxfp4", "dtype": str(wdtype),
-            "cold_disk": cold, "prompt_tokens": prompt_tokens, "text_prompts": bool(prompts), "max_tokens": max_tokens, "budgets": list(budgets),
+            "cold_disk": cold, "prompt_tokens": prompt_tokens, "timed_prompts": n_timed, "text_prompts": bool(prompts),
+            "max_tokens": max_tokens, "budgets": list(budgets),
             "policies": list(policies), "repeats": repeats, "warmup_tokens": warmup_tokens,
             "reference_tokens_per_s": reference,
             "baselines": rows[:2], "runs": rows[2:], "environment": environment()}
@@ -187,8 +202,10 @@ def format_report(r: dict) -> str:
     head = ["configuration", *[f"{b}% of expert bytes" for b in budgets]]
     lines = [
         f"Decode tokens/s on {Path(r['model']).name} ({r['experts']} experts, {r['expert_bytes_total'] / 2**20:.0f} MiB "
-        f"as {r['form']}; {'cold' if r['cold_disk'] else 'warm'} disk; {r['max_tokens']} tokens after a "
-        f"{r['prompt_tokens']}-token {'text' if r.get('text_prompts') else 'random'} prompt, cache warmed by {r['warmup_tokens']} tokens of another; torch threads {r['environment']['torch_threads']}; median of "
+        f"as {r['form']}; {'cold' if r['cold_disk'] else 'warm'} disk; {r['max_tokens']} tokens after each of "
+        f"{r['timed_prompts']} {'text' if r.get('text_prompts') else 'random'} prompt(s) of {r['prompt_tokens']:.0f} "
+        f"tokens on average, cache warmed by {r['warmup_tokens']} tokens of another; torch threads "
+        f"{r['environment']['torch_threads']}; median of "
         f"{r['repeats']} round(s)). Cells: tokens/s · ratio to all-resident · decode hit rate · expert stall ms/token · "
         f"disk MB read per token.",
         "",
@@ -237,9 +254,13 @@ def add_parser(benches) -> None:
                                       "from experts/policy.py POLICIES)")
     b.add_argument("--prompt-tokens", type=int, default=8, help="random prompt tokens when no --prompts (default 8)")
     b.add_argument("--prompts", metavar="FILE",
-                   help="text file, one prompt per line: the timed, profile and warm-up prompts (cycled), for real "
-                        "routing on a trained model (default: seeded random tokens)")
-    b.add_argument("--max-tokens", type=int, default=16, help="decode steps timed per configuration (default 16)")
+                   help="text file, one prompt per line, for real routing on a trained model: all but the last two "
+                        "are timed (see --timed-prompts), then the static policy's profile and the warm-up "
+                        "(default: seeded random tokens)")
+    b.add_argument("--timed-prompts", type=int,
+                   help="prompts decoded one after another per configuration, each --max-tokens (default: all but "
+                        "two of --prompts, else 1)")
+    b.add_argument("--max-tokens", type=int, default=16, help="tokens per timed prompt (default 16)")
     b.add_argument("--repeats", type=int, default=3, help="rounds over all configurations; tokens/s is the median")
     b.add_argument("--warmup-tokens", type=int, default=24,
                    help="untimed tokens from another prompt first, so the cache is warm (default 24; 0: cold start)")
@@ -266,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
     if args.max_tokens < 2 or args.prompt_tokens < 1:
         raise ValueError("--max-tokens must be >= 2 and --prompt-tokens >= 1")
+    if args.timed_prompts is not None and args.timed_prompts < 1:
+        raise ValueError(f"--timed-prompts must be >= 1, got {args.timed_prompts}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
@@ -276,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(Path(args.prompts)) if args.prompts else None
     result = run_bench(args.model, budgets, policies, args.prompt_tokens, args.max_tokens, LoadOptions.from_args(args),
-                       not args.warm_disk, args.out_dir, args.repeats, args.warmup_tokens, prompts=prompts)
+                       not args.warm_disk, args.out_dir, args.repeats, args.warmup_tokens, prompts=prompts,
+                       timed_prompts=args.timed_prompts)
     result["elapsed_s"] = time.perf_counter() - t0
     from moeswap.bench.sidebyside import write_report
 

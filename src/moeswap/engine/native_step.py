@@ -14,8 +14,10 @@ whenever this does not apply:
 
 Routed experts run in the call from the layers' resident tables (models/layers/moe.py), which mirror what
 the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
-call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). Where a chosen expert is not
-in its layer's table, the call stops after that layer's attention; here the expert lookahead runs (a
+call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). A chosen expert not in its
+layer's table is read by the call itself where the store allows (experts/incall.py: evicting from victims the
+store offered before the call, its books kept after it). Where it cannot be (the store keeps experts another
+way, or the call ran out of what it was offered), the call stops after that layer's attention; here the expert lookahead runs (a
 store that can evict: the next MoE layer's guess is loaded in the background; the call has routed the next
 layer on this input already, so NextLayerLookahead only counts and hints its ids), the layer's experts are
 taken through the store (the same books and loads as the model's own fetch; all are taken before any
@@ -47,6 +49,7 @@ import ctypes
 import torch
 
 from moeswap.experts.hybrid import fetch_step
+from moeswap.experts.incall import InCallLoads
 from moeswap.models.kimi_k3 import KimiModel, ModelState
 from moeswap.models.layers.attn_res import score_vector
 from moeswap.models.layers.basic import fused_fp8, fused_weight, unadapted
@@ -119,7 +122,11 @@ class _Plan:
         if not model.config.tie_word_embeddings and type(unadapted(model.lm_head)) is StoredWeightLinear:
             self.head = self._bf16(model.lm_head)
         self._scratch: dict[int, tuple] = {}
-        self.stores = list({id(b.store): b.store for b in model.moe_blocks()}.values())
+        self._blocks = list(model.moe_blocks())
+
+    def stores(self) -> list:
+        """The MoE blocks' stores as they are now (attach_store may change them between steps)."""
+        return list({id(b.store): b.store for b in self._blocks}.values())
 
     # -- pointers, checked --------------------------------------------------------------------------
     def _ptr(self, t: torch.Tensor) -> int:
@@ -308,6 +315,8 @@ class NativeDecode:
         self._unsupported: str | None = None  # why no plan could be made for the current parameters
         self.reason: str | None = None  # why the last step took the model's forward, or None
         self._states: tuple | None = None  # (state, batch, its pointer table, its MLA caches): _state_table
+        self._loads: InCallLoads | None = None  # the store's in-call loads (experts/incall.py), for _loads_key
+        self._loads_key: tuple | None = None  # (plan, store)
 
     def __call__(self, tokens_BT: torch.Tensor, state: ModelState | None, last_only: bool = False) -> torch.Tensor:
         plan = self._applicable(tokens_BT, state)
@@ -387,9 +396,11 @@ class NativeDecode:
         longest = [st.longest() for st in state.layers if isinstance(st, MLACache)]
         plan.set_rope(next((st.lengths_B for st in state.layers if isinstance(st, MLACache)), None))
         # a lookahead runs only where a store can evict: with every expert resident it has nothing to load
-        lookahead = m.expert_lookahead if any(getattr(s, "can_evict", True) for s in plan.stores) else None
+        stores = plan.stores()
+        lookahead = m.expert_lookahead if any(getattr(s, "can_evict", True) for s in stores) else None
         # the call itself routes the next layer at a stop (its `chosen` row), for a lookahead that takes a guess
         guessed = getattr(lookahead, "guessed", None)
+        loads = self._in_call_loads(plan, stores)
         tables = plan.refresh()
         partial = m.model.embed_tokens(tokens_B1).reshape(B, D).contiguous()
         bank, m_out, used, chosen = plan.scratch(B)
@@ -398,6 +409,8 @@ class NativeDecode:
         n_bank, stopped = _i64(0), _i64(-1)
         first, ffn_first = 0, 0
         while True:
+            if loads is not None:
+                loads.offer(B)
             status = plan.kernel.lib.moeswap_decode_layers(
                 plan.table, n_layers, first, states, partial.data_ptr(), bank.data_ptr(), plan.max_bank,
                 ctypes.byref(n_bank), m_out.data_ptr(), plan.score_out, plan.final_norm, plan.head, plan.V,
@@ -408,7 +421,8 @@ class NativeDecode:
             if ffn_first:  # the resumed layer's experts are back from their own table
                 plan.table[first].table = tables[first].rows.data_ptr()
             end = stopped.value if status == 4 else n_layers
-            self._book(plan, tables, used, chosen, first + ffn_first, end, B)
+            loaded = loads.books(end) if loads is not None else {}
+            self._book(plan, tables, used, chosen, first + ffn_first, end, B, loaded)
             if status != 4:
                 break
             i = stopped.value
@@ -421,7 +435,7 @@ class NativeDecode:
                     lookahead(i, x)
             rows = None if plan.table[i].stop else self._fetched_rows(tables[i], i, chosen[i, :B * plan.table[i].topk], B)
             if lookahead is not None and i + 1 < n_layers:  # the guess in the next layer's table before it runs
-                for store in plan.stores:
+                for store in stores:
                     store.settle(i + 1)
             if rows is not None:  # resume at this FFN with its experts (their rows kept alive by `rows`)
                 plan.table[i].table, first, ffn_first = rows[0].data_ptr(), i, 1
@@ -439,12 +453,26 @@ class NativeDecode:
             return logits.view(B, 1, plan.V)
         return m.head(m.model.norm(partial.view(B, 1, D)))  # the forward's own last step
 
+    def _in_call_loads(self, plan: _Plan, stores: list) -> InCallLoads | None:
+        """The in-call loads of the one store the MoE layers share (experts/incall.py), made when the plan or
+        the store changes; None where they do not apply."""
+        store = stores[0] if len(stores) == 1 else None
+        if self._loads_key != (plan, store):
+            if self._loads is not None:
+                self._loads.clear()
+            rows = {i: (plan.table[i], table) for i, moe in plan.moe if (table := moe.resident_table()) is not None}
+            self._loads = InCallLoads.build(store, rows) if store is not None and rows else None
+            self._loads_key = (plan, store)
+        return self._loads
+
     @staticmethod
-    def _book(plan: _Plan, tables: dict, used, chosen: torch.Tensor, start: int, end: int, B: int) -> None:
-        """The store's books of the MoE layers in [start, end) that the call ran from their tables."""
+    def _book(plan: _Plan, tables: dict, used, chosen: torch.Tensor, start: int, end: int, B: int,
+              loaded: dict) -> None:
+        """The store's books of the MoE layers in [start, end) that the call ran from their tables; `loaded`:
+        what it loaded itself, by layer (InCallLoads.books)."""
         for i, _ in plan.moe:
             if start <= i < end and used[i] and i in tables:
-                tables[i].book(i, chosen[i, :B * plan.table[i].topk], used[i])
+                tables[i].book(i, chosen[i, :B * plan.table[i].topk], used[i], loaded.get(i))
 
     @staticmethod
     def _fetched_rows(table, i: int, ids: torch.Tensor, B: int) -> tuple | None:

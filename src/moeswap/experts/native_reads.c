@@ -12,29 +12,13 @@
  * the model's thread only looks at `bad`. Entry points: msw_reads_new / submit / submit_many / cancel /
  * done / wait / free, and msw_read_now (the same read and check on the caller's thread). */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <stddef.h>
-#include <fcntl.h>
 #include <pthread.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <unistd.h>
+
+#include "../ops/csrc/expert_read.h"
 
 enum { QUEUED = 0, RUNNING = 1, DONE = 2, CANCELLED = 3 };
-#define MSW_CHECKS 4
-
-typedef struct msw_job {
-    int64_t fd, offset, nbytes;
-    unsigned char *dst;
-    int32_t drop;  /* after reading, drop these pages from the OS page cache (benchmarks' cold reads) */
-    int32_t state;
-    int32_t error; /* 0, an errno, or -1: the file ended before nbytes */
-    int32_t nchecks; /* ranges of dst to check after a good read (0..MSW_CHECKS) */
-    int64_t check_off[MSW_CHECKS], check_len[MSW_CHECKS];
-    int32_t check_max; /* every byte of those ranges must be <= this */
-    int32_t bad;       /* set by the reader: 1 when some byte is above check_max */
-    struct msw_job *next;
-} msw_job;
 
 typedef struct {
     msw_job *head, *tail;
@@ -74,40 +58,6 @@ static int unlink_job(queue *q, msw_job *j) {
     return 0;
 }
 
-static int read_all(msw_job *j) {
-    int64_t done = 0;
-    while (done < j->nbytes) {
-        ssize_t n = pread((int)j->fd, j->dst + done, (size_t)(j->nbytes - done), (off_t)(j->offset + done));
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) return -1;
-        done += n;
-    }
-#ifdef POSIX_FADV_DONTNEED
-    if (j->drop) posix_fadvise((int)j->fd, (off_t)j->offset, (off_t)j->nbytes, POSIX_FADV_DONTNEED);
-#endif
-    return 0;
-}
-
-static void check(msw_job *j) {
-    int bad = 0;
-    for (int c = 0; c < j->nchecks && c < MSW_CHECKS && !bad; c++) {
-        const unsigned char *p = j->dst + j->check_off[c];
-        unsigned char top = 0;
-        for (int64_t i = 0; i < j->check_len[c]; i++) top = p[i] > top ? p[i] : top;
-        bad = top > j->check_max;
-    }
-    j->bad = bad;
-}
-
-static int read_and_check(msw_job *j) {
-    int error = read_all(j);
-    if (!error) check(j);
-    return error;
-}
-
 static void *worker(void *arg) {
     msw_reads *r = arg;
     pthread_mutex_lock(&r->lock);
@@ -118,7 +68,7 @@ static void *worker(void *arg) {
         if (!j) j = pop(&r->normal);
         j->state = RUNNING;
         pthread_mutex_unlock(&r->lock);
-        int error = read_and_check(j);
+        int error = msw_read_and_check(j);
         pthread_mutex_lock(&r->lock);
         j->error = error;
         __atomic_store_n(&j->state, DONE, __ATOMIC_RELEASE);
@@ -172,7 +122,7 @@ void msw_reads_submit_many(void *handle, msw_job **jobs, int n, int urgent) {
 
 /* The read and its checks on the calling thread (a demand miss); returns and sets the job's error. */
 int msw_read_now(msw_job *j) {
-    j->error = read_and_check(j);
+    j->error = msw_read_and_check(j);
     j->state = DONE;
     return j->error;
 }

@@ -68,6 +68,25 @@ class _Ranked:
             if self._entry.get(entry[2]) is entry:
                 heapq.heappush(self._heap, entry)
 
+    def lowest(self, n: int, pinned: Container) -> list[Key]:
+        """The n lowest keys not in `pinned`, lowest first, left where they are (what n pop_min calls would
+        return)."""
+        seen, found = [], []
+        while self._heap and len(found) < n:
+            entry = heapq.heappop(self._heap)
+            if self._entry.get(entry[2]) is not entry:
+                continue  # superseded: gone for good
+            seen.append(entry)
+            if entry[2] not in pinned:
+                found.append(entry[2])
+        for entry in seen:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def discard(self, key: Key) -> None:
+        """`key` is no longer resident (its heap entry goes stale)."""
+        self._entry.pop(key, None)
+
 
 class CachePolicy:
     """Subclasses define `_count(key)` (update what they know on an access) and `_priority(key)`."""
@@ -108,6 +127,15 @@ class CachePolicy:
         """Ends a run of `victim(pinned, aside)` calls."""
         self._resident.put_back(aside)
         aside.clear()
+
+    def coldest(self, n: int, pinned: Container = ()) -> list[Key]:
+        """The next n victims, in order, if nothing were accessed meanwhile; none is removed (the native decode
+        step evicts from these itself and the store then `discard`s those it took)."""
+        return self._resident.lowest(n, pinned)
+
+    def discard(self, key: Key) -> None:
+        """`key` left the tier without being chosen by `victim` here."""
+        self._resident.discard(key)
 
     def _count(self, key: Key) -> None:
         raise NotImplementedError

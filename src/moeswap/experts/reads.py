@@ -26,6 +26,7 @@ import torch
 from moeswap.formats.checkpoint import pread_into
 
 SOURCE = Path(__file__).with_name("native_reads.c")
+HEADER = Path(__file__).parent.parent / "ops" / "csrc" / "expert_read.h"  # msw_job, the read and its check
 # reads in flight. On the dev VM's disk, random 0.8 MB reads gave 0.55 / 0.86 / 1.07 GB/s at 1 / 2 / 4;
 # swap-bench decode with 1-6 threads was within its noise, 2 as good as any
 DEFAULT_THREADS = 2
@@ -34,7 +35,7 @@ _DONE, _CANCELLED = 2, 3  # msw_job.state
 _CHECKS = 4  # MSW_CHECKS
 
 
-class _Job(ctypes.Structure):  # msw_job in native_reads.c
+class _Job(ctypes.Structure):  # msw_job in ops/csrc/expert_read.h
     _fields_ = [("fd", ctypes.c_int64), ("offset", ctypes.c_int64), ("nbytes", ctypes.c_int64),
                 ("dst", ctypes.c_void_p), ("drop", ctypes.c_int32), ("state", ctypes.c_int32),
                 ("error", ctypes.c_int32), ("nchecks", ctypes.c_int32),
@@ -65,7 +66,7 @@ class _Native:
             getattr(quick, name).restype, getattr(quick, name).argtypes = ctypes.c_int64, []
         layout = (quick.msw_job_size(), quick.msw_job_offset_bad())
         if layout != (ctypes.sizeof(_Job), _Job.bad.offset):
-            raise RuntimeError(f"msw_job is {layout[0]} bytes with `bad` at {layout[1]} in native_reads.c, "
+            raise RuntimeError(f"msw_job is {layout[0]} bytes with `bad` at {layout[1]} in the reader library, "
                                f"but {ctypes.sizeof(_Job)} and {_Job.bad.offset} in its ctypes mirror")
         job_p = ctypes.POINTER(_Job)
         self.new = blocking.msw_reads_new
@@ -94,7 +95,7 @@ def native_library() -> _Native | None:
             from moeswap.ops.native_build import build
 
             try:
-                lib = _Native(str(build("native_reads", [SOURCE], flags=())))
+                lib = _Native(str(build("native_reads", [SOURCE], [HEADER], flags=())))
             except (OSError, RuntimeError, AttributeError) as err:
                 warnings.warn(f"moeswap: native expert reader unavailable, reading on Python threads: {err}",
                               RuntimeWarning, stacklevel=3)

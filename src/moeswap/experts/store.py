@@ -187,6 +187,62 @@ class ExpertStore:
             for key in keys:
                 self._hit(key)
 
+    # -- in-call loads (experts/incall.py: the native decode step reads missing experts itself) --------------
+
+    def offer(self, n: int) -> tuple[int, list[Key]]:
+        """For a caller that evicts and loads by itself: the fast tier's free bytes (what no load has
+        promised) and its policy's next n victims in order, hinted experts left out; nothing changes."""
+        with self._lock:
+            hinted = set().union(*(h[2] for h in self._hints.values())) if self._hints else ()
+            free = self.fast.capacity - self.fast.used - self._reserved[0]
+            return free, self.policies[0].coldest(n, hinted)
+
+    def stalled(self, seconds: float) -> None:
+        """Time a caller spent reading experts for its own loads (`table_step`)."""
+        with self._lock:
+            self.stats.stall_s += seconds
+            self.stats.load_s += seconds
+
+    def table_step(self, layer: int, expert_ids: Sequence[int] | None, loads: dict, evicted: Sequence[Key] = ()
+                   ) -> None:
+        """The books of a layer step that a caller ran from `layer`'s mirror table after loading what it lacked
+        itself (`offer`): loads {expert: (victims evicted for it, in order; its weights; its mirror table row,
+        as the caller wrote it)}. The same books as this step's fetch: hits, misses, evictions, the policy's, in
+        the fetch's order (ascending ids). expert_ids None: only store the loads (the caller stopped there and
+        will fetch the step); `evicted`: victims it evicted for a load that failed."""
+        ids = sorted(loads) if expert_ids is None else [int(e) for e in expert_ids]
+        with self._lock:
+            for victim in evicted:
+                self.policies[0].discard(victim)
+                self._evict(0, victim)
+            if expert_ids is not None:
+                self._begin_step(layer, ids, [Key(layer, e) for e in ids])
+                self._pending = set()
+                if self.hybrid is not None and loads:  # as its fetch counts a step it sends to the fast tier
+                    self.stats.hybrid.fetch_steps += 1
+            policy, mirror = self.policies[0], self._mirrors.get(layer)
+            for e in ids:
+                key = Key(layer, e)
+                got = loads.get(e)
+                if got is None:
+                    self._hit(key)
+                    continue
+                victims, w, row = got
+                for victim in victims:  # (the caller chose them among `offer`'s, in its order)
+                    policy.discard(victim)
+                    self._evict(0, victim)
+                if expert_ids is not None:
+                    self.stats.fast.misses += 1
+                self.stats.disk_reads += 1
+                self.stats.disk_bytes += self.source.stored_bytes(key)
+                self.fast.put(key, w)
+                policy.insert(key)
+                if mirror is not None:
+                    mirror.loaded(e, w, row)
+                self.stats.fast.bytes_in += self.fast.cost(key)
+                if expert_ids is not None:
+                    policy.record(key)
+
     def resident(self, layer: int, expert_ids: Sequence[int], fill: bool = False) -> list[bool]:
         """Which of `expert_ids` the fast tier holds now (books nothing). fill: also those it lacks that fit,
         in order, in its free bytes (what no load has promised), so that fetching them evicts nothing."""
@@ -572,20 +628,25 @@ class ExpertStore:
                 victim = policy.victim(())
             if victim is None:
                 return strict
-            if i == 0 and victim.layer in self._mirrors:  # before its bytes can go
-                self._mirrors[victim.layer].removed(victim.expert)
-            dropped = tier.drop(victim)
-            if i == 0:
-                for held in self._holds.pop(victim, ()):  # graphs let go of it too: its bytes leave the budget
-                    held.w = None
-                    self.stats.graph.released += 1
-            if dropped is not None:
-                self.source.evicted(dropped)  # its read buffer is likely free for the next read
-            self.stats.tiers[tier.name].evictions += 1
-            if i == 0 and victim in self._unused:
-                self._unused.discard(victim)
-                self.stats.prefetch.wasted += 1
+            self._evict(i, victim)
         return True
+
+    def _evict(self, i: int, victim: Key) -> None:
+        """Under the lock: the books of evicting `victim` from cache tier i (its policy has let it go)."""
+        tier = self.tiers[i]
+        if i == 0 and victim.layer in self._mirrors:  # before its bytes can go
+            self._mirrors[victim.layer].removed(victim.expert)
+        dropped = tier.drop(victim)
+        if i == 0:
+            for held in self._holds.pop(victim, ()):  # graphs let go of it too: its bytes leave the budget
+                held.w = None
+                self.stats.graph.released += 1
+        if dropped is not None:
+            self.source.evicted(dropped)  # its read buffer is likely free for the next read
+        self.stats.tiers[tier.name].evictions += 1
+        if i == 0 and victim in self._unused:
+            self._unused.discard(victim)
+            self.stats.prefetch.wasted += 1
 
     def _ready(self, key: Key, w: Weights) -> Weights:
         """CUDA: the first use of a prefetched expert waits for its side-stream copy, and tells the

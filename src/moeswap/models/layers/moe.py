@@ -351,6 +351,12 @@ class _ResidentTable:
             self._cells[6 * e : 6 * e + 6] = row
             self.experts[e] = w
 
+    def loaded(self, e: int, w, row: tuple[int, ...]) -> None:
+        """Expert w, loaded by the native decode step itself (experts/incall.py), with the row it wrote (written
+        again: the store's books may have cleared it meanwhile, evicting the expert's previous copy)."""
+        self._cells[6 * e : 6 * e + 6] = row
+        self.experts[e] = w
+
     def removed(self, e: int) -> None:
         if self.experts.pop(e, None) is not None:
             self._cells[6 * e : 6 * e + 6] = _ZEROS
@@ -367,9 +373,12 @@ class _ResidentTable:
         self.kind, self.F = kind, got[0]
         return got[1]
 
-    def book(self, layer: int, ids_TK: torch.Tensor, used: int) -> None:
-        """The store's books of a step this table served: the router's ids (any shape), `used` distinct experts."""
-        if self.store.can_evict:
+    def book(self, layer: int, ids_TK: torch.Tensor, used: int, loaded: dict | None = None) -> None:
+        """The store's books of a step this table served: the router's ids (any shape), `used` distinct experts;
+        `loaded`: those the native decode step loaded itself (ExpertStore.table_step)."""
+        if loaded:
+            self.store.table_step(layer, sorted(set(ids_TK.flatten().tolist())), loaded)
+        elif self.store.can_evict:
             self.store.table_hits(layer, sorted(set(ids_TK.flatten().tolist())))  # (torch.unique: ~0.2 ms)
         else:
             self.store.count_resident_hits(used)

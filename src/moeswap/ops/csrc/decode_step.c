@@ -5,7 +5,9 @@
  * One token per sequence, N rows.
  */
 #include <stddef.h>
+#include <time.h>
 
+#include "expert_read.h"
 #include "internal.h"
 
 /* Rows of width w from column `from` of src [N, stride] into dst [N, w]. */
@@ -124,11 +126,91 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
     return status;
 }
 
-/* The FFN of a layer on its normalised input xn [N, D] into out [N, D]: the dense MLP, or the MoE block (router,
- * routed experts from the resident table, shared experts added). Returns 4, out untouched, when the layer is
- * marked `stop` or a chosen expert is not in the table: the caller runs this FFN through the expert store. */
-static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_t N, int64_t D, float eps, int act,
-                     float b1, float b2, float *out, int nt, int64_t *used) {
+/* ---- in-call expert loads (cpu_kernels.h's load_* fields; experts/incall.py sets them up and books them) ----
+ * A layer step's experts missing from its table are read here, in ascending expert order (as the store's
+ * fetch takes them), each after evicting the offered victims it needs room from: the coldest first, passing
+ * over any expert this call has used (routed to), which the store's policy would have made recent. */
+enum { LS_ROOM, LS_FREE, LS_VICTIMS, LS_NEXT, LS_LOG, LS_LOG_CAP, LS_READ_NS };
+
+/* Marks the offered victims of `layer` among ids [n] as used by this call (never evicted by it). */
+static void mark_used(const decode_layer *l, int64_t layer, const int64_t *ids, int64_t n) {
+    int64_t *v = l->load_victims;
+    for (int64_t j = 0; j < l->load_state[LS_VICTIMS]; j++)
+        if (v[4 * j] == layer && v[4 * j + 3] == 0)
+            for (int64_t k = 0; k < n; k++)
+                if (ids[k] == v[4 * j + 1]) { v[4 * j + 3] = 1; break; }
+}
+
+/* The distinct ids [n] ascending into out; returns how many. */
+static int64_t sorted_unique(const int64_t *ids, int64_t n, int64_t *out) {
+    int64_t m = 0;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t j = m, e = ids[k];
+        while (j > 0 && out[j - 1] > e) j--;
+        if (j > 0 && out[j - 1] == e) continue;
+        memmove(out + j + 1, out + j, (size_t)(m - j) * sizeof(int64_t));
+        out[j] = e;
+        m++;
+    }
+    return m;
+}
+
+/* Layer `layer`'s missing experts among its step's distinct ids [m]: with apply 0, whether the offered
+ * victims, free buffers and log can take them all (nothing changes); with apply 1, the evictions and reads
+ * (rows of evicted experts cleared in their layers' tables, rows of loaded ones written). Returns 0, or 4:
+ * the caller stops there and the store loads them (it also names a read that fails or a bad scale byte). */
+static int load_missing(const decode_layer *layers, int64_t layer, const int64_t *ids, int64_t m, int apply) {
+    const decode_layer *l = layers + layer;
+    int64_t *st = l->load_state, *v = l->load_victims, *log = l->load_log;
+    int64_t *table = (int64_t *)l->table; /* the store's table, which the store writes the same way */
+    int64_t room = st[LS_ROOM], free_n = st[LS_FREE], next = st[LS_NEXT], n_log = st[LS_LOG];
+    for (int64_t k = 0; k < m; k++) {
+        const int64_t e = ids[k];
+        if (table[6 * e]) continue;
+        while (room < l->load_cost) {
+            while (next < st[LS_VICTIMS] && v[4 * next + 3]) next++;
+            if (next >= st[LS_VICTIMS] || n_log >= st[LS_LOG_CAP]) return 4;
+            if (apply) {
+                int64_t *gone = (int64_t *)layers[v[4 * next]].table;
+                if (gone) memset(gone + 6 * v[4 * next + 1], 0, 6 * sizeof(int64_t));
+                v[4 * next + 3] = 2;
+                log[3 * n_log] = v[4 * next], log[3 * n_log + 1] = v[4 * next + 1], log[3 * n_log + 2] = -1;
+            }
+            room += v[4 * next + 2];
+            n_log++, next++;
+        }
+        if (!free_n || n_log >= st[LS_LOG_CAP]) return 4;
+        free_n--;
+        if (apply) {
+            msw_job job = *(const msw_job *)l->load_job;
+            unsigned char *dst = (unsigned char *)(intptr_t)l->load_buffers[free_n];
+            job.fd = l->load_at[2 * e], job.offset = l->load_at[2 * e + 1], job.dst = dst;
+            struct timespec t0, t1;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            int error = msw_read_and_check(&job);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            st[LS_READ_NS] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+            if (error || job.bad) { /* the buffer goes back; the evictions so far stand (logged) */
+                st[LS_ROOM] = room, st[LS_NEXT] = next, st[LS_LOG] = n_log;
+                return 4;
+            }
+            for (int j = 0; j < 6; j++) table[6 * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
+            log[3 * n_log] = layer, log[3 * n_log + 1] = e, log[3 * n_log + 2] = free_n;
+            st[LS_ROOM] = room - l->load_cost, st[LS_FREE] = free_n, st[LS_NEXT] = next, st[LS_LOG] = n_log + 1;
+        }
+        room -= l->load_cost;
+        n_log++;
+    }
+    return 0;
+}
+
+/* The FFN of layer `layer` on its normalised input xn [N, D] into out [N, D]: the dense MLP, or the MoE block
+ * (router, routed experts from the resident table, shared experts added). Returns 4, out untouched, when the
+ * layer is marked `stop` or a chosen expert is not in the table and cannot be loaded here: the caller runs this
+ * FFN through the expert store. */
+static int ffn_block(int bf16_in, const decode_layer *layers, int64_t layer, const float *xn, int64_t N, int64_t D,
+                     float eps, int act, float b1, float b2, float *out, int nt, int64_t *used) {
+    const decode_layer *l = layers + layer;
     *used = 0;
     if (l->stop) return 4;
     if (!l->moe) return layer_mlp(bf16_in, l, xn, N, D, act, b1, b2, out, nt);
@@ -141,6 +223,17 @@ static int ffn_block(int bf16_in, const decode_layer *l, const float *xn, int64_
         status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
                                (float)l->route_scale, l->groups, l->topk_group, ids, w, nt);
     if (!status && l->chosen) memcpy(l->chosen, ids, (size_t)(N * l->topk) * sizeof(int64_t));
+    if (!status && l->load_state) {
+        mark_used(l, layer, ids, N * l->topk);
+        int64_t *distinct = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
+        if (!distinct) status = 2;
+        else {
+            int64_t m = sorted_unique(ids, N * l->topk, distinct);
+            status = l->load_at ? load_missing(layers, layer, distinct, m, 0) : 0;
+            if (!status && l->load_at) status = load_missing(layers, layer, distinct, m, 1);
+            free(distinct);
+        }
+    }
     if (!status && l->lat_down)
         status = latent_moe(bf16_in, (int)l->format, xn, N, D, l->lat_down, l->lat_dim, l->lat_norm, eps, l->lat_up,
                             l->F, l->E, l->table, ids, w, l->topk, act, b1, b2, routed, nt, used);
@@ -236,7 +329,7 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
             if (!status) status = mixed(l->score_ffn, bank, *n_bank, partial, N, D, eps, h, nt);
         }
         if (!status) status = moeswap_rms_norm(h, N, D, l->ln_post, eps, xn, nt);
-        if (!status) status = ffn_block(bf16_in, l, xn, N, D, eps, act, b1, b2, y, nt, used + i);
+        if (!status) status = ffn_block(bf16_in, layers, i, xn, N, D, eps, act, b1, b2, y, nt, used + i);
         if (status == 4) {
             memcpy(m_out, h, (size_t)(N * D) * sizeof(float));
             *stopped = i;

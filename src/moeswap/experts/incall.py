@@ -1,0 +1,167 @@
+"""In-call expert loads: the native decode step reads the experts a layer step lacks inside its one C call.
+
+Without them the step stops at every layer whose chosen experts are not all in its resident table and the
+store loads them (engine/native_step.py); on a small model at a 25 % fast tier that was most layers of every
+token, and each stop and each load cost the model's thread ~0.1-0.3 ms of Python. With them the call reads a
+missing expert itself (csrc/decode_step.c `load_missing`: the reader's own read and scale-byte check,
+ops/csrc/expert_read.h) into a free read buffer, writes its table row, evicts for room from victims the store
+offered before the call (its policy's coldest residents, passing over any the call has routed to), and logs
+what it did. After the call `books` gives the store that log (`ExpertStore.table_step`), which keeps the books
+its own fetches would have kept: with LRU the same hits, misses, evictions and residents, in the same order
+(tests/engine/test_incall_loads.py); other policies rank the offered victims as they stood when the call
+began (one the call used is never evicted by it), where a fetch re-ranks after every access.
+
+Applies to a store whose fast tier keeps experts on the CPU as their stored bytes, read straight from the
+checkpoint (no host tier, no trace; hybrid experts only for steps they send to the fast tier), where each expert of a layer is one span of one file
+laid out like the others. The call still stops, as before, when it runs out of offered victims, free buffers
+or log, or a read fails or finds a bad scale byte (the store's own load then names the expert and the file).
+Entry point: `InCallLoads.build(store, rows)` (None where it does not apply), `offer(B)` before each call,
+`books(...)` after it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from moeswap.experts.keys import Key
+from moeswap.experts.reads import _job, native_library, read_now
+
+_i64 = ctypes.c_int64
+# load_state's entries (csrc/decode_step.c LS_*)
+ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS = range(7)
+SPARE_BYTES = 64 << 20  # free read buffers kept for the call beyond two layer steps' worth
+
+
+class _LayerLoads:
+    """What the call needs to load one layer's experts: where each one's bytes are, the read job with its
+    checks, the table row's offsets into the bytes; and the span all of them are laid out like."""
+
+    def __init__(self, at: ctypes.Array, job, row: tuple[int, ...], cost: int, span):
+        self.at, self.job, self.row, self.cost, self.span = at, job, row, cost, span
+
+
+class InCallLoads:
+    def __init__(self, store, layers: dict[int, _LayerLoads], rows: dict, topk: int):
+        self.store, self.layers, self.rows = store, layers, rows
+        self.nbytes = next(iter(layers.values())).span.end - next(iter(layers.values())).span.start
+        self.topk = topk
+        self.state = (_i64 * 7)()
+        self._B = 0
+        self._free: list[torch.Tensor] = []  # free read buffers handed to the call, taken from the end
+
+    @classmethod
+    def build(cls, store, rows: dict) -> InCallLoads | None:
+        """For `store`'s MoE layers `rows` {layer: (its decode_layer row, its resident table)}, or None where the
+        store cannot take in-call loads."""
+        src = getattr(store, "source", None)
+        if (not hasattr(store, "table_step") or len(store.tiers) != 2 or not store.fast.capacity
+                or store.fast.device.type != "cpu" or not store.can_evict or store.trace is not None or not hasattr(src, "_span") or native_library() is None):
+            return None
+        layers, nbytes = {}, None
+        for i, (_, table) in rows.items():
+            got = cls._layer(store, i, table)
+            if got is not None and (nbytes is None or got.span.end - got.span.start == nbytes):
+                layers[i], nbytes = got, got.span.end - got.span.start
+        if not layers:
+            return None
+        topk = max(rows[i][0].topk for i in layers)
+        loads = cls(store, layers, {i: rows[i][0] for i in layers}, topk)
+        for i, t in loads.rows.items():
+            lay = layers[i]
+            t.load_at, t.load_job, t.load_cost = ctypes.addressof(lay.at), ctypes.addressof(lay.job), lay.cost
+            t.load_row[:] = lay.row
+        return loads
+
+    @staticmethod
+    def _layer(store, layer: int, table) -> _LayerLoads | None:
+        """Layer `layer`'s load description, from a read of its expert 0 (the table takes its format from it)."""
+        src, E = store.source, table.rows.shape[0]
+        span = src._span(Key(layer, 0))
+        if span is None:
+            return None
+        n = span.end - span.start
+        buf = src.buffers.take(n)
+        fd = src._fd(span.file)
+        if read_now(fd, span.start, buf, span.checks):
+            return None  # a bad scale byte: the store's load will name it
+        w = src._views(buf, span)
+        row = table.row(w) if store.fast.form(w) is w else None
+        if row is None:
+            return None
+        base = buf.data_ptr()
+        offsets = tuple(p - base if p else -1 for p in row)
+        if not all(-1 <= o < n for o in offsets):
+            return None  # (a matrix outside the read bytes: a copy the table keeps)
+        at = (_i64 * (2 * E))()
+        for e in range(E):
+            s = src._span(Key(layer, e))
+            if s is None or s.layout != span.layout or s.end - s.start != n:
+                return None
+            at[2 * e], at[2 * e + 1] = src._fd(s.file), s.start
+        return _LayerLoads(at, _job(0, 0, buf, src.drop_page_cache, span.checks), offsets,
+                           store.fast.cost(Key(layer, 0)), span)
+
+    def clear(self) -> None:
+        """Take the load fields off the rows (another store, or none, is attached now)."""
+        for t in self.rows.values():
+            t.load_at = t.load_job = t.load_state = t.load_buffers = t.load_victims = t.load_log = None
+
+    def offer(self, B: int) -> None:
+        """Before a call of B sequences: the store's free bytes and coldest residents, and free buffers; none
+        where its hybrid experts compute a step of B tokens' missing experts on the CPU instead (they are not
+        to enter the fast tier then: the call stops for them)."""
+        if B != self._B:  # sized for every chosen expert of every layer missing
+            self._B = B
+            self.cap = B * self.topk * len(self.layers)
+            self.keep = min(self.cap, max(2 * B * self.topk, SPARE_BYTES // self.nbytes))
+            self.victims = (_i64 * (4 * self.cap))()
+            self.buffers = (_i64 * self.keep)()
+            self.log = (_i64 * (3 * 2 * self.cap))()
+            for t in self.rows.values():
+                t.load_state, t.load_buffers = ctypes.addressof(self.state), ctypes.addressof(self.buffers)
+                t.load_victims, t.load_log = ctypes.addressof(self.victims), ctypes.addressof(self.log)
+            del self._free[self.keep:]
+        store, st = self.store, self.state
+        hybrid = store.hybrid
+        if hybrid is not None and hybrid.on_cpu(B):
+            st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = 0
+            return
+        free, victims = store.offer(self.cap)
+        cost = store.fast.cost
+        flat = []
+        for k in victims:
+            flat += (k.layer, k.expert, cost(k), 0)
+        self.victims[:len(flat)] = flat
+        take = store.source.buffers.take
+        while len(self._free) < self.keep:
+            self._free.append(take(self.nbytes))
+        self.buffers[:len(self._free)] = [b.data_ptr() for b in self._free]
+        st[ROOM], st[FREE], st[VICTIMS], st[NEXT], st[LOG], st[LOG_CAP], st[READ_NS] = (
+            free, len(self._free), len(victims), 0, 0, 2 * self.cap, 0)
+
+    def books(self, stopped: int) -> dict[int, dict]:
+        """After a call: its loads by layer {layer: {expert: (victims evicted for it, its weights, its table row)}},
+        for the
+        books of the layer steps it ran (`ExpertStore.table_step`); the loads and evictions of the layer it
+        stopped at (a read that failed after others) are stored now."""
+        st, log, store = self.state, self.log, self.store
+        by_layer: dict[int, dict] = {}
+        victims: list[Key] = []
+        for j in range(st[LOG]):
+            layer, e, b = log[3 * j], log[3 * j + 1], log[3 * j + 2]
+            if b < 0:
+                victims.append(Key(layer, e))
+                continue
+            lay, buf = self.layers[layer], self._free[b]
+            base = buf.data_ptr()
+            row = tuple(base + o if o >= 0 else 0 for o in lay.row)  # what the call wrote
+            by_layer.setdefault(layer, {})[e] = (victims, store.source._views(buf, lay.span), row)
+            victims = []
+        del self._free[st[FREE]:]  # the buffers the loads took (from the end)
+        if st[READ_NS]:
+            store.stalled(st[READ_NS] / 1e9)
+        if victims or stopped in by_layer:
+            store.table_step(stopped, None, by_layer.pop(stopped, {}), victims)
+        return by_layer
