@@ -145,3 +145,15 @@ def test_a_bad_scale_byte_read_in_the_call_is_named_by_the_store(tiny_k3_dir, co
     msg = str(err.value)
     assert any(loads) and "layer 1 expert" in msg and "NaN scale bytes" in msg and info.file.name in msg
     assert not any(Key(1, e) in store.fast for e in bad)
+
+
+def test_a_store_that_keeps_nothing_reads_each_steps_experts_in_the_call(tiny_k3_dir, half, monkeypatch):
+    """--expert-policy none: the call reads every routed expert into a buffer for its layer and gives it back
+    (its table is empty again after each layer): the forward's logits, one call a step, and the same misses and
+    disk reads as the store's own fetches, nothing kept."""
+    want, _, _, _ = _decode(tiny_k3_dir, half, policy="none", native=False)
+    got, store, model, calls = _decode(tiny_k3_dir, half, policy="none")
+    _, fetched, _, stopping = _decode(tiny_k3_dir, half, policy="none", in_call=False, monkeypatch=monkeypatch)
+    assert torch.equal(got, want) and calls < 1.5 < stopping
+    assert _books(store) == _books(fetched) and store.stats.hits == 0 and len(store.fast) == 0
+    assert all(not moe.resident_table().rows.any() for moe in model.moe_blocks())

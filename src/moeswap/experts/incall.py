@@ -11,8 +11,9 @@ its own fetches would have kept: with LRU the same hits, misses, evictions and r
 (tests/engine/test_incall_loads.py); other policies rank the offered victims as they stood when the call
 began (one the call used is never evicted by it), where a fetch re-ranks after every access.
 
-Applies to a store whose fast tier keeps experts on the CPU as their stored bytes, read straight from the
-checkpoint (no host tier, no trace; hybrid experts only for steps they send to the fast tier), where each expert of a layer is one span of one file
+Applies to a store whose fast tier keeps experts on the CPU as their stored bytes (or keeps none: then the call
+reads each step's experts into buffers it gives back after the layer, as the store's fetch reads them), read
+straight from the checkpoint (no host tier, no trace; hybrid experts only for steps they send to the fast tier), where each expert of a layer is one span of one file
 laid out like the others. The call still stops, as before, when it runs out of offered victims, free buffers
 or log, or a read fails or finds a bad scale byte (the store's own load then names the expert and the file).
 Entry point: `InCallLoads.build(store, rows)` (None where it does not apply), `offer(B)` before each call,
@@ -30,7 +31,7 @@ from moeswap.experts.reads import _job, native_library, read_now
 
 _i64 = ctypes.c_int64
 # load_state's entries (csrc/decode_step.c LS_*)
-ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS = range(7)
+ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS, KEEP = range(8)
 SPARE_BYTES = 64 << 20  # free read buffers kept for the call beyond two layer steps' worth
 
 
@@ -47,7 +48,7 @@ class InCallLoads:
         self.store, self.layers, self.rows = store, layers, rows
         self.nbytes = next(iter(layers.values())).span.end - next(iter(layers.values())).span.start
         self.topk = topk
-        self.state = (_i64 * 7)()
+        self.state = (_i64 * 8)()
         self._B = 0
         self._free: list[torch.Tensor] = []  # free read buffers handed to the call, taken from the end
 
@@ -56,7 +57,7 @@ class InCallLoads:
         """For `store`'s MoE layers `rows` {layer: (its decode_layer row, its resident table)}, or None where the
         store cannot take in-call loads."""
         src = getattr(store, "source", None)
-        if (not hasattr(store, "table_step") or len(store.tiers) != 2 or not store.fast.capacity
+        if (not hasattr(store, "table_step") or len(store.tiers) != 2
                 or store.fast.device.type != "cpu" or not store.can_evict or store.trace is not None or not hasattr(src, "_span") or native_library() is None):
             return None
         layers, nbytes = {}, None
@@ -125,10 +126,11 @@ class InCallLoads:
             del self._free[self.keep:]
         store, st = self.store, self.state
         hybrid = store.hybrid
+        st[KEEP] = int(store.fast.capacity > 0)
         if hybrid is not None and hybrid.on_cpu(B):
             st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = 0
             return
-        free, victims = store.offer(self.cap)
+        free, victims = store.offer(self.cap) if store.fast.capacity else (0, [])
         cost = store.fast.cost
         flat = []
         for k in victims:
@@ -142,8 +144,8 @@ class InCallLoads:
             free, len(self._free), len(victims), 0, 0, 2 * self.cap, 0)
 
     def books(self, stopped: int) -> dict[int, dict]:
-        """After a call: its loads by layer {layer: {expert: (victims evicted for it, its weights, its table row)}},
-        for the
+        """After a call: its loads by layer {layer: {expert: (victims evicted for it, its weights, its table row)}}
+        (weights None: read for that step only), for the
         books of the layer steps it ran (`ExpertStore.table_step`); the loads and evictions of the layer it
         stopped at (a read that failed after others) are stored now."""
         st, log, store = self.state, self.log, self.store
@@ -151,6 +153,9 @@ class InCallLoads:
         victims: list[Key] = []
         for j in range(st[LOG]):
             layer, e, b = log[3 * j], log[3 * j + 1], log[3 * j + 2]
+            if b == -2:  # read for this step only (a store that keeps nothing)
+                by_layer.setdefault(layer, {})[e] = ([], None, None)
+                continue
             if b < 0:
                 victims.append(Key(layer, e))
                 continue
@@ -159,7 +164,7 @@ class InCallLoads:
             row = tuple(base + o if o >= 0 else 0 for o in lay.row)  # what the call wrote
             by_layer.setdefault(layer, {})[e] = (victims, store.source._views(buf, lay.span), row)
             victims = []
-        del self._free[st[FREE]:]  # the buffers the loads took (from the end)
+        del self._free[st[FREE]:]  # the buffers the loads kept (taken from the end)
         if st[READ_NS]:
             store.stalled(st[READ_NS] / 1e9)
         if victims or stopped in by_layer:

@@ -207,7 +207,7 @@ class ExpertStore:
                    ) -> None:
         """The books of a layer step that a caller ran from `layer`'s mirror table after loading what it lacked
         itself (`offer`): loads {expert: (victims evicted for it, in order; its weights; its mirror table row,
-        as the caller wrote it)}. The same books as this step's fetch: hits, misses, evictions, the policy's, in
+        as the caller wrote it)}, weights None for one read for this step only (a fast tier of capacity 0). The same books as this step's fetch: hits, misses, evictions, the policy's, in
         the fetch's order (ascending ids). expert_ids None: only store the loads (the caller stopped there and
         will fetch the step); `evicted`: victims it evicted for a load that failed."""
         ids = sorted(loads) if expert_ids is None else [int(e) for e in expert_ids]
@@ -235,6 +235,9 @@ class ExpertStore:
                     self.stats.fast.misses += 1
                 self.stats.disk_reads += 1
                 self.stats.disk_bytes += self.source.stored_bytes(key)
+                if w is None:  # read for this step only: the fast tier keeps nothing
+                    policy.record(key)
+                    continue
                 self.fast.put(key, w)
                 policy.insert(key)
                 if mirror is not None:

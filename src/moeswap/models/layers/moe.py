@@ -307,13 +307,14 @@ class MoE(nn.Module):
 
     def resident_table(self) -> _ResidentTable | None:
         """The layer's table of the experts its store's fast tier holds, where decode steps may use it: a
-        store that mirrors its fast tier into it (ExpertStore.mirror) and keeps some experts there, records
-        no trace (a trace wants every fetch), experts on the grouped CPU kernel. (Anything that would change
+        store that mirrors its fast tier into it (ExpertStore.mirror; a tier that keeps nothing has an empty
+        table, which the native step's in-call loads fill for one step), records no trace (a trace wants every
+        fetch), experts on the grouped CPU kernel. (Anything that would change
         what an expert computes, such as an attached expert LoRA or trainable experts, takes no table; served
         adapters' rows must take the fetch path.)"""
         s = self.store
         fast = getattr(s, "fast", None)
-        if (not hasattr(s, "mirror") or fast is None or not fast.capacity or fast.device.type != "cpu"
+        if (not hasattr(s, "mirror") or fast is None or fast.device.type != "cpu"
                 or s.trace is not None or expert_mxfp4.grouped() is None
                 or "expert_lora" in self._modules or "experts" in self._modules):
             return None

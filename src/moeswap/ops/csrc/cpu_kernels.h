@@ -102,11 +102,12 @@
      * stopping, where load_at is set: load_at [E, 2] each expert's (file descriptor, offset) of its bytes,     \
      * load_job an msw_job (expert_read.h) with their length and scale-byte checks filled in, load_row the six  \
      * table entries' offsets into those bytes (-1: a zero entry), load_cost the fast-tier bytes one takes.      \
-     * Shared by the call's layers (NULL: no loads): load_state [7] = fast-tier bytes free, free buffers,       \
-     * victims offered, next victim, log entries, log capacity, nanoseconds spent reading (in and out);         \
+     * Shared by the call's layers (NULL: no loads): load_state [8] = fast-tier bytes free, free buffers,       \
+     * victims offered, next victim, log entries, log capacity, nanoseconds spent reading (in and out), keep   \
+     * (0: the store keeps nothing, each load's row and buffer are given back after its layer);               \
      * load_buffers [free buffers] their addresses, taken from the end; load_victims [offered, 4] (layer,       \
      * expert, cost, state: 0 evictable, 1 used by this call, 2 evicted) coldest first; load_log [capacity, 3]  \
-     * (layer, expert, index in load_buffers) of a load, (layer, expert, -1) of an eviction, in order */        \
+     * (layer, expert, index in load_buffers or -2 not kept) of a load, (layer, expert, -1) of an eviction */   \
     FIELD(const int64_t *, load_at, )                                                                         \
     FIELD(const void *, load_job, )                                                                           \
     FIELD(int64_t, load_row, [6])                                                                             \

@@ -130,7 +130,7 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
  * A layer step's experts missing from its table are read here, in ascending expert order (as the store's
  * fetch takes them), each after evicting the offered victims it needs room from: the coldest first, passing
  * over any expert this call has used (routed to), which the store's policy would have made recent. */
-enum { LS_ROOM, LS_FREE, LS_VICTIMS, LS_NEXT, LS_LOG, LS_LOG_CAP, LS_READ_NS };
+enum { LS_ROOM, LS_FREE, LS_VICTIMS, LS_NEXT, LS_LOG, LS_LOG_CAP, LS_READ_NS, LS_KEEP };
 
 /* Marks the offered victims of `layer` among ids [n] as used by this call (never evicted by it). */
 static void mark_used(const decode_layer *l, int64_t layer, const int64_t *ids, int64_t n) {
@@ -157,17 +157,20 @@ static int64_t sorted_unique(const int64_t *ids, int64_t n, int64_t *out) {
 
 /* Layer `layer`'s missing experts among its step's distinct ids [m]: with apply 0, whether the offered
  * victims, free buffers and log can take them all (nothing changes); with apply 1, the evictions and reads
- * (rows of evicted experts cleared in their layers' tables, rows of loaded ones written). Returns 0, or 4:
- * the caller stops there and the store loads them (it also names a read that fails or a bad scale byte). */
+ * (rows of evicted experts cleared in their layers' tables, rows of loaded ones written). A store that keeps
+ * nothing (LS_KEEP 0) evicts nothing: its loads are logged with buffer -2 and given back after the layer
+ * (ffn_block). Returns 0, or 4: the caller stops there and the store loads them (it also names a read that
+ * fails or a bad scale byte). */
 static int load_missing(const decode_layer *layers, int64_t layer, const int64_t *ids, int64_t m, int apply) {
     const decode_layer *l = layers + layer;
     int64_t *st = l->load_state, *v = l->load_victims, *log = l->load_log;
     int64_t *table = (int64_t *)l->table; /* the store's table, which the store writes the same way */
     int64_t room = st[LS_ROOM], free_n = st[LS_FREE], next = st[LS_NEXT], n_log = st[LS_LOG];
+    const int keep = st[LS_KEEP] != 0;
     for (int64_t k = 0; k < m; k++) {
         const int64_t e = ids[k];
         if (table[6 * e]) continue;
-        while (room < l->load_cost) {
+        while (keep && room < l->load_cost) {
             while (next < st[LS_VICTIMS] && v[4 * next + 3]) next++;
             if (next >= st[LS_VICTIMS] || n_log >= st[LS_LOG_CAP]) return 4;
             if (apply) {
@@ -195,7 +198,7 @@ static int load_missing(const decode_layer *layers, int64_t layer, const int64_t
                 return 4;
             }
             for (int j = 0; j < 6; j++) table[6 * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
-            log[3 * n_log] = layer, log[3 * n_log + 1] = e, log[3 * n_log + 2] = free_n;
+            log[3 * n_log] = layer, log[3 * n_log + 1] = e, log[3 * n_log + 2] = keep ? free_n : -2;
             st[LS_ROOM] = room - l->load_cost, st[LS_FREE] = free_n, st[LS_NEXT] = next, st[LS_LOG] = n_log + 1;
         }
         room -= l->load_cost;
@@ -223,15 +226,16 @@ static int ffn_block(int bf16_in, const decode_layer *layers, int64_t layer, con
         status = moeswap_route(xn, N, D, l->router, l->E, l->router_bias, l->topk, (int)l->softmax, (int)l->renorm,
                                (float)l->route_scale, l->groups, l->topk_group, ids, w, nt);
     if (!status && l->chosen) memcpy(l->chosen, ids, (size_t)(N * l->topk) * sizeof(int64_t));
+    int64_t *distinct = NULL, m = 0, free_before = 0, log_before = 0; /* for in-call loads */
     if (!status && l->load_state) {
         mark_used(l, layer, ids, N * l->topk);
-        int64_t *distinct = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
+        distinct = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
         if (!distinct) status = 2;
         else {
-            int64_t m = sorted_unique(ids, N * l->topk, distinct);
+            m = sorted_unique(ids, N * l->topk, distinct);
+            free_before = l->load_state[LS_FREE], log_before = l->load_state[LS_LOG];
             status = l->load_at ? load_missing(layers, layer, distinct, m, 0) : 0;
             if (!status && l->load_at) status = load_missing(layers, layer, distinct, m, 1);
-            free(distinct);
         }
     }
     if (!status && l->lat_down)
@@ -240,6 +244,13 @@ static int ffn_block(int bf16_in, const decode_layer *layers, int64_t layer, con
     else if (!status)
         status = moeswap_moe_resident((int)l->format, xn, N, D, l->F, l->E, l->table, ids, w, l->topk, act, b1, b2,
                                       routed, nt, used);
+    if (distinct && !l->load_state[LS_KEEP]) { /* a store that keeps nothing: this layer's loads given back */
+        const int64_t *log = l->load_log;
+        for (int64_t j = log_before; j < l->load_state[LS_LOG]; j++)
+            if (log[3 * j + 2] == -2) memset((int64_t *)l->table + 6 * log[3 * j + 1], 0, 6 * sizeof(int64_t));
+        l->load_state[LS_FREE] = free_before;
+    }
+    free(distinct);
     if (!status && l->w_gu)
         status = layer_mlp(bf16_in, l, xn, N, D, act, b1, b2, shared, nt);
     if (!status)
