@@ -131,10 +131,11 @@ class InCallLoads:
             st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = 0
             return
         free, victims = store.offer(self.cap) if store.fast.capacity else (0, [])
-        cost = store.fast.cost
+        cost, layers = store.fast.cost, self.layers
         flat = []
-        for k in victims:
-            flat += (k.layer, k.expert, cost(k), 0)
+        for k in victims:  # (a layer's experts all cost the same: its load_cost)
+            lay = layers.get(k.layer)
+            flat += (k.layer, k.expert, lay.cost if lay is not None else cost(k), 0)
         self.victims[:len(flat)] = flat
         take = store.source.buffers.take
         while len(self._free) < self.keep:
