@@ -16,6 +16,7 @@ from moeswap.experts.keys import Key
 from moeswap.formats.checkpoint import CheckpointError
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
+from moeswap.ops.expert import tensors
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernel() is None, reason="no CPU kernel")
 
@@ -39,7 +40,9 @@ def _books(store):
 
 
 def _check_tables(model, store) -> None:
-    """Every MoE layer's table holds exactly the tier's experts of that layer, each row as the kernel takes it."""
+    """Every MoE layer's table holds exactly the tier's experts of that layer, each row as the kernel takes it,
+    and every expert in the tier holds its own bytes (as the checkpoint has them: a load may have taken over an
+    evicted expert's buffer and weights object)."""
     assert store.fast.used <= store.fast.capacity
     for moe in model.moe_blocks():
         table = moe.resident_table()
@@ -48,6 +51,9 @@ def _check_tables(model, store) -> None:
         for e in range(moe.num_experts):
             want = [0] * 6 if e not in held else list(cpu_kernels.resident_row(held[e], table.I, table.kind)[1])
             assert table.rows[e].tolist() == want, (moe.layer_idx, e)
+        for e, w in held.items():
+            fresh = store.source.get(Key(moe.layer_idx, e))
+            assert all(torch.equal(a, b) for a, b in zip(tensors(w).values(), tensors(fresh).values())), e
 
 
 def _decode(path, budget, policy="lru", steps=8, batch=1, in_call=True, native=True, monkeypatch=None, **options):
@@ -86,6 +92,38 @@ def test_lru_loads_in_the_call_with_the_stores_own_books(tiny_k3_dir, half, monk
     assert store.stats.fast.evictions > 0 and store.stats.misses > 0
     assert calls < 1.5 < stopping  # (the call stops only when it runs out of what it was offered)
     assert _books(store) == _books(fetched)
+    _check_tables(model, store)
+
+
+def test_a_load_takes_over_an_evicted_experts_buffer_only_when_nothing_else_holds_it(tiny_k3_dir, half,
+                                                                                      monkeypatch):
+    """A load reads into the buffer of a victim it evicted, reusing its weights object, where the tier and its
+    table were all that held it; an expert someone else keeps (here: this test) keeps its bytes: its buffer is
+    never read into."""
+    reused, real = [], incall.InCallLoads.books
+
+    def books(self, stopped):
+        reused.append(sum(self.log[3 * j + 2] <= -3 for j in range(self.state[incall.LOG])))
+        return real(self, stopped)
+
+    monkeypatch.setattr(incall.InCallLoads, "books", books)
+    model, store = load_model(tiny_k3_dir, LoadOptions(expert_memory=half, expert_policy="lru"))
+    fuse_projections(model)
+    step, state = NativeDecode(model), model.make_state(1)
+    with torch.inference_mode():
+        tokens = model(_prompts(1), state)[:, -1:].argmax(-1)
+        for _ in range(4):
+            tokens = step(tokens, state)[:, -1:].argmax(-1)
+        assert sum(reused) > 0  # buffers taken over while nothing else held them
+        kept = {k: store.fast.get(k) for k in store.fast.keys()}
+        before = {k: [t.clone() for t in tensors(w).values()] for k, w in kept.items()}
+        evictions = store.stats.fast.evictions
+        for _ in range(8):
+            tokens = step(tokens, state)[:, -1:].argmax(-1)
+    store.close()
+    assert store.stats.fast.evictions > evictions and any(k not in store.fast for k in kept)
+    for k, w in kept.items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors(w).values(), before[k])), k
     _check_tables(model, store)
 
 

@@ -53,9 +53,10 @@ def test_the_header_parses_into_every_function_and_field():
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
         ctypes.c_float, ctypes.c_int])
     fields = dict(abi.layer_fields)
-    assert len(fields) == 64 and fields["s_in"] is ctypes.c_void_p and fields["off"] == ctypes.c_int64 * 6 and fields["lower"] is ctypes.c_double
+    assert len(fields) == 72 and fields["s_in"] is ctypes.c_void_p and fields["off"] == ctypes.c_int64 * 6 and fields["lower"] is ctypes.c_double
     assert fields["table"] is ctypes.c_void_p and fields["stop"] is ctypes.c_int64 and fields["chosen"] is ctypes.c_void_p
     assert fields["rope_cos"] is ctypes.c_void_p and fields["rope_interleave"] is ctypes.c_int64
+    assert fields["load_row"] == ctypes.c_int64 * 6 and fields["load_log"] is ctypes.c_void_p
 
 
 def _edited(old: str, new: str) -> str:

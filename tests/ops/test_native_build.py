@@ -142,4 +142,4 @@ def test_the_kernels_build_from_every_source_and_header_of_csrc(monkeypatch):
     name, sources, headers, flags = calls[0]
     assert name == "cpu_kernels" and flags == ("-march=x86-64",)
     assert {p.name for p in sources} == {p.name for p in cpu_kernels.CSRC.glob("*.c")} and len(sources) >= 8
-    assert {p.name for p in headers} == {"cpu_kernels.h", "internal.h"}
+    assert {p.name for p in headers} == {"cpu_kernels.h", "internal.h", "expert_read.h"}

@@ -19,7 +19,7 @@ import threading
 import torch
 
 
-def _storage_users(t: torch.Tensor) -> int:
+def storage_users(t: torch.Tensor) -> int:
     """References to t's storage: 2 when only t holds it (t, and the temporary this call makes)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
@@ -41,16 +41,16 @@ class BufferPool:
             mine = None
             while self._evicted and mine is None:
                 b = self._evicted.popleft()
-                if b.numel() == nbytes and _storage_users(b) == 2 and self._buffers.get(b.data_ptr()) is b:
+                if b.numel() == nbytes and storage_users(b) == 2 and self._buffers.get(b.data_ptr()) is b:
                     mine = b
             if mine is None:
-                mine = next((b for b in self._buffers.values() if b.numel() == nbytes and _storage_users(b) == 2),
+                mine = next((b for b in self._buffers.values() if b.numel() == nbytes and storage_users(b) == 2),
                             None)
             if mine is not None:
                 self.reused += 1
                 return mine.view(-1)  # a new tensor on the storage: holding it counts as a use
             # about to grow: first release spare buffers beyond the allowance, oldest first
-            free = [b for b in self._buffers.values() if _storage_users(b) == 2]
+            free = [b for b in self._buffers.values() if storage_users(b) == 2]
             spare = sum(b.numel() for b in free)
             for b in free:
                 if spare <= self.spare_bytes:

@@ -23,16 +23,23 @@ Entry point: `InCallLoads.build(store, rows)` (None where it does not apply), `o
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 
+from moeswap.experts.buffers import storage_users
 from moeswap.experts.keys import Key
 from moeswap.experts.reads import _job, native_library, read_now
+from moeswap.ops.expert import tensors
 
 _i64 = ctypes.c_int64
 # load_state's entries (csrc/decode_step.c LS_*)
 ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS, KEEP = range(8)
 SPARE_BYTES = 64 << 20  # free read buffers kept for the call beyond two layer steps' worth
+VICTIM = 5  # a load_victims entry: layer, expert, cost, state, the buffer a load may read into (0: none)
+# what holds an expert nothing else uses: the fast tier and its layer's table, and here the local name and
+# getrefcount's argument; its buffer's storage: the read-buffer pool, its views, storage_users' own
+_SOLE_REFS = 4
 
 
 class _LayerLoads:
@@ -51,6 +58,9 @@ class InCallLoads:
         self.state = (_i64 * 8)()
         self._B = 0
         self._free: list[torch.Tensor] = []  # free read buffers handed to the call, taken from the end
+        self._offered: list = []  # the offered victims' weights, where a load may take over their buffer
+        # a victim's weights (views of its buffer) serve any load layer's expert only when they are laid out alike
+        self.reuse = len({lay.span.layout for lay in layers.values()}) == 1
 
     @classmethod
     def build(cls, store, rows: dict) -> InCallLoads | None:
@@ -117,7 +127,7 @@ class InCallLoads:
             self._B = B
             self.cap = B * self.topk * len(self.layers)
             self.keep = min(self.cap, max(2 * B * self.topk, SPARE_BYTES // self.nbytes))
-            self.victims = (_i64 * (4 * self.cap))()
+            self.victims = (_i64 * (VICTIM * self.cap))()
             self.buffers = (_i64 * self.keep)()
             self.log = (_i64 * (3 * 2 * self.cap))()
             for t in self.rows.values():
@@ -131,12 +141,21 @@ class InCallLoads:
             st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = 0
             return
         free, victims = store.offer(self.cap) if store.fast.capacity else (0, [])
-        cost, layers = store.fast.cost, self.layers
+        cost, layers, get, offered = store.fast.cost, self.layers, store.fast.get, []
         flat = []
         for k in victims:  # (a layer's experts all cost the same: its load_cost)
             lay = layers.get(k.layer)
-            flat += (k.layer, k.expert, lay.cost if lay is not None else cost(k), 0)
+            w = get(k) if self.reuse and lay is not None else None
+            buffer = 0
+            if w is not None and sys.getrefcount(w) == _SOLE_REFS:
+                held = tensors(w)
+                first = next(iter(held.values()))
+                if storage_users(first) == len(held) + 2:  # no one else has a view of its buffer either
+                    buffer = first.untyped_storage().data_ptr()
+            offered.append(w if buffer else None)
+            flat += (k.layer, k.expert, lay.cost if lay is not None else cost(k), 0, buffer)
         self.victims[:len(flat)] = flat
+        self._offered = offered
         take = store.source.buffers.take
         while len(self._free) < self.keep:
             self._free.append(take(self.nbytes))
@@ -157,15 +176,21 @@ class InCallLoads:
             if b == -2:  # read for this step only (a store that keeps nothing)
                 by_layer.setdefault(layer, {})[e] = ([], None, None)
                 continue
-            if b < 0:
+            if b == -1:
                 victims.append(Key(layer, e))
                 continue
-            lay, buf = self.layers[layer], self._free[b]
-            base = buf.data_ptr()
+            lay = self.layers[layer]
+            if b >= 0:  # into a free buffer: its views made here
+                buf = self._free[b]
+                w, base = store.source._views(buf, lay.span), buf.data_ptr()
+            else:  # into an evicted victim's buffer: its weights object (views of that buffer) serves this one
+                w = self._offered[-3 - b]
+                base = self.victims[VICTIM * (-3 - b) + 4]
             row = tuple(base + o if o >= 0 else 0 for o in lay.row)  # what the call wrote
-            by_layer.setdefault(layer, {})[e] = (victims, store.source._views(buf, lay.span), row)
+            by_layer.setdefault(layer, {})[e] = (victims, w, row)
             victims = []
         del self._free[st[FREE]:]  # the buffers the loads kept (taken from the end)
+        self._offered = []  # (an evicted victim's weights must not outlive the store's books here)
         if st[READ_NS]:
             store.stalled(st[READ_NS] / 1e9)
         if victims or stopped in by_layer:

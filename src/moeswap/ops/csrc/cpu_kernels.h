@@ -105,9 +105,11 @@
      * Shared by the call's layers (NULL: no loads): load_state [8] = fast-tier bytes free, free buffers,       \
      * victims offered, next victim, log entries, log capacity, nanoseconds spent reading (in and out), keep   \
      * (0: the store keeps nothing, each load's row and buffer are given back after its layer);               \
-     * load_buffers [free buffers] their addresses, taken from the end; load_victims [offered, 4] (layer,       \
-     * expert, cost, state: 0 evictable, 1 used by this call, 2 evicted) coldest first; load_log [capacity, 3]  \
-     * (layer, expert, index in load_buffers or -2 not kept) of a load, (layer, expert, -1) of an eviction */   \
+     * load_buffers [free buffers] their addresses, taken from the end; load_victims [offered, 5] (layer,       \
+     * expert, cost, state: 0 evictable, 1 used by this call, 2 evicted; its buffer, which a load may read      \
+     * into once it is evicted, or 0) coldest first; load_log [capacity, 3] (layer, expert, index in            \
+     * load_buffers, -2 not kept, or -3 - the victim whose buffer it took) of a load, (layer, expert, -1) of    \
+     * an eviction, in order */                                                                                \
     FIELD(const int64_t *, load_at, )                                                                         \
     FIELD(const void *, load_job, )                                                                           \
     FIELD(int64_t, load_row, [6])                                                                             \

@@ -132,13 +132,15 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
  * over any expert this call has used (routed to), which the store's policy would have made recent. */
 enum { LS_ROOM, LS_FREE, LS_VICTIMS, LS_NEXT, LS_LOG, LS_LOG_CAP, LS_READ_NS, LS_KEEP };
 
+#define VICTIM 5 /* a load_victims entry: layer, expert, cost, state, buffer this load may take (0: none) */
+
 /* Marks the offered victims of `layer` among ids [n] as used by this call (never evicted by it). */
 static void mark_used(const decode_layer *l, int64_t layer, const int64_t *ids, int64_t n) {
     int64_t *v = l->load_victims;
     for (int64_t j = 0; j < l->load_state[LS_VICTIMS]; j++)
-        if (v[4 * j] == layer && v[4 * j + 3] == 0)
+        if (v[VICTIM * j] == layer && v[VICTIM * j + 3] == 0)
             for (int64_t k = 0; k < n; k++)
-                if (ids[k] == v[4 * j + 1]) { v[4 * j + 3] = 1; break; }
+                if (ids[k] == v[VICTIM * j + 1]) { v[VICTIM * j + 3] = 1; break; }
 }
 
 /* The distinct ids [n] ascending into out; returns how many. */
@@ -157,10 +159,12 @@ static int64_t sorted_unique(const int64_t *ids, int64_t n, int64_t *out) {
 
 /* Layer `layer`'s missing experts among its step's distinct ids [m]: with apply 0, whether the offered
  * victims, free buffers and log can take them all (nothing changes); with apply 1, the evictions and reads
- * (rows of evicted experts cleared in their layers' tables, rows of loaded ones written). A store that keeps
- * nothing (LS_KEEP 0) evicts nothing: its loads are logged with buffer -2 and given back after the layer
- * (ffn_block). Returns 0, or 4: the caller stops there and the store loads them (it also names a read that
- * fails or a bad scale byte). */
+ * (rows of evicted experts cleared in their layers' tables, rows of loaded ones written). A load reads into
+ * the buffer of the first victim it evicted that the store marked as held by nothing else (logged as buffer
+ * -3 - that victim's index: the store gives its weights object, views of that buffer, to the new expert), or
+ * else into a free buffer. A store that keeps nothing (LS_KEEP 0) evicts nothing: its loads are logged with
+ * buffer -2 and given back after the layer (ffn_block). Returns 0, or 4: the caller stops there and the
+ * store loads them (it also names a read that fails or a bad scale byte). */
 static int load_missing(const decode_layer *layers, int64_t layer, const int64_t *ids, int64_t m, int apply) {
     const decode_layer *l = layers + layer;
     int64_t *st = l->load_state, *v = l->load_victims, *log = l->load_log;
@@ -170,35 +174,46 @@ static int load_missing(const decode_layer *layers, int64_t layer, const int64_t
     for (int64_t k = 0; k < m; k++) {
         const int64_t e = ids[k];
         if (table[6 * e]) continue;
+        int64_t reuse = -1;
         while (keep && room < l->load_cost) {
-            while (next < st[LS_VICTIMS] && v[4 * next + 3]) next++;
+            while (next < st[LS_VICTIMS] && v[VICTIM * next + 3]) next++;
             if (next >= st[LS_VICTIMS] || n_log >= st[LS_LOG_CAP]) return 4;
+            int64_t *gone = v + VICTIM * next;
             if (apply) {
-                int64_t *gone = (int64_t *)layers[v[4 * next]].table;
-                if (gone) memset(gone + 6 * v[4 * next + 1], 0, 6 * sizeof(int64_t));
-                v[4 * next + 3] = 2;
-                log[3 * n_log] = v[4 * next], log[3 * n_log + 1] = v[4 * next + 1], log[3 * n_log + 2] = -1;
+                int64_t *rows = (int64_t *)layers[gone[0]].table;
+                if (rows) memset(rows + 6 * gone[1], 0, 6 * sizeof(int64_t));
+                gone[3] = 2;
+                log[3 * n_log] = gone[0], log[3 * n_log + 1] = gone[1], log[3 * n_log + 2] = -1;
             }
-            room += v[4 * next + 2];
+            if (reuse < 0 && gone[4]) reuse = next;
+            room += gone[2];
             n_log++, next++;
         }
-        if (!free_n || n_log >= st[LS_LOG_CAP]) return 4;
-        free_n--;
+        if ((reuse < 0 && !free_n) || n_log >= st[LS_LOG_CAP]) return 4;
+        unsigned char *dst;
+        int64_t b;
+        if (reuse >= 0) {
+            dst = (unsigned char *)(intptr_t)v[VICTIM * reuse + 4];
+            b = -3 - reuse;
+        } else {
+            free_n--;
+            dst = (unsigned char *)(intptr_t)l->load_buffers[free_n];
+            b = keep ? free_n : -2;
+        }
         if (apply) {
             msw_job job = *(const msw_job *)l->load_job;
-            unsigned char *dst = (unsigned char *)(intptr_t)l->load_buffers[free_n];
             job.fd = l->load_at[2 * e], job.offset = l->load_at[2 * e + 1], job.dst = dst;
             struct timespec t0, t1;
             clock_gettime(CLOCK_MONOTONIC, &t0);
             int error = msw_read_and_check(&job);
             clock_gettime(CLOCK_MONOTONIC, &t1);
             st[LS_READ_NS] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
-            if (error || job.bad) { /* the buffer goes back; the evictions so far stand (logged) */
+            if (error || job.bad) { /* a free buffer goes back; the evictions so far stand (logged) */
                 st[LS_ROOM] = room, st[LS_NEXT] = next, st[LS_LOG] = n_log;
                 return 4;
             }
             for (int j = 0; j < 6; j++) table[6 * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
-            log[3 * n_log] = layer, log[3 * n_log + 1] = e, log[3 * n_log + 2] = keep ? free_n : -2;
+            log[3 * n_log] = layer, log[3 * n_log + 1] = e, log[3 * n_log + 2] = b;
             st[LS_ROOM] = room - l->load_cost, st[LS_FREE] = free_n, st[LS_NEXT] = next, st[LS_LOG] = n_log + 1;
         }
         room -= l->load_cost;
