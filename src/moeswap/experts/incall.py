@@ -36,6 +36,7 @@ _i64 = ctypes.c_int64
 # load_state's entries (csrc/decode_step.c LS_*)
 ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS, KEEP = range(8)
 SPARE_BYTES = 64 << 20  # free read buffers kept for the call beyond two layer steps' worth
+MAX_VICTIM_LAYERS = 8
 VICTIM = 5  # a load_victims entry: layer, expert, cost, state, the buffer a load may read into (0: none)
 # what holds an expert nothing else uses: the fast tier and its layer's table, and here the local name and
 # getrefcount's argument; its buffer's storage: the read-buffer pool, its views, storage_users' own
@@ -127,7 +128,10 @@ class InCallLoads:
             self._B = B
             self.cap = B * self.topk * len(self.layers)
             self.keep = min(self.cap, max(2 * B * self.topk, SPARE_BYTES // self.nbytes))
-            self.victims = (_i64 * (VICTIM * self.cap))()
+            # victims offered: eight layer steps' worth at most (each offer walks the policy's heap: with
+            # K3's 60 layers and 32 sequences every expert of a step could miss, 30k of them)
+            self.n_victims = min(self.cap, MAX_VICTIM_LAYERS * B * self.topk)
+            self.victims = (_i64 * (VICTIM * self.n_victims))()
             self.buffers = (_i64 * self.keep)()
             self.log = (_i64 * (3 * 2 * self.cap))()
             for t in self.rows.values():
@@ -140,7 +144,7 @@ class InCallLoads:
         if hybrid is not None and hybrid.on_cpu(B):
             st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = 0
             return
-        free, victims = store.offer(self.cap) if store.fast.capacity else (0, [])
+        free, victims = store.offer(self.n_victims) if store.fast.capacity else (0, [])
         cost, layers, get, offered = store.fast.cost, self.layers, store.fast.get, []
         flat = []
         for k in victims:  # (a layer's experts all cost the same: its load_cost)
