@@ -29,7 +29,7 @@ import torch
 
 from moeswap.experts.buffers import storage_users
 from moeswap.experts.keys import Key
-from moeswap.experts.reads import _job, native_library, read_now
+from moeswap.experts.reads import native_library, read_job, read_now
 from moeswap.ops.expert import tensors
 
 _i64 = ctypes.c_int64
@@ -38,8 +38,9 @@ ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS, KEEP = range(8)
 SPARE_BYTES = 64 << 20  # free read buffers kept for the call beyond two layer steps' worth
 MAX_VICTIM_LAYERS = 8
 VICTIM = 5  # a load_victims entry: layer, expert, cost, state, the buffer a load may read into (0: none)
-# what holds an expert nothing else uses: the fast tier and its layer's table, and here the local name and
-# getrefcount's argument; its buffer's storage: the read-buffer pool, its views, storage_users' own
+# references to an expert nothing else uses: the fast tier's and its layer's table's, and in `offer` the local
+# name and getrefcount's argument (its buffer's storage then has the pool's tensor, the expert's views and
+# storage_users' own: views + 2)
 _SOLE_REFS = 4
 
 
@@ -54,7 +55,8 @@ class _LayerLoads:
 class InCallLoads:
     def __init__(self, store, layers: dict[int, _LayerLoads], rows: dict, topk: int):
         self.store, self.layers, self.rows = store, layers, rows
-        self.nbytes = next(iter(layers.values())).span.end - next(iter(layers.values())).span.start
+        first = next(iter(layers.values())).span
+        self.nbytes = first.end - first.start  # every load layer's (build checks)
         self.topk = topk
         self.state = (_i64 * 8)()
         self._B = 0
@@ -68,8 +70,9 @@ class InCallLoads:
         """For `store`'s MoE layers `rows` {layer: (its decode_layer row, its resident table)}, or None where the
         store cannot take in-call loads."""
         src = getattr(store, "source", None)
-        if (not hasattr(store, "table_step") or len(store.tiers) != 2
-                or store.fast.device.type != "cpu" or not store.can_evict or store.trace is not None or not hasattr(src, "_span") or native_library() is None):
+        if (not hasattr(store, "table_step") or len(store.tiers) != 2 or store.fast.device.type != "cpu"
+                or not store.can_evict or store.trace is not None or not hasattr(src, "span")
+                or native_library() is None):  # (the reader library checked msw_job's layout)
             return None
         layers, nbytes = {}, None
         for i, (_, table) in rows.items():
@@ -90,15 +93,15 @@ class InCallLoads:
     def _layer(store, layer: int, table) -> _LayerLoads | None:
         """Layer `layer`'s load description, from a read of its expert 0 (the table takes its format from it)."""
         src, E = store.source, table.rows.shape[0]
-        span = src._span(Key(layer, 0))
+        span = src.span(Key(layer, 0))
         if span is None:
             return None
         n = span.end - span.start
         buf = src.buffers.take(n)
-        fd = src._fd(span.file)
+        fd = src.fd(span.file)
         if read_now(fd, span.start, buf, span.checks):
             return None  # a bad scale byte: the store's load will name it
-        w = src._views(buf, span)
+        w = src.views(buf, span)
         row = table.row(w) if store.fast.form(w) is w else None
         if row is None:
             return None
@@ -108,11 +111,11 @@ class InCallLoads:
             return None  # (a matrix outside the read bytes: a copy the table keeps)
         at = (_i64 * (2 * E))()
         for e in range(E):
-            s = src._span(Key(layer, e))
+            s = src.span(Key(layer, e))
             if s is None or s.layout != span.layout or s.end - s.start != n:
                 return None
-            at[2 * e], at[2 * e + 1] = src._fd(s.file), s.start
-        return _LayerLoads(at, _job(0, 0, buf, src.drop_page_cache, span.checks), offsets,
+            at[2 * e], at[2 * e + 1] = src.fd(s.file), s.start
+        return _LayerLoads(at, read_job(0, 0, buf, src.drop_page_cache, span.checks), offsets,
                            store.fast.cost(Key(layer, 0)), span)
 
     def clear(self) -> None:
@@ -186,7 +189,7 @@ class InCallLoads:
             lay = self.layers[layer]
             if b >= 0:  # into a free buffer: its views made here
                 buf = self._free[b]
-                w, base = store.source._views(buf, lay.span), buf.data_ptr()
+                w, base = store.source.views(buf, lay.span), buf.data_ptr()
             else:  # into an evicted victim's buffer: its weights object (views of that buffer) serves this one
                 w = self._offered[-3 - b]
                 base = self.victims[VICTIM * (-3 - b) + 4]

@@ -107,7 +107,9 @@ def native_library() -> _Native | None:
 _templates: dict[Checks, tuple[bytes, int]] = {}  # a job with these checks filled in, and their end
 
 
-def _job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None) -> _Job:
+def read_job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None) -> _Job:
+    """A job that fills `buf` from `offset` of `fd` and checks `checks` (what the reader threads, msw_read_now
+    and the native decode step's in-call loads run)."""
     nbytes = buf.numel()
     if checks is None:
         return _Job(fd, offset, nbytes, buf.data_ptr(), int(drop))
@@ -136,7 +138,7 @@ def read_now(fd: int, offset: int, buf: torch.Tensor, checks: Checks | None = No
     if lib is None:
         pread_exactly(fd, buf, offset)
         return None
-    job = _job(fd, offset, buf, False, checks)
+    job = read_job(fd, offset, buf, False, checks)
     error = lib.read_now(job)
     if error == -1:
         raise OSError(f"file shrank since open: expected {job.nbytes} bytes at offset {offset}")
@@ -204,7 +206,7 @@ class _NativeRead(Pending):
         if checks is not None and len(segments) != 1:
             raise ValueError("checked reads have one segment")
         self._checked = checks is not None
-        self._jobs = [_job(fd, offset, buf, drop, checks) for fd, offset, buf in segments]
+        self._jobs = [read_job(fd, offset, buf, drop, checks) for fd, offset, buf in segments]
         if submit:
             for job in self._jobs:
                 reads._lib.submit(reads._handle, job, int(urgent))

@@ -168,7 +168,7 @@ class CheckpointTier(Tier):
         self._stored: dict = {}  # key -> stored bytes (the disk counter's, asked on every read)
 
     def get(self, key: Key) -> Weights:
-        span = self._span(key)
+        span = self.span(key)
         if span is None:
             w, bad = load_expert(self.ckpt, self.index, key.layer, key.expert, self.dtype, decode=False), None
         else:
@@ -183,7 +183,7 @@ class CheckpointTier(Tier):
         """An expert kept as its bytes (MXFP4) in one span is read by the reader threads straight into a pooled
         buffer, and its scale bytes checked there; its views are made by whoever takes the result. Anything
         else loads whole on a thread."""
-        span = self._span(key)
+        span = self.span(key)
         if span is None:
             return super().start(key, reads, urgent)
         segments, finish, checks = self._read_job(key, span)
@@ -193,7 +193,7 @@ class CheckpointTier(Tier):
         """A layer step's reads: those of spans submitted to the reader threads in one call, in order."""
         jobs, where, out = [], [], []
         for key in keys:
-            span = self._span(key)
+            span = self.span(key)
             try:
                 if span is None:
                     out.append(super().start(key, reads, urgent))
@@ -210,7 +210,7 @@ class CheckpointTier(Tier):
     def _read_job(self, key: Key, span: _Span):
         """(segments, finish, checks) of one span's background read."""
         try:
-            fd = self._fd(span.file)
+            fd = self.fd(span.file)
         except OSError as err:
             raise CheckpointError(f"{key}: cannot open {span.file}: {err}") from err
         n = span.end - span.start
@@ -219,7 +219,7 @@ class CheckpointTier(Tier):
         def finish(error: OSError | None, bad: bool | None) -> Weights:
             if error is not None:
                 raise CheckpointError(f"{key}: cannot read its tensors from {span.file}: {error}") from error
-            w = self._views(buf, span)
+            w = self.views(buf, span)
             if bad is not False:  # not checked by the reader, or a bad byte: name the tensor
                 self._check(key, w)
             return w
@@ -244,7 +244,7 @@ class CheckpointTier(Tier):
     def _check(self, key: Key, w: Weights) -> None:
         check_expert(self.ckpt, self.index, key.layer, key.expert, w)
 
-    def _span(self, key: Key) -> _Span | None:
+    def span(self, key: Key) -> _Span | None:
         """Where the expert is kept as its stored bytes (MXFP4, block FP8, INT4) and its tensors sit together in
         one file (as published checkpoints store them): one pread into one buffer, which eviction returns whole."""
         if key in self._spans:
@@ -278,12 +278,13 @@ class CheckpointTier(Tier):
         """The expert read on this thread, and whether a checked byte is bad (None: not checked)."""
         buf = self.buffers.take(span.end - span.start)
         try:
-            bad = read_now(self._fd(span.file), span.start, buf, span.checks)
+            bad = read_now(self.fd(span.file), span.start, buf, span.checks)
         except OSError as err:
             raise CheckpointError(f"{key}: cannot read its tensors from {span.file}: {err}") from err
-        return self._views(buf, span), bad
+        return self.views(buf, span), bad
 
-    def _views(self, buf: torch.Tensor, span: _Span) -> Weights:
+    def views(self, buf: torch.Tensor, span: _Span) -> Weights:
+        """The expert `span` describes, as views of the read buffer `buf` that holds its bytes."""
         # one as_strided per tensor: a slice and a view cost twice as much, and this runs for every load
         base = buf.storage_offset()
         views = {name: _typed(buf.as_strided(shape, stride, base + o), dtype)
@@ -295,7 +296,7 @@ class CheckpointTier(Tier):
             self._checked_layouts.add(span.layout)
         return w
 
-    def _fd(self, file) -> int:
+    def fd(self, file) -> int:
         file = file if type(file) is str else str(file)  # one key per file, however it is named
         fd = self._fds.get(file)
         if fd is None:
@@ -309,7 +310,7 @@ class CheckpointTier(Tier):
         span = self._spans.get(key)
         if span:
             try:
-                os.posix_fadvise(self._fd(span.file), span.start, span.end - span.start, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self.fd(span.file), span.start, span.end - span.start, os.POSIX_FADV_DONTNEED)
             except (AttributeError, OSError):
                 pass
             return
@@ -317,7 +318,7 @@ class CheckpointTier(Tier):
             for name in kinds.values():
                 info = self.ckpt.info(name)
                 try:
-                    os.posix_fadvise(self._fd(info.file), info.offset, info.nbytes, os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(self.fd(info.file), info.offset, info.nbytes, os.POSIX_FADV_DONTNEED)
                 except (AttributeError, OSError):
                     return  # not available here: reads stay cached, which only makes the disk look faster
 
