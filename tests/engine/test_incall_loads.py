@@ -156,11 +156,12 @@ def test_a_call_offered_too_little_stops_and_the_store_loads_the_rest(tiny_k3_di
     _check_tables(model, store)
 
 
-def test_a_bad_scale_byte_read_in_the_call_is_named_by_the_store(tiny_k3_dir, copy_model, half):
+@pytest.mark.parametrize("prefetch", ["none", "next-layer"])  # next-layer: also read ahead on the reader threads
+def test_a_bad_scale_byte_read_in_the_call_is_named_by_the_store(tiny_k3_dir, copy_model, half, prefetch):
     """The call checks the scale bytes it reads (the reader's check); an expert with a NaN scale byte is not
     stored: the call stops and the store's load raises the error naming the layer, the expert and the file."""
     path = copy_model(tiny_k3_dir)
-    model, store = load_model(path, LoadOptions(expert_memory=half, expert_policy="lru"))
+    model, store = load_model(path, LoadOptions(expert_memory=half, expert_policy="lru", prefetch=prefetch))
     fuse_projections(model)
     step, state = NativeDecode(model), model.make_state(1)
     loads = []
@@ -195,3 +196,24 @@ def test_a_store_that_keeps_nothing_reads_each_steps_experts_in_the_call(tiny_k3
     assert torch.equal(got, want) and calls < 1.5 < stopping
     assert _books(store) == _books(fetched) and store.stats.hits == 0 and len(store.fast) == 0
     assert all(not moe.resident_table().rows.any() for moe in model.moe_blocks())
+
+
+def test_reads_ahead_of_the_next_layer_run_on_the_reader_threads(tiny_k3_dir, half, monkeypatch):
+    """With next-layer prefetch, each MoE layer routes the next one in the call and hands the experts that guess
+    lacks to the reader threads; the next layer takes them when it routes: the forward's logits, reads ahead
+    counted as prefetched (loaded, used or wasted) and scored, every table and expert as the tier holds them."""
+    kinds, real = [], incall.InCallLoads.books
+
+    def books(self, stopped):
+        kinds.extend(self.log[incall.LOG_ENTRY * j + 3] for j in range(self.state[incall.LOG])
+                     if self.log[incall.LOG_ENTRY * j + 2] != -1)
+        return real(self, stopped)
+
+    want, _, _, _ = _decode(tiny_k3_dir, half, native=False, prefetch="next-layer")
+    monkeypatch.setattr(incall.InCallLoads, "books", books)
+    got, store, model, calls = _decode(tiny_k3_dir, half, prefetch="next-layer")
+    p = store.stats.prefetch
+    assert torch.equal(got, want) and calls < 1.5
+    assert kinds.count(incall.AHEAD_LOAD) > 0 and incall.AHEAD_BAD not in kinds
+    assert p.loaded >= kinds.count(incall.AHEAD_LOAD) and p.used > 0 and p.predicted > 0 and p.correct > 0
+    _check_tables(model, store)

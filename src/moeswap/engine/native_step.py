@@ -472,7 +472,9 @@ class NativeDecode:
         what it loaded itself, by layer (InCallLoads.books)."""
         for i, _ in plan.moe:
             if start <= i < end and used[i] and i in tables:
-                tables[i].book(i, chosen[i, :B * plan.table[i].topk], used[i], loaded.get(i))
+                tables[i].book(i, chosen[i, :B * plan.table[i].topk], used[i], loaded.pop(i, None))
+        for i, loads in loaded.items():  # (none expected: a layer's loads are booked with its step)
+            tables[i].store.table_step(i, None, loads)
 
     @staticmethod
     def _fetched_rows(table, i: int, ids: torch.Tensor, B: int) -> tuple | None:

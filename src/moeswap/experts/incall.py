@@ -29,12 +29,15 @@ import torch
 
 from moeswap.experts.buffers import storage_users
 from moeswap.experts.keys import Key
-from moeswap.experts.reads import native_library, read_job, read_now
+from moeswap.experts.reads import _Job, native_library, read_job, read_now
 from moeswap.ops.expert import tensors
 
 _i64 = ctypes.c_int64
 # load_state's entries (csrc/decode_step.c LS_*)
-ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS, KEEP = range(8)
+(ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS, KEEP, READER, SUBMIT, WAIT, JOBS, NJOBS, AHEAD, AHEAD_LAYER,
+ AHEAD_IDS, GUESS, N_GUESS, PREDICTED, ACTUAL, CORRECT) = range(21)
+LOG_ENTRY = 4  # a load_log entry: layer, expert, buffer code, kind
+LOAD, AHEAD_LOAD, AHEAD_BAD = 0, 1, 2  # its kinds
 SPARE_BYTES = 64 << 20  # free read buffers kept for the call beyond two layer steps' worth
 MAX_VICTIM_LAYERS = 8
 VICTIM = 5  # a load_victims entry: layer, expert, cost, state, the buffer a load may read into (0: none)
@@ -58,7 +61,7 @@ class InCallLoads:
         first = next(iter(layers.values())).span
         self.nbytes = first.end - first.start  # every load layer's (build checks)
         self.topk = topk
-        self.state = (_i64 * 8)()
+        self.state = (_i64 * 21)()
         self._B = 0
         self._free: list[torch.Tensor] = []  # free read buffers handed to the call, taken from the end
         self._offered: list = []  # the offered victims' weights, where a load may take over their buffer
@@ -136,7 +139,10 @@ class InCallLoads:
             self.n_victims = min(self.cap, MAX_VICTIM_LAYERS * B * self.topk)
             self.victims = (_i64 * (VICTIM * self.n_victims))()
             self.buffers = (_i64 * self.keep)()
-            self.log = (_i64 * (3 * 2 * self.cap))()
+            self.log = (_i64 * (LOG_ENTRY * 2 * self.cap))()
+            # reads ahead: one layer step's guesses at a time
+            self.jobs, self.ahead = (_Job * (B * self.topk))(), (_i64 * (3 * B * self.topk))()
+            self.guess = (_i64 * (B * self.topk))()
             for t in self.rows.values():
                 t.load_state, t.load_buffers = ctypes.addressof(self.state), ctypes.addressof(self.buffers)
                 t.load_victims, t.load_log = ctypes.addressof(self.victims), ctypes.addressof(self.log)
@@ -145,7 +151,8 @@ class InCallLoads:
         hybrid = store.hybrid
         st[KEEP] = int(store.fast.capacity > 0)
         if hybrid is not None and hybrid.on_cpu(B):
-            st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = 0
+            st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = st[READER] = st[AHEAD] = 0
+            st[PREDICTED] = st[ACTUAL] = st[CORRECT] = 0
             return
         free, victims = store.offer(self.n_victims) if store.fast.capacity else (0, [])
         cost, layers, get, offered = store.fast.cost, self.layers, store.fast.get, []
@@ -169,22 +176,32 @@ class InCallLoads:
         self.buffers[:len(self._free)] = [b.data_ptr() for b in self._free]
         st[ROOM], st[FREE], st[VICTIMS], st[NEXT], st[LOG], st[LOG_CAP], st[READ_NS] = (
             free, len(self._free), len(victims), 0, 0, 2 * self.cap, 0)
+        reader = store.prefetcher.reads.entry_points() if store.prefetcher is not None and st[KEEP] else None
+        st[READER], st[SUBMIT], st[WAIT] = reader or (0, 0, 0)
+        st[JOBS], st[NJOBS] = ctypes.addressof(self.jobs), len(self.jobs)
+        st[AHEAD_IDS], st[GUESS] = ctypes.addressof(self.ahead), ctypes.addressof(self.guess)
+        st[AHEAD] = st[N_GUESS] = st[PREDICTED] = st[ACTUAL] = st[CORRECT] = 0
 
     def books(self, stopped: int) -> dict[int, dict]:
-        """After a call: its loads by layer {layer: {expert: (victims evicted for it, its weights, its table row)}}
-        (weights None: read for that step only), for the
-        books of the layer steps it ran (`ExpertStore.table_step`); the loads and evictions of the layer it
-        stopped at (a read that failed after others) are stored now."""
+        """After a call: its loads by layer {layer: {expert: (victims evicted for it, its weights, its table row,
+        whether it was read ahead)}} (weights None: read for that step only), for the books of the layer steps it
+        ran (`ExpertStore.table_step`); the loads and evictions of the layer it stopped at (a read that failed
+        after others), and the victims of reads ahead that failed, are stored now."""
         st, log, store = self.state, self.log, self.store
         by_layer: dict[int, dict] = {}
         victims: list[Key] = []
+        failed: list[Key] = []
         for j in range(st[LOG]):
-            layer, e, b = log[3 * j], log[3 * j + 1], log[3 * j + 2]
+            layer, e, b, kind = log[LOG_ENTRY * j: LOG_ENTRY * j + LOG_ENTRY]
             if b == -2:  # read for this step only (a store that keeps nothing)
-                by_layer.setdefault(layer, {})[e] = ([], None, None)
+                by_layer.setdefault(layer, {})[e] = ([], None, None, False)
                 continue
             if b == -1:
                 victims.append(Key(layer, e))
+                continue
+            if kind == AHEAD_BAD:  # the layer's own load reads it again (and names a problem)
+                failed += victims
+                victims = []
                 continue
             lay = self.layers[layer]
             if b >= 0:  # into a free buffer: its views made here
@@ -194,12 +211,12 @@ class InCallLoads:
                 w = self._offered[-3 - b]
                 base = self.victims[VICTIM * (-3 - b) + 4]
             row = tuple(base + o if o >= 0 else 0 for o in lay.row)  # what the call wrote
-            by_layer.setdefault(layer, {})[e] = (victims, w, row)
+            by_layer.setdefault(layer, {})[e] = (victims, w, row, kind == AHEAD_LOAD)
             victims = []
         del self._free[st[FREE]:]  # the buffers the loads kept (taken from the end)
         self._offered = []  # (an evicted victim's weights must not outlive the store's books here)
-        if st[READ_NS]:
-            store.stalled(st[READ_NS] / 1e9)
-        if victims or stopped in by_layer:
-            store.table_step(stopped, None, by_layer.pop(stopped, {}), victims)
+        store.in_call_counts(st[READ_NS] / 1e9, st[PREDICTED], st[ACTUAL], st[CORRECT])
+        failed += victims
+        if failed or stopped in by_layer:
+            store.table_step(stopped, None, by_layer.pop(stopped, {}), failed)
         return by_layer

@@ -86,6 +86,9 @@ class _Native:
         self.cancel.restype, self.cancel.argtypes = ctypes.c_int, [ctypes.c_void_p, job_p]
         self.done = quick.msw_reads_done
         self.done.restype, self.done.argtypes = ctypes.c_int, [job_p]
+        # for C that submits and waits itself (the native decode step's reads ahead): the functions' addresses
+        self.addresses = {name: ctypes.cast(getattr(blocking, name), ctypes.c_void_p).value
+                          for name in ("msw_reads_submit", "msw_reads_wait")}
 
 
 def native_library() -> _Native | None:
@@ -355,6 +358,13 @@ class Reads:
     @property
     def native(self) -> bool:
         return self._handle is not None
+
+    def entry_points(self) -> tuple[int, int, int] | None:
+        """(reader handle, msw_reads_submit, msw_reads_wait) as addresses, for C that submits jobs and waits for
+        them itself; None without the native reader."""
+        if not self.native:
+            return None
+        return self._handle, self._lib.addresses["msw_reads_submit"], self._lib.addresses["msw_reads_wait"]
 
     def read(self, segments: Sequence[Segment], finish: Finish, drop: bool = False, urgent: bool = False,
              checks: Checks | None = None) -> Pending:

@@ -197,19 +197,24 @@ class ExpertStore:
             free = self.fast.capacity - self.fast.used - self._reserved[0]
             return free, self.policies[0].coldest(n, hinted)
 
-    def stalled(self, seconds: float) -> None:
-        """Time a caller spent reading experts for its own loads (`table_step`)."""
+    def in_call_counts(self, read_s: float, predicted: int, actual: int, correct: int) -> None:
+        """What a caller that loads by itself (`offer`, `table_step`) counted: seconds it spent reading, and its
+        guesses of the next layer's experts (prefetch precision and recall, as the store scores its hints)."""
         with self._lock:
-            self.stats.stall_s += seconds
-            self.stats.load_s += seconds
+            self.stats.stall_s += read_s
+            self.stats.load_s += read_s
+            p = self.stats.prefetch
+            p.predicted, p.actual, p.correct = p.predicted + predicted, p.actual + actual, p.correct + correct
 
     def table_step(self, layer: int, expert_ids: Sequence[int] | None, loads: dict, evicted: Sequence[Key] = ()
                    ) -> None:
         """The books of a layer step that a caller ran from `layer`'s mirror table after loading what it lacked
         itself (`offer`): loads {expert: (victims evicted for it, in order; its weights; its mirror table row,
-        as the caller wrote it)}, weights None for one read for this step only (a fast tier of capacity 0). The same books as this step's fetch: hits, misses, evictions, the policy's, in
-        the fetch's order (ascending ids). expert_ids None: only store the loads (the caller stopped there and
-        will fetch the step); `evicted`: victims it evicted for a load that failed."""
+        as the caller wrote it; whether it was read ahead, before the step asked)}, weights None for one read for
+        this step only (a fast tier of capacity 0). The same books as this step's fetch: hits, misses,
+        evictions, the policy's, in the fetch's order (ascending ids); an expert read ahead is a prefetched
+        expert: a hit if the step used it, else loaded and unused. expert_ids None: only store the loads (the
+        caller stopped there and will fetch the step); `evicted`: victims it evicted for loads that failed."""
         ids = sorted(loads) if expert_ids is None else [int(e) for e in expert_ids]
         with self._lock:
             for victim in evicted:
@@ -220,31 +225,41 @@ class ExpertStore:
                 self._pending = set()
                 if self.hybrid is not None and loads:  # as its fetch counts a step it sends to the fast tier
                     self.stats.hybrid.fetch_steps += 1
-            policy, mirror = self.policies[0], self._mirrors.get(layer)
             for e in ids:
-                key = Key(layer, e)
                 got = loads.get(e)
                 if got is None:
-                    self._hit(key)
-                    continue
-                victims, w, row = got
-                for victim in victims:  # (the caller chose them among `offer`'s, in its order)
-                    policy.discard(victim)
-                    self._evict(0, victim)
-                if expert_ids is not None:
+                    self._hit(Key(layer, e))
+                elif self._stored(layer, e, *got):
+                    self._hit(Key(layer, e))  # (read ahead: used, so a prefetch hit)
+                elif expert_ids is not None:
                     self.stats.fast.misses += 1
-                self.stats.disk_reads += 1
-                self.stats.disk_bytes += self.source.stored_bytes(key)
-                if w is None:  # read for this step only: the fast tier keeps nothing
-                    policy.record(key)
-                    continue
-                self.fast.put(key, w)
-                policy.insert(key)
-                if mirror is not None:
-                    mirror.loaded(e, w, row)
-                self.stats.fast.bytes_in += self.fast.cost(key)
-                if expert_ids is not None:
-                    policy.record(key)
+                    self.policies[0].record(Key(layer, e))
+            for e in loads.keys() - set(ids):  # read ahead and not used by the step
+                self._stored(layer, e, *loads[e])
+                self._unused.add(Key(layer, e))
+
+    def _stored(self, layer: int, e: int, victims: Sequence[Key], w, row, ahead: bool) -> bool:
+        """Under the lock: the books of a caller's load of expert e (`table_step`): its victims evicted, it put in
+        the fast tier and `layer`'s mirror (unless w is None: read for one step), the disk's counts; returns
+        whether it was read ahead (a prefetch: counted loaded, and used where the step asked for it)."""
+        key, policy = Key(layer, e), self.policies[0]
+        for victim in victims:  # (the caller chose them among `offer`'s, in its order)
+            policy.discard(victim)
+            self._evict(0, victim)
+        self.stats.disk_reads += 1
+        self.stats.disk_bytes += self.source.stored_bytes(key)
+        if w is None:  # read for this step only: the fast tier keeps nothing
+            return False
+        self.fast.put(key, w)
+        policy.insert(key)
+        mirror = self._mirrors.get(layer)
+        if mirror is not None:
+            mirror.loaded(e, w, row)
+        self.stats.fast.bytes_in += self.fast.cost(key)
+        if ahead:
+            self.stats.prefetch.loaded += 1
+            self._unused.add(key)  # (_hit counts it used)
+        return ahead
 
     def resident(self, layer: int, expert_ids: Sequence[int], fill: bool = False) -> list[bool]:
         """Which of `expert_ids` the fast tier holds now (books nothing). fill: also those it lacks that fit,

@@ -102,14 +102,15 @@
      * stopping, where load_at is set: load_at [E, 2] each expert's (file descriptor, offset) of its bytes,     \
      * load_job an msw_job (expert_read.h) with their length and scale-byte checks filled in, load_row the six  \
      * table entries' offsets into those bytes (-1: a zero entry), load_cost the fast-tier bytes one takes.      \
-     * Shared by the call's layers (NULL: no loads): load_state [8] = fast-tier bytes free, free buffers,       \
-     * victims offered, next victim, log entries, log capacity, nanoseconds spent reading (in and out), keep   \
-     * (0: the store keeps nothing, each load's row and buffer are given back after its layer);               \
-     * load_buffers [free buffers] their addresses, taken from the end; load_victims [offered, 5] (layer,       \
-     * expert, cost, state: 0 evictable, 1 used by this call, 2 evicted; its buffer, which a load may read      \
-     * into once it is evicted, or 0) coldest first; load_log [capacity, 3] (layer, expert, index in            \
-     * load_buffers, -2 not kept, or -3 - the victim whose buffer it took) of a load, (layer, expert, -1) of    \
-     * an eviction, in order */                                                                                \
+     * Shared by the call's layers (NULL: no loads): load_state [21], decode_step.c's LS_* (free bytes, free    \
+     * buffers, victims offered, next victim, log entries and capacity, read nanoseconds, keep (0: the store   \
+     * keeps nothing), the reader threads' handle, submit and wait and the job slots for reads ahead, those in \
+     * flight and their layer, ids and guess, the guesses' counts); load_buffers [free buffers] their          \
+     * addresses, taken from the end; load_victims [offered, 5] (layer, expert, cost, state: 0 evictable, 1    \
+     * used by this call, 2 evicted; its buffer, which a load may read into once it is evicted, or 0) coldest   \
+     * first; load_log [capacity, 4] (layer, expert, index in load_buffers, -2 not kept or -3 - the victim     \
+     * whose buffer it took, kind: 0 a load, 1 read ahead, 2 read ahead and bad) of a load, (layer, expert,    \
+     * -1, 0) of an eviction, in order */                                                                      \
     FIELD(const int64_t *, load_at, )                                                                         \
     FIELD(const void *, load_job, )                                                                           \
     FIELD(int64_t, load_row, [6])                                                                             \

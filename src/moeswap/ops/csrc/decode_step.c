@@ -129,10 +129,18 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
 /* ---- in-call expert loads (cpu_kernels.h's load_* fields; experts/incall.py sets them up and books them) ----
  * A layer step's experts missing from its table are read here, in ascending expert order (as the store's
  * fetch takes them), each after evicting the offered victims it needs room from: the coldest first, passing
- * over any expert this call has used (routed to), which the store's policy would have made recent. */
-enum { LS_ROOM, LS_FREE, LS_VICTIMS, LS_NEXT, LS_LOG, LS_LOG_CAP, LS_READ_NS, LS_KEEP };
+ * over any expert this call has used (routed to), which the store's policy would have made recent. With a
+ * reader (LS_READER) and `guess`, each MoE layer also routes the next one on its input and reads ahead what
+ * that guess lacks on the reader threads, to be put in the table when that layer routes (ahead_*). */
+enum { LS_ROOM, LS_FREE, LS_VICTIMS, LS_NEXT, LS_LOG, LS_LOG_CAP, LS_READ_NS, LS_KEEP, LS_READER, LS_SUBMIT,
+       LS_WAIT, LS_JOBS, LS_NJOBS, LS_AHEAD, LS_AHEAD_LAYER, LS_AHEAD_IDS, LS_GUESS, LS_N_GUESS, LS_PREDICTED,
+       LS_ACTUAL, LS_CORRECT };
 
 #define VICTIM 5 /* a load_victims entry: layer, expert, cost, state, buffer this load may take (0: none) */
+#define LOG 4    /* a load_log entry: layer, expert, buffer code, kind (0 a load, 1 read ahead, 2 read ahead and bad) */
+
+typedef void (*reads_submit_fn)(void *reads, msw_job *job, int urgent);
+typedef void (*reads_wait_fn)(void *reads, msw_job *job);
 
 /* Marks the offered victims of `layer` among ids [n] as used by this call (never evicted by it). */
 static void mark_used(const decode_layer *l, int64_t layer, const int64_t *ids, int64_t n) {
@@ -157,79 +165,175 @@ static int64_t sorted_unique(const int64_t *ids, int64_t n, int64_t *out) {
     return m;
 }
 
+/* Where the load_state counters stand while a layer's loads are planned (committed only when they happen). */
+typedef struct { int64_t room, free_n, next, n_log; } load_cursor;
+
+/* Room and a buffer for one expert of layer l: evicts offered victims (with apply: rows cleared, evictions
+ * logged) until it fits, then takes the buffer of the first evicted victim the store marked as held by
+ * nothing else (*b = -3 - its index: the store gives its weights object, views of that buffer, to the new
+ * expert), else a free buffer (*b its index; -2 where the store keeps nothing), and reserves the load's log
+ * entry (*slot). Returns 0, or 4 where the victims, buffers or log run out. */
+static int room_for(const decode_layer *layers, const decode_layer *l, load_cursor *c, int apply,
+                    unsigned char **dst, int64_t *b, int64_t *slot) {
+    int64_t *st = l->load_state, *v = l->load_victims, *log = l->load_log;
+    const int keep = st[LS_KEEP] != 0;
+    int64_t reuse = -1;
+    while (keep && c->room < l->load_cost) {
+        while (c->next < st[LS_VICTIMS] && v[VICTIM * c->next + 3]) c->next++;
+        if (c->next >= st[LS_VICTIMS] || c->n_log >= st[LS_LOG_CAP]) return 4;
+        int64_t *gone = v + VICTIM * c->next;
+        if (apply) {
+            int64_t *rows = (int64_t *)layers[gone[0]].table;
+            if (rows) memset(rows + 6 * gone[1], 0, 6 * sizeof(int64_t));
+            gone[3] = 2;
+            int64_t *entry = log + LOG * c->n_log;
+            entry[0] = gone[0], entry[1] = gone[1], entry[2] = -1, entry[3] = 0;
+        }
+        if (reuse < 0 && gone[4]) reuse = c->next;
+        c->room += gone[2];
+        c->n_log++, c->next++;
+    }
+    if ((reuse < 0 && !c->free_n) || c->n_log >= st[LS_LOG_CAP]) return 4;
+    if (reuse >= 0) {
+        *dst = (unsigned char *)(intptr_t)v[VICTIM * reuse + 4];
+        *b = -3 - reuse;
+    } else {
+        c->free_n--;
+        *dst = (unsigned char *)(intptr_t)l->load_buffers[c->free_n];
+        *b = keep ? c->free_n : -2;
+    }
+    c->room -= l->load_cost;
+    *slot = c->n_log++;
+    return 0;
+}
+
+/* A job reading expert e of layer l into dst, from the layer's template. */
+static msw_job expert_job(const decode_layer *l, int64_t e, unsigned char *dst) {
+    msw_job job = *(const msw_job *)l->load_job;
+    job.fd = l->load_at[2 * e], job.offset = l->load_at[2 * e + 1], job.dst = dst;
+    return job;
+}
+
+/* Writes expert e's table row for its bytes at dst and logs the load in the slot reserved for it. */
+static void loaded(const decode_layer *l, int64_t layer, int64_t e, const unsigned char *dst, int64_t b,
+                   int64_t slot, int64_t kind) {
+    int64_t *table = (int64_t *)l->table; /* the store's table, which the store writes the same way */
+    for (int j = 0; j < 6; j++) table[6 * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
+    int64_t *entry = l->load_log + LOG * slot;
+    entry[0] = layer, entry[1] = e, entry[2] = b, entry[3] = kind;
+}
+
 /* Layer `layer`'s missing experts among its step's distinct ids [m]: with apply 0, whether the offered
- * victims, free buffers and log can take them all (nothing changes); with apply 1, the evictions and reads
- * (rows of evicted experts cleared in their layers' tables, rows of loaded ones written). A load reads into
- * the buffer of the first victim it evicted that the store marked as held by nothing else (logged as buffer
- * -3 - that victim's index: the store gives its weights object, views of that buffer, to the new expert), or
- * else into a free buffer. A store that keeps nothing (LS_KEEP 0) evicts nothing: its loads are logged with
- * buffer -2 and given back after the layer (ffn_block). Returns 0, or 4: the caller stops there and the
- * store loads them (it also names a read that fails or a bad scale byte). */
+ * victims, free buffers and log can take them all (nothing changes); with apply 1, the evictions and reads.
+ * A store that keeps nothing (LS_KEEP 0) evicts nothing: its loads are logged with buffer -2 and given back
+ * after the layer (ffn_block). Returns 0, or 4: the caller stops there and the store loads them (it also
+ * names a read that fails or a bad scale byte). */
 static int load_missing(const decode_layer *layers, int64_t layer, const int64_t *ids, int64_t m, int apply) {
     const decode_layer *l = layers + layer;
-    int64_t *st = l->load_state, *v = l->load_victims, *log = l->load_log;
-    int64_t *table = (int64_t *)l->table; /* the store's table, which the store writes the same way */
-    int64_t room = st[LS_ROOM], free_n = st[LS_FREE], next = st[LS_NEXT], n_log = st[LS_LOG];
-    const int keep = st[LS_KEEP] != 0;
+    int64_t *st = l->load_state;
+    const int64_t *table = l->table;
+    load_cursor c = {st[LS_ROOM], st[LS_FREE], st[LS_NEXT], st[LS_LOG]};
     for (int64_t k = 0; k < m; k++) {
         const int64_t e = ids[k];
         if (table[6 * e]) continue;
-        int64_t reuse = -1;
-        while (keep && room < l->load_cost) {
-            while (next < st[LS_VICTIMS] && v[VICTIM * next + 3]) next++;
-            if (next >= st[LS_VICTIMS] || n_log >= st[LS_LOG_CAP]) return 4;
-            int64_t *gone = v + VICTIM * next;
-            if (apply) {
-                int64_t *rows = (int64_t *)layers[gone[0]].table;
-                if (rows) memset(rows + 6 * gone[1], 0, 6 * sizeof(int64_t));
-                gone[3] = 2;
-                log[3 * n_log] = gone[0], log[3 * n_log + 1] = gone[1], log[3 * n_log + 2] = -1;
-            }
-            if (reuse < 0 && gone[4]) reuse = next;
-            room += gone[2];
-            n_log++, next++;
-        }
-        if ((reuse < 0 && !free_n) || n_log >= st[LS_LOG_CAP]) return 4;
         unsigned char *dst;
-        int64_t b;
-        if (reuse >= 0) {
-            dst = (unsigned char *)(intptr_t)v[VICTIM * reuse + 4];
-            b = -3 - reuse;
-        } else {
-            free_n--;
-            dst = (unsigned char *)(intptr_t)l->load_buffers[free_n];
-            b = keep ? free_n : -2;
+        int64_t b, slot;
+        if (room_for(layers, l, &c, apply, &dst, &b, &slot)) return 4;
+        if (!apply) continue;
+        msw_job job = expert_job(l, e, dst);
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int error = msw_read_and_check(&job);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        st[LS_READ_NS] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+        if (error || job.bad) { /* a free buffer goes back; the evictions so far stand (logged) */
+            st[LS_ROOM] = c.room + l->load_cost, st[LS_NEXT] = c.next, st[LS_LOG] = slot;
+            return 4;
         }
-        if (apply) {
-            msw_job job = *(const msw_job *)l->load_job;
-            job.fd = l->load_at[2 * e], job.offset = l->load_at[2 * e + 1], job.dst = dst;
-            struct timespec t0, t1;
-            clock_gettime(CLOCK_MONOTONIC, &t0);
-            int error = msw_read_and_check(&job);
-            clock_gettime(CLOCK_MONOTONIC, &t1);
-            st[LS_READ_NS] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
-            if (error || job.bad) { /* a free buffer goes back; the evictions so far stand (logged) */
-                st[LS_ROOM] = room, st[LS_NEXT] = next, st[LS_LOG] = n_log;
-                return 4;
-            }
-            for (int j = 0; j < 6; j++) table[6 * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
-            log[3 * n_log] = layer, log[3 * n_log + 1] = e, log[3 * n_log + 2] = b;
-            st[LS_ROOM] = room - l->load_cost, st[LS_FREE] = free_n, st[LS_NEXT] = next, st[LS_LOG] = n_log + 1;
-        }
-        room -= l->load_cost;
-        n_log++;
+        loaded(l, layer, e, dst, b, slot, 0);
+        st[LS_ROOM] = c.room, st[LS_FREE] = c.free_n, st[LS_NEXT] = c.next, st[LS_LOG] = c.n_log;
     }
     return 0;
 }
 
-/* The FFN of layer `layer` on its normalised input xn [N, D] into out [N, D]: the dense MLP, or the MoE block
- * (router, routed experts from the resident table, shared experts added). Returns 4, out untouched, when the
- * layer is marked `stop` or a chosen expert is not in the table and cannot be loaded here: the caller runs this
- * FFN through the expert store. */
-static int ffn_block(int bf16_in, const decode_layer *layers, int64_t layer, const float *xn, int64_t N, int64_t D,
-                     float eps, int act, float b1, float b2, float *out, int nt, int64_t *used) {
+/* Reads ahead: layer `next`'s experts guessed from `ids` [n] (its router on this layer's input) that its table
+ * lacks go to the reader threads now, each with its room and buffer as a load takes them, so their reads overlap
+ * this layer's experts and the next attention; the guessed experts the tier holds are kept through the call. */
+static void ahead_start(const decode_layer *layers, int64_t next, const int64_t *ids, int64_t n) {
+    const decode_layer *l = layers + next;
+    int64_t *st = l->load_state;
+    if (!st || !st[LS_READER] || !l->load_at || !l->table || !st[LS_KEEP] || st[LS_AHEAD]) return;
+    int64_t *guess = (int64_t *)(intptr_t)st[LS_GUESS], *ahead = (int64_t *)(intptr_t)st[LS_AHEAD_IDS];
+    msw_job *jobs = (msw_job *)(intptr_t)st[LS_JOBS];
+    const int64_t m = sorted_unique(ids, n, guess);
+    st[LS_N_GUESS] = m, st[LS_AHEAD_LAYER] = next;
+    mark_used(l, next, guess, m);
+    load_cursor c = {st[LS_ROOM], st[LS_FREE], st[LS_NEXT], st[LS_LOG]};
+    int64_t count = 0;
+    for (int64_t k = 0; k < m && count < st[LS_NJOBS]; k++) {
+        const int64_t e = guess[k];
+        if (l->table[6 * e]) continue;
+        unsigned char *dst;
+        int64_t b, slot;
+        if (room_for(layers, l, &c, 1, &dst, &b, &slot)) break;
+        jobs[count] = expert_job(l, e, dst);
+        ahead[3 * count] = e, ahead[3 * count + 1] = b, ahead[3 * count + 2] = slot;
+        ((reads_submit_fn)(intptr_t)st[LS_SUBMIT])((void *)(intptr_t)st[LS_READER], jobs + count, 0);
+        count++;
+        st[LS_ROOM] = c.room, st[LS_FREE] = c.free_n, st[LS_NEXT] = c.next, st[LS_LOG] = c.n_log;
+    }
+    st[LS_AHEAD] = count;
+}
+
+/* The reads ahead for layer `layer`, waited for: good ones go in its table (logged as read ahead), a failed
+ * or bad one is logged as such (its expert is loaded, or its problem named, when the layer asks for it). */
+static void ahead_take(const decode_layer *layers, int64_t layer) {
+    const decode_layer *l = layers + layer;
+    int64_t *st = l->load_state;
+    if (!st || !st[LS_AHEAD] || st[LS_AHEAD_LAYER] != layer) return;
+    const int64_t *ahead = (const int64_t *)(intptr_t)st[LS_AHEAD_IDS];
+    msw_job *jobs = (msw_job *)(intptr_t)st[LS_JOBS];
+    for (int64_t j = 0; j < st[LS_AHEAD]; j++) {
+        ((reads_wait_fn)(intptr_t)st[LS_WAIT])((void *)(intptr_t)st[LS_READER], jobs + j);
+        const int64_t e = ahead[3 * j], b = ahead[3 * j + 1], slot = ahead[3 * j + 2];
+        if (!jobs[j].error && !jobs[j].bad) {
+            loaded(l, layer, e, jobs[j].dst, b, slot, 1);
+        } else {
+            int64_t *entry = l->load_log + LOG * slot;
+            entry[0] = layer, entry[1] = e, entry[2] = b, entry[3] = 2;
+        }
+    }
+    st[LS_AHEAD] = 0;
+}
+
+/* The guess for layer `layer` against the experts it routed to (distinct ids [m]): the store's prefetch counts. */
+static void ahead_score(const decode_layer *l, int64_t layer, const int64_t *ids, int64_t m) {
+    int64_t *st = l->load_state;
+    if (!st || !st[LS_READER] || st[LS_AHEAD_LAYER] != layer || !st[LS_N_GUESS]) return;
+    const int64_t *guess = (const int64_t *)(intptr_t)st[LS_GUESS];
+    int64_t correct = 0;
+    for (int64_t i = 0, j = 0; i < st[LS_N_GUESS] && j < m;) {
+        if (guess[i] == ids[j]) correct++, i++, j++;
+        else if (guess[i] < ids[j]) i++;
+        else j++;
+    }
+    st[LS_PREDICTED] += st[LS_N_GUESS], st[LS_ACTUAL] += m, st[LS_CORRECT] += correct;
+    st[LS_N_GUESS] = 0;
+}
+
+static int next_guess(const decode_layer *next, const float *h, int64_t N, int64_t D, float eps, float *xn, int nt);
+
+/* The FFN of layer `layer` on its normalised input xn [N, D] (h: before the norm) into out [N, D]: the dense
+ * MLP, or the MoE block (router, routed experts from the resident table, shared experts added; with `guess`,
+ * the next layer's reads ahead started on h, scratch [N, D] its norm). Returns 4, out untouched, when the
+ * layer is marked `stop` or a chosen expert is not in the table and cannot be loaded here: the caller runs
+ * this FFN through the expert store. */
+static int ffn_block(int bf16_in, const decode_layer *layers, int64_t n_layers, int64_t layer, const float *h,
+                     const float *xn, int64_t N, int64_t D, float eps, int act, float b1, float b2, float *out,
+                     float *scratch, int guess, int nt, int64_t *used) {
     const decode_layer *l = layers + layer;
     *used = 0;
+    ahead_take(layers, layer);
     if (l->stop) return 4;
     if (!l->moe) return layer_mlp(bf16_in, l, xn, N, D, act, b1, b2, out, nt);
     int64_t *ids = (int64_t *)malloc((size_t)(N * l->topk) * sizeof(int64_t) + 64);
@@ -248,9 +352,16 @@ static int ffn_block(int bf16_in, const decode_layer *layers, int64_t layer, con
         if (!distinct) status = 2;
         else {
             m = sorted_unique(ids, N * l->topk, distinct);
+            ahead_score(l, layer, distinct, m);
             free_before = l->load_state[LS_FREE], log_before = l->load_state[LS_LOG];
             status = l->load_at ? load_missing(layers, layer, distinct, m, 0) : 0;
             if (!status && l->load_at) status = load_missing(layers, layer, distinct, m, 1);
+        }
+        const decode_layer *next = layer + 1 < n_layers ? l + 1 : NULL;
+        if (!status && guess && next && next->moe && next->router && next->chosen && next->load_state
+            && next->load_state[LS_READER]) {
+            status = next_guess(next, h, N, D, eps, scratch, nt);
+            if (!status) ahead_start(layers, layer + 1, next->chosen, N * next->topk);
         }
     }
     if (!status && l->lat_down)
@@ -262,7 +373,7 @@ static int ffn_block(int bf16_in, const decode_layer *layers, int64_t layer, con
     if (distinct && !l->load_state[LS_KEEP]) { /* a store that keeps nothing: this layer's loads given back */
         const int64_t *log = l->load_log;
         for (int64_t j = log_before; j < l->load_state[LS_LOG]; j++)
-            if (log[3 * j + 2] == -2) memset((int64_t *)l->table + 6 * log[3 * j + 1], 0, 6 * sizeof(int64_t));
+            if (log[LOG * j + 2] == -2) memset((int64_t *)l->table + 6 * log[LOG * j + 1], 0, 6 * sizeof(int64_t));
         l->load_state[LS_FREE] = free_before;
     }
     free(distinct);
@@ -355,7 +466,8 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
             if (!status) status = mixed(l->score_ffn, bank, *n_bank, partial, N, D, eps, h, nt);
         }
         if (!status) status = moeswap_rms_norm(h, N, D, l->ln_post, eps, xn, nt);
-        if (!status) status = ffn_block(bf16_in, layers, i, xn, N, D, eps, act, b1, b2, y, nt, used + i);
+        if (!status)
+            status = ffn_block(bf16_in, layers, n_layers, i, h, xn, N, D, eps, act, b1, b2, y, y, guess, nt, used + i);
         if (status == 4) {
             memcpy(m_out, h, (size_t)(N * D) * sizeof(float));
             *stopped = i;
@@ -367,6 +479,8 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
         }
         for (int64_t j = 0; !status && j < N * D; j++) partial[j] += y[j];
     }
+    for (int64_t i = 0; i < n_layers; i++) /* reads ahead still in flight (a stop, an error): in their table */
+        if (layers[i].load_state) { ahead_take(layers, layers[i].load_state[LS_AHEAD_LAYER]); break; }
     if (!status && score_out) {
         status = mixed(score_out, bank, *n_bank, partial, N, D, eps, h, nt);
         if (!status) memcpy(partial, h, (size_t)(N * D) * sizeof(float));
