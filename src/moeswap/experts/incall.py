@@ -13,9 +13,18 @@ began (one the call used is never evicted by it), where a fetch re-ranks after e
 
 Applies to a store whose fast tier keeps experts on the CPU as their stored bytes (or keeps none: then the call
 reads each step's experts into buffers it gives back after the layer, as the store's fetch reads them), read
-straight from the checkpoint (no host tier, no trace; hybrid experts only for steps they send to the fast tier), where each expert of a layer is one span of one file
-laid out like the others. The call still stops, as before, when it runs out of offered victims, free buffers
-or log, or a read fails or finds a bad scale byte (the store's own load then names the expert and the file).
+straight from the checkpoint (no host tier, no trace; hybrid experts only for steps they send to the fast
+tier), where each expert of a layer is one span of one file laid out like the others. The call still stops,
+as before, when it runs out of offered victims, free buffers or log, or a read fails or finds a bad scale
+byte (the store's own load then names the expert and the file).
+
+A load reads into the buffer of a victim it evicted where the tier and its table were all that held that
+expert (`offer` checks the references), and the store gives the victim's weights object, views of that
+buffer, to the new expert: no views made, no buffer taken from or returned to the pool. With next-layer
+prefetch the call also reads ahead: each MoE layer routes the next one on its own input and hands the reads
+of what that guess lacks to the prefetcher's reader threads (`Reads.entry_points`); the next layer takes them
+when it routes, and the store books them as prefetched experts and scores the guesses.
+
 Entry point: `InCallLoads.build(store, rows)` (None where it does not apply), `offer(B)` before each call,
 `books(...)` after it.
 """
@@ -29,7 +38,7 @@ import torch
 
 from moeswap.experts.buffers import storage_users
 from moeswap.experts.keys import Key
-from moeswap.experts.reads import _Job, native_library, read_job, read_now
+from moeswap.experts.reads import ReadJob, native_library, read_job, read_now
 from moeswap.ops.expert import tensors
 
 _i64 = ctypes.c_int64
@@ -141,7 +150,7 @@ class InCallLoads:
             self.buffers = (_i64 * self.keep)()
             self.log = (_i64 * (LOG_ENTRY * 2 * self.cap))()
             # reads ahead: one layer step's guesses at a time
-            self.jobs, self.ahead = (_Job * (B * self.topk))(), (_i64 * (3 * B * self.topk))()
+            self.jobs, self.ahead = (ReadJob * (B * self.topk))(), (_i64 * (3 * B * self.topk))()
             self.guess = (_i64 * (B * self.topk))()
             for t in self.rows.values():
                 t.load_state, t.load_buffers = ctypes.addressof(self.state), ctypes.addressof(self.buffers)

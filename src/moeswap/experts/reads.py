@@ -35,7 +35,7 @@ _DONE, _CANCELLED = 2, 3  # msw_job.state
 _CHECKS = 4  # MSW_CHECKS
 
 
-class _Job(ctypes.Structure):  # msw_job in ops/csrc/expert_read.h
+class ReadJob(ctypes.Structure):  # msw_job in ops/csrc/expert_read.h
     _fields_ = [("fd", ctypes.c_int64), ("offset", ctypes.c_int64), ("nbytes", ctypes.c_int64),
                 ("dst", ctypes.c_void_p), ("drop", ctypes.c_int32), ("state", ctypes.c_int32),
                 ("error", ctypes.c_int32), ("nchecks", ctypes.c_int32),
@@ -65,10 +65,10 @@ class _Native:
         for name in ("msw_job_size", "msw_job_offset_bad"):
             getattr(quick, name).restype, getattr(quick, name).argtypes = ctypes.c_int64, []
         layout = (quick.msw_job_size(), quick.msw_job_offset_bad())
-        if layout != (ctypes.sizeof(_Job), _Job.bad.offset):
+        if layout != (ctypes.sizeof(ReadJob), ReadJob.bad.offset):
             raise RuntimeError(f"msw_job is {layout[0]} bytes with `bad` at {layout[1]} in the reader library, "
-                               f"but {ctypes.sizeof(_Job)} and {_Job.bad.offset} in its ctypes mirror")
-        job_p = ctypes.POINTER(_Job)
+                               f"but {ctypes.sizeof(ReadJob)} and {ReadJob.bad.offset} in its ctypes mirror")
+        job_p = ctypes.POINTER(ReadJob)
         self.new = blocking.msw_reads_new
         self.new.restype, self.new.argtypes = ctypes.c_void_p, [ctypes.c_int]
         self.wait = blocking.msw_reads_wait
@@ -110,17 +110,17 @@ def native_library() -> _Native | None:
 _templates: dict[Checks, tuple[bytes, int]] = {}  # a job with these checks filled in, and their end
 
 
-def read_job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None) -> _Job:
+def read_job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None) -> ReadJob:
     """A job that fills `buf` from `offset` of `fd` and checks `checks` (what the reader threads, msw_read_now
     and the native decode step's in-call loads run)."""
     nbytes = buf.numel()
     if checks is None:
-        return _Job(fd, offset, nbytes, buf.data_ptr(), int(drop))
+        return ReadJob(fd, offset, nbytes, buf.data_ptr(), int(drop))
     template = _templates.get(checks)
     if template is None:  # every expert of a model has the same checks: fill them in once (per load: a copy)
         if len(checks.ranges) > _CHECKS:
             raise ValueError(f"at most {_CHECKS} checked ranges per read, got {len(checks.ranges)}")
-        job = _Job()
+        job = ReadJob()
         for i, (o, n) in enumerate(checks.ranges):
             if o < 0 or n < 0:
                 raise ValueError(f"checked range ({o}, {n}) must not be negative")
@@ -129,7 +129,7 @@ def read_job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks
         template = _templates[checks] = (bytes(job), max((o + n for o, n in checks.ranges), default=0))
     if template[1] > nbytes:
         raise ValueError(f"checked ranges end at byte {template[1]}, outside a buffer of {nbytes} bytes")
-    job = _Job.from_buffer_copy(template[0])
+    job = ReadJob.from_buffer_copy(template[0])
     job.fd, job.offset, job.nbytes, job.dst, job.drop = fd, offset, nbytes, buf.data_ptr(), int(drop)
     return job
 
