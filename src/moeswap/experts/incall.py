@@ -56,6 +56,17 @@ VICTIM = 5  # a load_victims entry: layer, expert, cost, state, the buffer a loa
 _SOLE_REFS = 4
 
 
+def _buffer_of(w) -> tuple[torch.Tensor, int, int]:
+    """(one of expert w's tensors, the users its buffer's storage has when only w's views and the pool hold it,
+    the buffer's address), kept on w: a load that takes the buffer over keeps w and its views."""
+    got = w.__dict__.get("_buffer_of")
+    if got is None:
+        held = tensors(w)
+        first = next(iter(held.values()))
+        got = w.__dict__["_buffer_of"] = (first, len(held) + 2, first.untyped_storage().data_ptr())
+    return got
+
+
 class _LayerLoads:
     """What the call needs to load one layer's experts: where each one's bytes are, the read job with its
     checks, the table row's offsets into the bytes; and the span all of them are laid out like."""
@@ -171,10 +182,9 @@ class InCallLoads:
             w = get(k) if self.reuse and lay is not None else None
             buffer = 0
             if w is not None and sys.getrefcount(w) == _SOLE_REFS:
-                held = tensors(w)
-                first = next(iter(held.values()))
-                if storage_users(first) == len(held) + 2:  # no one else has a view of its buffer either
-                    buffer = first.untyped_storage().data_ptr()
+                first, users, address = _buffer_of(w)
+                if storage_users(first) == users:  # no one else has a view of its buffer either
+                    buffer = address
             offered.append(w if buffer else None)
             flat += (k.layer, k.expert, lay.cost if lay is not None else cost(k), 0, buffer)
         self.victims[:len(flat)] = flat

@@ -245,7 +245,7 @@ class ExpertStore:
         key, policy = Key(layer, e), self.policies[0]
         for victim in victims:  # (the caller chose them among `offer`'s, in its order)
             policy.discard(victim)
-            self._evict(0, victim)
+            self._evict(0, victim, w)
         self.stats.disk_reads += 1
         self.stats.disk_bytes += self.source.stored_bytes(key)
         if w is None:  # read for this step only: the fast tier keeps nothing
@@ -649,8 +649,9 @@ class ExpertStore:
             self._evict(i, victim)
         return True
 
-    def _evict(self, i: int, victim: Key) -> None:
-        """Under the lock: the books of evicting `victim` from cache tier i (its policy has let it go)."""
+    def _evict(self, i: int, victim: Key, taken_over=None) -> None:
+        """Under the lock: the books of evicting `victim` from cache tier i (its policy has let it go);
+        `taken_over`: the weights a caller's load kept, with their buffer, for another expert."""
         tier = self.tiers[i]
         if i == 0 and victim.layer in self._mirrors:  # before its bytes can go
             self._mirrors[victim.layer].removed(victim.expert)
@@ -659,7 +660,7 @@ class ExpertStore:
             for held in self._holds.pop(victim, ()):  # graphs let go of it too: its bytes leave the budget
                 held.w = None
                 self.stats.graph.released += 1
-        if dropped is not None:
+        if dropped is not None and dropped is not taken_over:
             self.source.evicted(dropped)  # its read buffer is likely free for the next read
         self.stats.tiers[tier.name].evictions += 1
         if i == 0 and victim in self._unused:
