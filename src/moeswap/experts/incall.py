@@ -159,7 +159,8 @@ class InCallLoads:
             self.n_victims = min(self.cap, MAX_VICTIM_LAYERS * B * self.topk)
             self.victims = (_i64 * (VICTIM * self.n_victims))()
             self.buffers = (_i64 * self.keep)()
-            self.log = (_i64 * (LOG_ENTRY * 2 * self.cap))()
+            # each load and its eviction, and as many again for reads ahead
+            self.log = (_i64 * (LOG_ENTRY * 4 * self.cap))()
             # reads ahead: one layer step's guesses at a time
             self.jobs, self.ahead = (ReadJob * (B * self.topk))(), (_i64 * (3 * B * self.topk))()
             self.guess = (_i64 * (B * self.topk))()
@@ -194,7 +195,7 @@ class InCallLoads:
             self._free.append(take(self.nbytes))
         self.buffers[:len(self._free)] = [b.data_ptr() for b in self._free]
         st[ROOM], st[FREE], st[VICTIMS], st[NEXT], st[LOG], st[LOG_CAP], st[READ_NS] = (
-            free, len(self._free), len(victims), 0, 0, 2 * self.cap, 0)
+            free, len(self._free), len(victims), 0, 0, 4 * self.cap, 0)
         reader = store.prefetcher.reads.entry_points() if store.prefetcher is not None and st[KEEP] else None
         st[READER], st[SUBMIT], st[WAIT] = reader or (0, 0, 0)
         st[JOBS], st[NJOBS] = ctypes.addressof(self.jobs), len(self.jobs)
