@@ -229,14 +229,17 @@ class ExpertStore:
                 got = loads.get(e)
                 if got is None:
                     self._hit(Key(layer, e))
-                elif self._stored(layer, e, *got):
-                    self._hit(Key(layer, e))  # (read ahead: used, so a prefetch hit)
-                elif expert_ids is not None:
+                    continue
+                ahead = self._stored(layer, e, *got)
+                if expert_ids is None:  # (the step's fetch books it)
+                    continue
+                if ahead:
+                    self._hit(Key(layer, e))  # (read ahead and used: a prefetch hit)
+                else:
                     self.stats.fast.misses += 1
                     self.policies[0].record(Key(layer, e))
-            for e in loads.keys() - set(ids):  # read ahead and not used by the step
+            for e in sorted(loads.keys() - set(ids)):  # read ahead and not used by the step
                 self._stored(layer, e, *loads[e])
-                self._unused.add(Key(layer, e))
 
     def _stored(self, layer: int, e: int, victims: Sequence[Key], w, row, ahead: bool) -> bool:
         """Under the lock: the books of a caller's load of expert e (`table_step`): its victims evicted, it put in
