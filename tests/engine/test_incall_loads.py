@@ -217,3 +217,20 @@ def test_reads_ahead_of_the_next_layer_run_on_the_reader_threads(tiny_k3_dir, ha
     assert kinds.count(incall.AHEAD_LOAD) > 0 and incall.AHEAD_BAD not in kinds
     assert p.loaded >= kinds.count(incall.AHEAD_LOAD) and p.used > 0 and p.predicted > 0 and p.correct > 0
     _check_tables(model, store)
+
+
+@pytest.mark.parametrize("prefetch", ["none", "next-layer"])
+def test_a_scheduler_batch_that_grows_and_shrinks_swaps_in_the_call(tiny_k3_dir, half, prefetch):
+    """The continuous-batching scheduler's batches change size step to step (the call's offer is sized per
+    batch): at half the expert bytes its tokens are those of a store that holds every expert."""
+    from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
+
+    reqs = [Request(_prompts(1)[0].tolist()[:n], m) for n, m in [(5, 6), (3, 9), (2, 4), (6, 7)]]
+    runs = []
+    for options in (dict(expert_memory=1 << 30), dict(expert_memory=half, expert_policy="lru", prefetch=prefetch)):
+        model, store = load_model(tiny_k3_dir, LoadOptions(**options))
+        fuse_projections(model)
+        runs.append([r.tokens for r in Scheduler(model, EngineConfig(max_batch=3, max_len=64)).run(reqs)])
+        store.close()
+    assert runs[0] == runs[1] and store.stats.fast.evictions > 0
+    _check_tables(model, store)
