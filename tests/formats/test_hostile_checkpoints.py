@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def refused(model: Path, outside: Path, opened: list[Path], *fragments: str) -> 
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
-    assert SECRET.decode().strip() not in message and str(len(SECRET)) not in message
+    # neither the outside file's text nor its size (the test's own temporary paths may hold any digits)
+    scrubbed = message.replace(str(model.parent), "")
+    assert SECRET.decode().strip() not in scrubbed and not re.search(rf"(?<!\d){len(SECRET)}(?!\d)", scrubbed)
     assert not [p for p in opened if p.is_relative_to(outside.resolve())], "a file outside the model was opened"
     return message
 
