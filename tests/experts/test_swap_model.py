@@ -333,3 +333,13 @@ def test_bench_swap_prompts_file_problems_are_one_line_errors(tiny_k3_dir, tmp_p
         assert main(["bench", "swap", str(tiny_k3_dir), "--prompts", str(path), "--out-dir", str(tmp_path / "r")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("moeswap: error: ") and message in err and err.count("\n") == 1
+
+
+def test_bench_swap_refuses_fewer_than_one_timed_prompt_in_one_line(tiny_k3_dir, tmp_path, capsys):
+    out = tmp_path / "r"
+    for bad in ("0", "-2"):
+        assert main(["bench", "swap", str(tiny_k3_dir), "--timed-prompts", bad, "--out-dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moeswap: error: ") and f"--timed-prompts must be >= 1, got {bad}" in err
+        assert err.count("\n") == 1
+    assert not out.exists()  # refused before anything ran or was written

@@ -17,7 +17,8 @@ the store's fast tier holds, whether it can evict or not; the hits are booked wi
 call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). A chosen expert not in its
 layer's table is read by the call itself where the store allows (experts/incall.py: evicting from victims the
 store offered before the call, its books kept after it). Where it cannot be (the store keeps experts another
-way, or the call ran out of what it was offered), the call stops after that layer's attention; here the expert lookahead runs (a
+way, or the call ran out of what it was offered), the call stops after that layer's attention; here the
+expert lookahead runs (a
 store that can evict: the next MoE layer's guess is loaded in the background; the call has routed the next
 layer on this input already, so NextLayerLookahead only counts and hints its ids), the layer's experts are
 taken through the store (the same books and loads as the model's own fetch; all are taken before any

@@ -377,12 +377,14 @@ class _ResidentTable:
     def book(self, layer: int, ids_TK: torch.Tensor, used: int, loaded: dict | None = None) -> None:
         """The store's books of a step this table served: the router's ids (any shape), `used` distinct experts;
         `loaded`: those the native decode step loaded itself (ExpertStore.table_step)."""
-        if loaded:
-            self.store.table_step(layer, sorted(set(ids_TK.flatten().tolist())), loaded)
-        elif self.store.can_evict:
-            self.store.table_hits(layer, sorted(set(ids_TK.flatten().tolist())))  # (torch.unique: ~0.2 ms)
-        else:
+        if not self.store.can_evict:
             self.store.count_resident_hits(used)
+            return
+        ids = sorted(set(ids_TK.flatten().tolist()))  # (torch.unique: ~0.2 ms)
+        if loaded:
+            self.store.table_step(layer, ids, loaded)
+        else:
+            self.store.table_hits(layer, ids)
 
     def run(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, out_TI: torch.Tensor, moe: MoE) -> bool:
         """Adds the step's experts into out_TI; False (nothing done) when one of them is not in the table."""
