@@ -3,7 +3,8 @@
 Each `step()` admits waiting requests into free slots, prefills at most `prefill_chunk` prompt tokens (pieces
 of one or more prompts, each alone: KDA in its chunked form, or its token recurrence in one C call on the CPU;
 MLA over the piece plus the cache), and then runs one batched decode step over every sequence that had
-finished its prefill (on the CPU, its layers in one C call: engine/native_step.py), so a long prompt never
+finished its prefill (on the CPU, its layers in one C call: engine/native_step.py; on CUDA, replayed
+CUDA graphs: engine/cuda_graph.py), so a long prompt never
 stalls the running streams. A prompt's first token comes with its last piece. Finished and aborted
 sequences leave at once; the state (engine/state.py) grows and shrinks with the sequences. Rows of a batch
 never mix, and results are bit-invariant to the batch up to 32 decoding sequences: every kernel of the
@@ -30,6 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from moeswap.engine.cuda_graph import GraphedDecode
 from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.nonfinite import NonFiniteError, all_finite, first_nonfinite
 from moeswap.engine.sampling import SamplingParams, sample
@@ -52,7 +54,9 @@ class EngineConfig:
     prefill_chunk: int = 512
     compile: bool = False  # torch.compile the decode step's attention (eager stays the reference)
     fuse: bool = True  # one matmul for all projections of an attention layer's input (same values)
-    native: bool = True  # decode steps' layers in one C call where it applies (engine/native_step.py)
+    # the device's fast decode step where it applies: the layers in one C call on the CPU (engine/native_step.py),
+    # replayed CUDA graphs on CUDA (engine/cuda_graph.py)
+    native: bool = True
 
     def __post_init__(self):
         for name in ("max_batch", "max_len", "prefill_chunk"):
@@ -115,7 +119,7 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0  # sequences x steps
     decode_s: float = 0.0
-    native_steps: int = 0  # decode steps whose layers ran in one C call (engine/native_step.py)
+    native_steps: int = 0  # decode steps that took the fast step (one C call on the CPU, CUDA graphs on CUDA)
     native_off: str | None = None  # why the last decode step did not, if it did not
     # sequence state (KDA and MLA buffers, engine/state.py) at the end of the last step's work, before the
     # sequences that finished left: bytes allocated, sequences holding them; and the most bytes at that point
@@ -182,7 +186,7 @@ class Scheduler:
 
             self._decode = compile_decode(model)
         elif config.native:
-            self._decode = NativeDecode(model)
+            self._decode = GraphedDecode(model) if self.device.type == "cuda" else NativeDecode(model)
 
     # -- public API -------------------------------------------------------------------------------
     def submit(self, req: Request) -> int | str:
@@ -321,14 +325,14 @@ class Scheduler:
         is dropped, and with it the old buffers (it would be rebuilt anyway: the views are new objects)."""
         if self.states.generation != self._generation:
             self._generation = self.states.generation
-            if isinstance(self._decode, NativeDecode):
+            if isinstance(self._decode, (NativeDecode, GraphedDecode)):
                 self._decode.forget_state()
 
     def _decode_step(self, n: int, events: list[TokenEvent]) -> None:
         self._reserve(0, n, 1)
         with self._adapters([seq.req.adapter for seq in self.live[:n]]):
             logits = self._decode(self.pending[:n, None], self.states.view(0, n))[:, -1]
-        if isinstance(self._decode, NativeDecode):
+        if isinstance(self._decode, (NativeDecode, GraphedDecode)):
             self.stats.native_off = self._decode.reason
             self.stats.native_steps += self._decode.reason is None
         self.states.advance(0, n, 1)

@@ -126,7 +126,7 @@ class ExpertStore:
         self._events: dict[Key, object] = {}  # CUDA: copy-done events of prefetched experts
         self._pins = _Pinned(self)
         self._holds: dict[Key, weakref.WeakSet] = {}  # experts that live graphs keep, and their holds
-        self._mirrors: dict[int, object] = {}  # layer -> what mirrors its fast-tier experts (`mirror`)
+        self._mirrors: dict[int, list] = {}  # layer -> what mirrors its fast-tier experts (`mirror`)
 
     # -- the API --------------------------------------------------------------------------------------
 
@@ -166,12 +166,13 @@ class ExpertStore:
         return Fetched(self, keys)
 
     def mirror(self, layer: int, table) -> None:
-        """Keep `table` told of `layer`'s experts in the fast tier: `table.added(expert, w)` for each one now
-        and each one stored later, `table.removed(expert)` before one is evicted (under the store's lock, on
-        the thread that made the store call). A decode step then reads the table for the experts it can
-        compute without a fetch (models/layers/moe.py) and books those hits with `table_hits`."""
+        """Keep `table` (one of any number per layer) told of `layer`'s experts in the fast tier:
+        `table.added(expert, w)` for each one now and each one stored later, `table.removed(expert)` before one
+        is evicted (under the store's lock, on the thread that made the store call). A decode step then reads
+        the table for the experts it can compute without a fetch (models/layers/moe.py; on CUDA,
+        engine/cuda_graph.py) and books those hits with `table_hits`."""
         with self._lock:
-            self._mirrors[layer] = table
+            self._mirrors.setdefault(layer, []).append(table)
             for key in self.fast.keys():
                 if key.layer == layer:
                     table.added(key.expert, self.fast.get(key))
@@ -255,8 +256,7 @@ class ExpertStore:
             return False
         self.fast.put(key, w)
         policy.insert(key)
-        mirror = self._mirrors.get(layer)
-        if mirror is not None:
+        for mirror in self._mirrors.get(layer, ()):
             mirror.loaded(e, w, row)
         self.stats.fast.bytes_in += self.fast.cost(key)
         if ahead:
@@ -338,11 +338,13 @@ class ExpertStore:
             self._hints[layer] = (self._fetches, frozenset(ids), set(load))
         return load
 
-    def preload(self, keys) -> None:
-        """Load `keys` into the fast tier (e.g. every expert, for an all-resident run); stats are reset."""
+    def preload(self, keys, reset_stats: bool = True) -> None:
+        """Load `keys` into the fast tier (e.g. every expert, for an all-resident run); stats are reset unless
+        told not to (the loads are then counted as misses)."""
         for key in keys:
             self._get(Key(*key))
-        self.reset_stats()
+        if reset_stats:
+            self.reset_stats()
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -592,8 +594,7 @@ class ExpertStore:
         if stored and load.error is None and self.fast.capacity:
             self.fast.put(key, value)
             self.policies[0].insert(key)
-            mirror = self._mirrors.get(key.layer)
-            if mirror is not None:
+            for mirror in self._mirrors.get(key.layer, ()):
                 mirror.added(key.expert, value)
             self.stats.fast.bytes_in += load.need
             if load.event is not None:
@@ -656,8 +657,9 @@ class ExpertStore:
         """Under the lock: the books of evicting `victim` from cache tier i (its policy has let it go);
         `taken_over`: the weights a caller's load kept, with their buffer, for another expert."""
         tier = self.tiers[i]
-        if i == 0 and victim.layer in self._mirrors:  # before its bytes can go
-            self._mirrors[victim.layer].removed(victim.expert)
+        if i == 0:  # before its bytes can go
+            for mirror in self._mirrors.get(victim.layer, ()):
+                mirror.removed(victim.expert)
         dropped = tier.drop(victim)
         if i == 0:
             for held in self._holds.pop(victim, ()):  # graphs let go of it too: its bytes leave the budget

@@ -3,7 +3,9 @@ scale bytes (formats/mxfp4.py's layout) and dequantising them in registers; no d
 Owns one kernel and its launches: `linear` (x W^T, one matrix), `grouped_linear` (one launch over the
 (token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers;
 `grouped_linears`: gate and up in the same launch),
-`expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's).
+`expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's);
+and a second kernel, `pair_linears`, one (token, expert) row per program with the expert's addresses read from
+a table on the device (MXFP4 or float experts), for decode steps captured in CUDA graphs (engine/cuda_graph.py).
 Few rows per expert (decode, FMA_MAX_ROWS) multiply in fp32 FMAs; more go to `tl.dot` (bf16 on the
 tensor cores for bf16 inputs, 3-pass TF32 for fp32: the decoded weights are exact in both). Knows nothing
 of models or stores; triton is optional (`available`). CPU tensors run under Triton's interpreter: for
@@ -53,6 +55,33 @@ def available() -> bool:
     return importable() and not interpreted() and torch.cuda.is_available()
 
 
+def _dequantize(b, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] fp32 weight tile from its packed bytes b [BLOCK_N, BLOCK_K/2] and E8M0 scale bytes
+    s [BLOCK_N, BLOCK_K/32] (jitted in `_kernels`, for both kernels)."""
+    # byte j holds column 2j in its low nibble: join puts (low, high) last, so reshape interleaves them
+    c = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.uint32)
+    # E2M1 as fp32 bits: index i = c & 7 is 0, 0.5 (biased exponent 126), or (1 + (i & 1) / 2) * 2^((i >> 1) - 1)
+    mag = c & 7
+    bits = tl.where(mag >= 2, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22), (mag & 1) * (126 << 23))
+    val = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    # E8M0 byte s is 2^(s - 127): byte 0 is the subnormal 2^-127, 0xFF is NaN
+    sb = s.to(tl.uint32)
+    sbits = tl.where(sb == 0, 0x400000, tl.where(sb == 255, 0x7FC00000, sb << 23))
+    sf = sbits.to(tl.float32, bitcast=True)
+    return (val.reshape(BLOCK_N, BLOCK_K // 32, 32) * sf[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+
+
+def _store(out, acc, mask, BF16: tl.constexpr):
+    """Stores fp32 acc, or as bf16 rounded to nearest even on the bits, as torch rounds (Triton's interpreter
+    casts by truncating)."""
+    if BF16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = tl.where(acc != acc, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+        tl.store(out, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(out, acc, mask=mask)
+
+
 def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x, stride_out, stride_set,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
           BF16: tl.constexpr, BF16_DOT: tl.constexpr, FP32_PRECISION: tl.constexpr):
@@ -83,17 +112,7 @@ def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x,
         for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
             b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
             s = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
-            # byte j holds column 2j in its low nibble: join puts (low, high) last, so reshape interleaves them
-            c = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.uint32)
-            # E2M1 as fp32 bits: index i = c & 7 is 0, 0.5 (biased exponent 126), or (1 + (i & 1) / 2) * 2^((i >> 1) - 1)
-            mag = c & 7
-            bits = tl.where(mag >= 2, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22), (mag & 1) * (126 << 23))
-            val = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-            # E8M0 byte s is 2^(s - 127): byte 0 is the subnormal 2^-127, 0xFF is NaN
-            sb = s.to(tl.uint32)
-            sbits = tl.where(sb == 0, 0x400000, tl.where(sb == 255, 0x7FC00000, sb << 23))
-            sf = sbits.to(tl.float32, bitcast=True)
-            w = (val.reshape(BLOCK_N, BLOCK_K // 32, 32) * sf[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+            w = _dequantize(b, s, BLOCK_N, BLOCK_K)
             x = tl.load(x_ptr + x_row + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
             if DOT:
                 if BF16_DOT:  # x is bf16; E2M1 times a power of two is exact in bf16
@@ -102,19 +121,64 @@ def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x,
                     acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=FP32_PRECISION)
             else:
                 acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-        out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-        if BF16:  # round to nearest even on the bits, as torch does (Triton's interpreter casts by truncating)
-            bits = acc.to(tl.uint32, bitcast=True)
-            bits = tl.where(acc != acc, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
-            tl.store(out, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=rmask[:, None] & cmask[None, :])
-        else:
-            tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+        _store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], acc,
+               rmask[:, None] & cmask[None, :], BF16)
+
+
+def _pair_body(x_ptr, experts_ptr, table_ptr, out_ptr, P, E, N, O, stride_x, stride_out, stride_set,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS: tl.constexpr, BF16: tl.constexpr):
+    """Program (s P + p, n): row p of x times columns n*BLOCK_N ... of matrix s of expert experts[p] transposed,
+    into out + s * stride_set. The expert's bytes come from table [S, E, 2] on the device (int64 addresses:
+    MXFP4 packed [O, N/2] and scale [O, N/32] bytes, or a float [O, N] matrix and 0; WEIGHTS 0 MXFP4, 1 bf16,
+    2 fp32), so nothing of a step's routing is read by the host: the launch can be captured in a CUDA graph.
+    A row whose expert has address 0 (not resident) comes out NaN, which the step's finite check reports;
+    nothing is read at address 0."""
+    pid = tl.program_id(0)
+    s = pid // P
+    p = pid % P
+    e = tl.load(experts_ptr + p).to(tl.int64)
+    entry = table_ptr + (s * E + e) * 2
+    addr = tl.load(entry)
+    present = addr != 0
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = (cols < O) & present
+    w_row = cols.to(tl.int64)[:, None]
+    kk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + p.to(tl.int64) * stride_x
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if WEIGHTS == 0:
+        packed = addr.to(tl.pointer_type(tl.uint8))
+        scale = tl.load(entry + 1).to(tl.pointer_type(tl.uint8))
+        half = tl.arange(0, BLOCK_K // 2)
+        blk = tl.arange(0, BLOCK_K // 32)
+        for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
+            b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
+            sc = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
+            x = tl.load(x_row + k0 + kk).to(tl.float32)
+            acc += tl.sum(_dequantize(b, sc, BLOCK_N, BLOCK_K) * x[None, :], axis=1)
+    else:
+        weights = addr.to(tl.pointer_type(tl.bfloat16 if WEIGHTS == 1 else tl.float32))
+        for k0 in range(0, N, BLOCK_K):
+            kmask = (k0 + kk) < N
+            w = tl.load(weights + w_row * N + (k0 + kk)[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(x_row + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    acc = tl.where(present, acc, float("nan"))
+    out = out_ptr + s.to(tl.int64) * stride_set + p.to(tl.int64) * stride_out + cols
+    _store(out, acc, cols < O, BF16)
 
 
 @functools.cache
+def _kernels():
+    """The kernels (grouped, pair), decorated at first use (so that importing this module costs nothing more);
+    their shared device functions are decorated in place first, as the kernels call them by name."""
+    globals()["_dequantize"] = triton.jit(_dequantize)
+    globals()["_store"] = triton.jit(_store)
+    return triton.jit(_body), triton.jit(_pair_body)
+
+
 def _kernel():
-    """The kernel, decorated at first use (so that importing this module costs nothing more)."""
-    return triton.jit(_body)
+    return _kernels()[0]
 
 
 def _check_device(device: torch.device) -> None:
@@ -202,6 +266,50 @@ def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
         x, out, tables[0], tables[1], offs, G, N, O, x.stride(0), out.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
         FP32_PRECISION=FP32_DOT_PRECISION, num_warps=warps)
+    return out
+
+
+PAIR_WEIGHTS = {"mxfp4": 0, torch.bfloat16: 1, torch.float32: 2}  # `pair_linears`' weight kinds -> WEIGHTS
+
+
+def pair_tiles(N: int, weights) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of `pair_linears` for input width N: the FMA path's tiles for one row."""
+    block_k = _block_k(N) if weights == "mxfp4" else 64  # float rows are masked along k: any N
+    return max(16, min(64, GEMV_TILE // block_k)), block_k
+
+
+def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, table_SE2: torch.Tensor, O: int,
+                 weights="mxfp4") -> torch.Tensor:
+    """y[S, P, O]: row p of x (fp32 or bf16) times matrix s of expert experts_P[p] transposed, for every s of
+    table [S, E, 2] (int64 addresses on x's device of each expert's matrix s: MXFP4 packed [O, N/2] and scale
+    [O, N/32] bytes, or a float [O, N] matrix and 0; `weights` is "mxfp4", torch.bfloat16 or torch.float32;
+    address 0: not resident, its rows come out NaN). One launch; the host reads no tensor's data (only
+    shapes), so a CUDA graph can capture it while the table changes between replays."""
+    if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pair_linears: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
+    if weights not in PAIR_WEIGHTS:
+        raise ValueError(f"pair_linears: weights {weights!r} is none of {list(PAIR_WEIGHTS)}")
+    P, N = x_PN.shape
+    if (table_SE2.dim() != 3 or table_SE2.shape[2] != 2 or table_SE2.dtype != torch.int64
+            or not table_SE2.is_contiguous() or table_SE2.device != x_PN.device):
+        raise ValueError(f"pair_linears: table must be contiguous int64 [S, E, 2] on {x_PN.device}, got "
+                         f"{table_SE2.dtype} {list(table_SE2.shape)} on {table_SE2.device}")
+    if experts_P.shape != (P,) or experts_P.dtype not in (torch.int32, torch.int64) or experts_P.device != x_PN.device:
+        raise ValueError(f"pair_linears: experts must be int32/int64 [{P}] on {x_PN.device}, got "
+                         f"{experts_P.dtype} {list(experts_P.shape)} on {experts_P.device}")
+    if weights == "mxfp4" and N % 32:
+        raise ValueError(f"pair_linears: input width {N} is not a multiple of the MXFP4 block (32)")
+    _check_device(x_PN.device)
+    S, E = table_SE2.shape[:2]
+    out = torch.empty(S, P, O, dtype=x_PN.dtype, device=x_PN.device)
+    if P == 0 or O == 0 or S == 0:
+        return out
+    x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
+    experts = experts_P if experts_P.is_contiguous() else experts_P.contiguous()
+    block_n, block_k = pair_tiles(N, weights)
+    _kernels()[1][(S * P, -(-O // block_n))](
+        x, experts, table_SE2, out, P, E, N, O, x.stride(0), out.stride(1), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=PAIR_WEIGHTS[weights], BF16=x.dtype == torch.bfloat16, num_warps=4)
     return out
 
 

@@ -29,6 +29,9 @@ class MLACache:
     # Host-side max(lengths_B) when the owner knows it (engine), so a step needs no device->host read;
     # None: read it from lengths_B.
     max_length: int | None = None
+    # True: a step attends over the whole buffer, masked by lengths_B, and writes its rows at lengths_B: no host
+    # read of a length and no growth, so that a CUDA graph can capture it (engine/cuda_graph.py)
+    whole: bool = False
 
     @staticmethod
     def empty(batch: int, width: int, dtype: torch.dtype, device, capacity: int = 64) -> "MLACache":
@@ -38,6 +41,8 @@ class MLACache:
         )
 
     def longest(self) -> int:
+        if self.whole:
+            return self.latent_BSX.shape[1]
         return self.max_length if self.max_length is not None else int(self.lengths_B.max())
 
     def reserve(self, T: int) -> int:
@@ -55,6 +60,11 @@ class MLACache:
         view into an engine's preallocated buffers, which are sized so that it never grows. Under autograd
         the latent rows go into a new tensor instead (lengths still in place)."""
         B, T, _ = new_BTX.shape
+        if self.whole:  # the owner made room; positions stay on the device
+            pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
+            self.latent_BSX[torch.arange(B, device=new_BTX.device)[:, None], pos_BT] = new_BTX.to(self.latent_BSX.dtype)
+            self.lengths_B += T
+            return
         need = self.reserve(T)
         if torch.is_grad_enabled() and (new_BTX.requires_grad or self.latent_BSX.requires_grad):
             # autograd may keep earlier rows of the cache for a backward pass: a new tensor, not a write
@@ -150,7 +160,8 @@ class MLA(nn.Module):
         if kernel is not None and not (x_BTD.dtype == cache.latent_BSX.dtype == torch.float32
                                        and cache.latent_BSX.is_contiguous()):
             kernel = None
-        masked = kernel is None and not (T == 1 and B == 1)  # a lone decode token sees the whole cache
+        # a lone decode token sees the whole cache, unless that is the buffer's capacity (cache.whole)
+        masked = kernel is None and (cache.whole or not (T == 1 and B == 1))
         past_B = cache.lengths_B.clone() if masked else None  # append updates lengths_B in place
         cache.append(torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1))
         S = cache.longest()

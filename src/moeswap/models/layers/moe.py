@@ -99,6 +99,9 @@ class MoE(nn.Module):
         self.expert_width = m.latent_dim or d  # what the routed experts read (I)
         self.store: ExpertProvider | None = None  # attached by the loader; never part of state_dict
         self.int8_activations = False  # LoadOptions.expert_activations: int8 activations in the grouped kernel
+        # engine/cuda_graph.py StepExperts while a graphed decode step runs the forward: the routed experts
+        # through a table of addresses on the device; never part of state_dict
+        self.step_experts = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape
@@ -174,6 +177,8 @@ class MoE(nn.Module):
 
     def _run_experts_fast(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         """The experts on the inference kernels (no autograd, no adapter)."""
+        if self.step_experts is not None:
+            return self.step_experts(self, h_TI, ids_TK, w_TK)
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         table = self._resident_table(h_TI, ids_TK)
         if table is not None and table.run(h_TI, ids_TK, w_TK, out_TI, self):
@@ -301,7 +306,8 @@ class MoE(nn.Module):
     def _resident_table(self, h_TI: torch.Tensor, ids_TK: torch.Tensor) -> _ResidentTable | None:
         """`resident_table` for this step: eager CPU inference with too few tokens for any expert to take
         the GEMM path."""
-        if ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None:
+        if (ids_TK.shape[0] >= expert_mxfp4.GEMM_MIN_TOKENS or cpu_kernels.for_inference(h_TI) is None
+                or self.step_experts is not None):
             return None
         return self.resident_table()
 

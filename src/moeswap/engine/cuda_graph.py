@@ -1,0 +1,302 @@
+"""CUDA-graph decode steps (issue #21): a decode step captured once per batch size and replayed, so that a
+step costs a few graph launches instead of hundreds of kernel launches from Python.
+
+What makes the model's own forward capturable: the MLA caches attend over their whole buffer, masked by
+their device lengths, and write at those lengths (`MLACache.whole`); KDA, AttnRes and the router run their
+torch paths (no host reads); and each MoE block's routed experts go through `StepExperts`, which looks each
+(token, expert) pair's bytes up in a table of addresses on the device (`DeviceTable`, one per layer, kept by
+the expert store as it loads and evicts: ExpertStore.mirror) in one Triton launch for gate and up and one for
+down (ops/triton_mxfp4.py `pair_linears`). The expert lookup thus stays outside the graph:
+- where the store cannot evict (the fast tier holds every expert; it is filled at the first step) the whole
+  step is one graph;
+- where it can (a budget below the experts), the step is captured in segments that end at each MoE layer's
+  routing: between two replays the host reads that layer's routed ids, the store loads what is missing
+  (evicting by its policy, with its books) and the table is copied up; then the next segment replays.
+The captured forward is the model's forward: no second copy of the architecture. Sampling, the finite
+check and the scheduler stay outside. A step that does not fit (see `GraphedDecode.unsupported`) runs the
+eager model and says why in `reason`, as the CPU's native step does.
+
+`GraphedDecode(model, capture=False)` runs the same step eagerly, with the host's work inline at each
+routing: on the CPU (the Triton kernel under its interpreter) that is what the tests check against the
+eager model, since nothing here can capture without a GPU.
+Shapes: B batch rows, K top-k, P = B K pairs, E experts, I expert input width, F expert width.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from moeswap.models.kimi_k3 import ModelState
+from moeswap.models.layers.kda import KDAState
+from moeswap.models.layers.mla import MLACache
+from moeswap.ops import triton_mxfp4
+from moeswap.ops.activation import glu
+
+GRAPH_SETS = 8  # batch sizes whose captured steps are kept (each holds its own memory pool)
+
+
+class DeviceTable:
+    """One MoE layer's experts in the store's fast tier as addresses on the device, [3, E, 2] int64: gate (w1),
+    up (w3) and down (w2), each (packed bytes, scale bytes) for MXFP4 or (matrix, 0) for bf16/fp32 experts;
+    zeros where the expert is not resident. The store keeps it told (ExpertStore.mirror: added, loaded,
+    removed, under its lock); the host copy is copied up (`upload`) before a replay reads it. One kind of
+    expert per table; an expert of another kind, or not laid out for the kernel, is not entered and `unfit`
+    says why."""
+
+    def __init__(self, store, num_experts: int, device: torch.device):
+        self.store = store
+        self.host = torch.zeros(3, num_experts, 2, dtype=torch.int64)
+        self.device = torch.zeros(3, num_experts, 2, dtype=torch.int64, device=device)
+        self.experts: dict[int, object] = {}  # what the rows point into, kept alive with them
+        self.weights = None  # "mxfp4", torch.bfloat16 or torch.float32: pair_linears' kind
+        self.unfit: str | None = None
+        self.dirty = True
+
+    def added(self, e: int, w) -> None:
+        got = self._row(w)
+        if got is None:
+            return
+        self.weights, row = got
+        self.host[:, e] = torch.tensor(row, dtype=torch.int64).view(3, 2)
+        self.experts[e] = w
+        self.dirty = True
+
+    def loaded(self, e: int, w, row) -> None:  # the CPU's in-call loads' hook (its row is a CPU kernel's)
+        self.added(e, w)
+
+    def removed(self, e: int) -> None:
+        if self.experts.pop(e, None) is not None:
+            self.host[:, e] = 0
+            self.dirty = True
+
+    def full(self) -> bool:
+        return len(self.experts) == self.host.shape[1]
+
+    def upload(self) -> None:
+        if self.dirty:
+            self.device.copy_(self.host)
+            self.dirty = False
+
+    def _row(self, w) -> tuple[object, list[int]] | None:
+        if getattr(getattr(w, "fmt", None), "name", None) == "mxfp4":
+            mats = [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, w.w2_packed, w.w2_scale]
+            kind = "mxfp4"
+        elif hasattr(w, "w1_FI") and w.w1_FI.dtype in (torch.bfloat16, torch.float32):
+            mats = [w.w1_FI, None, w.w3_FI, None, w.w2_IF, None]
+            kind = w.w1_FI.dtype
+        else:
+            self.unfit = f"experts of format {getattr(getattr(w, 'fmt', None), 'name', type(w).__name__)}"
+            return None
+        if self.weights not in (None, kind):
+            self.unfit = f"experts of two kinds in one layer ({self.weights} and {kind})"
+            return None
+        if any(t is not None and (not t.is_contiguous() or t.device != self.device.device) for t in mats):
+            self.unfit = f"an expert not contiguous on {self.device.device}"
+            return None
+        return kind, [0 if t is None else t.data_ptr() for t in mats]
+
+
+class StepExperts:
+    """The routed experts of a MoE block through its DeviceTable (`MoE.step_experts` while a graphed step
+    runs its forward), and what happens at each layer's routing: `mode` "capture" ends the segment being
+    captured and begins the next, "eager" does the host's work now, "warmup" nothing (a throwaway step)."""
+
+    def __init__(self, decode: GraphedDecode):
+        self.decode = decode
+        self.mode = "eager"
+        self.split = True  # whether steps stop at each routing (a store that may evict)
+
+    def __call__(self, moe, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        layer = moe.layer_idx
+        if self.split:
+            if self.mode == "capture":
+                self.decode._next_segment(layer, ids_TK)
+            elif self.mode == "eager":
+                self.decode._load(layer, ids_TK)
+        table = self.decode.tables[layer]
+        T, K = ids_TK.shape
+        F, I = moe.expert_shapes["w1"]
+        experts_P = ids_TK.reshape(-1)
+        x_PI = h_TI.repeat_interleave(K, dim=0)  # pair p is token p // K
+        gate_up = triton_mxfp4.pair_linears(x_PI, experts_P, table.device[0:2], F, table.weights)
+        act_PF = glu(moe.act, gate_up[0], gate_up[1], moe.situ_betas)
+        y_PI = triton_mxfp4.pair_linears(act_PF, experts_P, table.device[2:3], I, table.weights)[0]
+        # each token's K outputs weighted and summed in slot order, in fp32
+        return (y_PI.float().view(T, K, I) * w_TK.float()[..., None]).sum(1).to(h_TI.dtype)
+
+
+class _Captured:
+    """One batch size's captured step: its segments (one graph, or one more than the MoE layers), where they
+    end (layer, routed ids), the static token input and logits output, the state it was captured on."""
+
+    def __init__(self, state: ModelState, tokens_B1: torch.Tensor, split: bool):
+        self.state, self.tokens_B1, self.split = state, tokens_B1, split
+        self.graphs: list = []
+        self.boundaries: list[tuple[int, torch.Tensor]] = []
+        self.logits = None
+
+
+class GraphedDecode:
+    """model(tokens_B1, state) for decode steps, replayed from CUDA graphs where it applies (`reason` None),
+    else the model's forward (`reason` says why)."""
+
+    def __init__(self, model, capture: bool = True):
+        self.model = model
+        self.capture = capture
+        self.reason: str | None = None
+        self.tables: dict[int, DeviceTable] = {}
+        self._sets: OrderedDict[int, _Captured] = OrderedDict()
+        self._experts = StepExperts(self)
+        self._pool = None
+        self._capturing: _Captured | None = None
+        self._graph = None  # the segment being captured
+
+    # -- the step -----------------------------------------------------------------------------------
+    def __call__(self, tokens_BT: torch.Tensor, state: ModelState | None, last_only: bool = False) -> torch.Tensor:
+        why = self.unsupported(tokens_BT, state)
+        self.reason = why
+        if why is not None:
+            return self.model(tokens_BT, state, last_only)
+        split = any(t.store.can_evict for t in self.tables.values())
+        if not self.capture:
+            return self._eager(tokens_BT, state, split)
+        n = tokens_BT.shape[0]
+        cap = self._sets.get(n)
+        if cap is None or cap.state is not state or cap.split != split:
+            cap = self._capture(tokens_BT, state, split)
+        self._sets.move_to_end(n)
+        cap.tokens_B1.copy_(tokens_BT)
+        for i, graph in enumerate(cap.graphs):
+            graph.replay()
+            if i < len(cap.boundaries):
+                self._load(*cap.boundaries[i])
+        return cap.logits
+
+    def forget_state(self) -> None:
+        """Drop the captured steps: their state buffers were reallocated (engine/state.py SlotStates)."""
+        self._sets.clear()
+
+    def unsupported(self, tokens_BT: torch.Tensor, state: ModelState | None) -> str | None:
+        """Why this step cannot be graphed, or None (the device tables are made and filled on the way)."""
+        m = self.model
+        device = m.model.embed_tokens.weight.device
+        if state is None or tokens_BT.ndim != 2 or tokens_BT.shape[1] != 1:
+            return "not a decode step with state"
+        if self.capture and (device.type != "cuda" or not triton_mxfp4.available()):
+            return "CUDA graphs need a CUDA device and triton"
+        if torch.is_grad_enabled() and any(p.requires_grad for p in m.parameters()):
+            return "gradients are enabled"
+        rows = getattr(m, "adapter_rows", None)
+        if rows is not None:
+            return "the model serves LoRA adapters"
+        if m.expert_lookahead is not None:
+            return "--prefetch next-layer guesses on the host inside the step"
+        for moe in m.moe_blocks():
+            why = self._table_for(moe, device)
+            if why is not None:
+                return f"layer {moe.layer_idx}: {why}"
+        return None
+
+    def _table_for(self, moe, device: torch.device) -> str | None:
+        if any(name in moe._modules for name in ("expert_lora", "experts", "served_lora")):
+            return "its experts carry adapters or train"
+        s = moe.store
+        if not hasattr(s, "mirror") or s.fast.device != device:
+            return f"its expert store's fast tier is not on {device}"
+        if s.trace is not None or s.hybrid is not None:
+            return "its expert store records a trace or computes experts on the CPU (--expert-compute)"
+        table = moe.__dict__.get("_device_table")
+        if table is None or table.store is not s:
+            table = moe.__dict__["_device_table"] = DeviceTable(s, moe.num_experts, device)
+            s.mirror(moe.layer_idx, table)
+        if not s.can_evict and not table.full():  # all resident: fill it now, so that the step is one graph
+            s.preload([(moe.layer_idx, e) for e in range(moe.num_experts)], reset_stats=False)
+        if table.unfit is not None:
+            return table.unfit
+        self.tables[moe.layer_idx] = table
+        return None
+
+    # -- eager, capture, and the host's work between segments ----------------------------------------
+    def _forward(self, tokens_BT: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """The model's forward on `state` with its MLA caches in whole-buffer mode and the experts through the
+        device tables (the same buffers: the model's in-place updates land in the caller's state)."""
+        whole = ModelState([MLACache(st.latent_BSX, st.lengths_B, whole=True) if isinstance(st, MLACache) else st
+                            for st in state.layers])
+        blocks = self.model.moe_blocks()
+        for moe in blocks:
+            moe.step_experts = self._experts
+        try:
+            return self.model(tokens_BT, whole)
+        finally:
+            for moe in blocks:
+                moe.step_experts = None
+
+    def _eager(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> torch.Tensor:
+        self._experts.mode, self._experts.split = "eager", split
+        for table in self.tables.values():
+            table.upload()
+        return self._forward(tokens_BT, state)
+
+    def _load(self, layer: int, ids_TK: torch.Tensor) -> None:
+        """At a layer's routing: the store makes the routed experts resident (its fetch: hits, misses, the
+        policy's evictions; the step's experts are pinned) and the table goes up for the experts' kernels."""
+        ids = sorted(set(ids_TK.flatten().tolist()))  # the host's one read of the layer step
+        table = self.tables[layer]
+        fetched = table.store.fetch(layer, ids)
+        for i in range(len(fetched)):
+            fetched[i]
+        missing = [e for e in ids if e not in table.experts]
+        if missing:
+            raise RuntimeError(f"layer {layer}: experts {missing[:8]} are not resident for the graphed step (the "
+                               f"fast tier is smaller than one layer step's experts): give more --expert-memory")
+        table.upload()
+
+    def _capture(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> _Captured:
+        """Warm up on a throwaway state of the same shapes (kernels compiled, kept weights derived, cuBLAS set
+        up, none of it inside the capture), then capture the step on `state`'s buffers."""
+        while len(self._sets) >= GRAPH_SETS:
+            self._sets.popitem(last=False)
+        n = tokens_BT.shape[0]
+        cap = _Captured(state, tokens_BT.clone(), split)
+        scratch = ModelState([KDAState(torch.zeros_like(st.recurrent_BHKK), torch.zeros_like(st.conv_BWC))
+                              if isinstance(st, KDAState) else
+                              MLACache(torch.zeros_like(st.latent_BSX), torch.zeros_like(st.lengths_B))
+                              for st in state.layers])
+        for table in self.tables.values():
+            table.upload()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        self._experts.mode, self._experts.split = "warmup", split
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(cap.tokens_B1, scratch)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self._pool = torch.cuda.graph_pool_handle()
+        self._experts.mode, self._capturing = "capture", cap
+        with torch.cuda.stream(side):
+            self._graph = torch.cuda.CUDAGraph()
+            cap.graphs.append(self._graph)
+            self._graph.capture_begin(pool=self._pool)
+            try:
+                cap.logits = self._forward(cap.tokens_B1, state)
+            finally:
+                self._graph.capture_end()
+                self._graph = self._capturing = None
+        torch.cuda.current_stream().wait_stream(side)
+        del scratch
+        assert len(cap.graphs) == len(cap.boundaries) + 1 and n == cap.tokens_B1.shape[0]
+        self._sets[n] = cap
+        return cap
+
+    def _next_segment(self, layer: int, ids_TK: torch.Tensor) -> None:
+        """At a layer's routing during capture: end this segment's graph (the host reads ids_TK after its
+        replays) and begin the next one in the same pool (replayed in capture order, which makes sharing safe)."""
+        cap = self._capturing
+        cap.boundaries.append((layer, ids_TK))  # kept: its memory is not handed to a later segment
+        self._graph.capture_end()
+        self._graph = torch.cuda.CUDAGraph()
+        cap.graphs.append(self._graph)
+        self._graph.capture_begin(pool=self._pool)
