@@ -1,0 +1,138 @@
+"""engine/cuda_graph.py without a GPU: the graphed decode step run eagerly (`GraphedDecode(capture=False)`: the
+forward a CUDA graph captures, with the host's work inline at each MoE routing, the Triton pair kernel under its
+interpreter, the C kernels off so that every sublayer takes the torch path CUDA takes). Oracles: the model's own
+forward (greedy tokens equal, logits to fp32 rounding: the step sums a token's expert outputs in slot order,
+the forward in expert order), the store's books on the fetch path (LRU: the same hits, misses and evictions),
+and the invariants of a mirror (each layer's device table holds exactly the fast tier's experts, at their
+addresses). Capture itself is tested on CUDA (tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeswap.engine.cuda_graph import GraphedDecode
+from moeswap.models.loader import LoadOptions, load_model
+from moeswap.ops import cpu_kernels, triton_mxfp4
+
+pytestmark = pytest.mark.skipif(not triton_mxfp4.interpreted(), reason="needs triton under its interpreter")
+
+
+def _options(path, fraction: float, **options) -> LoadOptions:
+    """LoadOptions with the fast tier at `fraction` of the model's expert bytes (1: the default, all resident)."""
+    if fraction < 1:
+        _, probe = load_model(path, LoadOptions())
+        probe.close()
+        options["expert_memory"] = int(sum(probe.fast.cost(k) for k in probe.index.entries) * fraction)
+    return LoadOptions(**options)
+
+
+def _decode(model, step, steps: int = 5, batch: int = 2, torch_paths: bool = False, monkeypatch=None):
+    """Greedy decode from a fixed prompt: logits [steps + 1, B, V]."""
+    state = model.make_state(batch)
+    prompt = torch.randint(0, 400, (batch, 6), generator=torch.Generator().manual_seed(batch))
+    with torch.inference_mode():
+        out = [model(prompt, state)[:, -1]]
+        for _ in range(steps):
+            if torch_paths:  # what CUDA runs: no C kernel inside the step
+                monkeypatch.setattr(cpu_kernels, "for_inference", lambda *a, **k: None)
+            out.append(step(out[-1].argmax(-1, keepdim=True), state)[:, -1])
+            if torch_paths:
+                monkeypatch.undo()
+    return torch.stack(out)
+
+
+def _check_tables(model, store) -> None:
+    """(The device copy of a layer's table goes up at that layer's routing, before its kernels read it; between
+    two, later layers' loads may evict from it on the host.)"""
+    assert store.fast.used <= store.fast.capacity
+    for moe in model.moe_blocks():
+        table = moe.__dict__["_device_table"]
+        held = {k.expert: store.fast.get(k) for k in store.fast.keys() if k.layer == moe.layer_idx}
+        assert table.experts.keys() == held.keys()
+        for e in range(moe.num_experts):
+            w = held.get(e)
+            if w is None:
+                want = [0] * 6
+            elif hasattr(w, "w1_packed"):
+                want = [t.data_ptr() for t in (w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, w.w2_packed,
+                                               w.w2_scale)]
+            else:
+                want = [w.w1_FI.data_ptr(), 0, w.w3_FI.data_ptr(), 0, w.w2_IF.data_ptr(), 0]
+            assert table.host[:, e].flatten().tolist() == want, (moe.layer_idx, e)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+@pytest.mark.parametrize("arch", ["tiny_k3_dir", "tiny_linear_dir"])
+def test_graphed_step_gives_the_forwards_tokens(arch, fraction, request, monkeypatch):
+    """K3 (MXFP4 experts, MLA + KDA, AttnRes) and Kimi Linear (float experts): all resident (one segment,
+    the store filled at the first step) and at a quarter of the expert bytes (a segment per MoE layer, the
+    store loading and evicting at each routing): the forward's greedy tokens, logits within fp32 rounding."""
+    path = request.getfixturevalue(arch)
+    model, store = load_model(path, _options(path, fraction, expert_policy="lru"))
+    try:
+        want = _decode(model, model)
+        step = GraphedDecode(model, capture=False)
+        got = _decode(model, step, torch_paths=True, monkeypatch=monkeypatch)
+        assert step.reason is None
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert store.can_evict == (fraction < 1)
+        if fraction == 1:
+            assert all(t.full() for t in step.tables.values())  # every expert resident: one graph
+        else:
+            assert store.stats.fast.evictions > 0
+        _check_tables(model, store)
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_segments_keep_the_fetch_paths_books(tiny_k3_dir, monkeypatch):
+    """At a quarter with LRU, the graphed step's loads at each routing are the store's own fetches: hits, misses,
+    evictions and the experts left in the tier equal the model's forward's, step for step."""
+    books = []
+    for graphed in (False, True):
+        model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 0.25, expert_policy="lru"))
+        try:
+            _decode(model, GraphedDecode(model, capture=False) if graphed else model, torch_paths=graphed,
+                    monkeypatch=monkeypatch)
+        finally:
+            store.close()
+        s = store.stats
+        books.append((s.hits, s.misses, s.fast.evictions, s.disk_reads, sorted(store.fast.keys())))
+    assert books[0] == books[1] and books[0][2] > 0
+
+
+def test_a_tier_smaller_than_a_layer_step_is_named(tiny_k3_dir, monkeypatch):
+    """A fast tier that cannot hold one layer step's experts at once: the graphed step stops with an error
+    that says so and what to give, not a kernel reading an evicted expert. (The least budget a store takes is one
+    token's top-k experts; two sequences route to more.)"""
+    probe_model, probe = load_model(tiny_k3_dir, LoadOptions())
+    probe.close()
+    least = probe.fast.cost(next(iter(probe.index.entries))) * probe_model.config.moe.top_k
+    model, store = load_model(tiny_k3_dir, LoadOptions(expert_memory=least, expert_policy="lru"))
+    try:
+        with pytest.raises(RuntimeError, match=r"not resident for the graphed step .* give more --expert-memory"):
+            _decode(model, GraphedDecode(model, capture=False), steps=1, torch_paths=True, monkeypatch=monkeypatch)
+    finally:
+        store.close()
+
+
+def test_steps_it_cannot_graph_take_the_forward_and_say_why(tiny_k3_dir, monkeypatch):
+    """Capture without a CUDA device, next-layer prefetch (its guesses run on the host inside the step) and
+    hybrid CPU experts each leave the step to the model's forward, with the reason; the tokens are the
+    forward's."""
+    cases = [({}, True, "CUDA graphs need a CUDA device"),
+             ({"prefetch": "next-layer"}, False, "--prefetch next-layer"),
+             ({"expert_compute": "cpu", "host_memory": 1 << 20}, False, "computes experts on the CPU")]
+    for options, capture, why in cases:
+        model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 0.5, **options))
+        try:
+            step = GraphedDecode(model, capture=capture)
+            got = _decode(model, step, steps=2)
+            assert why in step.reason
+            assert torch.equal(got, _decode(model, model, steps=2))
+        finally:
+            store.close()
