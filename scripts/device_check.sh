@@ -39,6 +39,12 @@ timeout 120 python3 -m pytest tests/ops/test_triton_mxfp4.py -q -m cuda -p no:ca
   -o addopts="--import-mode=importlib" -o pythonpath=tests --junitxml="$OUT/triton_tests.xml" 2>&1 \
   | tee "$OUT/triton_tests.txt"
 junit_json "$OUT/triton_tests.xml" "$OUT/triton_tests.json"
+# KDA in flash-linear-attention's kernels (ops/kda.py kda_fla) against the torch path; skips where fla-core
+# (and its one dependency, einops) is not installed in the image
+timeout 120 python3 -m pytest tests/ops/test_kda_fla.py -q -m cuda -p no:cacheprovider \
+  -o addopts="--import-mode=importlib" -o pythonpath=tests --junitxml="$OUT/fla_tests.xml" 2>&1 \
+  | tee "$OUT/fla_tests.txt"
+junit_json "$OUT/fla_tests.xml" "$OUT/fla_tests.json"
 timeout 90 python3 -m moeswap bench gpu-kernels --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.txt"
 
 python3 -m moeswap init-tiny /tmp/bench-k3 --size bench --seed 0 >/dev/null 2>&1

@@ -6,7 +6,7 @@ import torch
 from moeswap.engine.generate import GenerationConfig, generate, generate_batch
 from moeswap.experts.tiers import tensors_of
 from moeswap.models.loader import LoadOptions, load_model
-from moeswap.ops.kda import kda_chunked, kda_recurrent
+from moeswap.ops.kda import ENV_BACKEND, kda_chunked, kda_recurrent
 from moeswap.tiny import write_tiny_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -17,11 +17,18 @@ def k3_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("cuda") / "k3", "kimi_k3", "tiny", seed=1)
 
 
+@pytest.fixture
+def torch_kda(monkeypatch):
+    """KDA on its torch path, not flash-linear-attention's kernels: the tests comparing with the CPU at fp32
+    rounding hold for it (fla's chunk_kda multiplies fp32 as TF32; tests/ops/test_kda_fla.py checks it)."""
+    monkeypatch.setenv(ENV_BACKEND, "torch")
+
+
 def _ids(n, seed=0):
     return torch.randint(0, 500, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_fp32_matches_cpu_sublayer_by_sublayer(k3_dir):
+def test_fp32_matches_cpu_sublayer_by_sublayer(k3_dir, torch_kda):
     cpu, _ = load_model(k3_dir, LoadOptions(dtype="float32"))
     gpu, _ = load_model(k3_dir, LoadOptions(dtype="float32", device="cuda"))
     x = torch.randn(1, 100, cpu.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -69,7 +76,7 @@ def test_kda_chunked_equals_recurrent_on_cuda():
     assert (o1 - o2).abs().max().item() < 1e-4 and (s1 - s2).abs().max().item() < 1e-4
 
 
-def test_generation_on_cuda_matches_cpu_and_batches(k3_dir):
+def test_generation_on_cuda_matches_cpu_and_batches(k3_dir, torch_kda):
     cpu, _ = load_model(k3_dir, LoadOptions(dtype="float32"))
     gpu, store = load_model(k3_dir, LoadOptions(dtype="float32", device="cuda"))
     prompts = [_ids(7, 2)[0].tolist(), _ids(30, 3)[0].tolist()]
@@ -79,7 +86,7 @@ def test_generation_on_cuda_matches_cpu_and_batches(k3_dir):
     assert [r.tokens for r in generate_batch(gpu, prompts, cfg)] == want
 
 
-def test_swapping_experts_on_cuda_gives_the_cpu_tokens(k3_dir):
+def test_swapping_experts_on_cuda_gives_the_cpu_tokens(k3_dir, torch_kda):
     """A fast tier in device memory at 10 % of the experts, a pinned host tier, next-layer prefetch (reads
     into pinned buffers, copies on the side stream, events waited at first use): the all-resident tokens."""
     cpu, _ = load_model(k3_dir, LoadOptions(dtype="float32"))

@@ -5,19 +5,23 @@ and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the 
 `kda_decode_step` (one token from raw q/k, in place; a fused CPU kernel where it runs), `kda_chunked`
 (prefill under autograd and off the CPU; CPU inference runs the recurrence in C, cpu_kernels.kda_layer),
 `kda_chunked_pairwise` (the chunked form written plainly, its reference), `kda_for_training` (under
-autograd: the token recurrence's C forward and backward on the CPU, csrc/kda_train.c).
+autograd: the token recurrence's C forward and backward on the CPU, csrc/kda_train.c). On CUDA,
+inference may instead go to flash-linear-attention's Triton kernels (`kda_fla`, chosen by `fla_selected`).
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length, N sub-chunk length.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 
 import torch
 
 from moeswap.ops import cpu_kernels
 
-L2_EPS = 1e-6  # inside the square root, as the reference implementations
+L2_EPS = 1e-6  # inside the square root, as the reference implementations (fla's kernels too)
+ENV_BACKEND = "MOESWAP_KDA_BACKEND"  # "torch": never flash-linear-attention; "auto" (or unset): where it runs
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
@@ -218,3 +222,49 @@ def kda_for_training(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV) -> tu
     if all(t.is_cpu for t in tensors) and q_BTHK.dtype == torch.float32 and cpu_kernels.kernel() is not None:
         return KDATokenRecurrence.apply(*tensors)
     return kda_chunked(*tensors)
+
+
+@functools.cache
+def _fla_kda():
+    """The module fla.ops.kda of flash-linear-attention (the `fla-core` package), or None where it does not
+    import. Imported on first use from CUDA tensors only: on a machine without a GPU its import warns and
+    takes seconds, and CPU runs never use it."""
+    try:
+        import fla.ops.kda as fla_kda
+    except Exception:  # not installed, or its import fails on this platform: the torch path runs
+        return None
+    return fla_kda
+
+
+def fla_selected(*tensors: torch.Tensor) -> bool:
+    """Whether inference on these tensors goes to `kda_fla`: all are on CUDA, fla imports, and
+    $MOESWAP_KDA_BACKEND is not "torch". CPU tensors never do (the C kernels and torch stay the reference)."""
+    backend = os.environ.get(ENV_BACKEND) or "auto"
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"{ENV_BACKEND}={backend!r}: expected auto or torch")
+    return backend == "auto" and all(t.is_cuda for t in tensors) and _fla_kda() is not None
+
+
+def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTHK: torch.Tensor,
+            beta_BTH: torch.Tensor, state_BHKV: torch.Tensor, scale: float, *, allow_cpu: bool = False,
+            core: Callable | None = None) -> torch.Tensor:
+    """The recurrence of `kda_decode_step` (raw q and k) in flash-linear-attention's kernels: one token in
+    `fused_recurrent_kda`, more in `chunk_kda`. Their conventions are this module's: [B, T, H, K] inputs, g the
+    log decay per key channel, beta after its sigmoid, the state [B, H, K, V] fp32 (S <- diag(exp g) S;
+    S <- S + beta k (v - S^T k)^T; o = S^T q), q and k l2-normalised in the kernel with the epsilon inside
+    the square root (1e-6, L2_EPS), q then times `scale`. The state is updated in place; returns o
+    [B, T, H, V] fp32. For CUDA tensors; `allow_cpu` lets tests run it on CPU ones (Triton's interpreter),
+    and `core` stands in for fla's function there (tests: fla's torch reference, where a kernel does not
+    run in the interpreter)."""
+    if not allow_cpu and not state_BHKV.is_cuda:
+        raise ValueError("kda_fla runs on CUDA tensors (allow_cpu=True for tests)")
+    if core is None:
+        fla_kda = _fla_kda()
+        if fla_kda is None:
+            raise RuntimeError("flash-linear-attention (fla-core) does not import here")
+        core = fla_kda.fused_recurrent_kda if q_BTHK.shape[1] == 1 else fla_kda.chunk_kda
+    o_BTHV, S_BHKV = core(q=q_BTHK.float(), k=k_BTHK.float(), v=v_BTHV.float(), g=g_BTHK.float(),
+                          beta=beta_BTH.float(), scale=scale, initial_state=state_BHKV.float(),
+                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state_BHKV.copy_(S_BHKV)
+    return o_BTHV

@@ -1,6 +1,7 @@
 """Kimi Delta Attention layer: projections, short convolutions, decay/beta gates, gated output norm.
 
-The core recurrence lives in ops.kda (chunked for prefill, token recurrence for decode); CPU inference
+The core recurrence lives in ops.kda (chunked for prefill, token recurrence for decode; flash-linear-attention's
+kernels on CUDA where it is installed, ops.kda.fla_selected); CPU inference
 runs the layer between its projections in one C call (cpu_kernels.kda_layer), prefill and decode alike.
 Per-sequence state: KDAState (fp32 recurrent state + the last K-1 conv inputs); constant in length.
 Shapes: B batch, T tokens, D model width, H heads, K head dim, W conv width.
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import WeightOnly, derived, fuse_linears, project, records_graph, rms_norm
 from moeswap.ops import cpu_kernels
-from moeswap.ops.kda import L2_EPS, kda_chunked, kda_decode_step, kda_for_training, l2_normalize
+from moeswap.ops.kda import (L2_EPS, fla_selected, kda_chunked, kda_decode_step, kda_fla, kda_for_training,
+                             l2_normalize)
 
 
 @dataclass
@@ -152,7 +154,9 @@ class KDA(nn.Module):
         q, k, v = (t.unflatten(-1, (self.H, self.K)).float() for t in conv_BTC.chunk(3, dim=-1))
         beta_BTH = torch.sigmoid(b_in.float())
         g_BTHK = self.decay(x_BTD, f_a)
-        if T == 1:  # q and k are normalised inside (one fused CPU kernel where it runs)
+        if not grad and fla_selected(state.recurrent_BHKK):  # flash-linear-attention's kernels on CUDA
+            o_BTHK = kda_fla(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK, self.K**-0.5)
+        elif T == 1:  # q and k are normalised inside (one fused CPU kernel where it runs)
             o_BTHK = kda_decode_step(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKK, self.K**-0.5)
         else:
             q, k = l2_normalize(q) * self.K**-0.5, l2_normalize(k)
