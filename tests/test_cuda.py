@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moeswap.engine.generate import GenerationConfig, generate, generate_batch
+from moeswap.engine.scheduler import EngineConfig
 from moeswap.experts.tiers import tensors_of
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops.kda import ENV_BACKEND, kda_chunked, kda_recurrent
@@ -133,3 +134,30 @@ def test_hybrid_experts_at_a_quarter_give_the_all_resident_tokens(k3_dir, mode):
         assert s.hybrid.cpu_experts > 0 and s.hybrid.fetch_steps == 0 and s.fast.evictions == 0
     else:
         assert s.hybrid.cpu_experts > 0 and s.hybrid.fetch_steps > 0 and s.fast.evictions > 0
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_graphed_decode_gives_the_eager_tokens(tmp_path, arch, fraction, torch_kda):
+    """Issue 21's graph-captured decode (engine/cuda_graph.py): every decode step replayed from CUDA graphs (all
+    resident: one graph per step; a quarter: a segment per MoE layer, the store loading between them) gives
+    the eager forward's greedy tokens, alone and in a batch whose size changes as sequences finish."""
+    path = write_tiny_model(tmp_path / arch, arch, "tiny", seed=1)
+    _, probe = load_model(path, LoadOptions(dtype="float32", device="cuda"))
+    total = sum(probe.fast.cost(k) for k in probe.index.entries)
+    options = {} if fraction == 1 else {"expert_memory": int(total * fraction)}
+    prompts = [_ids(7, 2)[0].tolist(), _ids(30, 3)[0].tolist(), _ids(12, 6)[0].tolist()]
+    cfg = GenerationConfig(max_tokens=12, stop_ids=())
+    model, store = load_model(path, LoadOptions(dtype="float32", device="cuda", **options))
+    try:
+        eager = [generate(model, p, cfg, engine=EngineConfig(max_batch=1, max_len=64, native=False)).tokens
+                 for p in prompts]
+        alone = [generate(model, p, cfg) for p in prompts]
+        assert [r.tokens for r in alone] == eager
+        assert all(r.native_off is None and r.native_steps == len(r.tokens) - 1 for r in alone), alone[0].native_off
+        batch = generate_batch(model, prompts, GenerationConfig(max_tokens=12, stop_ids=()))
+        assert [r.tokens for r in batch] == eager
+    finally:
+        store.close()
+    assert store.fast.used <= store.fast.capacity
+    assert (store.stats.fast.evictions > 0) == (fraction < 1)

@@ -163,6 +163,67 @@ def test_grouped_linear_names_bad_input():
         tm.grouped_linear(x.double(), [0, 3], [a])
 
 
+def _table(sets, kinds: int) -> torch.Tensor:
+    """[S, E, 2] int64 addresses of sets[s][e] (an MXFP4 (packed, scale) pair or one float matrix; None: absent)."""
+    table = torch.zeros(len(sets), len(sets[0]), 2, dtype=torch.int64)
+    for s, mats in enumerate(sets):
+        for e, m in enumerate(mats):
+            if m is not None:
+                table[s, e] = torch.tensor([m[0].data_ptr(), m[1].data_ptr()] if kinds == 2 else [m.data_ptr(), 0])
+    return table
+
+
+@needs_triton
+@interpreted
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy: the absent expert's NaN
+@pytest.mark.parametrize("dtype,ids_dtype", [(torch.float32, torch.int64), (torch.bfloat16, torch.int32)])
+def test_pair_linears_is_each_rows_expert_from_the_device_table(dtype, ids_dtype):
+    """Row p times set s of expert experts[p], the expert's bytes found through the table (as a graphed decode
+    step finds them: engine/cuda_graph.py); an expert whose address is 0 gives a NaN row, never zeros."""
+    gen = torch.Generator().manual_seed(5)
+    sets = [[random_matrix(40, 96, gen) for _ in range(5)] for _ in range(2)]
+    sets[0][3] = sets[1][3] = None  # not resident
+    experts = torch.tensor([4, 0, 4, 1, 3, 2, 0], dtype=ids_dtype)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    got = tm.pair_linears(x, experts, _table(sets, 2), 40)
+    assert got.shape == (2, 7, 40) and got.dtype == dtype
+    for s, mats in enumerate(sets):
+        for p, e in enumerate(experts.tolist()):
+            if mats[e] is None:
+                assert got[s, p].isnan().all()
+            else:
+                assert_within_bound(got[s, p : p + 1], x[p : p + 1], *mats[e])
+
+
+@needs_triton
+@interpreted
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_pair_linears_takes_float_experts(wdtype):
+    """bf16 and fp32 experts (Kimi Linear's), input width not a multiple of the tile (masked along k)."""
+    gen = torch.Generator().manual_seed(6)
+    mats = [torch.randn(24, 80, generator=gen).to(wdtype) for _ in range(3)]
+    experts = torch.tensor([2, 2, 0, 1])
+    x = torch.randn(4, 80, generator=gen)
+    got = tm.pair_linears(x, experts, _table([mats], 1), 24, wdtype)[0]
+    want = torch.stack([x[p] @ mats[e].float().T for p, e in enumerate(experts.tolist())])
+    bound = 2 * 80 * EPS32 * torch.stack([x[p].abs() @ mats[e].float().abs().T for p, e in enumerate(experts.tolist())])
+    assert ((got - want).abs() <= bound).all()
+
+
+@needs_triton
+@interpreted
+def test_pair_linears_names_bad_input():
+    x, experts, table = torch.randn(3, 64), torch.zeros(3, dtype=torch.int64), torch.zeros(2, 4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="table must be contiguous int64 \\[S, E, 2\\]"):
+        tm.pair_linears(x, experts, table.int(), 32)
+    with pytest.raises(ValueError, match="experts must be int32/int64 \\[3\\]"):
+        tm.pair_linears(x, experts[:2], table, 32)
+    with pytest.raises(ValueError, match="not a multiple of the MXFP4 block"):
+        tm.pair_linears(torch.randn(3, 40), experts, table, 32)
+    with pytest.raises(ValueError, match="weights torch.float16 is none of"):
+        tm.pair_linears(x, experts, table, 32, torch.float16)
+
+
 @needs_triton
 @interpreted
 @pytest.mark.parametrize("tokens", [1, 3, 18])
@@ -237,7 +298,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from moeswap.ops import triton_mxfp4 as tm
 
-fn = triton.jit(tm._body)
+fn, pair = tm._kernels()
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 result = []
 for dtype in ("bf16", "fp32"):
@@ -259,6 +320,23 @@ for dtype in ("bf16", "fp32"):
         fields = dict(kv.split(":") for kv in next(l for l in usage.splitlines() if "REG:" in l).split())
         result.append({"config": [dtype, bm, bn, bk, dot, warps], "regs": int(fields["REG"]),
                        "stack": int(fields["STACK"])})
+for dtype in ("bf16", "fp32"):  # the pair kernel (graphed decode steps): one tile per input width and weights
+    for weights, N in ((0, 3584), (1, 2048), (2, 2048)):
+        bn, bk = tm.pair_tiles(N, "mxfp4" if weights == 0 else None)
+        sig = {"x_ptr": "*" + dtype, "experts_ptr": "*i64", "table_ptr": "*i64", "out_ptr": "*" + dtype,
+               **{k: "i32" for k in ("P", "E", "N", "O", "stride_x", "stride_out", "stride_set")},
+               **{k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "WEIGHTS", "BF16")}}
+        const = {"BLOCK_N": bn, "BLOCK_K": bk, "WEIGHTS": weights, "BF16": dtype == "bf16"}
+        k = triton.compile(triton.compiler.ASTSource(pair, sig, const), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4})
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True).stdout
+        os.unlink(f.name)
+        fields = dict(kv.split(":") for kv in next(l for l in usage.splitlines() if "REG:" in l).split())
+        result.append({"config": [dtype, "pair", weights, bn, bk], "regs": int(fields["REG"]),
+                       "stack": int(fields["STACK"])})
 print(json.dumps(result))
 """
 
@@ -267,7 +345,8 @@ print(json.dumps(result))
 @pytest.mark.slow
 def test_every_tile_configuration_compiles_for_hopper_without_spills(tmp_path):
     """Compiled for sm_90 (H100/H200) by the ptxas in triton's wheel, without a GPU: every tile configuration
-    the launcher picks builds, and none spills registers to the stack (cuobjdump -res-usage)."""
+    the launcher picks builds (the pair kernel's for each weight kind too), and none spills registers to the
+    stack (cuobjdump -res-usage)."""
     import json
     import os
     import subprocess
@@ -284,7 +363,7 @@ def test_every_tile_configuration_compiles_for_hopper_without_spills(tmp_path):
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
-    assert len(result) == len(tm.configs(True)) + sum(c[3] for c in tm.configs(False))
+    assert len(result) == len(tm.configs(True)) + sum(c[3] for c in tm.configs(False)) + 6
     assert all(r["stack"] == 0 for r in result), [r for r in result if r["stack"]]
 
 
