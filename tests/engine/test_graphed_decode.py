@@ -136,3 +136,45 @@ def test_steps_it_cannot_graph_take_the_forward_and_say_why(tiny_k3_dir, monkeyp
             assert torch.equal(got, _decode(model, model, steps=2))
         finally:
             store.close()
+
+
+HOST_READS = ("item", "_local_scalar_dense", "is_nonzero", "nonzero", "unique", "masked_select", "equal", "allclose",
+              "repeat_interleave")
+
+
+def test_the_captured_forward_reads_no_tensor_on_the_host(tiny_k3_dir, monkeypatch):
+    """What a CUDA graph captures must not read a tensor's data on the host (a capture fails on the sync, and
+    a replay would not redo the read). The step's forward as captured (mode "capture" without a GPU: the
+    segment boundaries only note where the host will read) calls no op that does, nor .tolist()."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__
+            if any(r in name for r in HOST_READS):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def refuse(*_):
+        raise AssertionError("tolist() inside the captured forward")
+
+    for fraction in (1.0, 0.25):
+        model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, fraction))
+        try:
+            step = GraphedDecode(model, capture=False)
+            state = model.make_state(2)
+            tokens = torch.tensor([[3], [5]])
+            with torch.inference_mode():
+                model(torch.tensor([[1, 2], [3, 4]]), state)
+                assert step.unsupported(tokens, state) is None
+                step._experts.mode, step._experts.split = "warmup", fraction < 1
+                monkeypatch.setattr(cpu_kernels, "for_inference", lambda *a, **k: None)
+                monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+                with Reads() as reads:
+                    logits = step._forward(tokens, state)
+                monkeypatch.undo()
+            assert reads.seen == [] and logits.shape[:2] == (2, 1)
+        finally:
+            store.close()

@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import torch
 
+from moeswap.experts.keys import Key
 from moeswap.models.kimi_k3 import ModelState
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
@@ -119,7 +120,7 @@ class StepExperts:
         T, K = ids_TK.shape
         F, I = moe.expert_shapes["w1"]
         experts_P = ids_TK.reshape(-1)
-        x_PI = h_TI.repeat_interleave(K, dim=0)  # pair p is token p // K
+        x_PI = h_TI[:, None].expand(T, K, h_TI.shape[-1]).reshape(T * K, -1)  # pair p is token p // K
         gate_up = triton_mxfp4.pair_linears(x_PI, experts_P, table.device[0:2], F, table.weights)
         act_PF = glu(moe.act, gate_up[0], gate_up[1], moe.situ_betas)
         y_PI = triton_mxfp4.pair_linears(act_PF, experts_P, table.device[2:3], I, table.weights)[0]
@@ -213,6 +214,10 @@ class GraphedDecode:
             s.mirror(moe.layer_idx, table)
         if not s.can_evict and not table.full():  # all resident: fill it now, so that the step is one graph
             s.preload([(moe.layer_idx, e) for e in range(moe.num_experts)], reset_stats=False)
+        elif table.weights is None and table.unfit is None:  # the kernel's kind is fixed at capture: an expert in
+            # the fast tier's form tells it (read beside the store: its books and budget are not the table's)
+            got = table._row(s.fast.form(s.source.get(Key(moe.layer_idx, 0))))
+            table.weights = got[0] if got is not None else None
         if table.unfit is not None:
             return table.unfit
         self.tables[moe.layer_idx] = table

@@ -60,9 +60,9 @@ class MLACache:
         view into an engine's preallocated buffers, which are sized so that it never grows. Under autograd
         the latent rows go into a new tensor instead (lengths still in place)."""
         B, T, _ = new_BTX.shape
-        if self.whole:  # the owner made room; positions stay on the device
-            pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
-            self.latent_BSX[torch.arange(B, device=new_BTX.device)[:, None], pos_BT] = new_BTX.to(self.latent_BSX.dtype)
+        if self.whole:  # the owner made room; positions stay on the device (a scatter: no host read)
+            pos_BTX = (self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device))[..., None].expand(new_BTX.shape)
+            self.latent_BSX.scatter_(1, pos_BTX, new_BTX.to(self.latent_BSX.dtype))
             self.lengths_B += T
             return
         need = self.reserve(T)
