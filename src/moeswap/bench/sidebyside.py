@@ -210,7 +210,8 @@ class Peers:
                     elif arch != "kimi_linear":
                         self.skipped[peer] = f"transformers has no {arch} model (its peer is for the Kimi Linear variant)"
                     else:
-                        self.workers[peer] = Worker(peer, setup.model, setup.threads)
+                        self.workers[peer] = Worker(peer, setup.model, setup.threads,  # moeswap's device, dtype
+                                                    ["--device", setup.load.device, "--dtype", setup.load.dtype])
                 else:
                     self.skipped[peer] = f"unknown peer {peer!r} (known: {', '.join(KNOWN_PEERS)})"
             except RuntimeError as err:

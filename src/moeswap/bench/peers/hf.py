@@ -1,15 +1,17 @@
-"""The transformers peer: `KimiLinearForCausalLM` (eager, CPU, fp32) on a Kimi Linear checkpoint.
+"""The transformers peer: `KimiLinearForCausalLM` (eager) on a Kimi Linear checkpoint, on the device and in the
+dtype the benchmark gives moeswap (`--device`, `--dtype`; "auto" as moeswap resolves it: fp32 on the CPU,
+bf16 on a GPU).
 
-Its KDA runs transformers' pure-PyTorch fallbacks (flash-linear-attention is CUDA-only). Batches are
+On the CPU its KDA runs transformers' pure-PyTorch fallbacks (flash-linear-attention is CUDA-only); on CUDA
+transformers takes flash-linear-attention's kernels where that is installed. Batches are
 prompts of one length (the benchmarks use equal lengths), so no padding enters the comparison.
-Entry points: `available()`, `TransformersRunner(model_dir, threads)`.
+Entry points: `available()`, `TransformersRunner(model_dir, threads, device, dtype)`.
 """
 
 from __future__ import annotations
 
 import time
 
-NAME = "transformers KimiLinearForCausalLM (eager, fp32)"
 
 
 def available() -> tuple[bool, str]:
@@ -22,15 +24,17 @@ def available() -> tuple[bool, str]:
 
 
 class TransformersRunner:
-    name = NAME
-
-    def __init__(self, model_dir: str, threads: int):
+    def __init__(self, model_dir: str, threads: int, device: str = "cpu", dtype: str = "auto"):
         import torch
         from transformers import KimiLinearForCausalLM
 
-        self.torch = torch
+        from moeswap.models.loader import resolve_dtype
+
+        self.torch, self.device = torch, torch.device(device)
         torch.set_num_threads(threads)
-        self.model = KimiLinearForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        dt = resolve_dtype(dtype, device)
+        self.model = KimiLinearForCausalLM.from_pretrained(model_dir, dtype=dt).to(self.device).eval()
+        self.name = f"transformers KimiLinearForCausalLM (eager, {str(dt).removeprefix('torch.')}, {self.device.type})"
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
         """Greedy over a batch of equal-length prompts: one batched prefill, then one token per step."""
@@ -39,7 +43,7 @@ class TransformersRunner:
             raise ValueError("the transformers peer takes prompts of one length (no padding)")
         with torch.no_grad():
             t0 = time.perf_counter()
-            out = self.model(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+            out = self.model(torch.tensor(prompts, device=self.device), use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1)
             ttft = time.perf_counter() - t0
             outs = [[t] for t in nxt.tolist()]

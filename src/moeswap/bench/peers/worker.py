@@ -71,7 +71,7 @@ def _make_runner(args: argparse.Namespace):
     if args.kind == "transformers":
         from moeswap.bench.peers.hf import TransformersRunner
 
-        return TransformersRunner(args.model, args.threads)
+        return TransformersRunner(args.model, args.threads, args.device, args.dtype)
     raise ValueError(f"unknown peer kind {args.kind!r}")
 
 
