@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (its image has torch; nothing is installed), under 8 minutes:
-# the CUDA parity tests (the model on CUDA, hybrid experts included, then the Triton MXFP4 kernels of
-# ops/triton_mxfp4.py), the Triton kernels' benchmark (`moeswap bench gpu-kernels`), then decode speed of the
-# bench-size K3 on the GPU vs its CPU cores, and with a quarter of its experts in HBM per --expert-compute.
-# Everything lands under $OUT (JSON where it is data, .txt logs beside it). The new Triton and hybrid steps
-# carry timeouts (2 + 1.5 + 3 x 1.5 min at most) so that a hang there cannot eat the steps after them.
+# One prepared run on a lent GPU machine (its image has torch; nothing is downloaded), under 8 minutes:
+# the CUDA parity tests (the model on CUDA, graphed decode steps and hybrid experts included, then the Triton
+# MXFP4 kernels of ops/triton_mxfp4.py, then KDA in flash-linear-attention's kernels where its wheels were
+# carried), the Triton kernels' benchmark (`moeswap bench gpu-kernels`), decode of the bench-size K3 on CUDA
+# graphs vs eager vs the CPU cores, `bench decode` at batch 1 and 64 (graphs vs eager side by side) and
+# against transformers on a bench-size Kimi Linear, and a quarter of the experts in HBM per --expert-compute.
+# Everything lands under $OUT (JSON where it is data, .txt logs beside it). Steps carry timeouts so that a
+# hang cannot eat the steps after them. To run fla's kernels, first copy fla_core-*.whl and einops-*.whl
+# into wheels/ (ignored) and give the run carry=["wheels"].
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must compile for the GPU here
@@ -12,6 +15,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+# wheels the image lacks, carried in the ignored wheels/ folder (run's `carry`): fla-core and einops for
+# KDA in flash-linear-attention's kernels; nothing is downloaded
+if compgen -G "wheels/*.whl" >/dev/null; then python3 -m pip install -q --no-deps --no-index wheels/*.whl 2>&1 | tail -2; fi
 
 # pytest's JUnit XML -> {passed, failed, skipped, failures: [{test, message}]} as JSON
 junit_json() {
@@ -48,11 +54,24 @@ junit_json "$OUT/fla_tests.xml" "$OUT/fla_tests.json"
 timeout 90 python3 -m moeswap bench gpu-kernels --json "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.txt"
 
 python3 -m moeswap init-tiny /tmp/bench-k3 --size bench --seed 0 >/dev/null 2>&1
-for dev in cuda cpu; do
-  python3 -m moeswap generate /tmp/bench-k3 --prompt "The quick brown fox jumps over the lazy dog" \
-    --max-tokens 32 --ignore-eos --json --device $dev --dtype bfloat16 --expert-memory 4GiB \
-    2>&1 | tail -1 | tee "$OUT/generate_$dev.json"
+# decode on CUDA graphs (engine/cuda_graph.py, the default), eagerly (--reference-step), and on the CPU cores;
+# each JSON has decode_tokens_per_s, native_decode_steps (graphed steps) and the tokens
+for run in "cuda" "cuda --reference-step" "cpu"; do
+  name=$(echo "$run" | tr -d ' -' | sed 's/referencestep/_eager/')
+  timeout 120 python3 -m moeswap generate /tmp/bench-k3 --prompt "The quick brown fox jumps over the lazy dog" \
+    --max-tokens 32 --ignore-eos --json --device $run --dtype bfloat16 --expert-memory 4GiB \
+    2>&1 | tail -1 | tee "$OUT/generate_$name.json"
 done
+# Issue 21's goals: batch-1 ms per token and batch-64 tokens/s of graphed steps, side by side with the eager
+# step (the moeswap-reference peer) in one run
+timeout 180 python3 -m moeswap bench decode /tmp/bench-k3 --device cuda --dtype bfloat16 --batch 1,64 \
+  --tokens 32 --prompt-tokens 64 --reps 2 --peers moeswap-reference --out-dir "" --json "$OUT/bench_decode_k3.json" \
+  2>&1 | tail -20 | tee "$OUT/bench_decode_k3.txt"
+# against transformers' KimiLinearForCausalLM on the same GPU in bf16, on a bench-size Kimi Linear
+python3 -m moeswap init-tiny /tmp/bench-linear --arch kimi_linear --size bench --seed 0 >/dev/null 2>&1
+timeout 180 python3 -m moeswap bench decode /tmp/bench-linear --device cuda --dtype bfloat16 --batch 1,16 \
+  --tokens 32 --prompt-tokens 64 --reps 2 --peers transformers --out-dir "" --json "$OUT/bench_decode_linear.json" \
+  2>&1 | tail -20 | tee "$OUT/bench_decode_linear.txt"
 # Issue 21's hybrid experts: the fast tier in HBM at 25 % of bench-k3's 0.44 GB of MXFP4 experts (105 MiB), a
 # 1 GiB pinned host tier: swap into HBM (gpu) vs misses computed by the CPU kernels (cpu) vs auto; each JSON
 # has decode_tokens_per_s, the tokens (to compare with generate_cuda.json) and expert_store.hybrid.
@@ -61,7 +80,7 @@ for mode in gpu cpu auto; do
     --max-tokens 32 --ignore-eos --json --device cuda --dtype bfloat16 --expert-memory 105MiB --host-memory 1GiB \
     --expert-compute $mode 2>&1 | tail -1 | tee "$OUT/generate_hybrid_$mode.json"
 done
-# The CPU kernel benchmark on the GPU machine's quiet host cores, pinned to 2 of them (the dev/CI
+# (last: if time runs out, this is what goes) The CPU kernel benchmark on the GPU machine's quiet host cores, pinned to 2 of them (the dev/CI
 # machines are 2-core and were saturated when it was first measured).
 taskset -c 0,1 python3 -m moeswap bench kernels --threads 2 --json "$OUT/kernels_2threads.json" 2>&1 | tee "$OUT/kernels_2threads.txt"
 taskset -c 0 python3 -m moeswap bench kernels --threads 1 --fast-only 2>&1 | tee "$OUT/kernels_1thread.txt"
