@@ -38,6 +38,11 @@ from moeswap.ops.activation import glu
 GRAPH_SETS = 8  # batch sizes whose captured steps are kept (each holds its own memory pool)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """torch.device("cuda") (a tier made from the option's text) is device 0, as the model's "cuda:0"."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
 class DeviceTable:
     """One MoE layer's experts in the store's fast tier as addresses on the device, [3, E, 2] int64: gate (w1),
     up (w3) and down (w2), each (packed bytes, scale bytes) for MXFP4 or (matrix, 0) for bf16/fp32 experts;
@@ -93,7 +98,8 @@ class DeviceTable:
         if self.weights not in (None, kind):
             self.unfit = f"experts of two kinds in one layer ({self.weights} and {kind})"
             return None
-        if any(t is not None and (not t.is_contiguous() or t.device != self.device.device) for t in mats):
+        on = self.device.device
+        if any(t is not None and (not t.is_contiguous() or not _same_device(t.device, on)) for t in mats):
             self.unfit = f"an expert not contiguous on {self.device.device}"
             return None
         return kind, [0 if t is None else t.data_ptr() for t in mats]
@@ -204,7 +210,7 @@ class GraphedDecode:
         if any(name in moe._modules for name in ("expert_lora", "experts", "served_lora")):
             return "its experts carry adapters or train"
         s = moe.store
-        if not hasattr(s, "mirror") or s.fast.device != device:
+        if not hasattr(s, "mirror") or not _same_device(s.fast.device, device):
             return f"its expert store's fast tier is not on {device}"
         if s.trace is not None or s.hybrid is not None:
             return "its expert store records a trace or computes experts on the CPU (--expert-compute)"

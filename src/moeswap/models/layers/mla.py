@@ -61,7 +61,8 @@ class MLACache:
         the latent rows go into a new tensor instead (lengths still in place)."""
         B, T, _ = new_BTX.shape
         if self.whole:  # the owner made room; positions stay on the device (a scatter: no host read)
-            pos_BTX = (self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device))[..., None].expand(new_BTX.shape)
+            pos_BT = self.lengths_B[:, None] + torch.arange(T, device=new_BTX.device)
+            pos_BTX = pos_BT[..., None].expand(new_BTX.shape)
             self.latent_BSX.scatter_(1, pos_BTX, new_BTX.to(self.latent_BSX.dtype))
             self.lengths_B += T
             return
