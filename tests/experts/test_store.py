@@ -322,3 +322,35 @@ def test_settle_takes_a_layers_finished_hinted_loads_in_now():
         assert fetch(store, 2, [4, 5]) == [Key(2, 4), Key(2, 5)] and store.stats.prefetch.used == 2
     finally:
         store.close()
+
+
+def test_copy_stats_read_events_once_they_complete():
+    """StoreStats.copies (the fast tier's form on CUDA, experts/build.py): each copy's event pair is read once its
+    end event has completed, never waited for; the rate is bytes over the completed copies' GPU time; the share
+    beside compute is the side stream's bytes; the report is strict JSON (null before any timed copy)."""
+    import json
+
+    from moeswap.experts.stats import CopyStats
+
+    class Event:
+        def __init__(self, t: float, done: bool = True):
+            self.t, self.done = t, done
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end) -> float:  # milliseconds, as torch.cuda.Event's
+            return end.t - self.t
+
+    stats = StoreStats({"fast": TierStats()})
+    assert json.loads(json.dumps(stats.as_dict(), allow_nan=False))["copies"]["GBps"] is None
+    c: CopyStats = stats.copies
+    late = Event(30.0, done=False)
+    c.record(Event(0.0), Event(2.0), 4_000_000, side=False)
+    c.record(Event(10.0), late, 6_000_000, side=True)
+    assert (c.copies, c.bytes, c.timed_bytes, c.copy_s) == (2, 10_000_000, 4_000_000, 0.002)
+    assert c.GBps == pytest.approx(2.0) and c.overlapped == pytest.approx(0.6)
+    late.done = True
+    d = json.loads(json.dumps(stats.as_dict(), allow_nan=False))["copies"]
+    assert d["timed_bytes"] == 10_000_000 and d["GBps"] == pytest.approx(10e6 / 0.022 / 1e9)
+    assert "copied up 10.0 MB at 0.5 GB/s, 60% beside compute" in stats.summary()

@@ -36,6 +36,17 @@ def _stored_bf16(ckpt: Checkpoint, index: ExpertIndex, key: Key) -> bool:
         ckpt.info(kinds["weight"]).dtype == torch.bfloat16 for kinds in index.names(*key).values())
 
 
+def _timed_form(form, store: ExpertStore, w):
+    """The fast tier's form on CUDA, timed by events on the stream it runs on (StoreStats.copies)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    formed = form(w)
+    end.record()
+    side = getattr(store.prefetcher, "stream", None)
+    store.stats.copies.record(start, end, w.nbytes, side is not None and torch.cuda.current_stream() == side)
+    return formed
+
+
 def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
                 device: str | torch.device = "cpu", options: LoadOptions = LoadOptions()) -> ExpertStore:
     """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
@@ -107,6 +118,8 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     if len(tiers) == 3:  # the host tier sees only fast-tier misses: Belady's future does not apply there
         policies.append(make_policy("lru" if policy == "belady" else policy, **kwargs))
     store = ExpertStore(tiers, policies, max_hint=max(top_k, slots // 4))
+    if device.type == "cuda":
+        fast.form = partial(_timed_form, fast.form, store)
     store.can_evict = not caching or options.expert_memory < len(index.entries) * fast_cost(Key(*first))
     if options.expert_compute != "gpu":
         from moeswap.experts.hybrid import HybridExperts

@@ -1,5 +1,5 @@
 """Counters of the expert store: hits and misses per tier, bytes moved, time stalled, prefetch accuracy,
-experts kept for backward passes, where hybrid experts were computed.
+experts kept for backward passes, where hybrid experts were computed, copies into an accelerator (timed).
 
 Plain dataclasses filled by ExpertStore under its lock; `as_dict()` is what the API, `generate --stats`
 and (later) the server export, `summary()` the one line the CLI prints.
@@ -65,6 +65,48 @@ class HybridStats:
 
 
 @dataclass
+class CopyStats:
+    """Experts taken into an accelerator's fast tier (the host -> device copy, and the decode where experts are
+    kept decoded), timed on the GPU by CUDA events around each on the stream it ran on: the model's (a demand
+    load, which the step waits for) or the prefetcher's side stream (beside the model's compute). An event
+    pair is read once it has completed (`harvest`, at the next copy and before a report), never waited for."""
+
+    copies: int = 0
+    bytes: int = 0
+    side_bytes: int = 0  # of them, copied on the prefetcher's side stream
+    timed_bytes: int = 0  # of copies whose events have completed
+    copy_s: float = 0.0  # their GPU time
+
+    def __post_init__(self):
+        self._pending: list = []  # (start event, end event, bytes): not a field, so not in as_dict
+
+    def record(self, start, end, nbytes: int, side: bool) -> None:
+        self.copies += 1
+        self.bytes += nbytes
+        self.side_bytes += nbytes if side else 0
+        self._pending.append((start, end, nbytes))
+        self.harvest()
+
+    def harvest(self) -> None:
+        left = []
+        for start, end, nbytes in self._pending:
+            if end.query():
+                self.copy_s += start.elapsed_time(end) / 1e3
+                self.timed_bytes += nbytes
+            else:
+                left.append((start, end, nbytes))
+        self._pending = left
+
+    @property
+    def GBps(self) -> float | None:  # None (JSON null) before any copy was timed
+        return self.timed_bytes / self.copy_s / 1e9 if self.copy_s > 0 else None
+
+    @property
+    def overlapped(self) -> float | None:  # share of the bytes copied beside the model's compute
+        return self.side_bytes / self.bytes if self.bytes else None
+
+
+@dataclass
 class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)  # fastest first
     disk_reads: int = 0  # experts read from the checkpoint
@@ -74,6 +116,7 @@ class StoreStats:
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
     graph: GraphStats = field(default_factory=GraphStats)
     hybrid: HybridStats = field(default_factory=HybridStats)
+    copies: CopyStats = field(default_factory=CopyStats)  # into an accelerator's fast tier (experts/build.py)
 
     @cached_property  # (the store counts into it on every hit and miss; tiers are fixed once made)
     def fast(self) -> TierStats:
@@ -102,6 +145,8 @@ class StoreStats:
         for name, t in self.tiers.items():
             d["tiers"][name]["hit_rate"] = t.hit_rate
         d["prefetch"].update(precision=self.prefetch.precision, recall=self.prefetch.recall)
+        self.copies.harvest()
+        d["copies"] = dict(asdict(self.copies), GBps=self.copies.GBps, overlapped=self.copies.overlapped)
         return d
 
     def summary(self) -> str:
@@ -116,6 +161,11 @@ class StoreStats:
         if h.cpu_steps or h.fetch_steps:
             line += (f"; hybrid: {h.cpu_steps} layer steps computed {h.cpu_experts} experts on the CPU, "
                      f"{h.fetch_steps} fetched them")
+        c = self.copies
+        c.harvest()
+        if c.copies:
+            rate = "n/a" if c.GBps is None else f"{c.GBps:.1f} GB/s"
+            line += f"; copied up {c.bytes / 1e6:.1f} MB at {rate}, {_percent(c.overlapped)} beside compute"
         return line
 
 
