@@ -121,11 +121,9 @@ def test_a_tier_smaller_than_a_layer_step_is_named(tiny_k3_dir, monkeypatch):
 
 
 def test_steps_it_cannot_graph_take_the_forward_and_say_why(tiny_k3_dir, monkeypatch):
-    """Capture without a CUDA device, next-layer prefetch (its guesses run on the host inside the step) and
-    hybrid CPU experts each leave the step to the model's forward, with the reason; the tokens are the
-    forward's."""
+    """Capture without a CUDA device and hybrid CPU experts each leave the step to the model's forward, with
+    the reason; the tokens are the forward's."""
     cases = [({}, True, "CUDA graphs need a CUDA device"),
-             ({"prefetch": "next-layer"}, False, "--prefetch next-layer"),
              ({"expert_compute": "cpu", "host_memory": 1 << 20}, False, "computes experts on the CPU")]
     for options, capture, why in cases:
         model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 0.5, **options))
@@ -178,3 +176,23 @@ def test_the_captured_forward_reads_no_tensor_on_the_host(tiny_k3_dir, monkeypat
             assert reads.seen == [] and logits.shape[:2] == (2, 1)
         finally:
             store.close()
+
+
+@pytest.mark.slow
+def test_next_layer_prefetch_guesses_inside_the_step(tiny_k3_dir, monkeypatch):
+    """--prefetch next-layer with the step in segments: the next MoE layer's router runs inside the segment and
+    the host hints its guess at the routing stop, so the reader threads load it while later segments compute;
+    the forward's tokens, and the guesses scored and used as the eager lookahead's are."""
+    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 0.25, prefetch="next-layer"))
+    try:
+        want = _decode(model, model)
+        before = store.stats.prefetch.predicted
+        step = GraphedDecode(model, capture=False)
+        got = _decode(model, step, torch_paths=True, monkeypatch=monkeypatch)
+        assert step.reason is None and model.expert_lookahead is step.lookahead  # put back after each step
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        p = store.stats.prefetch
+        assert p.predicted > before and p.correct > 0 and p.loaded > 0 and p.used > 0
+        _check_tables(model, store)
+    finally:
+        store.close()

@@ -11,7 +11,10 @@ down (ops/triton_mxfp4.py `pair_linears`). The expert lookup thus stays outside 
   step is one graph;
 - where it can (a budget below the experts), the step is captured in segments that end at each MoE layer's
   routing: between two replays the host reads that layer's routed ids, the store loads what is missing
-  (evicting by its policy, with its books) and the table is copied up; then the next segment replays.
+  (evicting by its policy, with its books) and the table is copied up; then the next segment replays. With
+  --prefetch next-layer the next MoE layer's router runs on the device inside the segment (the lookahead's
+  guess) and the host hints its ids at the same stop, so the reader threads and the side stream load them
+  while the following segments compute.
 The captured forward is the model's forward: no second copy of the architecture. Sampling, the finite
 check and the scheduler stay outside. A step that does not fit (see `GraphedDecode.unsupported`) runs the
 eager model and says why in `reason`, as the CPU's native step does.
@@ -114,14 +117,24 @@ class StepExperts:
         self.decode = decode
         self.mode = "eager"
         self.split = True  # whether steps stop at each routing (a store that may evict)
+        self.guesses: list[tuple[int, torch.Tensor]] = []  # next-layer guesses made since the last routing
+
+    def guess(self, layer: int, hidden: torch.Tensor) -> None:
+        """`model.expert_lookahead` while the step's forward runs: the next MoE layer's router on this hidden
+        state, on the device; the host hints its ids at the next routing (`GraphedDecode._load`)."""
+        lookahead = self.decode.lookahead
+        route = lookahead.routes.get(layer) if self.split else None
+        if route is not None and self.mode != "warmup":
+            self.guesses.append((layer, route[1](hidden.reshape(-1, hidden.shape[-1]))))
 
     def __call__(self, moe, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         layer = moe.layer_idx
         if self.split:
+            guesses, self.guesses = self.guesses, []
             if self.mode == "capture":
-                self.decode._next_segment(layer, ids_TK)
+                self.decode._next_segment(layer, ids_TK, guesses)
             elif self.mode == "eager":
-                self.decode._load(layer, ids_TK)
+                self.decode._load(layer, ids_TK, guesses)
         table = self.decode.tables[layer]
         T, K = ids_TK.shape
         F, I = moe.expert_shapes["w1"]
@@ -141,7 +154,7 @@ class _Captured:
     def __init__(self, state: ModelState, tokens_B1: torch.Tensor, split: bool):
         self.state, self.tokens_B1, self.split = state, tokens_B1, split
         self.graphs: list = []
-        self.boundaries: list[tuple[int, torch.Tensor]] = []
+        self.boundaries: list[tuple[int, torch.Tensor, list]] = []  # (layer, routed ids, next-layer guesses)
         self.logits = None
 
 
@@ -156,6 +169,7 @@ class GraphedDecode:
         self.tables: dict[int, DeviceTable] = {}
         self._sets: OrderedDict[int, _Captured] = OrderedDict()
         self._experts = StepExperts(self)
+        self.lookahead = None  # the model's next-layer lookahead (NextLayerLookahead), if it prefetches
         self._pool = None
         self._capturing: _Captured | None = None
         self._graph = None  # the segment being captured
@@ -198,8 +212,9 @@ class GraphedDecode:
         rows = getattr(m, "adapter_rows", None)
         if rows is not None:
             return "the model serves LoRA adapters"
-        if m.expert_lookahead is not None:
-            return "--prefetch next-layer guesses on the host inside the step"
+        self.lookahead = m.expert_lookahead
+        if self.lookahead is not None and not hasattr(self.lookahead, "routes"):
+            return "an expert lookahead other than next-layer prefetch's"
         for moe in m.moe_blocks():
             why = self._table_for(moe, device)
             if why is not None:
@@ -238,11 +253,15 @@ class GraphedDecode:
         blocks = self.model.moe_blocks()
         for moe in blocks:
             moe.step_experts = self._experts
+        if self.lookahead is not None:
+            self.model.expert_lookahead = self._experts.guess
+        self._experts.guesses = []
         try:
             return self.model(tokens_BT, whole)
         finally:
             for moe in blocks:
                 moe.step_experts = None
+            self.model.expert_lookahead = self.lookahead
 
     def _eager(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> torch.Tensor:
         self._experts.mode, self._experts.split = "eager", split
@@ -250,9 +269,13 @@ class GraphedDecode:
             table.upload()
         return self._forward(tokens_BT, state)
 
-    def _load(self, layer: int, ids_TK: torch.Tensor) -> None:
-        """At a layer's routing: the store makes the routed experts resident (its fetch: hits, misses, the
-        policy's evictions; the step's experts are pinned) and the table goes up for the experts' kernels."""
+    def _load(self, layer: int, ids_TK: torch.Tensor, guesses: list) -> None:
+        """At a layer's routing: the guesses made since the last one are hinted (with --prefetch next-layer: the
+        reader threads load them and copy them up on the side stream while the next segments compute), the
+        store makes the routed experts resident (its fetch: hits, misses, the policy's evictions; the step's
+        experts are pinned; a prefetched one's copy is waited for on the stream) and the table goes up."""
+        for at, guess_TK in guesses:
+            self.lookahead.guessed(at, guess_TK)
         ids = sorted(set(ids_TK.flatten().tolist()))  # the host's one read of the layer step
         table = self.tables[layer]
         fetched = table.store.fetch(layer, ids)
@@ -302,11 +325,12 @@ class GraphedDecode:
         self._sets[n] = cap
         return cap
 
-    def _next_segment(self, layer: int, ids_TK: torch.Tensor) -> None:
-        """At a layer's routing during capture: end this segment's graph (the host reads ids_TK after its
-        replays) and begin the next one in the same pool (replayed in capture order, which makes sharing safe)."""
+    def _next_segment(self, layer: int, ids_TK: torch.Tensor, guesses: list) -> None:
+        """At a layer's routing during capture: end this segment's graph (the host reads ids_TK and the guesses
+        after its replays) and begin the next one in the same pool (replayed in capture order, which makes
+        sharing safe)."""
         cap = self._capturing
-        cap.boundaries.append((layer, ids_TK))  # kept: its memory is not handed to a later segment
+        cap.boundaries.append((layer, ids_TK, guesses))  # kept: their memory is not handed to a later segment
         self._graph.capture_end()
         self._graph = torch.cuda.CUDAGraph()
         cap.graphs.append(self._graph)
