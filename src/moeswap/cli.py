@@ -214,6 +214,7 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
+        "graph_capture_s": round(result.graph_capture_s, 4),
         "state_bytes": result.state_bytes, "lora": None if lora is None else str(lora[1].directory),
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
     }
@@ -228,9 +229,11 @@ def cmd_generate(args) -> int:
           + ("n/a]" if rate is None else f"{stats['decode_tokens_per_s']:.1f} tokens/s]"),
           file=sys.stderr)
     if args.stats:
+        fast = "in one C call" if model.model.embed_tokens.weight.is_cpu else "replayed from CUDA graphs"
         native = ("decode steps through the model's modules (--reference-step)" if args.reference_step else
-                  f"decode steps in one C call: {result.native_steps} of {result.decoded}"
-                  + (f" (otherwise: {result.native_off})" if result.native_off else ""))
+                  f"decode steps {fast}: {result.native_steps} of {result.decoded}"
+                  + (f" (otherwise: {result.native_off})" if result.native_off else "")
+                  + (f", {result.graph_capture_s * 1e3:.0f} ms capturing" if result.graph_capture_s else ""))
         print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; "
               f"sequence state {human_bytes(result.state_bytes)}; torch threads {stats['threads']}"
               + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)

@@ -27,6 +27,7 @@ Shapes: B batch rows, K top-k, P = B K pairs, E experts, I expert input width, F
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
@@ -170,6 +171,7 @@ class GraphedDecode:
         self._sets: OrderedDict[int, _Captured] = OrderedDict()
         self._experts = StepExperts(self)
         self.lookahead = None  # the model's next-layer lookahead (NextLayerLookahead), if it prefetches
+        self.captures, self.capture_s = 0, 0.0  # graphs captured (warm-up included) and the time it took
         self._pool = None
         self._capturing: _Captured | None = None
         self._graph = None  # the segment being captured
@@ -290,6 +292,7 @@ class GraphedDecode:
     def _capture(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> _Captured:
         """Warm up on a throwaway state of the same shapes (kernels compiled, kept weights derived, cuBLAS set
         up, none of it inside the capture), then capture the step on `state`'s buffers."""
+        t0 = time.perf_counter()
         while len(self._sets) >= GRAPH_SETS:
             self._sets.popitem(last=False)
         n = tokens_BT.shape[0]
@@ -323,6 +326,9 @@ class GraphedDecode:
         del scratch
         assert len(cap.graphs) == len(cap.boundaries) + 1 and n == cap.tokens_B1.shape[0]
         self._sets[n] = cap
+        torch.cuda.synchronize()
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
         return cap
 
     def _next_segment(self, layer: int, ids_TK: torch.Tensor, guesses: list) -> None:

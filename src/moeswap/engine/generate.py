@@ -48,9 +48,10 @@ class GenerationResult:
     ttft_s: float
     decode_s: float
     decoded: int = field(default=0)  # tokens produced by decode steps (all but the first)
-    native_steps: int = 0  # the batch's decode steps that ran in the native C call (engine/native_step.py)
+    native_steps: int = 0  # the batch's decode steps on the fast step (native C call on the CPU, CUDA graphs)
     native_off: str | None = None  # why the last decode step did not, if it did not
     state_bytes: int = 0  # the most sequence state the batch held at once (EngineStats.state_bytes_peak)
+    graph_capture_s: float = 0.0  # of decode_s, capturing CUDA graphs (EngineStats.graph_capture_s)
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -101,4 +102,4 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
                         if on_token else None)
     st = sched.stats
     return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded,
-                             st.native_steps, st.native_off, st.state_bytes_peak) for r in results]
+                             st.native_steps, st.native_off, st.state_bytes_peak, st.graph_capture_s) for r in results]

@@ -121,6 +121,10 @@ class EngineStats:
     decode_s: float = 0.0
     native_steps: int = 0  # decode steps that took the fast step (one C call on the CPU, CUDA graphs on CUDA)
     native_off: str | None = None  # why the last decode step did not, if it did not
+    # CUDA graphs captured for decode steps (a batch size's first step, and again after the state's buffers
+    # moved: engine/cuda_graph.py) and the time that took, which decode_s includes
+    graph_captures: int = 0
+    graph_capture_s: float = 0.0
     # sequence state (KDA and MLA buffers, engine/state.py) at the end of the last step's work, before the
     # sequences that finished left: bytes allocated, sequences holding them; and the most bytes at that point
     state_bytes: int = 0
@@ -335,6 +339,8 @@ class Scheduler:
         if isinstance(self._decode, (NativeDecode, GraphedDecode)):
             self.stats.native_off = self._decode.reason
             self.stats.native_steps += self._decode.reason is None
+        if isinstance(self._decode, GraphedDecode):
+            self.stats.graph_captures, self.stats.graph_capture_s = self._decode.captures, self._decode.capture_s
         self.states.advance(0, n, 1)
         bad: set[int] = set()
         if not all_finite(logits):  # one reduction per step; rows only when it fails
