@@ -121,12 +121,15 @@ def test_a_tier_smaller_than_a_layer_step_is_named(tiny_k3_dir, monkeypatch):
 
 
 def test_steps_it_cannot_graph_take_the_forward_and_say_why(tiny_k3_dir, monkeypatch):
-    """Capture without a CUDA device and hybrid CPU experts each leave the step to the model's forward, with
-    the reason; the tokens are the forward's."""
-    cases = [({}, True, "CUDA graphs need a CUDA device"),
-             ({"expert_compute": "cpu", "host_memory": 1 << 20}, False, "computes experts on the CPU")]
-    for options, capture, why in cases:
-        model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 0.5, **options))
+    """Capture without a CUDA device and a store recording a routing trace each leave the step to the model's
+    forward, with the reason; the tokens are the forward's."""
+    class Recorder:  # what a store recording a routing trace calls (experts/trace.py)
+        def record(self, layer, ids):
+            pass
+
+    for capture, trace, why in [(True, False, "CUDA graphs need a CUDA device"), (False, True, "records a trace")]:
+        model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 0.5))
+        store.trace = Recorder() if trace else None
         try:
             step = GraphedDecode(model, capture=capture)
             got = _decode(model, step, steps=2)
@@ -193,6 +196,27 @@ def test_next_layer_prefetch_guesses_inside_the_step(tiny_k3_dir, monkeypatch):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         p = store.stats.prefetch
         assert p.predicted > before and p.correct > 0 and p.loaded > 0 and p.used > 0
+        _check_tables(model, store)
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["cpu", "auto"])
+def test_hybrid_experts_inside_graphed_steps(tiny_k3_dir, mode, monkeypatch):
+    """--expert-compute cpu|auto at a quarter: at each routing stop the experts the fast tier lacks are read into
+    host memory and computed by the CPU's kernels, their sum handed to the next segment (the pair kernel gives
+    zero for them); the forward's tokens, CPU experts counted, and a cpu store that never evicts."""
+    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 0.25, expert_compute=mode, host_memory=1 << 20))
+    try:
+        want = _decode(model, model)
+        before = store.stats.hybrid.cpu_experts
+        step = GraphedDecode(model, capture=False)
+        got = _decode(model, step, torch_paths=True, monkeypatch=monkeypatch)
+        assert step.reason is None
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert store.stats.hybrid.cpu_experts > before and store.stats.fast.evictions == 0
         _check_tables(model, store)
     finally:
         store.close()

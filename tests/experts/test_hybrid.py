@@ -14,6 +14,7 @@ from moeswap.experts.hybrid import HybridExperts
 from moeswap.models.layers import moe as moe_module
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
+from moeswap.ops.expert import MXFP4ExpertWeights
 
 CFG = GenerationConfig(max_tokens=10, stop_ids=())
 
@@ -165,8 +166,8 @@ def test_the_accelerator_side_copies_rows_down_and_adds_outputs_back(tiny_k3_dir
     monkeypatch.setattr(moe_module, "runs_apart", lambda device: apart.append(device) or True)
     model, store = _load(tiny_k3_dir, expert_memory=quarter, expert_compute="cpu")
     ran = []
-    real = moe_module._OnHost.finish
-    monkeypatch.setattr(moe_module._OnHost, "finish", lambda self, out: ran.append(1) or real(self, out))
+    real = moe_module.OnHost.finish
+    monkeypatch.setattr(moe_module.OnHost, "finish", lambda self, out: ran.append(1) or real(self, out))
     got = _logits(model, model, prompt, 8)
     assert apart and len(ran) == store.stats.hybrid.cpu_steps > 0
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -231,3 +232,37 @@ def test_generate_takes_the_flags_to_the_store(tiny_k3_dir, capsys, strict_json)
     assert want["expert_store"]["hybrid"] == {"cpu_steps": 0, "fetch_steps": 0, "cpu_experts": 0, "filled": 0}
     assert auto["expert_store"]["hybrid"]["fetch_steps"] > 0 and auto["expert_store"]["hybrid"]["cpu_steps"] == 0
     assert auto["expert_store"]["tiers"]["fast"] == want["expert_store"]["tiers"]["fast"]
+
+
+def test_a_group_takes_only_consecutive_pairs():
+    """moe.py _Group computes a run of consecutive (token, expert) pairs in one kernel call. Where hybrid experts
+    split a step (on an accelerator the host experts go to their own group), a group's next expert may not
+    follow its pairs: it starts a new call, and each expert's output lands on its own pairs' tokens with their
+    own weights (before, the call took the pairs between, which belonged to the other group)."""
+    gen = torch.Generator().manual_seed(0)
+    I, F = 64, 32
+
+    def expert():
+        mats = [(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=gen),
+                 torch.randint(122, 130, (o, i // 32), dtype=torch.uint8, generator=gen))
+                for o, i in ((F, I), (F, I), (I, F))]
+        return MXFP4ExpertWeights(*(t for pair in mats for t in pair))
+
+    experts = [expert() for _ in range(4)]
+    h = torch.randn(3, I, generator=gen)
+    token_of = torch.tensor([0, 2, 1, 0, 2, 1])  # pairs by expert: e0 (0, 1), e1 (2, 3), e2 (4), e3 (5)
+    weights = torch.rand(6, generator=gen)
+    runs = [(0, 0, 2), (1, 2, 2), (2, 4, 1), (3, 5, 1)]  # (expert, first pair, pairs)
+    out = torch.zeros(3, I)
+    group = moe_module._Group(h, token_of, weights, out, "silu", (4.0, 25.0))
+    for e, start, n in runs:
+        if e != 1:  # expert 1's pairs go elsewhere (another group)
+            group.take(experts[e], start, n)
+    group.flush()
+    want = torch.zeros(3, I)
+    for e, start, n in runs:
+        if e != 1:
+            for p in range(start, start + n):
+                t = int(token_of[p])
+                want[t] += weights[p] * experts[e].fmt.reference(experts[e], h[t:t + 1], "silu", (4.0, 25.0))[0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

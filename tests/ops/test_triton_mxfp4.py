@@ -187,6 +187,8 @@ def test_pair_linears_is_each_rows_expert_from_the_device_table(dtype, ids_dtype
     x = torch.randn(7, 96, generator=gen).to(dtype)
     got = tm.pair_linears(x, experts, _table(sets, 2), 40)
     assert got.shape == (2, 7, 40) and got.dtype == dtype
+    zeroed = tm.pair_linears(x, experts, _table(sets, 2), 40, absent_zero=True)  # hybrid experts' rows: the CPU's
+    assert (zeroed[:, 4] == 0).all() and torch.equal(zeroed[:, :4], got[:, :4])
     for s, mats in enumerate(sets):
         for p, e in enumerate(experts.tolist()):
             if mats[e] is None:
@@ -325,8 +327,8 @@ for dtype in ("bf16", "fp32"):  # the pair kernel (graphed decode steps): one ti
         bn, bk = tm.pair_tiles(N, "mxfp4" if weights == 0 else None)
         sig = {"x_ptr": "*" + dtype, "experts_ptr": "*i64", "table_ptr": "*i64", "out_ptr": "*" + dtype,
                **{k: "i32" for k in ("P", "E", "N", "O", "stride_x", "stride_out", "stride_set")},
-               **{k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "WEIGHTS", "BF16")}}
-        const = {"BLOCK_N": bn, "BLOCK_K": bk, "WEIGHTS": weights, "BF16": dtype == "bf16"}
+               **{k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "WEIGHTS", "BF16", "ABSENT_ZERO")}}
+        const = {"BLOCK_N": bn, "BLOCK_K": bk, "WEIGHTS": weights, "BF16": dtype == "bf16", "ABSENT_ZERO": False}
         k = triton.compile(triton.compiler.ASTSource(pair, sig, const), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4})
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:

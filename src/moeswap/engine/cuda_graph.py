@@ -32,10 +32,12 @@ from collections import OrderedDict
 
 import torch
 
+from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.keys import Key
 from moeswap.models.kimi_k3 import ModelState
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
+from moeswap.models.layers.moe import OnHost, pairs_by_expert
 from moeswap.ops import triton_mxfp4
 from moeswap.ops.activation import glu
 
@@ -129,23 +131,43 @@ class StepExperts:
             self.guesses.append((layer, route[1](hidden.reshape(-1, hidden.shape[-1]))))
 
     def __call__(self, moe, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        layer = moe.layer_idx
+        hybrid = self.split and moe.store.hybrid is not None
+        stop = None
         if self.split:
-            guesses, self.guesses = self.guesses, []
+            # hybrid experts: the CPU's sum for the experts the fast tier lacks lands here between two replays
+            host_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device) if hybrid else None
+            stop = _Stop(moe, ids_TK, w_TK, h_TI, host_TI, self.guesses)
+            self.guesses = []
             if self.mode == "capture":
-                self.decode._next_segment(layer, ids_TK, guesses)
+                self.decode._next_segment(stop)
             elif self.mode == "eager":
-                self.decode._load(layer, ids_TK, guesses)
-        table = self.decode.tables[layer]
+                self.decode._load(stop)
+        table = self.decode.tables[moe.layer_idx]
         T, K = ids_TK.shape
         F, I = moe.expert_shapes["w1"]
         experts_P = ids_TK.reshape(-1)
         x_PI = h_TI[:, None].expand(T, K, h_TI.shape[-1]).reshape(T * K, -1)  # pair p is token p // K
-        gate_up = triton_mxfp4.pair_linears(x_PI, experts_P, table.device[0:2], F, table.weights)
+        gate_up = triton_mxfp4.pair_linears(x_PI, experts_P, table.device[0:2], F, table.weights, hybrid)
         act_PF = glu(moe.act, gate_up[0], gate_up[1], moe.situ_betas)
-        y_PI = triton_mxfp4.pair_linears(act_PF, experts_P, table.device[2:3], I, table.weights)[0]
+        y_PI = triton_mxfp4.pair_linears(act_PF, experts_P, table.device[2:3], I, table.weights, hybrid)[0]
         # each token's K outputs weighted and summed in slot order, in fp32
-        return (y_PI.float().view(T, K, I) * w_TK.float()[..., None]).sum(1).to(h_TI.dtype)
+        out_TI = (y_PI.float().view(T, K, I) * w_TK.float()[..., None]).sum(1)
+        if stop is not None and stop.host_TI is not None:
+            out_TI = out_TI + stop.host_TI
+        return out_TI.to(h_TI.dtype)
+
+
+class _Stop:
+    """Where a segmented step stops for the host: a MoE layer's routing. What the host reads then (the routed
+    ids; with hybrid experts the weights and the experts' input too) and writes (`host_TI`: the CPU's sum for
+    the experts the fast tier lacks), and the next-layer guesses made since the previous stop. Kept with the
+    captured step: their memory is not handed to a later segment."""
+
+    __slots__ = ("moe", "ids_TK", "w_TK", "h_TI", "host_TI", "guesses")
+
+    def __init__(self, moe, ids_TK, w_TK, h_TI, host_TI, guesses):
+        self.moe, self.ids_TK, self.w_TK, self.h_TI, self.host_TI = moe, ids_TK, w_TK, h_TI, host_TI
+        self.guesses = guesses
 
 
 class _Captured:
@@ -155,7 +177,7 @@ class _Captured:
     def __init__(self, state: ModelState, tokens_B1: torch.Tensor, split: bool):
         self.state, self.tokens_B1, self.split = state, tokens_B1, split
         self.graphs: list = []
-        self.boundaries: list[tuple[int, torch.Tensor, list]] = []  # (layer, routed ids, next-layer guesses)
+        self.stops: list[_Stop] = []  # where the segments end
         self.logits = None
 
 
@@ -193,8 +215,8 @@ class GraphedDecode:
         cap.tokens_B1.copy_(tokens_BT)
         for i, graph in enumerate(cap.graphs):
             graph.replay()
-            if i < len(cap.boundaries):
-                self._load(*cap.boundaries[i])
+            if i < len(cap.stops):
+                self._load(cap.stops[i])
         return cap.logits
 
     def forget_state(self) -> None:
@@ -229,8 +251,8 @@ class GraphedDecode:
         s = moe.store
         if not hasattr(s, "mirror") or not _same_device(s.fast.device, device):
             return f"its expert store's fast tier is not on {device}"
-        if s.trace is not None or s.hybrid is not None:
-            return "its expert store records a trace or computes experts on the CPU (--expert-compute)"
+        if s.trace is not None:
+            return "its expert store records a trace"
         table = moe.__dict__.get("_device_table")
         if table is None or table.store is not s:
             table = moe.__dict__["_device_table"] = DeviceTable(s, moe.num_experts, device)
@@ -271,23 +293,46 @@ class GraphedDecode:
             table.upload()
         return self._forward(tokens_BT, state)
 
-    def _load(self, layer: int, ids_TK: torch.Tensor, guesses: list) -> None:
+    def _load(self, stop: _Stop) -> None:
         """At a layer's routing: the guesses made since the last one are hinted (with --prefetch next-layer: the
         reader threads load them and copy them up on the side stream while the next segments compute), the
         store makes the routed experts resident (its fetch: hits, misses, the policy's evictions; the step's
-        experts are pinned; a prefetched one's copy is waited for on the stream) and the table goes up."""
-        for at, guess_TK in guesses:
+        experts are pinned; a prefetched one's copy is waited for on the stream) and the table goes up. With
+        hybrid experts (experts/hybrid.py) those the fast tier lacks are read into host memory instead and
+        computed by the CPU's kernels (moe.py OnHost), their weighted sum copied into `stop.host_TI`."""
+        for at, guess_TK in stop.guesses:
             self.lookahead.guessed(at, guess_TK)
-        ids = sorted(set(ids_TK.flatten().tolist()))  # the host's one read of the layer step
+        layer = stop.moe.layer_idx
+        ids = sorted(set(stop.ids_TK.flatten().tolist()))  # the host's one read of the layer step
         table = self.tables[layer]
-        fetched = table.store.fetch(layer, ids)
+        fetched = fetch_step(table.store, layer, ids, stop.ids_TK.shape[0])
+        on_host = getattr(fetched, "host", None) or [False] * len(ids)
+        cpu = {}
         for i in range(len(fetched)):
-            fetched[i]
-        missing = [e for e in ids if e not in table.experts]
+            w = fetched[i]
+            if on_host[i]:
+                cpu[ids[i]] = w
+        if cpu:
+            self._on_host(stop, cpu)
+        missing = [e for e in ids if e not in table.experts and e not in cpu]
         if missing:
             raise RuntimeError(f"layer {layer}: experts {missing[:8]} are not resident for the graphed step (the "
                                f"fast tier is smaller than one layer step's experts): give more --expert-memory")
         table.upload()
+
+    @staticmethod
+    def _on_host(stop: _Stop, experts: dict) -> None:
+        """The step's pairs routed to `experts` (read into host memory) computed on the CPU, as an eager hybrid
+        step computes them, and their weighted sum written into the segment's `host_TI`."""
+        unique, counts, token_of, weights = pairs_by_expert(stop.ids_TK.cpu(), stop.w_TK.float().cpu())
+        run = OnHost(stop.h_TI, token_of, weights, stop.moe)
+        start = 0
+        for e, n in zip(unique, counts):
+            if e in experts:
+                run.group.take(experts[e], start, n)
+            start += n
+        stop.host_TI.zero_()
+        run.finish(stop.host_TI)
 
     def _capture(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> _Captured:
         """Warm up on a throwaway state of the same shapes (kernels compiled, kept weights derived, cuBLAS set
@@ -324,19 +369,18 @@ class GraphedDecode:
                 self._graph = self._capturing = None
         torch.cuda.current_stream().wait_stream(side)
         del scratch
-        assert len(cap.graphs) == len(cap.boundaries) + 1 and n == cap.tokens_B1.shape[0]
+        assert len(cap.graphs) == len(cap.stops) + 1 and n == cap.tokens_B1.shape[0]
         self._sets[n] = cap
         torch.cuda.synchronize()
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         return cap
 
-    def _next_segment(self, layer: int, ids_TK: torch.Tensor, guesses: list) -> None:
-        """At a layer's routing during capture: end this segment's graph (the host reads ids_TK and the guesses
-        after its replays) and begin the next one in the same pool (replayed in capture order, which makes
-        sharing safe)."""
+    def _next_segment(self, stop: _Stop) -> None:
+        """At a layer's routing during capture: end this segment's graph (the host does `_load(stop)` after its
+        replays) and begin the next one in the same pool (replayed in capture order, which makes sharing safe)."""
         cap = self._capturing
-        cap.boundaries.append((layer, ids_TK, guesses))  # kept: their memory is not handed to a later segment
+        cap.stops.append(stop)
         self._graph.capture_end()
         self._graph = torch.cuda.CUDAGraph()
         cap.graphs.append(self._graph)

@@ -126,13 +126,14 @@ def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x,
 
 
 def _pair_body(x_ptr, experts_ptr, table_ptr, out_ptr, P, E, N, O, stride_x, stride_out, stride_set,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS: tl.constexpr, BF16: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS: tl.constexpr, BF16: tl.constexpr,
+               ABSENT_ZERO: tl.constexpr):
     """Program (s P + p, n): row p of x times columns n*BLOCK_N ... of matrix s of expert experts[p] transposed,
     into out + s * stride_set. The expert's bytes come from table [S, E, 2] on the device (int64 addresses:
     MXFP4 packed [O, N/2] and scale [O, N/32] bytes, or a float [O, N] matrix and 0; WEIGHTS 0 MXFP4, 1 bf16,
     2 fp32), so nothing of a step's routing is read by the host: the launch can be captured in a CUDA graph.
-    A row whose expert has address 0 (not resident) comes out NaN, which the step's finite check reports;
-    nothing is read at address 0."""
+    A row whose expert has address 0 (not resident) comes out NaN, which the step's finite check reports, or
+    zero with ABSENT_ZERO (hybrid experts: the CPU computes those); nothing is read at address 0."""
     pid = tl.program_id(0)
     s = pid // P
     p = pid % P
@@ -163,7 +164,7 @@ def _pair_body(x_ptr, experts_ptr, table_ptr, out_ptr, P, E, N, O, stride_x, str
             w = tl.load(weights + w_row * N + (k0 + kk)[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
             x = tl.load(x_row + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    acc = tl.where(present, acc, float("nan"))
+    acc = tl.where(present, acc, 0.0 if ABSENT_ZERO else float("nan"))
     out = out_ptr + s.to(tl.int64) * stride_set + p.to(tl.int64) * stride_out + cols
     _store(out, acc, cols < O, BF16)
 
@@ -279,11 +280,11 @@ def pair_tiles(N: int, weights) -> tuple[int, int]:
 
 
 def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, table_SE2: torch.Tensor, O: int,
-                 weights="mxfp4") -> torch.Tensor:
+                 weights="mxfp4", absent_zero: bool = False) -> torch.Tensor:
     """y[S, P, O]: row p of x (fp32 or bf16) times matrix s of expert experts_P[p] transposed, for every s of
     table [S, E, 2] (int64 addresses on x's device of each expert's matrix s: MXFP4 packed [O, N/2] and scale
     [O, N/32] bytes, or a float [O, N] matrix and 0; `weights` is "mxfp4", torch.bfloat16 or torch.float32;
-    address 0: not resident, its rows come out NaN). One launch; the host reads no tensor's data (only
+    address 0: not resident, its rows come out NaN, or zero with `absent_zero`). One launch; the host reads no tensor's data (only
     shapes), so a CUDA graph can capture it while the table changes between replays."""
     if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"pair_linears: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
@@ -309,7 +310,8 @@ def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, table_SE2: torch.T
     block_n, block_k = pair_tiles(N, weights)
     _kernels()[1][(S * P, -(-O // block_n))](
         x, experts, table_SE2, out, P, E, N, O, x.stride(0), out.stride(1), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=PAIR_WEIGHTS[weights], BF16=x.dtype == torch.bfloat16, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=PAIR_WEIGHTS[weights], BF16=x.dtype == torch.bfloat16,
+        ABSENT_ZERO=absent_zero, num_warps=4)
     return out
 
 

@@ -3,7 +3,7 @@ projection (K3), routed experts fetched from an expert store, optional latent no
 
 Routed experts are not parameters of this module: `store.fetch(layer, ids)` returns callables
 (see ops.expert.ExpertWeights); with hybrid experts (experts/hybrid.py) the store's `hybrid.fetch` hands over
-some from host memory, which run on the CPU (_OnHost) when the block is on an accelerator. Tokens routed to
+some from host memory, which run on the CPU (OnHost) when the block is on an accelerator. Tokens routed to
 the same expert in a step are computed together.
 Inference takes the fast kernels; when autograd must see the experts (gradients wanted) or an expert
 LoRA is attached (`attach_expert_lora`, models/layers/expert_lora.py), the experts run as torch ops
@@ -196,7 +196,7 @@ class MoE(nn.Module):
         for i, n in enumerate(counts):
             expert = experts[i]
             if host is not None and host[i]:
-                on_host = on_host or _OnHost(h_TI, token_of, weights, self)
+                on_host = on_host or OnHost(h_TI, token_of, weights, self)
                 on_host.group.take(expert, start, n)
             else:
                 group.take(expert, start, n)
@@ -442,12 +442,12 @@ def pairs_by_expert(ids_TK: torch.Tensor, w_TK: torch.Tensor) -> tuple[list[int]
 
 
 def runs_apart(device: torch.device) -> bool:
-    """Whether hybrid experts read into host memory run apart from a block on `device` (_OnHost): on an
+    """Whether hybrid experts read into host memory run apart from a block on `device` (OnHost): on an
     accelerator; on the CPU they join the step's one group, the same calls as resident experts."""
     return device.type != "cpu"
 
 
-class _OnHost:
+class OnHost:
     """The experts of a layer step that run on the CPU while the block runs on an accelerator (hybrid experts,
     experts/hybrid.py): the step's rows copied down once, its experts computed as a CPU-only run computes
     them (_Group, or alone), their fp32 outputs copied back and added once."""
@@ -489,7 +489,9 @@ class _Group:
         if self.run is None or kind is None or (n >= expert_mxfp4.GEMM_MIN_TOKENS and self.device_type == "cpu"):
             self.flush()
             return False
-        if self.experts and kind != self.kind:
+        # a group's pairs are one run: an expert whose pairs do not follow (those between went to another
+        # group, as hybrid experts split a step between the accelerator and the CPU) starts a new one
+        if self.experts and (kind != self.kind or start != self.start + self.offsets[-1]):
             self.flush()
         if not self.experts:
             self.start, self.kind = start, kind
