@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--stats", action="store_true", help="print timing and expert-store statistics")
     p.add_argument("--reference-step", action="store_true",
-                   help="decode through the model's modules (the reference), not the native C step")
+                   help="decode through the model's modules (the reference), not the fast step (the native C step "
+                        "on the CPU, CUDA graphs on CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
                    help="apply a LoRA adapter in PEFT format (adapter_config.json + adapter_model.safetensors); "

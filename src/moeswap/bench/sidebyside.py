@@ -300,7 +300,8 @@ def add_common_flags(b) -> None:
                    title="how moeswap loads the model (default --expert-memory: every expert of a bench model stays)")
     b.add_argument("--compile", action="store_true", help="moeswap: torch.compile the decode step")
     b.add_argument("--reference-step", action="store_true",
-                   help="moeswap: decode through the model's modules (the reference), not the native C step")
+                   help="moeswap: decode through the model's modules (the reference), not the fast step (the C "
+                        "step on the CPU, CUDA graphs on CUDA)")
     b.add_argument("--omp-passive", action="store_true",
                    help="moeswap worker with OMP_WAIT_POLICY=PASSIVE (see docs/benchmarks.md)")
     b.add_argument("--gguf", help="an existing GGUF for llama.cpp (default: convert MODEL with llama.cpp's converter)")
