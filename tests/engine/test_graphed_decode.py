@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeswap.engine import cuda_graph
 from moeswap.engine.cuda_graph import GraphedDecode
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels, triton_mxfp4
@@ -59,22 +60,28 @@ def _check_tables(model, store) -> None:
                                                w.w2_scale)]
             else:
                 want = [w.w1_FI.data_ptr(), 0, w.w3_FI.data_ptr(), 0, w.w2_IF.data_ptr(), 0]
-            assert table.host[:, e].flatten().tolist() == want, (moe.layer_idx, e)
+            assert table.host[:, :, e].T.flatten().tolist() == want, (moe.layer_idx, e)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fraction", [1.0, 0.25])
-@pytest.mark.parametrize("arch", ["tiny_k3_dir", "tiny_linear_dir"])
-def test_graphed_step_gives_the_forwards_tokens(arch, fraction, request, monkeypatch):
+@pytest.mark.parametrize("arch,fraction,batch", [("tiny_k3_dir", 1.0, 2), ("tiny_k3_dir", 0.25, 2),
+                                                 ("tiny_k3_dir", 0.25, 8), ("tiny_linear_dir", 1.0, 2),
+                                                 ("tiny_linear_dir", 0.25, 2)])
+def test_graphed_step_gives_the_forwards_tokens(arch, fraction, batch, request, monkeypatch):
     """K3 (MXFP4 experts, MLA + KDA, AttnRes) and Kimi Linear (float experts): all resident (one segment,
     the store filled at the first step) and at a quarter of the expert bytes (a segment per MoE layer, the
-    store loading and evicting at each routing): the forward's greedy tokens, logits within fp32 rounding."""
+    store loading and evicting at each routing); 2 sequences (a row per pair: pair_linears) and 8 (32 pairs
+    on 16 experts: sorted by expert on the device, sorted_linears): the forward's greedy tokens, logits within
+    fp32 rounding."""
     path = request.getfixturevalue(arch)
     model, store = load_model(path, _options(path, fraction, expert_policy="lru"))
+    E, K = model.config.moe.num_experts, model.config.moe.top_k
+    assert (batch * K >= cuda_graph.GROUPED_PAIRS_PER_EXPERT * E) == (batch == 8)
     try:
-        want = _decode(model, model)
+        steps = 5 if batch == 2 else 2  # (the interpreter runs every program of the sorted grid: slow)
+        want = _decode(model, model, steps=steps, batch=batch)
         step = GraphedDecode(model, capture=False)
-        got = _decode(model, step, torch_paths=True, monkeypatch=monkeypatch)
+        got = _decode(model, step, steps=steps, batch=batch, torch_paths=True, monkeypatch=monkeypatch)
         assert step.reason is None
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

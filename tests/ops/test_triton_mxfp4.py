@@ -163,14 +163,17 @@ def test_grouped_linear_names_bad_input():
         tm.grouped_linear(x.double(), [0, 3], [a])
 
 
-def _table(sets, kinds: int) -> torch.Tensor:
-    """[S, E, 2] int64 addresses of sets[s][e] (an MXFP4 (packed, scale) pair or one float matrix; None: absent)."""
-    table = torch.zeros(len(sets), len(sets[0]), 2, dtype=torch.int64)
+def _tables(sets) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, E] int64 addresses of sets[s][e]'s packed bytes (or float matrix) and scale bytes (or 0); None: absent."""
+    packed = torch.zeros(len(sets), len(sets[0]), dtype=torch.int64)
+    scale = torch.zeros_like(packed)
     for s, mats in enumerate(sets):
         for e, m in enumerate(mats):
-            if m is not None:
-                table[s, e] = torch.tensor([m[0].data_ptr(), m[1].data_ptr()] if kinds == 2 else [m.data_ptr(), 0])
-    return table
+            if isinstance(m, tuple):
+                packed[s, e], scale[s, e] = m[0].data_ptr(), m[1].data_ptr()
+            elif m is not None:
+                packed[s, e] = m.data_ptr()
+    return packed, scale
 
 
 @needs_triton
@@ -185,9 +188,9 @@ def test_pair_linears_is_each_rows_expert_from_the_device_table(dtype, ids_dtype
     sets[0][3] = sets[1][3] = None  # not resident
     experts = torch.tensor([4, 0, 4, 1, 3, 2, 0], dtype=ids_dtype)
     x = torch.randn(7, 96, generator=gen).to(dtype)
-    got = tm.pair_linears(x, experts, _table(sets, 2), 40)
+    got = tm.pair_linears(x, experts, *_tables(sets), 40)
     assert got.shape == (2, 7, 40) and got.dtype == dtype
-    zeroed = tm.pair_linears(x, experts, _table(sets, 2), 40, absent_zero=True)  # hybrid experts' rows: the CPU's
+    zeroed = tm.pair_linears(x, experts, *_tables(sets), 40, absent_zero=True)  # hybrid experts' rows: the CPU's
     assert (zeroed[:, 4] == 0).all() and torch.equal(zeroed[:, :4], got[:, :4])
     for s, mats in enumerate(sets):
         for p, e in enumerate(experts.tolist()):
@@ -206,7 +209,7 @@ def test_pair_linears_takes_float_experts(wdtype):
     mats = [torch.randn(24, 80, generator=gen).to(wdtype) for _ in range(3)]
     experts = torch.tensor([2, 2, 0, 1])
     x = torch.randn(4, 80, generator=gen)
-    got = tm.pair_linears(x, experts, _table([mats], 1), 24, wdtype)[0]
+    got = tm.pair_linears(x, experts, *_tables([mats]), 24, wdtype)[0]
     want = torch.stack([x[p] @ mats[e].float().T for p, e in enumerate(experts.tolist())])
     bound = 2 * 80 * EPS32 * torch.stack([x[p].abs() @ mats[e].float().abs().T for p, e in enumerate(experts.tolist())])
     assert ((got - want).abs() <= bound).all()
@@ -215,15 +218,46 @@ def test_pair_linears_takes_float_experts(wdtype):
 @needs_triton
 @interpreted
 def test_pair_linears_names_bad_input():
-    x, experts, table = torch.randn(3, 64), torch.zeros(3, dtype=torch.int64), torch.zeros(2, 4, 2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="table must be contiguous int64 \\[S, E, 2\\]"):
-        tm.pair_linears(x, experts, table.int(), 32)
+    x, experts, table = torch.randn(3, 64), torch.zeros(3, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="tables must be contiguous int64 \\[S, E\\]"):
+        tm.pair_linears(x, experts, table.int(), table, 32)
+    with pytest.raises(ValueError, match="packed \\[2, 4\\] and scale \\[2, 3\\] tables differ"):
+        tm.pair_linears(x, experts, table, table[:, :3].contiguous(), 32)
     with pytest.raises(ValueError, match="experts must be int32/int64 \\[3\\]"):
-        tm.pair_linears(x, experts[:2], table, 32)
+        tm.pair_linears(x, experts[:2], table, table, 32)
     with pytest.raises(ValueError, match="not a multiple of the MXFP4 block"):
-        tm.pair_linears(torch.randn(3, 40), experts, table, 32)
+        tm.pair_linears(torch.randn(3, 40), experts, table, table, 32)
     with pytest.raises(ValueError, match="weights torch.float16 is none of"):
-        tm.pair_linears(x, experts, table, 32, torch.float16)
+        tm.pair_linears(x, experts, table, table, 32, torch.float16)
+    with pytest.raises(ValueError, match="offsets must be int32 \\[5\\]"):
+        tm.sorted_linears(x, torch.zeros(4, dtype=torch.int32), table, table, 32, 3)
+
+
+@needs_triton
+@interpreted
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy: the absent expert's NaN
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sorted_linears_groups_rows_by_expert_on_the_device(dtype):
+    """Rows sorted by expert, offsets and addresses as device tensors, the grid bounded by max_rows (FMA rows at 3,
+    tl.dot at 20): each expert's rows times its matrices; experts without rows untouched, an absent expert's rows
+    NaN (zero with absent_zero)."""
+    gen = torch.Generator().manual_seed(9)
+    E = 6
+    sets = [[random_matrix(40, 64, gen) for _ in range(E)] for _ in range(2)]
+    sets[0][4] = sets[1][4] = None
+    for counts in ([3, 0, 1, 2, 1, 0], [20, 0, 0, 17, 0, 3]):
+        offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.randn(offsets[-1], 64, generator=gen).to(dtype)
+        got = tm.sorted_linears(x, offsets, *_tables(sets), 40, max(counts))
+        zeroed = tm.sorted_linears(x, offsets, *_tables(sets), 40, max(counts), absent_zero=True)
+        for s, mats in enumerate(sets):
+            for e, m in enumerate(mats):
+                rows = slice(int(offsets[e]), int(offsets[e + 1]))
+                if m is None:
+                    assert got[s, rows].isnan().all() and (zeroed[s, rows] == 0).all()
+                else:
+                    assert_within_bound(got[s, rows], x[rows], *m)
+                    assert torch.equal(zeroed[s, rows], got[s, rows])
 
 
 @needs_triton
@@ -309,9 +343,10 @@ for dtype in ("bf16", "fp32"):
             continue  # the FMA path differs from bf16's only in how x loads
         sig = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "packed_tab": "*i64", "scale_tab": "*i64",
                "offsets_ptr": "*i32", **{k: "i32" for k in ("G", "N", "O", "stride_x", "stride_out", "stride_set")},
-               **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT", "BF16", "BF16_DOT", "FP32_PRECISION")}}
+               **{k: "constexpr" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DOT", "BF16", "BF16_DOT", "FP32_PRECISION",
+                                           "ABSENT_ZERO")}}
         const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOT": dot, "BF16": dtype == "bf16",
-                 "BF16_DOT": dtype == "bf16", "FP32_PRECISION": tm.FP32_DOT_PRECISION}
+                 "BF16_DOT": dtype == "bf16", "FP32_PRECISION": tm.FP32_DOT_PRECISION, "ABSENT_ZERO": False}
         k = triton.compile(triton.compiler.ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps})
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -325,7 +360,8 @@ for dtype in ("bf16", "fp32"):
 for dtype in ("bf16", "fp32"):  # the pair kernel (graphed decode steps): one tile per input width and weights
     for weights, N in ((0, 3584), (1, 2048), (2, 2048)):
         bn, bk = tm.pair_tiles(N, "mxfp4" if weights == 0 else None)
-        sig = {"x_ptr": "*" + dtype, "experts_ptr": "*i64", "table_ptr": "*i64", "out_ptr": "*" + dtype,
+        sig = {"x_ptr": "*" + dtype, "experts_ptr": "*i64", "packed_tab": "*i64", "scale_tab": "*i64",
+               "out_ptr": "*" + dtype,
                **{k: "i32" for k in ("P", "E", "N", "O", "stride_x", "stride_out", "stride_set")},
                **{k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "WEIGHTS", "BF16", "ABSENT_ZERO")}}
         const = {"BLOCK_N": bn, "BLOCK_K": bk, "WEIGHTS": weights, "BF16": dtype == "bf16", "ABSENT_ZERO": False}

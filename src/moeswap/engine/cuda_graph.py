@@ -50,17 +50,17 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 class DeviceTable:
-    """One MoE layer's experts in the store's fast tier as addresses on the device, [3, E, 2] int64: gate (w1),
-    up (w3) and down (w2), each (packed bytes, scale bytes) for MXFP4 or (matrix, 0) for bf16/fp32 experts;
-    zeros where the expert is not resident. The store keeps it told (ExpertStore.mirror: added, loaded,
+    """One MoE layer's experts in the store's fast tier as addresses on the device, [2, 3, E] int64: for gate
+    (w1), up (w3) and down (w2), the packed bytes' and the scale bytes' addresses for MXFP4, or the matrix's
+    and 0 for bf16/fp32 experts; zeros where the expert is not resident. The store keeps it told (ExpertStore.mirror: added, loaded,
     removed, under its lock); the host copy is copied up (`upload`) before a replay reads it. One kind of
     expert per table; an expert of another kind, or not laid out for the kernel, is not entered and `unfit`
     says why."""
 
     def __init__(self, store, num_experts: int, device: torch.device):
         self.store = store
-        self.host = torch.zeros(3, num_experts, 2, dtype=torch.int64)
-        self.device = torch.zeros(3, num_experts, 2, dtype=torch.int64, device=device)
+        self.host = torch.zeros(2, 3, num_experts, dtype=torch.int64)
+        self.device = torch.zeros(2, 3, num_experts, dtype=torch.int64, device=device)
         self.experts: dict[int, object] = {}  # what the rows point into, kept alive with them
         self.weights = None  # "mxfp4", torch.bfloat16 or torch.float32: pair_linears' kind
         self.unfit: str | None = None
@@ -71,7 +71,7 @@ class DeviceTable:
         if got is None:
             return
         self.weights, row = got
-        self.host[:, e] = torch.tensor(row, dtype=torch.int64).view(3, 2)
+        self.host[:, :, e] = torch.tensor(row, dtype=torch.int64).view(3, 2).T
         self.experts[e] = w
         self.dirty = True
 
@@ -80,11 +80,11 @@ class DeviceTable:
 
     def removed(self, e: int) -> None:
         if self.experts.pop(e, None) is not None:
-            self.host[:, e] = 0
+            self.host[:, :, e] = 0
             self.dirty = True
 
     def full(self) -> bool:
-        return len(self.experts) == self.host.shape[1]
+        return len(self.experts) == self.host.shape[2]
 
     def upload(self) -> None:
         if self.dirty:
@@ -144,17 +144,40 @@ class StepExperts:
                 self.decode._load(stop)
         table = self.decode.tables[moe.layer_idx]
         T, K = ids_TK.shape
-        F, I = moe.expert_shapes["w1"]
-        experts_P = ids_TK.reshape(-1)
         x_PI = h_TI[:, None].expand(T, K, h_TI.shape[-1]).reshape(T * K, -1)  # pair p is token p // K
-        gate_up = triton_mxfp4.pair_linears(x_PI, experts_P, table.device[0:2], F, table.weights, hybrid)
-        act_PF = glu(moe.act, gate_up[0], gate_up[1], moe.situ_betas)
-        y_PI = triton_mxfp4.pair_linears(act_PF, experts_P, table.device[2:3], I, table.weights, hybrid)[0]
+        y_PI = _experts(moe, table, x_PI, ids_TK.reshape(-1), T, hybrid)
         # each token's K outputs weighted and summed in slot order, in fp32
-        out_TI = (y_PI.float().view(T, K, I) * w_TK.float()[..., None]).sum(1)
+        out_TI = (y_PI.float().view(T, K, -1) * w_TK.float()[..., None]).sum(1)
         if stop is not None and stop.host_TI is not None:
             out_TI = out_TI + stop.host_TI
         return out_TI.to(h_TI.dtype)
+
+
+GROUPED_PAIRS_PER_EXPERT = 2  # from this many (token, expert) pairs per expert on average, sort and group them
+
+
+def _experts(moe, table: DeviceTable, x_PI: torch.Tensor, experts_P: torch.Tensor, T: int, absent_zero: bool,
+             ) -> torch.Tensor:
+    """Each pair's expert output [P, I] through the layer's device table, all on the device: one row per
+    program (`pair_linears`) where pairs rarely share an expert; else the pairs sorted by expert and each
+    expert's weights read once for its rows (`sorted_linears`, MXFP4; offsets counted on the device)."""
+    F, I = moe.expert_shapes["w1"]
+    E, P = moe.num_experts, experts_P.shape[0]
+    packed, scale = table.device[0], table.device[1]
+    if table.weights != "mxfp4" or P < GROUPED_PAIRS_PER_EXPERT * E:
+        gate_up = triton_mxfp4.pair_linears(x_PI, experts_P, packed[0:2], scale[0:2], F, table.weights, absent_zero)
+        act_PF = glu(moe.act, gate_up[0], gate_up[1], moe.situ_betas)
+        return triton_mxfp4.pair_linears(act_PF, experts_P, packed[2:3], scale[2:3], I, table.weights,
+                                         absent_zero)[0]
+    order_P = experts_P.argsort(stable=True)
+    counts_E = torch.zeros(E, dtype=torch.int32, device=x_PI.device).scatter_add_(
+        0, experts_P, torch.ones_like(experts_P, dtype=torch.int32))
+    offsets_E1 = torch.cat([counts_E.new_zeros(1), counts_E.cumsum(0, dtype=torch.int32)])
+    gate_up = triton_mxfp4.sorted_linears(x_PI.index_select(0, order_P), offsets_E1, packed[0:2], scale[0:2], F, T,
+                                          absent_zero)
+    act_PF = glu(moe.act, gate_up[0], gate_up[1], moe.situ_betas)
+    y_sorted = triton_mxfp4.sorted_linears(act_PF, offsets_E1, packed[2:3], scale[2:3], I, T, absent_zero)[0]
+    return torch.empty_like(y_sorted).index_copy_(0, order_P, y_sorted)
 
 
 class _Stop:

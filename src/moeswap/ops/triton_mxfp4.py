@@ -4,8 +4,10 @@ Owns one kernel and its launches: `linear` (x W^T, one matrix), `grouped_linear`
 (token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers;
 `grouped_linears`: gate and up in the same launch),
 `expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's);
-and a second kernel, `pair_linears`, one (token, expert) row per program with the expert's addresses read from
-a table on the device (MXFP4 or float experts), for decode steps captured in CUDA graphs (engine/cuda_graph.py).
+and for decode steps captured in CUDA graphs (engine/cuda_graph.py), where the experts' addresses sit in tables
+on the device and nothing of the routing may be read on the host: `sorted_linears` (the same kernel, rows sorted
+and offsets made on the device, its grid bounded by the step's tokens) and a second kernel, `pair_linears`, one
+(token, expert) row per program (MXFP4 or float experts; best with few rows per expert).
 Few rows per expert (decode, FMA_MAX_ROWS) multiply in fp32 FMAs; more go to `tl.dot` (bf16 on the
 tensor cores for bf16 inputs, 3-pass TF32 for fp32: the decoded weights are exact in both). Knows nothing
 of models or stores; triton is optional (`available`). CPU tensors run under Triton's interpreter: for
@@ -84,11 +86,12 @@ def _store(out, acc, mask, BF16: tl.constexpr):
 
 def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x, stride_out, stride_set,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-          BF16: tl.constexpr, BF16_DOT: tl.constexpr, FP32_PRECISION: tl.constexpr):
+          BF16: tl.constexpr, BF16_DOT: tl.constexpr, FP32_PRECISION: tl.constexpr, ABSENT_ZERO: tl.constexpr):
     """Program (s G + g, n, m): rows offsets[g] + m*BLOCK_M ... of expert g times columns n*BLOCK_N ... of its
     matrix s (gate, up) transposed, into out + s * stride_set. packed_tab / scale_tab [S G]: int64 addresses
-    of each matrix's packed [O, N/2] and scale [O, N/32] bytes (annotations are strings, from __future__:
-    this module imports without triton)."""
+    of each matrix's packed [O, N/2] and scale [O, N/32] bytes; address 0 (an expert a graphed step's device
+    table lacks): its rows come out NaN, or zero with ABSENT_ZERO, and nothing is read (annotations are
+    strings, from __future__: this module imports without triton)."""
     pid = tl.program_id(0)
     g = pid % G
     pid_n = tl.program_id(1)
@@ -96,40 +99,45 @@ def _body(x_ptr, out_ptr, packed_tab, scale_tab, offsets_ptr, G, N, O, stride_x,
     row_end = tl.load(offsets_ptr + g + 1)
     m0 = tl.load(offsets_ptr + g) + pid_m * BLOCK_M
     if m0 < row_end:  # the grid is sized for the largest expert's rows
-        packed = tl.load(packed_tab + pid).to(tl.pointer_type(tl.uint8))
-        scale = tl.load(scale_tab + pid).to(tl.pointer_type(tl.uint8))
+        addr = tl.load(packed_tab + pid)
         out_ptr = out_ptr + (pid // G).to(tl.int64) * stride_set
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < O
-        half = tl.arange(0, BLOCK_K // 2)
-        blk = tl.arange(0, BLOCK_K // 32)
-        kk = tl.arange(0, BLOCK_K)
-        w_row = cols.to(tl.int64)[:, None]
-        x_row = rows.to(tl.int64)[:, None] * stride_x
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
-            b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
-            s = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
-            w = _dequantize(b, s, BLOCK_N, BLOCK_K)
-            x = tl.load(x_ptr + x_row + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
-            if DOT:
-                if BF16_DOT:  # x is bf16; E2M1 times a power of two is exact in bf16
-                    acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        if addr == 0:  # absent (a branch, not masks: the compute below keeps its registers)
+            absent = tl.full((BLOCK_M, BLOCK_N), 0.0 if ABSENT_ZERO else float("nan"), dtype=tl.float32)
+            _store(out, absent, rmask[:, None] & cmask[None, :], BF16)
+        else:
+            packed = addr.to(tl.pointer_type(tl.uint8))
+            scale = tl.load(scale_tab + pid).to(tl.pointer_type(tl.uint8))
+            half = tl.arange(0, BLOCK_K // 2)
+            blk = tl.arange(0, BLOCK_K // 32)
+            kk = tl.arange(0, BLOCK_K)
+            w_row = cols.to(tl.int64)[:, None]
+            x_row = rows.to(tl.int64)[:, None] * stride_x
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
+                b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
+                s = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
+                w = _dequantize(b, s, BLOCK_N, BLOCK_K)
+                x = tl.load(x_ptr + x_row + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+                if DOT:
+                    if BF16_DOT:  # x is bf16; E2M1 times a power of two is exact in bf16
+                        acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+                    else:
+                        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=FP32_PRECISION)
                 else:
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=FP32_PRECISION)
-            else:
-                acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-        _store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], acc,
-               rmask[:, None] & cmask[None, :], BF16)
+                    acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+            _store(out, acc, rmask[:, None] & cmask[None, :], BF16)
 
 
-def _pair_body(x_ptr, experts_ptr, table_ptr, out_ptr, P, E, N, O, stride_x, stride_out, stride_set,
+def _pair_body(x_ptr, experts_ptr, packed_tab, scale_tab, out_ptr, P, E, N, O, stride_x, stride_out, stride_set,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS: tl.constexpr, BF16: tl.constexpr,
                ABSENT_ZERO: tl.constexpr):
     """Program (s P + p, n): row p of x times columns n*BLOCK_N ... of matrix s of expert experts[p] transposed,
-    into out + s * stride_set. The expert's bytes come from table [S, E, 2] on the device (int64 addresses:
+    into out + s * stride_set. The expert's bytes come from tables [S, E] on the device (int64 addresses:
     MXFP4 packed [O, N/2] and scale [O, N/32] bytes, or a float [O, N] matrix and 0; WEIGHTS 0 MXFP4, 1 bf16,
     2 fp32), so nothing of a step's routing is read by the host: the launch can be captured in a CUDA graph.
     A row whose expert has address 0 (not resident) comes out NaN, which the step's finite check reports, or
@@ -138,8 +146,7 @@ def _pair_body(x_ptr, experts_ptr, table_ptr, out_ptr, P, E, N, O, stride_x, str
     s = pid // P
     p = pid % P
     e = tl.load(experts_ptr + p).to(tl.int64)
-    entry = table_ptr + (s * E + e) * 2
-    addr = tl.load(entry)
+    addr = tl.load(packed_tab + s * E + e)
     present = addr != 0
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = (cols < O) & present
@@ -149,7 +156,7 @@ def _pair_body(x_ptr, experts_ptr, table_ptr, out_ptr, P, E, N, O, stride_x, str
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if WEIGHTS == 0:
         packed = addr.to(tl.pointer_type(tl.uint8))
-        scale = tl.load(entry + 1).to(tl.pointer_type(tl.uint8))
+        scale = tl.load(scale_tab + s * E + e).to(tl.pointer_type(tl.uint8))
         half = tl.arange(0, BLOCK_K // 2)
         blk = tl.arange(0, BLOCK_K // 32)
         for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
@@ -231,8 +238,7 @@ def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
     if G < 0 or any(len(mats) != G for mats in sets):
         raise ValueError(f"grouped_linear: {len(offsets)} offsets for {[len(m) for m in sets]} experts; "
                          f"expected one more offset than experts")
-    if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"grouped_linear: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
+    _check_x(x_PN, "grouped_linear")
     _check_device(x_PN.device)
     P, N = x_PN.shape
     if N % 32:
@@ -266,7 +272,7 @@ def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
     _kernel()[grid](
         x, out, tables[0], tables[1], offs, G, N, O, x.stride(0), out.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
-        FP32_PRECISION=FP32_DOT_PRECISION, num_warps=warps)
+        FP32_PRECISION=FP32_DOT_PRECISION, ABSENT_ZERO=False, num_warps=warps)
     return out
 
 
@@ -279,29 +285,40 @@ def pair_tiles(N: int, weights) -> tuple[int, int]:
     return max(16, min(64, GEMV_TILE // block_k)), block_k
 
 
-def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, table_SE2: torch.Tensor, O: int,
-                 weights="mxfp4", absent_zero: bool = False) -> torch.Tensor:
-    """y[S, P, O]: row p of x (fp32 or bf16) times matrix s of expert experts_P[p] transposed, for every s of
-    table [S, E, 2] (int64 addresses on x's device of each expert's matrix s: MXFP4 packed [O, N/2] and scale
-    [O, N/32] bytes, or a float [O, N] matrix and 0; `weights` is "mxfp4", torch.bfloat16 or torch.float32;
-    address 0: not resident, its rows come out NaN, or zero with `absent_zero`). One launch; the host reads no tensor's data (only
-    shapes), so a CUDA graph can capture it while the table changes between replays."""
+def _check_tables(x_PN: torch.Tensor, packed_SE: torch.Tensor, scale_SE: torch.Tensor, name: str) -> None:
+    for t in (packed_SE, scale_SE):
+        if t.dim() != 2 or t.dtype != torch.int64 or not t.is_contiguous() or t.device != x_PN.device:
+            raise ValueError(f"{name}: tables must be contiguous int64 [S, E] on {x_PN.device}, got "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")
+    if packed_SE.shape != scale_SE.shape:
+        raise ValueError(f"{name}: packed {list(packed_SE.shape)} and scale {list(scale_SE.shape)} tables differ")
+
+
+def _check_x(x_PN: torch.Tensor, name: str) -> None:
     if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"pair_linears: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
+        raise ValueError(f"{name}: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
+
+
+def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, packed_SE: torch.Tensor, scale_SE: torch.Tensor,
+                 O: int, weights="mxfp4", absent_zero: bool = False) -> torch.Tensor:
+    """y[S, P, O]: row p of x (fp32 or bf16) times matrix s of expert experts_P[p] transposed, for every s of the
+    tables [S, E] (int64 addresses on x's device of each expert's matrix s: MXFP4 packed [O, N/2] and scale
+    [O, N/32] bytes, or a float [O, N] matrix and 0; `weights` is "mxfp4", torch.bfloat16 or torch.float32;
+    address 0: not resident, its rows come out NaN, or zero with `absent_zero`). One launch; the host reads
+    no tensor's data (only shapes), so a CUDA graph can capture it while the tables change between replays.
+    Each row reads its expert's weights: best where few rows share an expert (`sorted_linears` otherwise)."""
+    _check_x(x_PN, "pair_linears")
     if weights not in PAIR_WEIGHTS:
         raise ValueError(f"pair_linears: weights {weights!r} is none of {list(PAIR_WEIGHTS)}")
     P, N = x_PN.shape
-    if (table_SE2.dim() != 3 or table_SE2.shape[2] != 2 or table_SE2.dtype != torch.int64
-            or not table_SE2.is_contiguous() or table_SE2.device != x_PN.device):
-        raise ValueError(f"pair_linears: table must be contiguous int64 [S, E, 2] on {x_PN.device}, got "
-                         f"{table_SE2.dtype} {list(table_SE2.shape)} on {table_SE2.device}")
+    _check_tables(x_PN, packed_SE, scale_SE, "pair_linears")
     if experts_P.shape != (P,) or experts_P.dtype not in (torch.int32, torch.int64) or experts_P.device != x_PN.device:
         raise ValueError(f"pair_linears: experts must be int32/int64 [{P}] on {x_PN.device}, got "
                          f"{experts_P.dtype} {list(experts_P.shape)} on {experts_P.device}")
     if weights == "mxfp4" and N % 32:
         raise ValueError(f"pair_linears: input width {N} is not a multiple of the MXFP4 block (32)")
     _check_device(x_PN.device)
-    S, E = table_SE2.shape[:2]
+    S, E = packed_SE.shape
     out = torch.empty(S, P, O, dtype=x_PN.dtype, device=x_PN.device)
     if P == 0 or O == 0 or S == 0:
         return out
@@ -309,9 +326,40 @@ def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, table_SE2: torch.T
     experts = experts_P if experts_P.is_contiguous() else experts_P.contiguous()
     block_n, block_k = pair_tiles(N, weights)
     _kernels()[1][(S * P, -(-O // block_n))](
-        x, experts, table_SE2, out, P, E, N, O, x.stride(0), out.stride(1), out.stride(0),
+        x, experts, packed_SE, scale_SE, out, P, E, N, O, x.stride(0), out.stride(1), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=PAIR_WEIGHTS[weights], BF16=x.dtype == torch.bfloat16,
         ABSENT_ZERO=absent_zero, num_warps=4)
+    return out
+
+
+def sorted_linears(x_PN: torch.Tensor, offsets_E1: torch.Tensor, packed_SE: torch.Tensor, scale_SE: torch.Tensor,
+                   O: int, max_rows: int, absent_zero: bool = False) -> torch.Tensor:
+    """y[S, P, O]: `grouped_linears` with everything on the device, for a CUDA graph: rows of x sorted by expert,
+    expert e's rows offsets_E1[e]:offsets_E1[e+1] (int32 [E + 1], on x's device, made there), its MXFP4 matrix
+    s at packed_SE / scale_SE[s, e] (address 0: NaN rows, or zero with `absent_zero`). The grid covers every
+    expert and `max_rows` rows of each (a bound the caller knows: a step's tokens, as a token routes to an
+    expert once), so nothing is read on the host; the experts without rows end at once. An expert's weights
+    are read once for all its rows (tl.dot above FMA_MAX_ROWS), which `pair_linears` does not."""
+    _check_x(x_PN, "sorted_linears")
+    _check_tables(x_PN, packed_SE, scale_SE, "sorted_linears")
+    P, N = x_PN.shape
+    S, E = packed_SE.shape
+    if offsets_E1.shape != (E + 1,) or offsets_E1.dtype != torch.int32 or offsets_E1.device != x_PN.device:
+        raise ValueError(f"sorted_linears: offsets must be int32 [{E + 1}] on {x_PN.device}, got "
+                         f"{offsets_E1.dtype} {list(offsets_E1.shape)} on {offsets_E1.device}")
+    if N % 32:
+        raise ValueError(f"sorted_linears: input width {N} is not a multiple of the MXFP4 block (32)")
+    _check_device(x_PN.device)
+    out = torch.empty(S, P, O, dtype=x_PN.dtype, device=x_PN.device)
+    if P == 0 or O == 0 or S == 0 or max_rows < 1:
+        return out
+    x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    block_m, block_n, block_k, dot, warps = _tiles(max_rows, N, bf16)
+    _kernel()[(S * E, -(-O // block_n), -(-max_rows // block_m))](
+        x, out, packed_SE, scale_SE, offsets_E1, E, N, O, x.stride(0), out.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
+        FP32_PRECISION=FP32_DOT_PRECISION, ABSENT_ZERO=absent_zero, num_warps=warps)
     return out
 
 
