@@ -6,7 +6,8 @@ their device lengths, and write at those lengths (`MLACache.whole`); KDA, AttnRe
 torch paths (no host reads); and each MoE block's routed experts go through `StepExperts`, which looks each
 (token, expert) pair's bytes up in a table of addresses on the device (`DeviceTable`, one per layer, kept by
 the expert store as it loads and evicts: ExpertStore.mirror) in one Triton launch for gate and up and one for
-down (ops/triton_mxfp4.py `pair_linears`). The expert lookup thus stays outside the graph:
+down (ops/triton_mxfp4.py: `pair_linears` a row per pair; `sorted_linears` where pairs share experts, sorted
+and counted on the device). The expert lookup thus stays outside the graph:
 - where the store cannot evict (the fast tier holds every expert; it is filled at the first step) the whole
   step is one graph;
 - where it can (a budget below the experts), the step is captured in segments that end at each MoE layer's
@@ -14,7 +15,8 @@ down (ops/triton_mxfp4.py `pair_linears`). The expert lookup thus stays outside 
   (evicting by its policy, with its books) and the table is copied up; then the next segment replays. With
   --prefetch next-layer the next MoE layer's router runs on the device inside the segment (the lookahead's
   guess) and the host hints its ids at the same stop, so the reader threads and the side stream load them
-  while the following segments compute.
+  while the following segments compute. With hybrid experts (--expert-compute cpu|auto) the host computes the
+  experts the fast tier lacks on the CPU at the stop and the next segment adds their sum.
 The captured forward is the model's forward: no second copy of the architecture. Sampling, the finite
 check and the scheduler stay outside. A step that does not fit (see `GraphedDecode.unsupported`) runs the
 eager model and says why in `reason`, as the CPU's native step does.
@@ -52,10 +54,10 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 class DeviceTable:
     """One MoE layer's experts in the store's fast tier as addresses on the device, [2, 3, E] int64: for gate
     (w1), up (w3) and down (w2), the packed bytes' and the scale bytes' addresses for MXFP4, or the matrix's
-    and 0 for bf16/fp32 experts; zeros where the expert is not resident. The store keeps it told (ExpertStore.mirror: added, loaded,
-    removed, under its lock); the host copy is copied up (`upload`) before a replay reads it. One kind of
-    expert per table; an expert of another kind, or not laid out for the kernel, is not entered and `unfit`
-    says why."""
+    and 0 for bf16/fp32 experts; zeros where the expert is not resident. The store keeps it told
+    (ExpertStore.mirror: added, loaded, removed, under its lock); the host copy is copied up (`upload`)
+    before a replay reads it. One kind of expert per table; an expert of another kind, or not laid out for
+    the kernel, is not entered and `unfit` says why."""
 
     def __init__(self, store, num_experts: int, device: torch.device):
         self.store = store
@@ -195,7 +197,7 @@ class _Stop:
 
 class _Captured:
     """One batch size's captured step: its segments (one graph, or one more than the MoE layers), where they
-    end (layer, routed ids), the static token input and logits output, the state it was captured on."""
+    end (`_Stop`s), the static token input and logits output, the state it was captured on."""
 
     def __init__(self, state: ModelState, tokens_B1: torch.Tensor, split: bool):
         self.state, self.tokens_B1, self.split = state, tokens_B1, split
