@@ -67,6 +67,10 @@ done
 timeout 180 python3 -m moeswap bench decode /tmp/bench-k3 --device cuda --dtype bfloat16 --batch 1,64 \
   --tokens 32 --prompt-tokens 64 --reps 2 --peers moeswap-reference --out-dir "" --json "$OUT/bench_decode_k3.json" \
   2>&1 | tail -20 | tee "$OUT/bench_decode_k3.txt"
+# the same with the attention sublayers compiled (torch.compile) inside the graphs: fewer, fused kernels
+timeout 150 python3 -m moeswap bench decode /tmp/bench-k3 --device cuda --dtype bfloat16 --batch 1,64 \
+  --tokens 32 --prompt-tokens 64 --reps 2 --peers "" --compile --out-dir "" --json "$OUT/bench_decode_k3_compiled.json" \
+  2>&1 | tail -12 | tee "$OUT/bench_decode_k3_compiled.txt"
 # against transformers' KimiLinearForCausalLM on the same GPU in bf16, on a bench-size Kimi Linear
 python3 -m moeswap init-tiny /tmp/bench-linear --arch kimi_linear --size bench --seed 0 >/dev/null 2>&1
 timeout 180 python3 -m moeswap bench decode /tmp/bench-linear --device cuda --dtype bfloat16 --batch 1,16 \

@@ -161,3 +161,17 @@ def test_graphed_decode_gives_the_eager_tokens(tmp_path, arch, fraction, torch_k
         store.close()
     assert store.fast.used <= store.fast.capacity
     assert (store.stats.fast.evictions > 0) == (fraction < 1)
+
+
+def test_graphed_decode_of_compiled_attention_gives_the_eager_tokens(k3_dir, torch_kda):
+    """EngineConfig.compile on CUDA: the graphs capture the attention sublayers torch.compile fused (engine/
+    compile.py inside engine/cuda_graph.py); the eager forward's greedy tokens."""
+    model, store = load_model(k3_dir, LoadOptions(dtype="float32", device="cuda"))
+    prompt = _ids(9, 7)[0].tolist()
+    cfg = GenerationConfig(max_tokens=10, stop_ids=())
+    try:
+        want = generate(model, prompt, cfg, engine=EngineConfig(max_batch=1, max_len=64, native=False)).tokens
+        got = generate(model, prompt, cfg, engine=EngineConfig(max_batch=1, max_len=64, compile=True))
+    finally:
+        store.close()
+    assert got.tokens == want and got.native_off is None and got.native_steps == len(want) - 1

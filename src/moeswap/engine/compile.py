@@ -6,7 +6,8 @@ its experts, which would break any graph. The C kernels they call enter the grap
 every projection, which made the compiled step 2x slower than eager. Whole graphs measured level with
 eager on the bench model (24.1 against 24.8 tokens/s, batch 1, 5 alternating rounds): the eager glue
 is not what inductor speeds up here. The compiled versions are swapped in for decode steps only, so
-prefill and every other caller keep the eager model, which stays the reference.
+prefill and every other caller keep the eager model, which stays the reference. On CUDA the graphed decode
+step (engine/cuda_graph.py) captures these compiled sublayers' fused kernels in its graphs.
 Entry point: `compile_decode(model) -> callable(tokens_B1, state) -> logits`.
 """
 
@@ -23,7 +24,8 @@ class CompiledDecode:
         self.compiled = [torch.compile(layer.self_attn.forward, dynamic=True) for layer in model.model.layers]
 
     @contextmanager
-    def _swapped(self):
+    def swapped(self):
+        """The compiled attention sublayers in place of the eager ones inside the block."""
         layers = self.model.model.layers
         for layer, fn in zip(layers, self.compiled):
             layer.self_attn.forward = fn  # instance attribute shadows the class method
@@ -34,7 +36,7 @@ class CompiledDecode:
                 del layer.self_attn.forward
 
     def __call__(self, tokens_BT, state):
-        with self._swapped():
+        with self.swapped():
             return self.model(tokens_BT, state)
 
 

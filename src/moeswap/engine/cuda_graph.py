@@ -17,7 +17,8 @@ and counted on the device). The expert lookup thus stays outside the graph:
   guess) and the host hints its ids at the same stop, so the reader threads and the side stream load them
   while the following segments compute. With hybrid experts (--expert-compute cpu|auto) the host computes the
   experts the fast tier lacks on the CPU at the stop and the next segment adds their sum.
-The captured forward is the model's forward: no second copy of the architecture. Sampling, the finite
+The captured forward is the model's forward: no second copy of the architecture (with EngineConfig.compile,
+its attention sublayers compiled by torch.compile, engine/compile.py, whose fused kernels the graphs capture). Sampling, the finite
 check and the scheduler stay outside. A step that does not fit (see `GraphedDecode.unsupported`) runs the
 eager model and says why in `reason`, as the CPU's native step does.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 
@@ -210,9 +212,10 @@ class GraphedDecode:
     """model(tokens_B1, state) for decode steps, replayed from CUDA graphs where it applies (`reason` None),
     else the model's forward (`reason` says why)."""
 
-    def __init__(self, model, capture: bool = True):
+    def __init__(self, model, capture: bool = True, compiled=None):
         self.model = model
         self.capture = capture
+        self.compiled = compiled  # engine/compile.py CompiledDecode: its attention sublayers inside the graphs
         self.reason: str | None = None
         self.tables: dict[int, DeviceTable] = {}
         self._sets: OrderedDict[int, _Captured] = OrderedDict()
@@ -306,7 +309,8 @@ class GraphedDecode:
             self.model.expert_lookahead = self._experts.guess
         self._experts.guesses = []
         try:
-            return self.model(tokens_BT, whole)
+            with self.compiled.swapped() if self.compiled is not None else nullcontext():
+                return self.model(tokens_BT, whole)
         finally:
             for moe in blocks:
                 moe.step_experts = None

@@ -185,12 +185,15 @@ class Scheduler:
         self._decode = model
         if config.compile and self.rows is not None:
             raise ValueError("EngineConfig.compile does not apply to a model serving LoRA adapters")
+        compiled = None
         if config.compile:
             from moeswap.engine.compile import compile_decode
 
-            self._decode = compile_decode(model)
-        elif config.native:
-            self._decode = GraphedDecode(model) if self.device.type == "cuda" else NativeDecode(model)
+            compiled = self._decode = compile_decode(model)
+        if config.native and self.device.type == "cuda":  # graphs, of the compiled attention with compile
+            self._decode = GraphedDecode(model, compiled=compiled)
+        elif config.native and not config.compile:
+            self._decode = NativeDecode(model)
 
     # -- public API -------------------------------------------------------------------------------
     def submit(self, req: Request) -> int | str:
