@@ -147,33 +147,35 @@ def _pair_body(x_ptr, experts_ptr, packed_tab, scale_tab, out_ptr, P, E, N, O, s
     p = pid % P
     e = tl.load(experts_ptr + p).to(tl.int64)
     addr = tl.load(packed_tab + s * E + e)
-    present = addr != 0
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = (cols < O) & present
-    w_row = cols.to(tl.int64)[:, None]
-    kk = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + p.to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if WEIGHTS == 0:
-        packed = addr.to(tl.pointer_type(tl.uint8))
-        scale = tl.load(scale_tab + s * E + e).to(tl.pointer_type(tl.uint8))
-        half = tl.arange(0, BLOCK_K // 2)
-        blk = tl.arange(0, BLOCK_K // 32)
-        for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
-            b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
-            sc = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
-            x = tl.load(x_row + k0 + kk).to(tl.float32)
-            acc += tl.sum(_dequantize(b, sc, BLOCK_N, BLOCK_K) * x[None, :], axis=1)
-    else:
-        weights = addr.to(tl.pointer_type(tl.bfloat16 if WEIGHTS == 1 else tl.float32))
-        for k0 in range(0, N, BLOCK_K):
-            kmask = (k0 + kk) < N
-            w = tl.load(weights + w_row * N + (k0 + kk)[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-            x = tl.load(x_row + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    acc = tl.where(present, acc, 0.0 if ABSENT_ZERO else float("nan"))
+    cmask = cols < O
     out = out_ptr + s.to(tl.int64) * stride_set + p.to(tl.int64) * stride_out + cols
-    _store(out, acc, cols < O, BF16)
+    if addr == 0:  # absent (a branch, as in _body)
+        _store(out, tl.full((BLOCK_N,), 0.0 if ABSENT_ZERO else float("nan"), dtype=tl.float32), cmask, BF16)
+    else:
+        w_row = cols.to(tl.int64)[:, None]
+        kk = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + p.to(tl.int64) * stride_x
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if WEIGHTS == 0:
+            packed = addr.to(tl.pointer_type(tl.uint8))
+            scale = tl.load(scale_tab + s * E + e).to(tl.pointer_type(tl.uint8))
+            half = tl.arange(0, BLOCK_K // 2)
+            blk = tl.arange(0, BLOCK_K // 32)
+            for k0 in range(0, N, BLOCK_K):  # N is a multiple of BLOCK_K (chosen so): no mask along k
+                b = tl.load(packed + w_row * (N // 2) + (k0 // 2 + half)[None, :], mask=cmask[:, None], other=0)
+                sc = tl.load(scale + w_row * (N // 32) + (k0 // 32 + blk)[None, :], mask=cmask[:, None], other=127)
+                x = tl.load(x_row + k0 + kk).to(tl.float32)
+                acc += tl.sum(_dequantize(b, sc, BLOCK_N, BLOCK_K) * x[None, :], axis=1)
+        else:
+            weights = addr.to(tl.pointer_type(tl.bfloat16 if WEIGHTS == 1 else tl.float32))
+            for k0 in range(0, N, BLOCK_K):
+                kmask = (k0 + kk) < N
+                w = tl.load(weights + w_row * N + (k0 + kk)[None, :], mask=cmask[:, None] & kmask[None, :],
+                            other=0.0)
+                x = tl.load(x_row + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        _store(out, acc, cmask, BF16)
 
 
 @functools.cache
