@@ -337,6 +337,20 @@ from moeswap.ops import triton_mxfp4 as tm
 fn, pair = tm._kernels()
 bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 result = []
+
+
+def usage(kernel, sig, const, warps, config):  # registers and stack bytes of the sm_90 cubin (cuobjdump)
+    k = triton.compile(triton.compiler.ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                         text=True).stdout
+    os.unlink(f.name)
+    fields = dict(kv.split(":") for kv in next(l for l in out.splitlines() if "REG:" in l).split())
+    result.append({"config": config, "regs": int(fields["REG"]), "stack": int(fields["STACK"])})
+
+
 for dtype in ("bf16", "fp32"):
     for bm, bn, bk, dot, warps in tm.configs(bf16=dtype == "bf16"):
         if dtype == "fp32" and not dot:
@@ -347,16 +361,7 @@ for dtype in ("bf16", "fp32"):
                                            "ABSENT_ZERO")}}
         const = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOT": dot, "BF16": dtype == "bf16",
                  "BF16_DOT": dtype == "bf16", "FP32_PRECISION": tm.FP32_DOT_PRECISION, "ABSENT_ZERO": False}
-        k = triton.compile(triton.compiler.ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True).stdout
-        os.unlink(f.name)
-        fields = dict(kv.split(":") for kv in next(l for l in usage.splitlines() if "REG:" in l).split())
-        result.append({"config": [dtype, bm, bn, bk, dot, warps], "regs": int(fields["REG"]),
-                       "stack": int(fields["STACK"])})
+        usage(fn, sig, const, warps, [dtype, bm, bn, bk, dot, warps])
 for dtype in ("bf16", "fp32"):  # the pair kernel (graphed decode steps): one tile per input width and weights
     for weights, N in ((0, 3584), (1, 2048), (2, 2048)):
         bn, bk = tm.pair_tiles(N, "mxfp4" if weights == 0 else None)
@@ -365,16 +370,7 @@ for dtype in ("bf16", "fp32"):  # the pair kernel (graphed decode steps): one ti
                **{k: "i32" for k in ("P", "E", "N", "O", "stride_x", "stride_out", "stride_set")},
                **{k: "constexpr" for k in ("BLOCK_N", "BLOCK_K", "WEIGHTS", "BF16", "ABSENT_ZERO")}}
         const = {"BLOCK_N": bn, "BLOCK_K": bk, "WEIGHTS": weights, "BF16": dtype == "bf16", "ABSENT_ZERO": False}
-        k = triton.compile(triton.compiler.ASTSource(pair, sig, const), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4})
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True).stdout
-        os.unlink(f.name)
-        fields = dict(kv.split(":") for kv in next(l for l in usage.splitlines() if "REG:" in l).split())
-        result.append({"config": [dtype, "pair", weights, bn, bk], "regs": int(fields["REG"]),
-                       "stack": int(fields["STACK"])})
+        usage(pair, sig, const, 4, [dtype, "pair", weights, bn, bk])
 print(json.dumps(result))
 """
 
