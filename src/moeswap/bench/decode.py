@@ -44,6 +44,9 @@ def measure(setup: sbs.Setup, batches: list[int], prompt_tokens: int, tokens: in
             report["rows"].append(row)
         report["rooflines"] = [sbs.batch_roofline(report["bytes"], report["bandwidth"]["read_GBps"],
                                                   report["gemm_gflops"], b) for b in batches]
+        for r, roof in zip(report["rows"], report["rooflines"]):  # the step's bytes over its time
+            ms = r["results"]["moeswap"]["ms_per_step"]
+            r["moeswap_bandwidth_share"] = roof["step_bytes"] / (ms * 1e-3) / (report["bandwidth"]["read_GBps"] * 1e9)
         one = next((r for r in report["rows"] if r["batch"] == 1), None)
         for r in report["rows"]:
             if one:
@@ -77,16 +80,21 @@ def format_markdown(report: dict) -> str:
     if engines and all("native_steps" in e for e in engines):
         native = sum(e["native_steps"] for e in engines)
         off = {e["native_off"] for e in engines if e.get("native_off")}
-        lines += ["", f"moeswap's decode steps in the native C call (engine/native_step.py): {native} of "
+        fast = ("replayed from CUDA graphs (engine/cuda_graph.py)" if report["settings"]["device"].startswith("cuda")
+                else "in the native C call (engine/native_step.py)")
+        lines += ["", f"moeswap's decode steps {fast}: {native} of "
                       f"{sum(e['decode_steps'] for e in engines)} in the rounds kept"
                   + (f" (otherwise: {'; '.join(sorted(off))})" if off else "")]
     roofs = report.get("rooflines") or []
     if roofs:
         one = sbs.batch_roofline(report["bytes"], report["bandwidth"]["read_GBps"], report["gemm_gflops"], 1)
-        lines += ["", f"ceilings at the measured read bandwidth and fp32 GEMM rate ({report['gemm_gflops']:.0f} GFLOP/s; "
+        lines += ["", f"ceilings at the measured read bandwidth and GEMM rate ({report['gemm_gflops']:.0f} GFLOP/s; "
                       "distinct experts as under uniform routing): " + ", ".join(
                           f"batch {r['batch']} {r['tokens_per_s']:.0f} tok/s ({r['bound']}-bound, "
-                          f"{r['tokens_per_s'] / one['tokens_per_s']:.1f}x batch 1)" for r in roofs)]
+                          f"{r['tokens_per_s'] / one['tokens_per_s']:.1f}x batch 1)" for r in roofs),
+                  "moeswap's step reads its bytes (as in those ceilings) at " + ", ".join(
+                      f"{r['moeswap_bandwidth_share']:.0%} (batch {r['batch']})" for r in report["rows"])
+                  + " of the measured read bandwidth"]
     return "\n".join(lines)
 
 

@@ -51,7 +51,7 @@ def _git_revision() -> str:
         return "unknown"
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int, device: str = "cpu") -> dict:
     import torch
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
@@ -60,29 +60,45 @@ def machine_info(threads: int) -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:
             versions[mod] = None
-    return {"git": _git_revision(), "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
+    gpu = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
+    return {"git": _git_revision(), "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "gpu": gpu,
             "load_average": os.getloadavg(), "versions": versions, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def memory_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> dict:
-    """Best of `reps`: read (sum of a large fp32 tensor) and copy (read + write) bandwidth in GB/s."""
+def _timer(device: str):
+    """A clock for work on `device`: perf_counter, after the device's queued work is done (CUDA)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    return now
+
+
+def memory_bandwidth(threads: int, mib: int = 512, reps: int = 5, device: str = "cpu") -> dict:
+    """Best of `reps`: read (sum of a large fp32 tensor) and copy (read + write) bandwidth in GB/s, of the
+    memory of `device` (the host's, or a GPU's HBM)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    now = _timer(device)
     try:
         n = mib * 2**20 // 4
-        src = torch.ones(n)
-        dst = torch.empty(n)
+        src = torch.ones(n, device=device)
+        dst = torch.empty(n, device=device)
         src.sum(), dst.copy_(src)  # touch the pages
         read = copy = float("inf")
         for _ in range(reps):
-            t = time.perf_counter()
+            t = now()
             src.sum()
-            read = min(read, time.perf_counter() - t)
-            t = time.perf_counter()
+            read = min(read, now() - t)
+            t = now()
             dst.copy_(src)
-            copy = min(copy, time.perf_counter() - t)
+            copy = min(copy, now() - t)
         nbytes = n * 4
         return {"read_GBps": nbytes / read / 1e9, "copy_GBps": 2 * nbytes / copy / 1e9, "buffer_MiB": mib}
     finally:
@@ -124,21 +140,23 @@ def decode_bytes(model_dir: str) -> dict:
             "moe_layers": moe_layers, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "arch": cfg.arch}
 
 
-def matmul_gflops(threads: int, size: int = 1024, reps: int = 5) -> float:
-    """Best-of fp32 GEMM rate (torch.mm of two size x size matrices), GFLOP/s: the machine's compute
-    ceiling for the math moeswap does by default."""
+def matmul_gflops(threads: int, size: int = 1024, reps: int = 5, device: str = "cpu", dtype=None) -> float:
+    """Best-of GEMM rate (torch.mm of two size x size matrices, fp32 unless `dtype`), GFLOP/s: the machine's
+    compute ceiling for the math moeswap does by default (on a GPU, in the dtype it computes in)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    now = _timer(device)
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        a = torch.randn(size, size, device=device, dtype=dtype or torch.float32)
+        b = torch.randn(size, size, device=device, dtype=dtype or torch.float32)
         a @ b
         best = float("inf")
         for _ in range(reps):
-            t = time.perf_counter()
+            t = now()
             a @ b
-            best = min(best, time.perf_counter() - t)
+            best = min(best, now() - t)
         return 2 * size**3 / best / 1e9
     finally:
         torch.set_num_threads(before)
@@ -148,7 +166,7 @@ def batch_roofline(by: dict, read_GBps: float, gflops: float, batch: int) -> dic
     """Ceiling of decode tokens/s at `batch` sequences: a step reads the dense weights once and each
     expert any sequence routes to (expected distinct experts under uniform routing), and does
     2 x active parameters FLOPs per token; it takes at least the longer of the two at the measured
-    read bandwidth and fp32 GEMM rate."""
+    read bandwidth and GEMM rate (common_report's: fp32 on the CPU, the model's dtype on a GPU)."""
     E, K = by["num_experts"], by["top_k"]
     distinct = E * (1 - (1 - K / E) ** batch) if E else 0
     step_bytes = by["dense_bytes"] + by["moe_layers"] * distinct * by["expert_bytes"]
@@ -262,8 +280,9 @@ def write_report(kind: str, report: dict, markdown: str, out_dir: str | None, js
 
 def header_markdown(report: dict) -> str:
     m, bw, by = report["machine"], report["bandwidth"], report["bytes"]
-    lines = [f"model `{report['model']}` ({by['arch']}), {m['threads']} threads on {m['cores']} cores ({m['cpu']}), "
-             f"git {m['git']}, load average {m['load_average'][0]:.1f} at start",
+    lines = [f"model `{report['model']}` ({by['arch']}), {m['threads']} threads on {m['cores']} cores ({m['cpu']}"
+             + (f"; GPU {m['gpu']}" if m.get("gpu") else "") + f"), git {m['git']}, load average "
+             f"{m['load_average'][0]:.1f} at start",
              f"memory bandwidth (measured): read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s; "
              f"bytes per decode token (batch 1, as stored): {by['per_token_bytes'] / 1e6:.1f} MB "
              f"({by['dense_bytes'] / 1e6:.1f} dense + {by['active_expert_bytes'] / 1e6:.1f} routed experts) -> "
@@ -280,11 +299,18 @@ def header_markdown(report: dict) -> str:
 
 
 def common_report(setup: Setup, peers: Peers) -> dict:
-    bw = memory_bandwidth(setup.threads)
+    """The machine, its memory bandwidth and GEMM rate where moeswap computes (a GPU's with --device cuda, in
+    moeswap's dtype there), the model's bytes per decode token, the peers."""
+    from moeswap.models.loader import resolve_dtype
+
+    device = setup.load.device
+    gpu = device.startswith("cuda")
+    bw = memory_bandwidth(setup.threads, mib=2048 if gpu else 512, device=device)
     by = decode_bytes(setup.model)
-    return {"model": setup.model, "machine": machine_info(setup.threads), "bandwidth": bw, "bytes": by,
+    return {"model": setup.model, "machine": machine_info(setup.threads, device), "bandwidth": bw, "bytes": by,
             "roofline_tokens_per_s": bw["read_GBps"] * 1e9 / by["per_token_bytes"],
-            "gemm_gflops": matmul_gflops(setup.threads),
+            "gemm_gflops": matmul_gflops(setup.threads, size=4096 if gpu else 1024, device=device,
+                                         dtype=resolve_dtype(setup.load.dtype, device) if gpu else None),
             "peers": peers.names(), "skipped": peers.skipped, "reps": setup.reps,
             "settings": {**dataclasses.asdict(setup.load), "compile": setup.compile,
                          "reference_step": setup.reference_step, "moeswap_env": setup.moeswap_env}}
