@@ -18,9 +18,9 @@ and counted on the device). The expert lookup thus stays outside the graph:
   while the following segments compute. With hybrid experts (--expert-compute cpu|auto) the host computes the
   experts the fast tier lacks on the CPU at the stop and the next segment adds their sum.
 The captured forward is the model's forward: no second copy of the architecture (with EngineConfig.compile,
-its attention sublayers compiled by torch.compile, engine/compile.py, whose fused kernels the graphs capture). Sampling, the finite
-check and the scheduler stay outside. A step that does not fit (see `GraphedDecode.unsupported`) runs the
-eager model and says why in `reason`, as the CPU's native step does.
+its attention sublayers compiled by torch.compile, engine/compile.py, whose fused kernels the graphs
+capture). Sampling, the finite check and the scheduler stay outside. A step that does not fit (see
+`GraphedDecode.unsupported`) runs the eager model and says why in `reason`, as the CPU's native step does.
 
 `GraphedDecode(model, capture=False)` runs the same step eagerly, with the host's work inline at each
 routing: on the CPU (the Triton kernel under its interpreter) that is what the tests check against the
