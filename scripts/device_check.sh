@@ -6,8 +6,8 @@
 # graphs vs eager vs the CPU cores, `bench decode` at batch 1 and 64 (graphs vs eager side by side) and
 # against transformers on a bench-size Kimi Linear, and a quarter of the experts in HBM per --expert-compute.
 # Everything lands under $OUT (JSON where it is data, .txt logs beside it). Steps carry timeouts so that a
-# hang cannot eat the steps after them. To run fla's kernels, first copy fla_core-*.whl and einops-*.whl
-# into wheels/ (ignored) and give the run carry=["wheels"].
+# hang cannot eat the steps after them. To run fla's kernels too, first fetch their wheels here (`pip download
+# --no-deps -d wheels fla-core==0.6.0 einops`, into the ignored wheels/) and give the run carry=["wheels"].
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels must compile for the GPU here

@@ -227,3 +227,92 @@ def test_hybrid_experts_inside_graphed_steps(tiny_k3_dir, mode, monkeypatch):
         _check_tables(model, store)
     finally:
         store.close()
+
+
+class _FakeGraph:
+    """torch.cuda.CUDAGraph's calls, logged (the forward under a fake capture runs eagerly on the CPU)."""
+
+    log: list = []
+
+    def capture_begin(self, pool=None):
+        self.log.append(("begin", id(self)))
+
+    def capture_end(self):
+        self.log.append(("end", id(self)))
+
+    def replay(self):
+        self.log.append(("replay", id(self)))
+
+
+def _fake_cuda(monkeypatch):
+    """Enough of torch.cuda for GraphedDecode._capture's calls on the CPU: streams, pools, graphs, syncs."""
+    from contextlib import nullcontext
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    _FakeGraph.log = []
+
+
+class _CaptureOnCPU(GraphedDecode):
+    """GraphedDecode in capture mode whose device checks are those of capture=False (the CPU)."""
+
+    def unsupported(self, tokens_BT, state):
+        self.capture = False
+        try:
+            return super().unsupported(tokens_BT, state)
+        finally:
+            self.capture = True
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_capture_and_replay_orchestration(tiny_k3_dir, fraction, monkeypatch):
+    """The graph orchestration with torch.cuda's calls faked (no kernel runs in a fake replay, so only the order is
+    checked): a batch size's first step warms up and captures once (all resident: one graph; a quarter: a
+    segment per MoE layer, each ended at its routing, in layer order); every step replays the segments in
+    order with the store's loads between them at each stop; a new batch size captures again, the same one
+    does not, and forget_state (the scheduler's buffers moved) drops them."""
+    _fake_cuda(monkeypatch)
+    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, fraction))
+    try:
+        step = _CaptureOnCPU(model, capture=True)
+        loads = []
+        real_load = step._load
+        monkeypatch.setattr(step, "_load", lambda stop: loads.append(stop.moe.layer_idx) or real_load(stop))
+        moe_layers = [m.layer_idx for m in model.moe_blocks()]
+        split = fraction < 1
+        with torch.inference_mode():
+            state2, state3 = model.make_state(2), model.make_state(3)
+            model(torch.tensor([[1, 2], [3, 4]]), state2)
+            model(torch.tensor([[1, 2], [3, 4], [5, 6]]), state3)
+            for n, state in ((2, state2), (2, state2), (3, state3)):
+                _FakeGraph.log.clear()
+                loads.clear()
+                before = step.captures
+                step(torch.arange(n)[:, None], state)
+                assert step.reason is None
+                cap = step._sets[n]
+                graphs = [id(g) for g in cap.graphs]
+                assert len(graphs) == (len(moe_layers) + 1 if split else 1)
+                assert [s.moe.layer_idx for s in cap.stops] == (moe_layers if split else [])
+                replays = [e for e in _FakeGraph.log if e[0] == "replay"]
+                assert replays == [("replay", g) for g in graphs]  # each segment once, in capture order
+                assert loads == (moe_layers if split else [])  # the host's work at each stop, in order
+                captured = [e for e in _FakeGraph.log if e[0] != "replay"]
+                if step.captures > before:
+                    assert captured == [(kind, g) for g in graphs for kind in ("begin", "end")]
+                else:
+                    assert captured == []
+        assert step.captures == 2 and set(step._sets) == {2, 3} and step.capture_s > 0
+        assert all(t.full() for t in step.tables.values()) == (not split)
+        step.forget_state()
+        assert not step._sets
+    finally:
+        store.close()
