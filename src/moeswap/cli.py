@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if args.debug:
             raise
-        print(f"moeswap: error: {err}", file=sys.stderr)
+        if not getattr(err, "reported", False):  # (said already: distributed.cli.from_lead under torchrun)
+            print(f"moeswap: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # failures that explain themselves in one line (distributed.ep.PeerLost)
         if args.debug or not hasattr(err, "exit_code"):

@@ -9,6 +9,7 @@ Entry points: `add_ep_flags(parser)`, `join_if_launched(model, args)`, `from_lea
 from __future__ import annotations
 
 import secrets
+import sys
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer fails (a hung or lost peer)
 # how ranks share the work (docs/distributed.md): each rank its own sequences or micro-batches, tokens
@@ -81,6 +82,11 @@ def from_lead(ep, encode, seed: int | None):
     dist.broadcast_object_list(box, src=0, group=ep.group)
     ids, stop, seed, err = box[0]
     if err is not None:
+        # every rank says it before any ends: torchrun stops the others as soon as one exits, which could
+        # end a rank before its line was out (the CLI then does not print it again)
+        print(f"moeswap: error: {err}", file=sys.stderr, flush=True)
+        err.reported = True
+        dist.barrier(group=ep.group)
         raise err
     return tok, ids, stop, seed
 
