@@ -272,15 +272,17 @@ class _CaptureOnCPU(GraphedDecode):
             self.capture = True
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.25])
-def test_capture_and_replay_orchestration(tiny_k3_dir, fraction, monkeypatch):
+@pytest.mark.parametrize("fraction,hybrid", [(1.0, False), (0.25, False), (0.25, True)])
+def test_capture_and_replay_orchestration(tiny_k3_dir, fraction, hybrid, monkeypatch):
     """The graph orchestration with torch.cuda's calls faked (no kernel runs in a fake replay, so only the order is
     checked): a batch size's first step warms up and captures once (all resident: one graph; a quarter: a
-    segment per MoE layer, each ended at its routing, in layer order); every step replays the segments in
-    order with the store's loads between them at each stop; a new batch size captures again, the same one
-    does not, and forget_state (the scheduler's buffers moved) drops them."""
+    segment per MoE layer, each ended at its routing, in layer order; with hybrid experts a second stop per
+    layer, after its resident experts' kernels, for the CPU's); every step replays the segments in order with
+    the store's loads between them at each routing stop; a new batch size captures again, the same one does
+    not, and forget_state (the scheduler's buffers moved) drops them."""
     _fake_cuda(monkeypatch)
-    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, fraction))
+    options = {"expert_compute": "cpu", "host_memory": 1 << 20} if hybrid else {}
+    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, fraction, **options))
     try:
         step = _CaptureOnCPU(model, capture=True)
         loads = []
@@ -300,8 +302,9 @@ def test_capture_and_replay_orchestration(tiny_k3_dir, fraction, monkeypatch):
                 assert step.reason is None
                 cap = step._sets[n]
                 graphs = [id(g) for g in cap.graphs]
-                assert len(graphs) == (len(moe_layers) + 1 if split else 1)
-                assert [s.moe.layer_idx for s in cap.stops] == (moe_layers if split else [])
+                stops = [l for l in moe_layers for _ in range(2 if hybrid else 1)] if split else []
+                assert len(graphs) == len(stops) + 1
+                assert [getattr(s, "stop", s).moe.layer_idx for s in cap.stops] == stops
                 replays = [e for e in _FakeGraph.log if e[0] == "replay"]
                 assert replays == [("replay", g) for g in graphs]  # each segment once, in capture order
                 assert loads == (moe_layers if split else [])  # the host's work at each stop, in order

@@ -15,8 +15,9 @@ and counted on the device). The expert lookup thus stays outside the graph:
   (evicting by its policy, with its books) and the table is copied up; then the next segment replays. With
   --prefetch next-layer the next MoE layer's router runs on the device inside the segment (the lookahead's
   guess) and the host hints its ids at the same stop, so the reader threads and the side stream load them
-  while the following segments compute. With hybrid experts (--expert-compute cpu|auto) the host computes the
-  experts the fast tier lacks on the CPU at the stop and the next segment adds their sum.
+  while the following segments compute. With hybrid experts (--expert-compute cpu|auto) the experts the fast
+  tier lacks are computed on the CPU at a second stop, after the resident experts' kernels are queued (the
+  two overlap), and the next segment adds their sum.
 The captured forward is the model's forward: no second copy of the architecture (with EngineConfig.compile,
 its attention sublayers compiled by torch.compile, engine/compile.py, whose fused kernels the graphs
 capture). Sampling, the finite check and the scheduler stay outside. A step that does not fit (see
@@ -142,19 +143,25 @@ class StepExperts:
             host_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device) if hybrid else None
             stop = _Stop(moe, ids_TK, w_TK, h_TI, host_TI, self.guesses)
             self.guesses = []
-            if self.mode == "capture":
-                self.decode._next_segment(stop)
-            elif self.mode == "eager":
-                self.decode._load(stop)
+            self._stop(stop)
         table = self.decode.tables[moe.layer_idx]
         T, K = ids_TK.shape
         x_PI = h_TI[:, None].expand(T, K, h_TI.shape[-1]).reshape(T * K, -1)  # pair p is token p // K
         y_PI = _experts(moe, table, x_PI, ids_TK.reshape(-1), T, hybrid)
         # each token's K outputs weighted and summed in slot order, in fp32
         out_TI = (y_PI.float().view(T, K, -1) * w_TK.float()[..., None]).sum(1)
-        if stop is not None and stop.host_TI is not None:
+        if hybrid:
+            # a second stop after the resident experts' kernels are queued: the CPU computes its experts while the
+            # GPU runs those, and its sum is copied up behind them
+            self._stop(_HostSum(stop))
             out_TI = out_TI + stop.host_TI
         return out_TI.to(h_TI.dtype)
+
+    def _stop(self, stop) -> None:
+        if self.mode == "capture":
+            self.decode._next_segment(stop)
+        elif self.mode == "eager":
+            stop.run(self.decode)
 
 
 GROUPED_PAIRS_PER_EXPERT = 2  # from this many (token, expert) pairs per expert on average, sort and group them
@@ -190,11 +197,28 @@ class _Stop:
     the experts the fast tier lacks), and the next-layer guesses made since the previous stop. Kept with the
     captured step: their memory is not handed to a later segment."""
 
-    __slots__ = ("moe", "ids_TK", "w_TK", "h_TI", "host_TI", "guesses")
+    __slots__ = ("moe", "ids_TK", "w_TK", "h_TI", "host_TI", "guesses", "cpu")
 
     def __init__(self, moe, ids_TK, w_TK, h_TI, host_TI, guesses):
         self.moe, self.ids_TK, self.w_TK, self.h_TI, self.host_TI = moe, ids_TK, w_TK, h_TI, host_TI
         self.guesses = guesses
+        self.cpu = None  # this step's experts for the CPU and their inputs on the host (`GraphedDecode._load`)
+
+    def run(self, decode: GraphedDecode) -> None:
+        decode._load(self)
+
+
+class _HostSum:
+    """The second stop of a hybrid layer step, after its resident experts' kernels: the CPU's experts computed
+    (`_Stop.cpu`, chosen at the first stop) and their sum written into the segment's `host_TI`."""
+
+    __slots__ = ("stop",)
+
+    def __init__(self, stop: _Stop):
+        self.stop = stop
+
+    def run(self, decode: GraphedDecode) -> None:
+        GraphedDecode._on_host(self.stop)
 
 
 class _Captured:
@@ -204,7 +228,7 @@ class _Captured:
     def __init__(self, state: ModelState, tokens_B1: torch.Tensor, split: bool):
         self.state, self.tokens_B1, self.split = state, tokens_B1, split
         self.graphs: list = []
-        self.stops: list[_Stop] = []  # where the segments end
+        self.stops: list = []  # where the segments end (_Stop, _HostSum)
         self.logits = None
 
 
@@ -244,7 +268,7 @@ class GraphedDecode:
         for i, graph in enumerate(cap.graphs):
             graph.replay()
             if i < len(cap.stops):
-                self._load(cap.stops[i])
+                cap.stops[i].run(self)
         return cap.logits
 
     def forget_state(self) -> None:
@@ -341,8 +365,8 @@ class GraphedDecode:
             w = fetched[i]
             if on_host[i]:
                 cpu[ids[i]] = w
-        if cpu:
-            self._on_host(stop, cpu)
+        # their inputs come down now, while the stream is idle (at the _HostSum stop it runs the resident experts)
+        stop.cpu = (cpu, stop.h_TI.float().cpu(), stop.ids_TK.cpu(), stop.w_TK.float().cpu()) if cpu else None
         missing = [e for e in ids if e not in table.experts and e not in cpu]
         if missing:
             raise RuntimeError(f"layer {layer}: experts {missing[:8]} are not resident for the graphed step (the "
@@ -350,17 +374,21 @@ class GraphedDecode:
         table.upload()
 
     @staticmethod
-    def _on_host(stop: _Stop, experts: dict) -> None:
-        """The step's pairs routed to `experts` (read into host memory) computed on the CPU, as an eager hybrid
-        step computes them, and their weighted sum written into the segment's `host_TI`."""
-        unique, counts, token_of, weights = pairs_by_expert(stop.ids_TK.cpu(), stop.w_TK.float().cpu())
-        run = OnHost(stop.h_TI, token_of, weights, stop.moe)
+    def _on_host(stop: _Stop) -> None:
+        """The step's pairs routed to the experts `_load` read into host memory computed on the CPU, as an eager
+        hybrid step computes them, and their weighted sum written into the segment's `host_TI` (zero without)."""
+        stop.host_TI.zero_()
+        if stop.cpu is None:
+            return
+        experts, h_TI, ids_TK, w_TK = stop.cpu
+        stop.cpu = None
+        unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
+        run = OnHost(h_TI, token_of, weights, stop.moe)
         start = 0
         for e, n in zip(unique, counts):
             if e in experts:
                 run.group.take(experts[e], start, n)
             start += n
-        stop.host_TI.zero_()
         run.finish(stop.host_TI)
 
     def _capture(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> _Captured:
@@ -405,9 +433,9 @@ class GraphedDecode:
         self.capture_s += time.perf_counter() - t0
         return cap
 
-    def _next_segment(self, stop: _Stop) -> None:
-        """At a layer's routing during capture: end this segment's graph (the host does `_load(stop)` after its
-        replays) and begin the next one in the same pool (replayed in capture order, which makes sharing safe)."""
+    def _next_segment(self, stop) -> None:
+        """At a stop during capture: end this segment's graph (the host does `stop.run` after its replays) and
+        begin the next one in the same pool (replayed in capture order, which makes sharing safe)."""
         cap = self._capturing
         cap.stops.append(stop)
         self._graph.capture_end()
