@@ -243,8 +243,6 @@ def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
     _check_x(x_PN, "grouped_linear")
     _check_device(x_PN.device)
     P, N = x_PN.shape
-    if N % 32:
-        raise ValueError(f"grouped_linear: input width {N} is not a multiple of the MXFP4 block (32)")
     if offsets and (offsets[0] != 0 or offsets[-1] != P or any(b < a for a, b in zip(offsets, offsets[1:]))):
         raise ValueError(f"grouped_linear: offsets {list(offsets)} must rise from 0 to the {P} rows of x")
     O = sets[0][0][0].shape[0] if sets and G else 0
@@ -259,23 +257,31 @@ def grouped_linears(x_PN: torch.Tensor, offsets: Sequence[int],
     out = torch.empty(len(sets), P, O, dtype=x_PN.dtype, device=x_PN.device)
     if P == 0 or O == 0 or G == 0 or not sets:
         return out
-    x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
     max_rows = max(offsets[g + 1] - offsets[g] for g in range(G))
-    bf16 = x.dtype == torch.bfloat16
-    block_m, block_n, block_k, dot, warps = _tiles(max_rows, N, bf16)
-    dev = x.device
+    dev = x_PN.device
     tables = torch.tensor([[p.data_ptr() for p, _ in held], [s.data_ptr() for _, s in held]], dtype=torch.int64)
     offs = torch.tensor(list(offsets), dtype=torch.int32)
     if dev.type != "cpu":
         tables, offs = tables.to(dev, non_blocking=True), offs.to(dev, non_blocking=True)
-    grid = (len(sets) * G, -(-O // block_n), -(-max_rows // block_m))
+    _launch_grouped(x_PN, out, tables[0], tables[1], offs, G, O, max_rows, absent_zero=False)
+    return out
+
+
+def _launch_grouped(x_PN: torch.Tensor, out: torch.Tensor, packed_tab: torch.Tensor, scale_tab: torch.Tensor,
+                    offsets: torch.Tensor, G: int, O: int, max_rows: int, absent_zero: bool) -> None:
+    """The grouped kernel over S = out.shape[0] matrices of G experts (tables of S G addresses, int32 offsets
+    [G + 1], all on x's device), its grid sized for `max_rows` rows per expert."""
+    x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
+    N = x.shape[1]
+    bf16 = x.dtype == torch.bfloat16
+    block_m, block_n, block_k, dot, warps = _tiles(max_rows, N, bf16)
+    grid = (out.shape[0] * G, -(-O // block_n), -(-max_rows // block_m))
     # Triton 3.8's interpreter multiplies bf16 tl.dot operands as their uint16 bits: there bf16 tiles
     # multiply as fp32 instead, which gives the same exact products and fp32 sums
     _kernel()[grid](
-        x, out, tables[0], tables[1], offs, G, N, O, x.stride(0), out.stride(1), out.stride(0),
+        x, out, packed_tab, scale_tab, offsets, G, N, O, x.stride(0), out.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
-        FP32_PRECISION=FP32_DOT_PRECISION, ABSENT_ZERO=False, num_warps=warps)
-    return out
+        FP32_PRECISION=FP32_DOT_PRECISION, ABSENT_ZERO=absent_zero, num_warps=warps)
 
 
 PAIR_WEIGHTS = {"mxfp4": 0, torch.bfloat16: 1, torch.float32: 2}  # `pair_linears`' weight kinds -> WEIGHTS
@@ -296,9 +302,12 @@ def _check_tables(x_PN: torch.Tensor, packed_SE: torch.Tensor, scale_SE: torch.T
         raise ValueError(f"{name}: packed {list(packed_SE.shape)} and scale {list(scale_SE.shape)} tables differ")
 
 
-def _check_x(x_PN: torch.Tensor, name: str) -> None:
+def _check_x(x_PN: torch.Tensor, name: str, mxfp4: bool = True) -> None:
+    """x is fp32 or bf16 [P, N], N a whole number of MXFP4 blocks where it multiplies MXFP4 matrices."""
     if x_PN.dim() != 2 or x_PN.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"{name}: x must be fp32 or bf16 [P, N], got {x_PN.dtype} {list(x_PN.shape)}")
+    if mxfp4 and x_PN.shape[1] % 32:
+        raise ValueError(f"{name}: input width {x_PN.shape[1]} is not a multiple of the MXFP4 block (32)")
 
 
 def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, packed_SE: torch.Tensor, scale_SE: torch.Tensor,
@@ -309,16 +318,14 @@ def pair_linears(x_PN: torch.Tensor, experts_P: torch.Tensor, packed_SE: torch.T
     address 0: not resident, its rows come out NaN, or zero with `absent_zero`). One launch; the host reads
     no tensor's data (only shapes), so a CUDA graph can capture it while the tables change between replays.
     Each row reads its expert's weights: best where few rows share an expert (`sorted_linears` otherwise)."""
-    _check_x(x_PN, "pair_linears")
     if weights not in PAIR_WEIGHTS:
         raise ValueError(f"pair_linears: weights {weights!r} is none of {list(PAIR_WEIGHTS)}")
+    _check_x(x_PN, "pair_linears", mxfp4=weights == "mxfp4")
     P, N = x_PN.shape
     _check_tables(x_PN, packed_SE, scale_SE, "pair_linears")
     if experts_P.shape != (P,) or experts_P.dtype not in (torch.int32, torch.int64) or experts_P.device != x_PN.device:
         raise ValueError(f"pair_linears: experts must be int32/int64 [{P}] on {x_PN.device}, got "
                          f"{experts_P.dtype} {list(experts_P.shape)} on {experts_P.device}")
-    if weights == "mxfp4" and N % 32:
-        raise ValueError(f"pair_linears: input width {N} is not a multiple of the MXFP4 block (32)")
     _check_device(x_PN.device)
     S, E = packed_SE.shape
     out = torch.empty(S, P, O, dtype=x_PN.dtype, device=x_PN.device)
@@ -344,24 +351,16 @@ def sorted_linears(x_PN: torch.Tensor, offsets_E1: torch.Tensor, packed_SE: torc
     are read once for all its rows (tl.dot above FMA_MAX_ROWS), which `pair_linears` does not."""
     _check_x(x_PN, "sorted_linears")
     _check_tables(x_PN, packed_SE, scale_SE, "sorted_linears")
-    P, N = x_PN.shape
+    P = x_PN.shape[0]
     S, E = packed_SE.shape
     if offsets_E1.shape != (E + 1,) or offsets_E1.dtype != torch.int32 or offsets_E1.device != x_PN.device:
         raise ValueError(f"sorted_linears: offsets must be int32 [{E + 1}] on {x_PN.device}, got "
                          f"{offsets_E1.dtype} {list(offsets_E1.shape)} on {offsets_E1.device}")
-    if N % 32:
-        raise ValueError(f"sorted_linears: input width {N} is not a multiple of the MXFP4 block (32)")
     _check_device(x_PN.device)
     out = torch.empty(S, P, O, dtype=x_PN.dtype, device=x_PN.device)
-    if P == 0 or O == 0 or S == 0 or max_rows < 1:
+    if P == 0 or O == 0 or S == 0 or E == 0 or max_rows < 1:
         return out
-    x = x_PN if x_PN.stride(-1) == 1 else x_PN.contiguous()
-    bf16 = x.dtype == torch.bfloat16
-    block_m, block_n, block_k, dot, warps = _tiles(max_rows, N, bf16)
-    _kernel()[(S * E, -(-O // block_n), -(-max_rows // block_m))](
-        x, out, packed_SE, scale_SE, offsets_E1, E, N, O, x.stride(0), out.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, BF16=bf16, BF16_DOT=bf16 and not interpreted(),
-        FP32_PRECISION=FP32_DOT_PRECISION, ABSENT_ZERO=absent_zero, num_warps=warps)
+    _launch_grouped(x_PN, out, packed_SE, scale_SE, offsets_E1, E, O, max_rows, absent_zero)
     return out
 
 
