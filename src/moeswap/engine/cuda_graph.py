@@ -49,11 +49,6 @@ from moeswap.ops.activation import glu
 GRAPH_SETS = 8  # batch sizes whose captured steps are kept (each holds its own memory pool)
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """torch.device("cuda") (a tier made from the option's text) is device 0, as the model's "cuda:0"."""
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
-
-
 class DeviceTable:
     """One MoE layer's experts in the store's fast tier as addresses on the device, [2, 3, E] int64: for gate
     (w1), up (w3) and down (w2), the packed bytes' and the scale bytes' addresses for MXFP4, or the matrix's
@@ -88,6 +83,12 @@ class DeviceTable:
             self.host[:, :, e] = 0
             self.dirty = True
 
+    def learn_kind(self, w) -> None:
+        """The table's kind from expert w without entering it (the kernels' kind is fixed when a step is captured,
+        which may be before the layer has a resident expert)."""
+        got = self._row(w)
+        self.weights = got[0] if got is not None else None
+
     def full(self) -> bool:
         return len(self.experts) == self.host.shape[2]
 
@@ -109,8 +110,7 @@ class DeviceTable:
         if self.weights not in (None, kind):
             self.unfit = f"experts of two kinds in one layer ({self.weights} and {kind})"
             return None
-        on = self.device.device
-        if any(t is not None and (not t.is_contiguous() or not _same_device(t.device, on)) for t in mats):
+        if any(t is not None and (not t.is_contiguous() or t.device != self.device.device) for t in mats):
             self.unfit = f"an expert not contiguous on {self.device.device}"
             return None
         return kind, [0 if t is None else t.data_ptr() for t in mats]
@@ -301,7 +301,7 @@ class GraphedDecode:
         if any(name in moe._modules for name in ("expert_lora", "experts", "served_lora")):
             return "its experts carry adapters or train"
         s = moe.store
-        if not hasattr(s, "mirror") or not _same_device(s.fast.device, device):
+        if not hasattr(s, "mirror") or s.fast.device != device:
             return f"its expert store's fast tier is not on {device}"
         if s.trace is not None:
             return "its expert store records a trace"
@@ -311,10 +311,9 @@ class GraphedDecode:
             s.mirror(moe.layer_idx, table)
         if not s.can_evict and not table.full():  # all resident: fill it now, so that the step is one graph
             s.preload([(moe.layer_idx, e) for e in range(moe.num_experts)], reset_stats=False)
-        elif table.weights is None and table.unfit is None:  # the kernel's kind is fixed at capture: an expert in
-            # the fast tier's form tells it (read beside the store: its books and budget are not the table's)
-            got = table._row(s.fast.form(s.source.get(Key(moe.layer_idx, 0))))
-            table.weights = got[0] if got is not None else None
+        elif table.weights is None and table.unfit is None:  # an expert in the fast tier's form, read beside the
+            # store (its books and budget are not the table's)
+            table.learn_kind(s.fast.form(s.source.get(Key(moe.layer_idx, 0))))
         if table.unfit is not None:
             return table.unfit
         self.tables[moe.layer_idx] = table

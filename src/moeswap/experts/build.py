@@ -51,6 +51,8 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
                 device: str | torch.device = "cpu", options: LoadOptions = LoadOptions()) -> ExpertStore:
     """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device: named as its tensors say
+        device = torch.device("cuda", torch.cuda.current_device())
     accelerator = device.type != "cpu"
     caching = options.caching
     sizes: dict[Key, tuple[int, int]] = {}
