@@ -15,7 +15,6 @@ kernels_step}`.
 
 from __future__ import annotations
 
-import collections
 from contextlib import ExitStack
 from unittest import mock
 
@@ -38,7 +37,6 @@ def count(model) -> dict[str, float]:
     state = model.make_state(1)
     tokens = torch.tensor([[1]])
     counter = _OpCounter()
-    counter.counts = collections.Counter()
     quiet = [False]
 
     def counted(func):
