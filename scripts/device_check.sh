@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (its image has torch; nothing is downloaded), under 8 minutes:
+# One prepared run on a lent GPU machine (its image has torch; nothing is downloaded), meant to take under 8
+# minutes (not yet run as it stands; its steps' timeouts bound it at ~20: give the run timeout_s=600 and read
+# what $OUT holds if it is cut):
 # the CUDA parity tests (the model on CUDA, graphed decode steps and hybrid experts included, then the Triton
 # MXFP4 kernels of ops/triton_mxfp4.py, then KDA in flash-linear-attention's kernels where its wheels were
 # carried), the Triton kernels' benchmark (`moeswap bench gpu-kernels`), decode of the bench-size K3 on CUDA
@@ -38,7 +40,7 @@ json.dump(out, open(sys.argv[2], "w"), indent=2)
 PY
 }
 
-python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
+timeout 240 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -o addopts="" \
   --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.txt"
 junit_json "$OUT/cuda_tests.xml" "$OUT/cuda_tests.json"
 timeout 120 python3 -m pytest tests/ops/test_triton_mxfp4.py -q -m cuda -p no:cacheprovider \
