@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as e:
         if getattr(args, "debug", False):
             raise
-        print(f"moeswap plan: error: {e}", file=sys.stderr)
+        print(f"moeswap: error: {e}", file=sys.stderr)  # one prefix for every command
         return 2
 
 

@@ -24,6 +24,7 @@ from .serving import ServePoint, pipeline_time, serve_point
 from .workload import BYTES, Lora, Offload, Precision, Serve
 
 OBJECTIVES = ("throughput", "latency", "cost")
+MAX_DEVICES = 1 << 16  # the largest clusters built are ~10^5 accelerators; enumeration cost grows with divisors
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,9 @@ def plan(req: PlanRequest, catalog: Catalog | None = None) -> PlanResult:
 
 
 def _check_request(req: PlanRequest) -> None:
-    if req.devices < 1:
-        raise PlanError(f"--devices must be at least 1, got {req.devices}")
+    if not 1 <= req.devices <= MAX_DEVICES:
+        raise PlanError(f"--devices {req.devices}: expected 1 to {MAX_DEVICES} accelerators "
+                        f"(layouts are enumerated over them)")
     if req.workload not in ("serve", "lora"):
         raise PlanError(f"--workload {req.workload!r} is not 'serve' or 'lora'")
     if req.objective not in OBJECTIVES:
