@@ -92,6 +92,17 @@ def _start_time(pid: int) -> int | None:
     return int(stat.rsplit(b")", 1)[1].split()[19])  # the name in (...) may hold spaces; field 22 overall
 
 
+def remove_stale_in(parent: str | os.PathLike) -> list[Path]:
+    """`remove_stale` for every destination in `parent` that has staging directories (a run killed while
+    it wrote any of them leaves nothing that blocks the next one)."""
+    try:
+        names = {e.name for e in os.scandir(parent) if e.name.startswith(".") and ".staging-" in e.name}
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    dsts = {name[1:name.index(".staging-")] for name in names}
+    return [path for dst in sorted(dsts) for path in remove_stale(Path(parent) / dst)]
+
+
 def remove_stale(dst: str | os.PathLike) -> list[Path]:
     """Removes the staging directories of `dst` (siblings `.<name>.staging-...`) that this user owns and
     whose owner process is gone; returns them. Live writers' directories are left alone."""

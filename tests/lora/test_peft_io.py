@@ -63,6 +63,19 @@ def test_round_trip(adapted, load, tiny_k3_dir, tmp_path, tokens):
     assert (tmp_path / "a" / WEIGHTS_NAME).read_bytes() == (tmp_path / "b" / WEIGHTS_NAME).read_bytes()
 
 
+@pytest.mark.parametrize("linked", [CONFIG_NAME, WEIGHTS_NAME])
+def test_an_adapter_file_linked_out_of_its_directory_is_refused(adapted, load, tiny_k3_dir, tmp_path, linked):
+    """Adapter directories follow the model directories' rule: a file may not resolve outside its directory
+    (a linked adapter_config.json is not even parsed: its target here is not JSON)."""
+    save_adapter(adapted, tmp_path / "a")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(tmp_path / "a" / linked, elsewhere / linked)
+    (tmp_path / "a" / linked).symlink_to(elsewhere / linked)
+    with pytest.raises(ValueError, match=f"'{linked}' is a link that resolves outside"):
+        load_adapter(load(tiny_k3_dir), tmp_path / "a")
+
+
 def test_save_refusals(adapted, load, tiny_k3_dir, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")

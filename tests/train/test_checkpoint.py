@@ -108,3 +108,61 @@ def test_damaged_or_mismatched_checkpoints_are_refused(small_run, tmp_path, caps
         train(cfg, progress=False)
     with pytest.raises(ValueError, match="--resume: no checkpoint in"):
         train(cfg.replace(output=str(tmp_path / "fresh")), resume=True, progress=False)
+
+
+def test_a_garbage_state_or_a_planted_pickle_is_named_in_one_line(small_run, tmp_path, capsys):
+    """Hand-edited state.json fields and an optimizer.pt that is not a weights-only optimizer state (its
+    hash updated too, as a planter would) are refused naming the file, not as an exception from deep inside."""
+    import hashlib
+    import pickle
+
+    cfg = small_run(save_interval=2)
+    with pytest.raises(Stop):
+        train(cfg, progress=False, on_checkpoint=stop_at(2))
+    out = tmp_path / "out"
+    ckpt = all_checkpoints(out)[-1]
+    good = json.loads((ckpt / "state.json").read_text())
+
+    def resume_says(state=None) -> str:
+        (ckpt / "state.json").write_text(json.dumps(state if state is not None else good))
+        capsys.readouterr()
+        assert cli.main(["train", as_yaml(cfg, tmp_path / "c.yaml"), "--resume", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"moeswap: error: checkpoint {ckpt} is damaged: ") and "\n" not in err, err
+        return err
+
+    assert "Python random-number state" in resume_says({**good, "rng": {"python": [3, [1, 2], None]}})
+    assert "has step 'x'" in resume_says({**good, "step": "x"})
+    assert "no 'history' dict" in resume_says({**good, "history": []})
+
+    class Planted:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    (ckpt / "optimizer.pt").write_bytes(pickle.dumps(Planted()))
+    good["files"]["optimizer.pt"] = hashlib.sha256((ckpt / "optimizer.pt").read_bytes()).hexdigest()
+    err = resume_says()
+    assert "optimizer.pt is not an optimizer state this run can load" in err
+    assert "ran" not in capsys.readouterr().out
+
+
+def test_a_run_killed_while_staging_its_first_checkpoint_can_start_again(small_run, tmp_path):
+    """SIGKILL while the first checkpoint is staged leaves a staging directory of a process that is gone:
+    neither --resume nor a fresh run may need the user to delete files."""
+    cfg = small_run(save_interval=2, max_steps=2)
+    out = tmp_path / "out"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    from moeswap.atomic_dir import Owner
+
+    owner = Owner(Owner.me().host, int(dead.stdout), 1)  # a pid that has exited: provably gone
+    staging = out / "checkpoints" / f".step-00000002.staging-{owner.token()}.abc123"
+    staging.mkdir(parents=True)
+    (staging / "params.safetensors").write_bytes(b"half")
+    with pytest.raises(ValueError, match="without --resume the run starts over"):
+        train(cfg, resume=True, progress=False)
+    assert not staging.exists()
+    assert train(cfg, progress=False).losses  # a fresh run takes the output directory
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty"):  # the user's files are never taken over
+        train(cfg.replace(output=str(tmp_path / "other")), progress=False)

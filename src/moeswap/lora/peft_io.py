@@ -23,7 +23,7 @@ from torch import nn
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.formats.files import read_json
+from moeswap.formats.files import confined, read_json
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
@@ -93,6 +93,7 @@ def read_adapter(directory: str | os.PathLike) -> Adapter:
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name}: missing; an adapter directory holds {CONFIG_NAME} and "
                                     f"{WEIGHTS_NAME}")
+        confined(directory, name, ValueError, str(directory))  # a link out of the directory: refused as for models
     raw = read_json(directory / CONFIG_NAME, ValueError)
     config = LoRAConfig.from_peft(raw, str(directory / CONFIG_NAME))
     with Checkpoint.open(directory / WEIGHTS_NAME) as ckpt:

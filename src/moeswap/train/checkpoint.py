@@ -22,6 +22,7 @@ import torch
 
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
+from moeswap.formats.files import show
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -91,6 +92,9 @@ def read_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{damaged}: {STATE} is not valid JSON ({e}){hint}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("files"), dict):
         raise CheckpointError(f"{damaged}: {STATE} is not a format-{FORMAT} checkpoint record{hint}")
+    problem = _state_problem(state)
+    if problem:
+        raise CheckpointError(f"{damaged}: {STATE} {problem}{hint}")
     for name in (PARAMS, OPTIMIZER):
         file = path / name
         if not file.is_file():
@@ -98,6 +102,31 @@ def read_state(path: Path) -> dict[str, Any]:
         if file_sha256(file) != state["files"].get(name):
             raise CheckpointError(f"{damaged}: {name} does not match the SHA-256 recorded in {STATE}{hint}")
     return state
+
+
+def _state_problem(state: dict[str, Any]) -> str | None:
+    """What is wrong with the fields resuming reads from a state.json, or None (a record edited by hand or
+    planted must fail here, by name, not deep in the resume)."""
+    if not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool) or state["step"] < 0:
+        return f"has step {show(state.get('step'))}; expected a whole number >= 0"
+    rng = state.get("rng")
+    python = rng.get("python") if isinstance(rng, dict) else None
+    if not (isinstance(python, list) and len(python) == 3 and isinstance(python[0], int)
+            and isinstance(python[1], list) and len(python[1]) == 625
+            and all(isinstance(x, int) and 0 <= x < 2**32 for x in python[1])
+            and (python[2] is None or isinstance(python[2], float))):
+        return "has no valid Python random-number state (rng.python: [version, 625 words, gauss])"
+    for key, kind in (("config", dict), ("data_sha256", list), ("base_digest", str), ("history", dict)):
+        if not isinstance(state.get(key), kind):
+            return f"has no {key!r} {kind.__name__}"
+    history = state["history"]
+    if history.get("step") != state["step"]:
+        return f"has history.step {show(history.get('step'))} where step is {state['step']}"
+    for key, kind in (("curve", list), ("eval", list), ("segments", list), ("rows", int), ("tokens", int),
+                      ("train_s", (int, float)), ("wall_s", (int, float))):
+        if not isinstance(history.get(key), kind):
+            return f"has no valid history.{key}"
+    return None
 
 
 def load_checkpoint(path: Path, params: list[tuple[str, torch.nn.Parameter]], optimizer,
@@ -120,11 +149,17 @@ def load_checkpoint(path: Path, params: list[tuple[str, torch.nn.Parameter]], op
                 raise CheckpointError(f"checkpoint {path}: {name} is {t.dtype} {list(t.shape)}, this run's is "
                                       f"{p.dtype} {list(p.shape)}")
             p.copy_(t)
-    blob = torch.load(path / OPTIMIZER, weights_only=True, map_location="cpu")
-    optimizer.load_state_dict(blob["optimizer"])
-    torch.set_rng_state(blob["torch_rng"]["cpu"])
-    if "cuda" in blob["torch_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(blob["torch_rng"]["cuda"])
+    try:  # weights_only: a planted pickle is refused, never run
+        blob = torch.load(path / OPTIMIZER, weights_only=True, map_location="cpu")
+        optimizer.load_state_dict(blob["optimizer"])
+        torch.set_rng_state(blob["torch_rng"]["cpu"])
+        if "cuda" in blob["torch_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(blob["torch_rng"]["cuda"])
+    except Exception as err:  # noqa: BLE001 - whatever the bytes make torch raise, the file is what is wrong
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} is damaged: {OPTIMIZER} is not an optimizer state this run "
+                              f"can load ({show(first)}); delete the checkpoint to resume from an earlier one, "
+                              f"or start the run again") from None
     version, internal, gauss = state["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))
     return state

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from moeswap.atomic_dir import remove_stale_in
 from moeswap.procfs import peak_rss_bytes
 from moeswap.train import manifest as record
 from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
@@ -194,19 +195,28 @@ def evaluate(model, rows, pad_id: int, cfg: TrainConfig, device: torch.device, e
 def _check_output(out: Path, resume: bool) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from and its checked state.json, before anything loads (None: a fresh
     run, whose output directory is made empty)."""
+    remove_stale_in(out / CHECKPOINTS)  # a run killed while staging a checkpoint must not block the next
     if resume:
         if (out / record.MANIFEST).exists():
             raise ValueError(f"{out}: this run has finished ({record.MANIFEST} exists); nothing to resume")
         found = latest_checkpoint(out)
         if found is None:
             raise ValueError(f"--resume: no checkpoint in {out / CHECKPOINTS} to resume from "
-                             "(--save-interval N writes one every N steps)")
+                             "(--save-interval N writes one every N steps; without --resume the run starts over)")
         return found, read_state(found)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and (not out.is_dir() or not _holds_no_run(out)):
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue the run it holds, "
                               "or choose another --output")
     out.mkdir(parents=True, exist_ok=True)
     return None
+
+
+def _holds_no_run(out: Path) -> bool:
+    """Whether `out` is empty but for what a run that stopped before its first checkpoint leaves: an empty
+    checkpoints/ (a fresh run may start there; anything else is the user's and stays refused)."""
+    entries = list(out.iterdir())
+    return all(e.name == CHECKPOINTS and e.is_dir() and not e.is_symlink() and not any(e.iterdir())
+               for e in entries)
 
 
 def _check_same_settings(state: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
