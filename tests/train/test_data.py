@@ -113,6 +113,22 @@ def test_malformed_lines_stop_with_file_and_line_or_are_skipped_and_counted(k3_t
     assert info.as_dict()["skipped"] == 5
 
 
+def test_a_fifo_or_a_line_nested_too_deep_is_an_error_naming_it(k3_tok, tmp_path):
+    """A FIFO as data would block forever (nothing writes it); a line nested 100k deep would overflow the
+    parser's stack: both are one DataError naming the file (and line), never a hang or a RecursionError."""
+    import os
+
+    enc = Encoder(k3_tok, 64, False)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(DataError, match=r"fifo is not a regular file; expected a JSONL file"):
+        read_file(str(tmp_path / "fifo"), enc, "stop")
+    deep = write(tmp_path / "deep.jsonl", [json.dumps({"text": "a b"}), "[" * 100_000 + "]" * 100_000])
+    with pytest.raises(DataError, match=rf"^{deep}:2: not a sample \(JSON nested too deeply\)"):
+        read_file(str(deep), enc, "stop")
+    samples, info = read_file(str(deep), enc, "skip")
+    assert len(samples) == 1 and len(info.skipped) == 1
+
+
 def test_a_sample_longer_than_seq_len_is_an_error_naming_it_or_truncated(k3_tok, tmp_path):
     path = write(tmp_path / "d.jsonl", [json.dumps({"text": "the"}), json.dumps({"text": " the" * 40})])
     with pytest.raises(DataError, match=rf"^{path}:2: the sample is 41 tokens, longer than --seq-len 16"):

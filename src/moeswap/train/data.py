@@ -143,12 +143,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def read_file(path: str, encoder: Encoder, on_bad_line: str) -> tuple[list[Sample], FileInfo]:
     p = Path(path)
+    if p.is_dir():
+        raise DataError(f"{p} is a directory; expected a JSONL file")
+    if p.exists() and not p.is_file():  # a FIFO or device would block or never end
+        raise DataError(f"{p} is not a regular file; expected a JSONL file")
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"{p}: no such data file") from None
-    except IsADirectoryError:
-        raise DataError(f"{p} is a directory; expected a JSONL file") from None
+    except OSError as e:
+        raise DataError(f"{p}: cannot read it ({e.strerror or e})") from None
     info = FileInfo(str(p), hashlib.sha256(raw).hexdigest())
     samples: list[Sample] = []
     for n, line in enumerate(raw.split(b"\n"), 1):
@@ -163,6 +167,10 @@ def read_file(path: str, encoder: Encoder, on_bad_line: str) -> tuple[list[Sampl
                 raise DataError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise DataError("not a sample (JSON nested too deeply)") from None
+            except ValueError as e:  # an integer of more digits than Python converts
+                raise DataError(f"not valid JSON ({e})") from None
             kind, ids, mask = encoder.encode(record)
         except DataError as e:
             if on_bad_line == "stop":
