@@ -31,7 +31,8 @@ from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkp
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import IGNORE, Data, RowStream, batch, eval_rows, load_data
 from moeswap.train.experts import balance_routers, balanced_biases, load_report
-from moeswap.train.targets import prepare_model, save_trained
+from moeswap.train.budget import check_fits
+from moeswap.train.targets import lora_config, prepare_model, save_trained
 
 # Settings a resumed run may change: when and what it writes, where experts are kept. Anything else
 # changes the math, and the run would no longer be the one its checkpoint continues.
@@ -290,6 +291,7 @@ def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint,
         # under expert parallelism each rank builds only its own experts' LoRA rows (LoRAShards.split keeps
         # them); --resume loads one process's checkpoint whole first, so it builds every row
         owned = None if ep is None or resume_from is not None else (lambda layer: ep.placement.owned(ep.rank, layer))
+        check_fits(model, cfg, lora_config(cfg), experts=ep is None)  # before the allocator is asked
         params = prepare_model(model, cfg, owned)
         # routers whose selection bias follows the balancing rule: state a checkpoint must keep too
         balanced = balanced_biases(model)

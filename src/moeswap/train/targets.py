@@ -82,6 +82,19 @@ def _lora_parameters(model: nn.Module, cfg, owned=None) -> list[tuple[str, nn.Pa
 
 
 def _full_parameters(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tuple[str, nn.Parameter]]:
+    named = full_choice(model, patterns)
+    for _, p in named:
+        if not p.dtype.is_floating_point:
+            continue
+        # the optimizer updates fp32 (or wider) weights: bf16 ones would lose small updates to rounding
+        if p.dtype.itemsize < 4:
+            p.data = p.data.float()
+        p.requires_grad_(True)
+    return named
+
+
+def full_choice(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tuple[str, nn.Parameter]]:
+    """The parameters full mode trains (`patterns` None: all but NEVER_TRAINED), changing nothing."""
     named = [(n, p) for n, p in model.named_parameters() if n.rpartition(".")[2] not in NEVER_TRAINED]
     if patterns is not None:
         targets = target_patterns(patterns)
@@ -103,13 +116,6 @@ def _full_parameters(model: nn.Module, patterns: tuple[str, ...] | None) -> list
             raise ValueError(f"--target-modules {unused[0]!r} matches no module or parameter of this model "
                              f"(names look like {named[1][0]!r})")
         named = chosen
-    for _, p in named:
-        if not p.dtype.is_floating_point:
-            continue
-        # the optimizer updates fp32 (or wider) weights: bf16 ones would lose small updates to rounding
-        if p.dtype.itemsize < 4:
-            p.data = p.data.float()
-        p.requires_grad_(True)
     return named
 
 
