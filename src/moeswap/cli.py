@@ -40,7 +40,7 @@ SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "t
                "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
-           "load": "moeswap.bench.load", "serve": "moeswap.bench.serve", "train": "moeswap.bench.train",
+           "load": "moeswap.bench.load", "serve": "moeswap.bench.serve.command", "train": "moeswap.bench.train",
            "ep": "moeswap.bench.ep", "gpu-kernels": "moeswap.bench.gpu_kernels"}
 
 
