@@ -156,7 +156,7 @@ def cmd_generate(args) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.engine.sampling import SamplingParams
-    from moeswap.engine.tokenizer import StreamDecoder, load_tokenizer
+    from moeswap.text.tokenizer import StreamDecoder, load_tokenizer
     from moeswap.models.loader import load_model
 
     for text in args.prompt:
@@ -251,7 +251,7 @@ def generate_many(args) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.scheduler import EngineConfig
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
 
     if args.lora:

@@ -80,7 +80,7 @@ def test_launched_server_and_batch1_peer(tiny_k3_dir, tmp_path, capsys, strict_j
 
 def _serve_in_thread(model_dir):
     """A moeswap server in this process (uvicorn in a thread, on a free loopback port); returns (url, stop)."""
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
     from moeswap.server.options import ServeOptions

@@ -19,8 +19,8 @@ def check_greedy(model_dir: str, load: LoadOptions, runs: dict[str, list[list[Ou
 
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
-    from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
+    from moeswap.text.tokenizer import load_tokenizer
 
     picked: list[tuple[str, Outcome]] = []
     for name, levels in runs.items():

@@ -91,7 +91,7 @@ class Prompts:
 def vocabulary(model_dir: str) -> list[int]:
     """The ids a random prompt draws from: the tokenizer's ordinary tokens that the model's embedding has."""
     from moeswap.config import load_config
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     n = min(tok.vocab_size, load_config(model_dir).vocab_size)
