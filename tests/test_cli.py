@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from moeswap.cli import main
 from moeswap.config import ConfigError
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.experts.trace import read_trace
 from moeswap.formats.checkpoint import INDEX_NAME
 from moeswap.models.loader import LoadOptions, load_model
@@ -322,7 +322,7 @@ def test_dense_weights_flag(capsys, tiny_k3_dir, generate_json):
 
 
 def test_a_prompt_spelling_a_special_token_is_text_unless_asked(capsys, tiny_k3_dir):
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_k3_dir)
     end = tok.special_to_id["<|im_end|>"]

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from moeswap.config import load_config
 from moeswap.engine.generate import GenerationConfig, generate
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.formats.checkpoint import INDEX_NAME
 from moeswap.models.loader import load_model
 from moeswap.tiny import write_tiny_model

@@ -40,7 +40,7 @@ SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "t
                "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge"}
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
-           "load": "moeswap.bench.load", "serve": "moeswap.bench.serve", "train": "moeswap.bench.train",
+           "load": "moeswap.bench.load", "serve": "moeswap.bench.serve.command", "train": "moeswap.bench.train",
            "ep": "moeswap.bench.ep", "gpu-kernels": "moeswap.bench.gpu_kernels"}
 
 
@@ -156,7 +156,7 @@ def cmd_generate(args) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.engine.sampling import SamplingParams
-    from moeswap.engine.tokenizer import StreamDecoder, load_tokenizer
+    from moeswap.text.tokenizer import StreamDecoder, load_tokenizer
     from moeswap.models.loader import load_model
 
     for text in args.prompt:
@@ -251,7 +251,7 @@ def generate_many(args) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.scheduler import EngineConfig
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
 
     if args.lora:

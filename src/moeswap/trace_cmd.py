@@ -75,9 +75,9 @@ def check_output(out: Path, prompts: Path, force: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
-    from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.experts.trace import TraceRecorder, write_trace
     from moeswap.models.loader import load_model
+    from moeswap.text.tokenizer import load_tokenizer
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")

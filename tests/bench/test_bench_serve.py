@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from live_server import serve_in_thread
-from moeswap.bench import serve
 from moeswap.bench.peers import llamaserver
+from moeswap.bench.serve import client, greedy, stats, workload
 from moeswap.cli import main
+from moeswap.options import LoadOptions
 
 N, PROMPT, OUT = 6, (4, 12), 8
 
@@ -29,7 +30,7 @@ def _invariants(report: dict, name: str, row: dict, pool: list[int] | None) -> N
     assert r["total_output_tokens"] == sum(q["output_tokens"] for q in ok) == N * OUT
     assert r["total_prompt_tokens"] == sum(q["prompt_tokens"] for q in ok)
     if pool is not None:  # token-id prompts: the server counted exactly the ids the workload drew
-        prompts = serve.Prompts(serve.Workload(serve.Lengths(*PROMPT), serve.Lengths(OUT, OUT), N, None, 0), pool)
+        prompts = workload.Prompts(workload.Workload(workload.Lengths(*PROMPT), workload.Lengths(OUT, OUT), N, None, 0), pool)
         assert [q["prompt_tokens"] for q in r["requests"]] == [len(prompts.spec(q["index"]).ids) for q in r["requests"]]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         p = r[key]
@@ -55,7 +56,7 @@ def test_launched_server_and_batch1_peer(tiny_k3_dir, tmp_path, capsys, strict_j
     assert list(report["servers"]) == ["moeswap", "moeswap-batch1"]
     assert report["skipped"]["llama-server"].endswith("is not an executable file")
     assert "llama-server: SKIPPED" in (tmp_path / "r.md").read_text()
-    pool = serve.vocabulary(str(tiny_k3_dir))
+    pool = workload.vocabulary(str(tiny_k3_dir))
     assert [row["concurrency"] for row in report["rows"]] == [1, 2]
     for row in report["rows"]:
         for name in ("moeswap", "moeswap-batch1"):
@@ -79,7 +80,7 @@ def test_launched_server_and_batch1_peer(tiny_k3_dir, tmp_path, capsys, strict_j
 
 def _serve_in_thread(model_dir):
     """A moeswap server in this process (uvicorn in a thread, on a free loopback port); returns (url, stop)."""
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
     from moeswap.server.options import ServeOptions
@@ -111,7 +112,7 @@ def test_url_with_poisson_arrivals(tiny_k3_dir, tmp_path, capsys, strict_json):
     assert report["servers"][url]["kind"] == "moeswap" and report["skipped"] == {}  # no peers by default with --url
     (row,) = report["rows"]
     assert row["request_rate"] == 40 and row["ratios"] == {}
-    _invariants(report, url, row, serve.vocabulary(str(tiny_k3_dir)))
+    _invariants(report, url, row, workload.vocabulary(str(tiny_k3_dir)))
     assert report["rss"][url]["pid"] == os.getpid() and report["rss"][url]["end_bytes"] > 0
     assert report["greedy_check"]["ok"] and report["greedy_check"]["checked"] == 2
 
@@ -129,9 +130,9 @@ def test_greedy_check_finds_a_wrong_token(tiny_k3_dir):
         store.close()
     wrong = list(right)
     wrong[3] = (wrong[3] + 1) % 100
-    good = serve.Outcome(0, 6, ok=True, token_ids=right, prompt=prompt)
-    bad = serve.Outcome(1, 6, ok=True, token_ids=wrong, prompt=prompt)
-    g = serve.check_greedy(str(tiny_k3_dir), serve.LoadOptions(), {"a": [[good]], "b": [[bad]]}, 4)
+    good = client.Outcome(0, 6, ok=True, token_ids=right, prompt=prompt)
+    bad = client.Outcome(1, 6, ok=True, token_ids=wrong, prompt=prompt)
+    g = greedy.check_greedy(str(tiny_k3_dir), LoadOptions(), {"a": [[good]], "b": [[bad]]}, 4)
     assert g["checked"] == 2 and g["equal"] == 1 and not g["ok"]
     assert g["mismatches"] == [{"target": "b", "request": 1, "first_difference": 3, "server_tokens": 6,
                                 "generate_tokens": 6}]
@@ -139,31 +140,31 @@ def test_greedy_check_finds_a_wrong_token(tiny_k3_dir):
 
 def test_percentiles_are_numpy_linear():
     xs = [0.3, 0.01, 0.2, 0.05, 0.7, 0.11, 0.02]
-    p = serve.percentiles(xs)
+    p = stats.percentiles(xs)
     for k, q in (("p50", 50), ("p90", 90), ("p99", 99)):
         assert p[k] == pytest.approx(np.percentile(xs, q) * 1e3)
     assert p["mean"] == pytest.approx(np.mean(xs) * 1e3)
-    assert serve.percentiles([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert stats.percentiles([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 
 def test_summary_of_failures_and_an_empty_run():
-    ok = serve.Outcome(0, 4, start_s=0.0, end_s=0.5, ok=True, ttft_s=0.1, e2e_s=0.5, output_tokens=4)
-    failed = [serve.Outcome(i, 4, end_s=0.2, error="HTTP 429: busy") for i in (1, 2)]
-    s = serve.summarize([ok, *failed], 0.5)
+    ok = client.Outcome(0, 4, start_s=0.0, end_s=0.5, ok=True, ttft_s=0.1, e2e_s=0.5, output_tokens=4)
+    failed = [client.Outcome(i, 4, end_s=0.2, error="HTTP 429: busy") for i in (1, 2)]
+    s = stats.summarize([ok, *failed], 0.5)
     assert (s["sent"], s["completed"], s["failed"], s["first_errors"]) == (3, 1, 2, ["HTTP 429: busy"])
     assert s["output_throughput"] == 8.0 and s["tpot_ms"]["p50"] == pytest.approx(400 / 3)
-    empty = serve.summarize([], 0.0)
+    empty = stats.summarize([], 0.0)
     assert empty["request_throughput"] is None and empty["ttft_ms"]["p99"] is None
 
 
 def test_lengths_and_prompts_are_reproducible():
-    assert serve.Lengths.parse("128", "--x") == serve.Lengths(128, 128)
-    assert serve.Lengths.parse("4:9", "--x") == serve.Lengths(4, 9)
+    assert workload.Lengths.parse("128", "--x") == workload.Lengths(128, 128)
+    assert workload.Lengths.parse("4:9", "--x") == workload.Lengths(4, 9)
     for bad in ("0", "9:4", "a", "1:2:3"):
         with pytest.raises(ValueError, match="--x"):
-            serve.Lengths.parse(bad, "--x")
-    w = serve.Workload(serve.Lengths(4, 9), serve.Lengths(2, 3), 8, None, 2, seed=7)
-    a, b = serve.Prompts(w, list(range(10, 50))), serve.Prompts(w, list(range(10, 50)))
+            workload.Lengths.parse(bad, "--x")
+    w = workload.Workload(workload.Lengths(4, 9), workload.Lengths(2, 3), 8, None, 2, seed=7)
+    a, b = workload.Prompts(w, list(range(10, 50))), workload.Prompts(w, list(range(10, 50)))
     specs = [a.spec(i) for i in range(8)]
     assert specs == [b.spec(i) for i in range(8)]  # every target gets the same requests
     assert all(4 <= len(s.ids) <= 9 and 2 <= s.max_tokens <= 3 and set(s.ids) <= set(range(10, 50)) for s in specs)

@@ -21,7 +21,7 @@ import pytest
 
 from live_server import serve_in_thread
 from moeswap.distributed.launch import free_port, rank_env
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions

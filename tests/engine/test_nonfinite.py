@@ -76,7 +76,7 @@ def test_a_weight_that_turns_nan_between_steps_fails_that_decode_step(model, nat
     with torch.no_grad():
         _param(model, O_PROJ)[0, 0] = float("nan")
     events = sched.step()
-    assert events == [TokenEvent(0, None, "error")]
+    assert events == [TokenEvent(0, None, "error", error=str(sched.finished[0].error))]
     assert sched.stats.native_steps == (1 if native else 0)  # the step that failed ran where it says
     result = sched.finished[0]
     assert result.finish_reason == "error" and result.tokens == clean[:1] and not sched.busy

@@ -312,7 +312,7 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
 
 
 def test_bench_swap_takes_text_prompts(tiny_k3_dir, tmp_path, strict_json):
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def main(argv):\n\nclass Stack:\n")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeswap.cli import main
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.lora import LoRAConfig, attach_lora, detach_lora, fingerprint, load_adapter, lora_modules, save_adapter
 from moeswap.lora.merge import REPORT_NAME
 from moeswap.models.loader import LoadOptions, load_model

@@ -22,7 +22,7 @@ import openai
 from live_server import serve_in_thread
 from moeswap.config import load_config
 from moeswap.engine.scheduler import Scheduler
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions

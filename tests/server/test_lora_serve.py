@@ -11,7 +11,7 @@ import pytest
 
 from moeswap.cli import main
 from moeswap.engine.generate import GenerationConfig, generate
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.lora import load_adapter
 from moeswap.lora.serving import load_adapters, read_adapters
 from moeswap.models.loader import load_model

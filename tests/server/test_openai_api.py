@@ -14,7 +14,7 @@ import torch
 
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.engine.sampling import SamplingParams
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
 

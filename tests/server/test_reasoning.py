@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.server.output import ChatOutput, prompt_tail
 from moeswap.server.reasoning import KIMI_K3, REASONING, ChannelParser, find_layout, split, start_state
 from moeswap.server.tool_calls import KIMI_K3 as K3_CALLS

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeswap.cli import main
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.formats.checkpoint import INDEX_NAME
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app

@@ -14,7 +14,7 @@ import shutil
 import openai
 import pytest
 
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.server.output import ChatOutput, prompt_tail
 from moeswap.server.reasoning import find_layout, start_state
 from moeswap.server.tool_calls import KIMI_K2, KIMI_K3, Piece, find_format, parse, pieces_of

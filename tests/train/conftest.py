@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.train.config import TrainConfig
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import (IGNORE, DataError, Encoder, RowStream, Sample, batch, load_data, pack,
                                 read_file)

@@ -13,7 +13,7 @@ import yaml
 from safetensors import safe_open
 
 from moeswap import cli
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME, load_adapter
 from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions

@@ -41,7 +41,7 @@ class Setup:
     moeswap_env: dict = field(default_factory=dict)  # extra environment for the moeswap worker
 
 
-def _git_revision() -> str:
+def git_revision() -> str:
     try:
         root = Path(__file__).resolve().parents[3]
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
@@ -61,7 +61,7 @@ def machine_info(threads: int, device: str = "cpu") -> dict:
         except Exception:
             versions[mod] = None
     gpu = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
-    return {"git": _git_revision(), "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "gpu": gpu,
+    return {"git": git_revision(), "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "gpu": gpu,
             "load_average": os.getloadavg(), "versions": versions, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

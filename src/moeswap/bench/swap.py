@@ -75,7 +75,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
     vocab = config.vocab_size
     n_timed = timed_prompts or (max(1, len(prompts) - 2) if prompts else 1)
     if prompts:
-        from moeswap.engine.tokenizer import load_tokenizer
+        from moeswap.text.tokenizer import load_tokenizer
 
         tok = load_tokenizer(model_dir)
         encoded = [tok.encode(prompts[i % len(prompts)]) for i in range(n_timed + 2)]

@@ -43,7 +43,7 @@ PEFT_NAME = "PEFT + transformers KimiLinearForCausalLM (eager, fp32)"
 
 def write_data(path: Path, model_dir: str, samples: int, seq_len: int, seed: int = 0) -> Path:
     """JSONL of {"text"}: random words that are one token each, more than seq_len of them (cut to it)."""
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     words = []
@@ -75,7 +75,7 @@ def train_config(model: str, data: Path, out: Path, a: argparse.Namespace, targe
 def step_batches(cfg) -> list[dict]:
     """The micro-batches `moeswap train` runs for cfg, as token and label lists (labels: the next token,
     or -100), in its order: what the PEFT run gets."""
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.train.data import RowStream, batch, load_data
 
     tok = load_tokenizer(cfg.model)

@@ -1,2 +1,2 @@
 """Generation engine: per-sequence state, sampling and scheduling; it works on token ids only.
-tokenizer.py is the text side, imported only by the CLI and the server."""
+The text side (tokenizer, chat template) is the moeswap.text package, imported by the CLI and the server."""

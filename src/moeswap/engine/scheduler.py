@@ -87,6 +87,7 @@ class TokenEvent:
     finish_reason: str | None
     logprob: float | None = None  # Request.logprobs: the token's log-probability
     top_logprobs: list[tuple[int, float]] | None = None  # ... and the k most likely (token, log-probability)
+    error: str | None = None  # on an "error" event: why (its Result.error as text)
 
 
 @dataclass
@@ -397,7 +398,7 @@ class Scheduler:
         seq.done = True
         now = time.perf_counter()
         seq.t_last, seq.t_first = now, seq.t_first or now
-        events.append(TokenEvent(r.id, None, "error"))
+        events.append(TokenEvent(r.id, None, "error", error=str(seq.error)))
         self.finished[r.id] = Result(r.id, seq.tokens, "error", len(prompt),
                                      seq.t_first - seq.t_submit if seq.tokens else None,
                                      seq.t_last - seq.t_first, seq.t_admit - seq.t_submit, seq.error)

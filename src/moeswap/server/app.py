@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeswap.engine.sampling import SamplingParams
-from moeswap.engine.scheduler import EngineConfig, Scheduler, check_seed
+from moeswap.engine.scheduler import EngineConfig, Scheduler, TokenEvent, check_seed
+from moeswap.engine.scheduler import Request as EngineRequest  # (fastapi's Request is the HTTP one)
 from moeswap.server import protocol as P
-from moeswap.server.engine_loop import EngineLoop, GenRequest, Handle, QueueFull, TokenOut
+from moeswap.server.engine_loop import EngineLoop, Handle, QueueFull
 from moeswap.server.metrics import CONTENT_TYPE, ServerMetrics
 from moeswap.server.options import ServeOptions
 from moeswap.server.output import ChatOutput, TextOutput, prompt_tail
@@ -250,7 +251,7 @@ def _sampling(req: P.GenerationFields) -> SamplingParams:
 
 
 def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_tokens: int | None, param: str,
-                 logprobs: int | None, adapter: int = 0) -> tuple[GenRequest, list[str]]:
+                 logprobs: int | None, adapter: int = 0) -> tuple[EngineRequest, list[str]]:
     """The engine's request and the stop strings; APIError (4xx) for anything the engine could not take."""
     if req.n != 1:
         raise P.APIError(400, f"'n' must be 1 (one choice per request), got {req.n}", param="n",
@@ -280,8 +281,8 @@ def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_t
         raise P.APIError(400, f"'stop_token_ids': {bad} is outside the vocabulary 0..{srv.vocab_size - 1}",
                          param="stop_token_ids")
     stop_ids = tuple(dict.fromkeys(ids + ([] if req.ignore_eos else list(srv.eos_ids))))
-    return GenRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids, req.seed,
-                      logprobs, adapter), stop
+    return EngineRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids, req.seed,
+                         logprobs=logprobs, adapter=adapter), stop
 
 
 def _stops(stop) -> list[str]:
@@ -300,7 +301,7 @@ class _Piece:
     """What arrived for a request since the last piece: text, logprobs of its tokens, and the end, if it came."""
 
     text: str = ""
-    logprobs: list[TokenOut] = field(default_factory=list)
+    logprobs: list[TokenEvent] = field(default_factory=list)
     reasoning: str = ""  # chat: the reasoning that arrived
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI's stream deltas
     finish_reason: str | None = None
@@ -475,23 +476,23 @@ def _token_ids(body: dict, choice: dict, prompt: list[int], ids: list[int], chat
     (body if chat else choice)["prompt_token_ids"] = prompt
 
 
-def _chat_logprobs(srv: _Server, items: list[TokenOut]) -> list[dict]:
+def _chat_logprobs(srv: _Server, items: list[TokenEvent]) -> list[dict]:
     def entry(token: int, lp: float) -> dict:
         text, raw = srv.token_text(token)
         return {"token": text, "logprob": lp, "bytes": raw}
 
-    return [{**entry(it.token, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top or ()]}
+    return [{**entry(it.token, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top_logprobs or ()]}
             for it in items]
 
 
-def _completion_logprobs(srv: _Server, items: list[TokenOut]) -> dict:
+def _completion_logprobs(srv: _Server, items: list[TokenEvent]) -> dict:
     tokens = [srv.token_text(it.token)[0] for it in items]
     offsets, at = [], 0
     for text in tokens:
         offsets.append(at)
         at += len(text)
     return {"tokens": tokens, "token_logprobs": [it.logprob for it in items],
-            "top_logprobs": [{srv.token_text(t)[0]: lp for t, lp in it.top or ()} for it in items],
+            "top_logprobs": [{srv.token_text(t)[0]: lp for t, lp in it.top_logprobs or ()} for it in items],
             "text_offset": offsets}
 
 

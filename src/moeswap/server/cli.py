@@ -49,11 +49,11 @@ def run(args) -> int:
     import uvicorn
 
     from moeswap.config import load_config
-    from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.lora.serving import load_adapters, read_adapters
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
     from moeswap.server.options import ServeOptions
+    from moeswap.text.tokenizer import load_tokenizer
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")

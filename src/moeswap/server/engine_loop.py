@@ -2,13 +2,15 @@
 loop, steps the scheduler while anything waits or runs, and hands each step's tokens to the requests'
 asyncio queues (one call into the event loop per step).
 
-Tokenizer-free: ids in, ids (with log-probabilities when asked) out. Admission control lives here too: at
-most max_batch running plus max_queue waiting, beyond that `QueueFull`. Entry point: `EngineLoop`.
+Tokenizer-free: the scheduler's Request in, its TokenEvents (with log-probabilities when asked) out. Admission
+control lives here too: at most max_batch running plus max_queue waiting, beyond that `QueueFull`. Entry point:
+`EngineLoop`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -16,8 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from moeswap.engine.sampling import SamplingParams
-from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
+from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, TokenEvent
 
 log = logging.getLogger("moeswap.server")
 
@@ -26,32 +27,10 @@ class QueueFull(Exception):
     """Every slot runs and the queue is full: the client should come back later (HTTP 429)."""
 
 
-@dataclass(frozen=True)
-class GenRequest:
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the top k
-    adapter: int = 0  # the LoRA adapter slot (lora.serving; 0: the base model)
-
-
-@dataclass
-class TokenOut:
-    """One generated token (token None: the request ended without one) as the engine thread hands it over."""
-
-    token: int | None
-    finish_reason: str | None  # None while it goes on; "stop" | "length" | "abort" | "error" on the last
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None  # (token id, log-probability), most likely first
-    error: str | None = None  # finish "error": why
-
-
 @dataclass
 class _Live:
     handle: Handle
-    req: GenRequest
+    req: Request
     t_arrival: float
     t_first: float | None = None
     t_last: float | None = None
@@ -64,11 +43,11 @@ class Handle:
     def __init__(self, rid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.id = rid
         self.loop = loop
-        self.queue: asyncio.Queue[TokenOut] = asyncio.Queue()
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.done = False  # set on the event loop when the last token has been taken
 
     async def batches(self):
-        """Lists of TokenOut, each what arrived since the previous one; the last one ends with a finish reason."""
+        """Lists of TokenEvent, each what arrived since the previous one; the last one ends with a finish reason."""
         while not self.done:
             batch = [await self.queue.get()]
             while not self.queue.empty():
@@ -110,8 +89,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, req: GenRequest) -> Handle:
-        """From the event loop: accept `req` (QueueFull when max_batch + max_queue requests are in flight)."""
+    def submit(self, req: Request) -> Handle:
+        """From the event loop: accept `req` (QueueFull when max_batch + max_queue requests are in flight); the
+        engine runs it under the handle's id."""
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise QueueFull(f"{self._in_flight} requests are running or waiting (--max-batch "
@@ -159,12 +139,11 @@ class EngineLoop:
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "submit":
             _, handle, req, t_arrival = cmd
-            r = Request(req.prompt, req.max_tokens, req.sampling, req.stop_ids, req.seed, handle.id, req.logprobs,
-                        req.adapter)
+            req = dataclasses.replace(req, id=handle.id)
             try:
-                self.sched.submit(r)
+                self.sched.submit(req)
             except ValueError as e:  # the server checked what it could; the engine has the last word
-                self._send([(handle, [TokenOut(None, "error", error=str(e))])])
+                self._send([(handle, [TokenEvent(handle.id, None, "error", error=str(e))])])
                 self._ended()
                 return
             self._live[handle.id] = _Live(handle, req, t_arrival)
@@ -180,27 +159,23 @@ class EngineLoop:
             self._end_all("error", f"the engine failed: {type(e).__name__}: {e}")
             return
         now = time.perf_counter()
-        out: dict[int, tuple[Handle, list[TokenOut]]] = {}
+        out: dict[int, tuple[Handle, list[TokenEvent]]] = {}
         for ev in events:
             live = self._live.get(ev.id)
             if live is None:
                 continue
-            item = TokenOut(ev.token, ev.finish_reason)
             if ev.token is not None:
                 if live.t_first is None:
                     live.t_first = now
                     if self.metrics:
                         self.metrics.prompt_tokens.inc(len(live.req.prompt))
                 live.t_last, live.tokens = now, live.tokens + 1
-                item.logprob, item.top = ev.logprob, ev.top_logprobs
                 if self.metrics:
                     self.metrics.generation_tokens.inc()
             if ev.finish_reason is not None:
-                result = self.sched.finished.pop(ev.id, None)
-                if ev.finish_reason == "error" and result is not None and result.error is not None:
-                    item.error = str(result.error)
+                self.sched.finished.pop(ev.id, None)  # the event says all the server needs
                 self._finish(live, now)
-            out.setdefault(ev.id, (live.handle, []))[1].append(item)
+            out.setdefault(ev.id, (live.handle, []))[1].append(ev)
         self._send(list(out.values()))
 
     def _finish(self, live: _Live, now: float) -> None:
@@ -217,14 +192,14 @@ class EngineLoop:
         ended = list(self._live.values())
         for live in ended:
             self._finish(live, now)
-        self._send([(live.handle, [TokenOut(None, reason, error=error)]) for live in ended])
+        self._send([(live.handle, [TokenEvent(live.handle.id, None, reason, error=error)]) for live in ended])
 
     def _ended(self) -> None:
         with self._lock:
             self._in_flight -= 1
 
     @staticmethod
-    def _send(deliveries: list[tuple[Handle, list[TokenOut]]]) -> None:
+    def _send(deliveries: list[tuple[Handle, list[TokenEvent]]]) -> None:
         """One wake-up of each event loop per step, however many requests it serves."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for handle, items in deliveries:
@@ -236,7 +211,7 @@ class EngineLoop:
                 pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, list[TokenOut]]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, list[TokenEvent]]]) -> None:
     for q, items in batch:
         for item in items:
             q.put_nowait(item)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moeswap.engine.tokenizer import StreamDecoder, Tokenizer
 from moeswap.server.reasoning import CONTENT, ChannelParser, Layout
 from moeswap.server.tool_calls import CallArgs, CallStart, Piece, ToolCallFormat, ToolCallParser, new_call_id
+from moeswap.text.tokenizer import StreamDecoder, Tokenizer
 
 
 class TextOutput:

@@ -26,7 +26,7 @@ PROMPTS = ("import os\nimport sys\n\n\ndef", "class Stack:\n    \"\"\"A last-in,
 
 
 def _data(model_dir: Path, corpus_dir: Path, seq_len: int):
-    from moeswap.engine.tokenizer import load_tokenizer
+    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.train.config import TrainConfig
     from moeswap.train.data import load_data
 
@@ -65,9 +65,9 @@ def samples(model_dir: str | Path, prompts=None, max_tokens: int = 96, seed: int
     """Greedy and sampled (temperature 0.8, top-p 0.95, seeded) continuations of each prompt (default PROMPTS)."""
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.sampling import SamplingParams
-    from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
     from moeswap.options import LoadOptions
+    from moeswap.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     model, store = load_model(model_dir, LoadOptions())

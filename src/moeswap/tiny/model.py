@@ -27,7 +27,7 @@ from tqdm import tqdm
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory
 from moeswap.config import parse_config
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import fp8_block, mxfp4
 from moeswap.models import REGISTRY, build_model, routed_expert_shapes

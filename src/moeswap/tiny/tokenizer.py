@@ -2,7 +2,7 @@
 
 A byte-level BPE trained on the built-in corpus (corpus.txt, package data) with Kimi's pre-tokenization
 and specials numbered after the BPE ranks, written as HF `tokenizer.json` or Kimi's `tiktoken.model`
-(the same merges), each with its `tokenizer_config.json`. engine/tokenizer.py loads what this writes.
+(the same merges), each with its `tokenizer_config.json`. text/tokenizer.py loads what this writes.
 Entry points: `build_tiny_tokenizer(out_dir, vocab_size)`, `build_tiny_tiktoken(out_dir, vocab_size)`, and
 `train_bpe` (the same recipe on other text: the default model's tokenizer, stdlib_model/).
 """
@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
 from moeswap import jsonio
-from moeswap.engine.tokenizer import KIMI_PAT_STR, byte_level_token_bytes
+from moeswap.text.tokenizer import KIMI_PAT_STR, byte_level_token_bytes
 
 # K2-style chat markers (the built-in chat template's) and K3's tag markers (its published template's)
 DEFAULT_SPECIALS = ("<|bos|>", "<|end_of_msg|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",

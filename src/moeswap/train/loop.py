@@ -261,8 +261,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
 def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint, stop_after: int | None) -> TrainResult:
     from tqdm import tqdm
 
-    from moeswap.engine.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
+    from moeswap.text.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     cfg.require_inputs()

@@ -73,7 +73,7 @@ class LlamaServerRunner:
 
     def __init__(self, gguf: str | Path, threads: int, max_seqs: int = 1, max_len: int = 4096,
                  binary: str | None = None, start_timeout_s: float = 600.0):
-        from moeswap.bench.serve import ServerProcess, free_port
+        from moeswap.bench.serve.servers import ServerProcess, free_port
 
         found, why = find(binary)
         if found is None:

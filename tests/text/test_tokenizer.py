@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moeswap.engine.tokenizer import BYTE_TO_CHAR, StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
+from moeswap.text.tokenizer import BYTE_TO_CHAR, StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
 from moeswap.tiny.tokenizer import DEFAULT_SPECIALS, build_tiny_tiktoken, build_tiny_tokenizer
 
 VOCAB = 512
@@ -235,7 +235,7 @@ def test_tiktoken_missing_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_tiktoken_imported_lazily():
-    code = "import sys, moeswap.engine.tokenizer; assert 'tiktoken' not in sys.modules"
+    code = "import sys, moeswap.text.tokenizer; assert 'tiktoken' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -366,7 +366,7 @@ def _kimi_split_runs(s: str, max_run: int) -> list[str]:
 def test_kimi_chunks_cut_long_runs_as_kimi_does(kimi_dir):
     import random
 
-    from moeswap.engine.tokenizer import MAX_SAME_CLASS_RUN, TIKTOKEN_MAX_ENCODE_CHARS, kimi_chunks
+    from moeswap.text.tokenizer import MAX_SAME_CLASS_RUN, TIKTOKEN_MAX_ENCODE_CHARS, kimi_chunks
 
     rng = random.Random(0)
     texts = ["", "x", "the" * 9000, " " * 60001 + "x", "a b" * 10 + "q" * 75_000 + "\u3000" * 26_000]
@@ -410,7 +410,8 @@ def test_hf_stream_is_tokenizers_decode_stream(tmp_path):
 
 def _sentencepiece_style(d: Path) -> None:
     """A tokenizer.json in the SentencePiece style: Metaspace words, bytes only as <0xNN> fallback tokens."""
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HF(models.BPE(byte_fallback=True, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()

@@ -1,4 +1,4 @@
-"""Chat templates (engine/chat_template.py): a checkpoint's own Jinja template, Kimi K3's published one
+"""Chat templates (text/chat_template.py): a checkpoint's own Jinja template, Kimi K3's published one
 among them, renders as transformers renders it (its apply_chat_template is the oracle, text and ids); the
 caller's strings never become special tokens; the built-in template serves checkpoints without one;
 `generate --chat` uses whichever the checkpoint has."""
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from moeswap.cli import main
-from moeswap.engine.chat_template import ChatTemplate, ChatTemplateError
-from moeswap.engine.tokenizer import load_tokenizer
+from moeswap.text.chat_template import ChatTemplate, ChatTemplateError
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.tiny.tokenizer import build_tiny_tiktoken, build_tiny_tokenizer
 
 VOCAB = 512

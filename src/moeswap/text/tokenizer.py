@@ -19,8 +19,8 @@ from typing import Any
 
 import tokenizers
 
-from moeswap.engine.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate, find_chat_template, normalize_messages
 from moeswap.formats.files import confined, read_json
+from moeswap.text.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate, find_chat_template, normalize_messages
 
 
 class TokenizerError(ValueError):
