@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -224,6 +225,30 @@ def test_errors_tiktoken_ranks_and_config(tmp_path):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{oops")
     with pytest.raises(TokenizerError, match=r"tokenizer_config\.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_loading_a_tiktoken_model_writes_nothing_outside_the_model(tmp_path):
+    """tiktoken's own loader caches the file in $TMPDIR/data-gym-cache (keyed by the path, so it can also be
+    planted there); moeswap reads the ranks itself: a fresh process with an empty TMPDIR leaves it empty."""
+    model, tmp = tmp_path / "m", tmp_path / "tmp"
+    model.mkdir(), tmp.mkdir()
+    build_tiny_tiktoken(model, 300)
+    env = {k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    code = f"from moeswap.text.tokenizer import load_tokenizer; load_tokenizer({str(model)!r}).encode('hi there')"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**env, "TMPDIR": str(tmp)})
+    assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("decoder, message", [
+    ('{"100000000": {"content": "<|far|>"}}', r"has id '100000000', outside the vocabulary"),
+    ('[{"content": "<|x|>"}]', r"added_tokens_decoder must be an object .* found list"),
+])
+def test_a_hostile_added_tokens_decoder_is_refused_before_building(tmp_path, decoder, message):
+    """An id of 10^8 used to name every id up to it (5.6 GB); a list was an AttributeError."""
+    build_tiny_tiktoken(tmp_path, 300)
+    (tmp_path / "tokenizer_config.json").write_text(f'{{"added_tokens_decoder": {decoder}}}')
+    with pytest.raises(TokenizerError, match=message):
         load_tokenizer(tmp_path)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
-import hashlib
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import tokenizers
 
-from moeswap.formats.files import confined, read_json
+from moeswap.formats.files import confined, read_json, show
 from moeswap.text.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate, find_chat_template, normalize_messages
 
 
@@ -409,27 +408,32 @@ def _load_hf(path: Path) -> HFTokenizer:
     return HFTokenizer(tok, byte_level=any(p.get("type") == "ByteLevel" for p in parts))
 
 
+MAX_SPECIALS = 1 << 16  # special ids past the BPE ranks a tokenizer_config may name when config.json gives no vocab_size
+
+
 def _import_tiktoken(path: Path) -> Any:
     try:
         import tiktoken  # lazy: only Kimi-format checkpoints need it
-        import tiktoken.load
     except ImportError as e:
         raise TokenizerError(f"{path} needs the tiktoken package, which is not installed: pip install tiktoken") from e
     return tiktoken
 
 
 def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    """The BPE ranks as tokenization_kimi.py reads them (tiktoken's load_tiktoken_bpe), then checked."""
-    tiktoken = _import_tiktoken(path)
+    """The BPE ranks, one '<base64 token> <rank>' a line, as tokenization_kimi.py reads them, then checked.
+    Read here, not by tiktoken's loader: that one copies the file into a cache outside the model directory
+    (a shared temporary directory, keyed by the path), which a checkpoint must never write or be read from."""
     data = path.read_bytes()
-    try:
-        # load_tiktoken_bpe caches any file under a key made from its path alone and would hand back a
-        # stale copy of a file rewritten in place; the content's hash makes it check and refresh the copy
-        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=hashlib.sha256(data).hexdigest())
-    except ValueError as e:
-        n, line, why = _first_bad_rank_line(data)
-        raise TokenizerError(f"{path}: line {n}: expected '<base64 token> <rank>', found {line[:60]!r} ({why}); "
-                             "the file is corrupt, replace it") from e
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+        except (ValueError, binascii.Error) as e:
+            raise TokenizerError(f"{path}: line {n}: expected '<base64 token> <rank>', found {line[:60]!r} ({e}); "
+                                 "the file is corrupt, replace it") from None
     if sorted(ranks.values()) != list(range(len(ranks))):  # also catches a token listed twice
         raise TokenizerError(f"{path}: ranks must be 0..{len(ranks) - 1}, each once, one token each")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
@@ -438,31 +442,26 @@ def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _first_bad_rank_line(data: bytes) -> tuple[int, bytes, str]:
-    """Which line load_tiktoken_bpe choked on, for the message (it names the line's text, not its number)."""
-    for n, line in enumerate(data.splitlines(), 1):
-        if not line:
-            continue
-        try:
-            token, rank = line.split()
-            base64.b64decode(token)
-            int(rank)
-        except (ValueError, binascii.Error) as e:
-            return n, line, str(e)
-    return 0, b"", "unreadable"
-
-
 def _load_tiktoken(path: Path, tok_cfg: dict[str, Any]) -> TiktokenTokenizer:
     ranks = _read_tiktoken_ranks(path)
     cfg_path = path.parent / "tokenizer_config.json"
+    # every id is checked before any is filled in: a hostile id of 10^8 would otherwise name 10^8 reserved tokens
+    limit = _config_vocab_size(path.parent) or len(ranks) + MAX_SPECIALS
+    decoder = tok_cfg.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{cfg_path}: added_tokens_decoder must be an object of id -> {{'content': ...}}, "
+                             f"found {type(decoder).__name__}")
     specials: dict[int, str] = {}
-    for key, entry in (tok_cfg.get("added_tokens_decoder") or {}).items():
+    for key, entry in decoder.items():
         content = entry.get("content") if isinstance(entry, dict) else None
         if not (str(key).isdigit() and isinstance(content, str)):
-            raise TokenizerError(f"{cfg_path}: added_tokens_decoder[{key!r}] must map an id to {{'content': ...}}")
+            raise TokenizerError(f"{cfg_path}: added_tokens_decoder[{show(key)}] must map an id to {{'content': ...}}")
         if int(key) < len(ranks):
-            raise TokenizerError(f"{cfg_path}: special token {content!r} has id {key}, inside the "
+            raise TokenizerError(f"{cfg_path}: special token {show(content)} has id {key}, inside the "
                                  f"{len(ranks)} BPE ranks of {path.name}; specials must come after them")
+        if int(key) >= limit:
+            raise TokenizerError(f"{cfg_path}: special token {show(content)} has id {show(key)}, outside the "
+                                 f"vocabulary (ids below {limit})")
         specials[int(key)] = content
     # Kimi numbers specials right after the ranks and names each id the config leaves out
     # <|reserved_token_ID|>, as here; it also reserves ids up to 258 past the ranks, where this stops at the
@@ -472,6 +471,14 @@ def _load_tiktoken(path: Path, tok_cfg: dict[str, Any]) -> TiktokenTokenizer:
     enc = _import_tiktoken(path).Encoding(name=f"moeswap:{path.parent.name}", pat_str=KIMI_PAT_STR,
                                           mergeable_ranks=ranks, special_tokens={s: i for i, s in specials.items()})
     return TiktokenTokenizer(enc, ranks, specials)
+
+
+def _config_vocab_size(d: Path) -> int | None:
+    """config.json's vocab_size (K3 nests it in text_config), when it states a positive one."""
+    cfg = _read_json(_in(d, "config.json"))
+    value = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size")
+                    if isinstance(cfg.get("text_config"), dict) else None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _token_content(value: Any) -> str | None:
