@@ -271,3 +271,29 @@ def test_generate_chat_builtin_and_k3_template(capsys, tmp_path, tiny_k3_dir):
     oracle = PreTrainedTokenizerFast.from_pretrained(model)
     assert ids == oracle.apply_chat_template(msgs, add_generation_prompt=True, sanitize_control_tokens=True,
                                              return_dict=False)
+
+
+@pytest.mark.parametrize("source, refusal", [
+    ("{{ 'x' * 300000000 }}", "repeats a str into more than"),  # used to abort the process
+    ("{{ 'a' * 10**12 }}", "repeats a str into more than"),  # a MemoryError
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recurses too deeply"),  # a RecursionError
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+     "builds a str of more than"),
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "ran for more than"),  # hung
+    ("{% set ns = namespace(s=[1]) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "builds a list of more than"),
+])
+def test_a_hostile_template_is_refused_in_bounded_time_and_memory(monkeypatch, source, refusal):
+    """A template is the checkpoint's code: its size, recursion and time are bounded, and a bound passed is
+    one ChatTemplateError naming the template, never a crash, a hang or a MemoryError."""
+    import time
+
+    from moeswap.text import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 1.0)
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=rf"chat template \(hostile\) refused: it {refusal}"):
+        ChatTemplate(source, origin="hostile").render([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - started < 20
+    assert ChatTemplate("{{ messages[0].content * 3 }}", origin="ok").render([{"role": "user", "content": "ab"}]) \
+        == "ababab"  # ordinary products still work

@@ -11,6 +11,8 @@ import bisect
 import json
 import re
 import secrets
+import threading
+import time
 from collections.abc import Collection, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -69,6 +71,7 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _Namespace._check(name)
+        _check_size(value)  # a namespace is how a loop grows a string: each store is bounded
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -97,8 +100,68 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: 
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# A template is the checkpoint's code run on every request: bounded in what it may build and how long it may run
+MAX_RENDER_CHARS = 1 << 26  # the prompt text and any one string it builds on the way
+MAX_RENDER_ITEMS = 1 << 20  # any one list or tuple it builds
+MAX_RENDER_SECONDS = 10.0
+MAX_POWER_BITS = 1 << 16  # `a ** b` on integers: a result wider than this is refused, not computed
+_deadline = threading.local()
+
+
+class _RenderLimit(Exception):
+    """A template went past a bound (MAX_RENDER_*); carried out of Jinja and worded by ChatTemplate._render."""
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox plus bounds on size and time: products and powers are checked before they are computed,
+    and every call, attribute and item lookup checks the render's deadline (loops always do some of these)."""
+
+    intercepted_binops = frozenset(["*", "**", "+"])
+
+    def call_binop(self, context, operator, left, right):
+        _check_deadline()
+        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            _check_size(left, len(left) + len(right))
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > _bound(seq):
+                    raise _RenderLimit(f"it repeats a {type(seq).__name__} into more than {_bound(seq)} items")
+        if (operator == "**" and isinstance(left, int) and isinstance(right, int)
+                and right > 0 and max(left.bit_length(), 1) * right > MAX_POWER_BITS):
+            raise _RenderLimit(f"it raises an integer to a power wider than {MAX_POWER_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, *args, **kwargs):
+        _check_deadline()
+        return _check_size(super().call(*args, **kwargs))  # a macro's or filter's result, e.g. a joined list
+
+    def getattr(self, obj, attribute):
+        _check_deadline()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _check_deadline()
+        return super().getitem(obj, argument)
+
+
+def _bound(seq: str | list | tuple) -> int:
+    return MAX_RENDER_CHARS if isinstance(seq, str) else MAX_RENDER_ITEMS
+
+
+def _check_size(value: Any, size: int | None = None) -> Any:
+    if isinstance(value, (str, list, tuple)) and (len(value) if size is None else size) > _bound(value):
+        raise _RenderLimit(f"it builds a {type(value).__name__} of more than {_bound(value)} items")
+    return value
+
+
+def _check_deadline() -> None:
+    end = getattr(_deadline, "end", None)
+    if end is not None and time.monotonic() > end:
+        raise _RenderLimit(f"it ran for more than {MAX_RENDER_SECONDS:g} s")
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        dict=_Dict(), namespace=_Namespace)
@@ -189,14 +252,32 @@ class ChatTemplate:
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,
                 variables: dict[str, Any]) -> str:
+        outer = getattr(_deadline, "end", None)
+        _deadline.end = time.monotonic() + MAX_RENDER_SECONDS if outer is None else outer
         try:
-            return self._compiled.render(**{**self.tokens, **variables, "messages": messages, "tools": tools,
-                                            "documents": None, "add_generation_prompt": add_generation_prompt})
+            out, size = [], 0
+            for piece in self._compiled.generate(**{**self.tokens, **variables, "messages": messages, "tools": tools,
+                                                    "documents": None, "add_generation_prompt": add_generation_prompt}):
+                size += len(piece)
+                if size > MAX_RENDER_CHARS:
+                    raise _RenderLimit(f"its output passes {MAX_RENDER_CHARS} characters")
+                _check_deadline()
+                out.append(piece)
+            return "".join(out)
+        except _RenderLimit as e:
+            raise ChatTemplateError(f"chat template ({self.origin}) refused: {e}") from None
+        except RecursionError:
+            raise ChatTemplateError(f"chat template ({self.origin}) refused: it recurses too deeply") from None
+        except MemoryError:
+            raise ChatTemplateError(f"chat template ({self.origin}) refused: it needs more memory than there "
+                                    "is") from None
         except jinja2.exceptions.TemplateError as e:  # raise_exception(), sandbox refusals, undefined names
             raise ChatTemplateError(f"chat template ({self.origin}): {e}") from e
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # the template tripped on input
             raise ChatTemplateError(f"chat template ({self.origin}) failed on these messages: "
                                     f"{type(e).__name__}: {e}") from e
+        finally:
+            _deadline.end = outer
 
     def segments(self, messages: Any, specials: Collection[str], *, add_generation_prompt: bool = True,
                  tools: Any = None, variables: Mapping[str, Any] | None = None) -> list[tuple[str, bool]]:
