@@ -481,3 +481,16 @@ def test_deeply_nested_tokenizer_config_is_one_line(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(TokenizerError, match="tokenizer_config.json: not valid JSON for a model file"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("build", [build_tiny_tokenizer, build_tiny_tiktoken])
+def test_a_text_needs_at_least_its_length_over_max_token_chars_tokens(tmp_path, build):
+    """The bound the server refuses long prompts by (Tokenizer.check_length) holds: no token stands for
+    more than max_token_chars characters, so N characters take at least N / max_token_chars tokens."""
+    build(tmp_path, VOCAB)
+    tok = load_tokenizer(tmp_path)
+    for text in [*TEXTS, *KIMI_TEXTS, "a" * 5000, " " * 3000, "\n\n\n" * 500, "ünïcödé " * 300]:
+        assert len(tok.encode(text)) * tok.max_token_chars >= len(text), text[:40]
+    with pytest.raises(TokenizerError, match="at least 11 tokens, more than the 10"):
+        tok.check_length(11 * tok.max_token_chars * 2, 10)
+    tok.check_length(10 * tok.max_token_chars * 2, 10)  # may fit: left to the tokenizer

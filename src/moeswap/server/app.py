@@ -31,10 +31,12 @@ from moeswap.server.options import ServeOptions
 from moeswap.server.output import ChatOutput, TextOutput, prompt_tail
 from moeswap.server.reasoning import Layout, find_layout, start_state
 from moeswap.server.tool_calls import ToolCallFormat, find_format
+from moeswap.text.tokenizer import NORMALIZER_SLACK, PromptTooLong
 
 log = logging.getLogger("moeswap.server")
 
-MAX_BODY_BYTES = 64 << 20  # a request body past this is refused (413) before it is parsed
+MAX_BODY_BYTES = 64 << 20  # a request body past this is refused (413) before it is parsed, whatever the context
+BODY_OVERHEAD_BYTES = 1 << 20  # a request's fields besides its text (sampling, tools' JSON syntax, logit_bias)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class _Server:
     tool_format: ToolCallFormat | None = None  # how the checkpoint writes tool calls (None: not parsed)
     layout: Layout | None = None  # how it lays out an assistant turn: reasoning, content (None: all content)
     created: int = field(default_factory=P.now)
+    body_limit: int = MAX_BODY_BYTES  # body_limit(max_context, the tokenizer's max_token_chars), set by build_app
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
     def token_text(self, token: int) -> tuple[str, list[int]]:
@@ -80,6 +83,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
                   tuple(tokenizer.eos_ids) or tuple(model.config.eos_token_ids), options.api_key,
                   {} if adapters is None else {n: adapters.slot(n) for n in adapters.names},
                   find_format(tokenizer), find_layout(tokenizer))
+    srv.body_limit = body_limit(max_context, tokenizer.max_token_chars)
     if options.model_name in srv.adapters:
         raise ValueError(f"the adapter name {options.model_name!r} is the served model's name; give it another")
 
@@ -130,9 +134,11 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
             raise P.APIError(400, "'tools' need the checkpoint's chat template (chat_template.jinja or "
                                   "tokenizer_config.json's chat_template), and this model has none", param="tools")
         try:
-            prompt = tokenizer.encode_chat(messages, tools=tools, **_template_variables(req))
+            segments = tokenizer.chat_segments(messages, tools=tools, **_template_variables(req))
         except ValueError as e:  # the template's own errors (its raise_exception, a reserved variable)
             raise P.APIError(400, str(e), param=None if req.chat_template_kwargs else "messages") from None
+        _check_length(srv, sum(len(text) for text, _ in segments), "messages")
+        prompt = tokenizer.encode_segments(segments)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if req.top_logprobs is not None and not req.logprobs:
@@ -173,16 +179,26 @@ async def _authorize(request: Request) -> None:
                          code="invalid_api_key")
 
 
+def body_limit(max_context: int, max_token_chars: int) -> int:
+    """The largest request body worth reading: the text of a full context written as JSON at its widest
+    (a \\uXXXX escape per character, the tokenizer's normalizer allowed for), plus room for the other
+    fields; never more than MAX_BODY_BYTES."""
+    return min(MAX_BODY_BYTES, max_context * max_token_chars * NORMALIZER_SLACK * 6 + BODY_OVERHEAD_BYTES)
+
+
 async def _body(request: Request) -> bytes:
+    limit = request.app.state.server.body_limit
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise P.APIError(413, f"the request body is {int(size)} bytes, more than the limit of {MAX_BODY_BYTES}",
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise P.APIError(413, f"the request body is {int(size)} bytes, more than the limit of {limit} "
+                              f"(it follows from the {request.app.state.server.max_context}-token context)",
                          code="body_too_large")
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
-        if total > MAX_BODY_BYTES:
-            raise P.APIError(413, f"the request body is more than the limit of {MAX_BODY_BYTES} bytes",
+        if total > limit:
+            raise P.APIError(413, f"the request body is more than the limit of {limit} bytes (it follows "
+                                  f"from the {request.app.state.server.max_context}-token context)",
                              code="body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
@@ -214,6 +230,14 @@ def _check_model(srv: _Server, name: str | None) -> tuple[str, int]:
     return name, slot
 
 
+def _check_length(srv: _Server, chars: int, param: str) -> None:
+    """A prompt text that certainly overflows the context is refused before it is tokenized."""
+    try:
+        srv.tokenizer.check_length(chars, srv.max_context)
+    except PromptTooLong as e:
+        raise P.APIError(400, f"{e}; shorten it", param=param, code="context_length_exceeded") from None
+
+
 def _check_top(k: int, param: str) -> int:
     if not 0 <= k <= P.MAX_TOP_LOGPROBS:
         raise P.APIError(400, f"'{param}' must be between 0 and {P.MAX_TOP_LOGPROBS}, got {k}", param=param)
@@ -228,6 +252,7 @@ def _completion_prompt(srv: _Server, prompt) -> list[int]:
                              param="prompt", code="unsupported_parameter")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_length(srv, len(prompt), "prompt")
         return srv.tokenizer.encode(prompt)
     bad = next((i for i, t in enumerate(prompt) if not 0 <= t < srv.vocab_size), None)
     if bad is not None:

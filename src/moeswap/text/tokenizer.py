@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -24,6 +25,15 @@ from moeswap.text.chat_template import CHAT_TEMPLATE_FILE, ChatTemplate, find_ch
 
 class TokenizerError(ValueError):
     """A tokenizer directory or file moeswap cannot use."""
+
+
+# A normalizer may drop characters before tokenizing (accents, controls): a prompt's lower bound in tokens
+# allows for it dropping up to half of them
+NORMALIZER_SLACK = 2
+
+
+class PromptTooLong(TokenizerError):
+    """A text that certainly needs more tokens than a context holds (Tokenizer.check_length)."""
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
@@ -117,6 +127,21 @@ class Tokenizer:
     def _encode(self, text: str, specials: bool) -> list[int]:
         raise NotImplementedError
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (a byte-level token's bytes: a character is at least
+        one byte), so a text of N characters needs at least N / max_token_chars tokens."""
+        pieces = (self.token_bytes(i) if self.byte_level else self.decode([i]) for i in range(self.vocab_size))
+        return max([1, *(len(p) for p in pieces), *(len(s) for s in self.special_to_id)])
+
+    def check_length(self, chars: int, max_tokens: int) -> None:
+        """PromptTooLong when a text of `chars` characters needs more than `max_tokens` tokens for certain,
+        decided without tokenizing it (a server must not spend its memory on a prompt it will refuse)."""
+        at_least = chars // (self.max_token_chars * NORMALIZER_SLACK)
+        if at_least > max_tokens:
+            raise PromptTooLong(f"the prompt is {chars} characters, at least {at_least} tokens, more than the "
+                                f"{max_tokens} this model's context holds")
+
     def decode(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
@@ -185,8 +210,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                     tools: list[dict[str, Any]] | None = None, **variables: Any) -> list[int]:
         """Token ids of the chat prompt: the template's markup with its special tokens, the rest as text."""
+        return self.encode_segments(self.chat_segments(messages, add_generation_prompt, tools=tools, **variables))
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+        """Token ids of `chat_segments`' pieces, each with specials where it allows them."""
         ids: list[int] = []
-        for text, markup in self.chat_segments(messages, add_generation_prompt, tools=tools, **variables):
+        for text, markup in segments:
             ids += self.encode(text, specials=markup)
         return ids
 
