@@ -58,6 +58,9 @@ BAD = [
     ("chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "model"),
     ("completions", {**TEXT, "prompt": "hi " * 300}, 400, "prompt"),  # prompt over the context (256)
     ("completions", {**TEXT, "prompt": list(range(300))}, 400, "prompt"),
+    ("completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # was a 500
+    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters":
+                                            json.loads('{"a":' * 70 + "1" + "}" * 70)}}]}, 400, None),
     ("completions", {**TEXT, "n": 2}, 400, "n"),
     ("chat/completions", {**CHAT, "n": 3}, 400, "n"),
     ("completions", {**TEXT, "max_tokens": -1}, 400, "max_tokens"),  # negative max_tokens

@@ -124,6 +124,20 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+MAX_NESTING = 64  # objects and arrays in one request (a tool's JSON schema is the deepest thing a client sends)
+
+
+def nesting(value) -> int:
+    """How deeply `value`'s objects and arrays nest (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def parse_body(cls: type[_Strict], raw: bytes) -> _Strict:
     """The request `cls` a body holds: UTF-8 JSON, an object, valid against `cls`; APIError (400) otherwise."""
     try:
@@ -133,11 +147,15 @@ def parse_body(cls: type[_Strict], raw: bytes) -> _Strict:
                        code="invalid_body") from None
     try:
         data = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_NESTING} levels", code="invalid_body") from None
     except (json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, found {type(data).__name__}",
                        code="invalid_body")
+    if nesting(data) > MAX_NESTING:  # before anything walks it recursively
+        raise APIError(400, f"the request body nests deeper than {MAX_NESTING} levels", code="invalid_body")
     _check_text(data, "")
     try:
         req = cls.model_validate(data)
