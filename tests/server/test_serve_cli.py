@@ -61,6 +61,22 @@ def test_non_finite_logits_are_a_server_error(tiny_k3_dir, tmp_path, run_app):
 
 
 @pytest.mark.slow
+def test_a_port_in_use_is_said_before_the_model_loads(capsys, tiny_k3_dir, monkeypatch):
+    import socket
+
+    import moeswap.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", str(tiny_k3_dir), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"moeswap: error: --port {port}: 127.0.0.1:{port} is already in use (another "
+                                 f"server?); choose another --port or stop what holds it\n"), err
+
+
 def test_serve_process(tiny_k3_dir):
     """The command itself: loopback by default, the key required, Ctrl-C ends it cleanly."""
     proc = subprocess.Popen([sys.executable, "-m", "moeswap", "serve", str(tiny_k3_dir), "--port", "0",

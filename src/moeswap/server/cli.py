@@ -6,9 +6,11 @@ flag shows in the process list; the environment does not). Entry points: `add_pa
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import signal
+import socket
 import sys
 
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
@@ -64,6 +66,8 @@ def run(args) -> int:
     options.resolve_max_context(load_config(args.model).max_position_embeddings)
     # every flag is checked before the model loads, the adapters too (their files, their base's fingerprint)
     adapters = read_adapters(options.lora, args.model) if options.lora else []
+    # the port is taken before the model loads (minutes for a large one), so a port in use is said at once
+    sock = _listen_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     if api_key is None and not _loopback(args.host):
         print(f"moeswap: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
@@ -89,7 +93,7 @@ def run(args) -> int:
         served = load_adapters(model, adapters) if adapters else None
         app = build_app(model, load_tokenizer(args.model), options, store, adapters=served, **extra)
         srv = app.state.server
-        print(f"moeswap: serving {srv.name!r} on http://{args.host}:{args.port}/v1 (max batch {options.max_batch}, "
+        print(f"moeswap: serving {srv.name!r} on http://{args.host}:{sock.getsockname()[1]}/v1 (max batch {options.max_batch}, "
               f"queue {options.max_queue}, context {srv.max_context} tokens, tool calls: "
               f"{srv.tool_format.name if srv.tool_format else 'not parsed'}, reasoning: "
               f"{srv.layout.name if srv.layout else 'not parsed'}"
@@ -98,10 +102,13 @@ def run(args) -> int:
         if ep is not None:  # uvicorn re-raises SIGTERM after its graceful stop: end here, so the ranks leave together
             signal.signal(signal.SIGTERM, _stopped)
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level)
+            uvicorn.Server(config).run(sockets=[sock])  # host and port: what its startup line says
         except _Stopped:
             pass
     finally:
+        if sock is not None:
+            sock.close()
         store.close()
         if ep is not None:
             from moeswap.distributed.lockstep import stop_followers
@@ -131,6 +138,24 @@ def _lora_flag(value: str) -> tuple[str, str]:
     if name is None:
         raise ValueError(f"--lora {value!r}: serve needs NAME=PATH (NAME: the `model` requests give to use it)")
     return name, path
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on; ValueError naming the port when it is taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind: TIME_WAIT is no conflict
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = "is already in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise ValueError(f"--port {port}: {host}:{port} {why}; choose another --port or stop what holds it") from None
+    return sock
 
 
 def _loopback(host: str) -> bool:
