@@ -6,8 +6,8 @@ one step with the experts it used, in fetch order. TraceRecorder is attached to 
 (`store.trace`); it needs no torch. File layout (little-endian): b"MSWTRACE", u32 version, u32 n,
 n bytes of JSON metadata, u32 events, then u32 step[events], u16 layer[events], u16 count[events],
 u16 expert[sum(count)]. A trace is checked when read (`Trace.check`: metadata types, ids in range) and
-against the model it is used with (`Trace.check_model`). Entry points: `TraceRecorder`, `write_trace`,
-`read_trace`, `is_trace_file`.
+against the model it is used with (`Trace.check_model`). Entry points: `TraceRecorder` (its metadata:
+`model_meta`), `write_trace`, `read_trace`, `is_trace_file`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,18 @@ META_TYPES = {"num_layers": int, "num_experts": int, "moe_layers": list, "top_k"
               "model": str}
 REQUIRED_META = ("num_layers", "num_experts", "moe_layers")
 ID_LIMIT = 1 << 16  # layers and experts are stored as u16 ids
+
+
+def model_meta(model, store, model_dir: str) -> dict:
+    """The metadata (META_TYPES) a trace of `model`, served by `store`, carries (bench cache sizes budgets with
+    it)."""
+    c = model.config
+    first = min(store.index.entries)
+    return {
+        "model": str(model_dir), "num_layers": c.num_layers, "num_experts": c.moe.num_experts, "top_k": c.moe.top_k,
+        "moe_layers": [i for i, k in enumerate(c.mlp_kinds) if k == "moe"],
+        "expert_stored_bytes": store.index.stored_bytes(store.ckpt, *first),
+    }
 
 
 @dataclass
