@@ -1,13 +1,9 @@
-"""The expert store: `fetch(layer, ids)` -> experts ready for compute, from the fastest tier holding them.
-
-Tiers go fastest first (the fast tier: accelerator memory, or host memory without one; an optional host tier;
-the checkpoint). A miss is read from the first tier below that has the expert and promoted into every cache
-tier above, each evicting by its own CachePolicy within its byte budget; the experts of the layer step being
-computed and those hinted for the next layer are pinned: a prefetch never evicts them (a demand may, so
-nothing waits forever). This module is the cache: its state, fetch and mirror tables, demand loads, eviction.
-The store's other parts are mixins, each in its own file: loads.py (background loads and hints),
-native_protocol.py (a caller that loads by itself), holds.py (autograd holds). Knows nothing of models: the
-loader builds it with `experts.build.build_store`.
+"""The expert store's cache: `fetch(layer, ids)` -> experts ready for compute, from the fastest tier holding them
+(fast tier, optional host tier, checkpoint); a miss is promoted into every cache tier above, each evicting by
+its CachePolicy within its budget; the step's experts and the next layer's hinted ones are pinned (a prefetch
+never evicts them; a demand may, so nothing waits forever). Mixins add the rest: loads.py (background loads),
+native_protocol.py (a caller that loads by itself), holds.py (autograd holds). Knows nothing of models; entry
+point: `experts.build.build_store`.
 """
 
 from __future__ import annotations
