@@ -6,8 +6,8 @@ one step with the experts it used, in fetch order. TraceRecorder is attached to 
 (`store.trace`); it needs no torch. File layout (little-endian): b"MSWTRACE", u32 version, u32 n,
 n bytes of JSON metadata, u32 events, then u32 step[events], u16 layer[events], u16 count[events],
 u16 expert[sum(count)]. A trace is checked when read (`Trace.check`: metadata types, ids in range) and
-against the model it is used with (`Trace.check_model`). Entry points: `TraceRecorder` (its metadata:
-`model_meta`), `write_trace`, `read_trace`, `is_trace_file`.
+against the model it is used with (`Trace.check_model`). Entry points: `TraceRecorder`, `write_trace`,
+`read_trace`, `is_trace_file`.
 """
 
 from __future__ import annotations
