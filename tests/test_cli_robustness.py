@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moeswap import cli
 from moeswap.cli import main
+from moeswap.commands import inspect as inspect_command
 from moeswap.formats.checkpoint import INDEX_NAME
 
 O_PROJ = "language_model.model.layers.2.self_attn.o_proj.weight"
@@ -133,7 +133,7 @@ def test_a_broken_pipe_in_any_command_exits_1_quietly(capsys, monkeypatch, tiny_
     def closed(args):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setitem(cli.COMMANDS, "inspect", closed)
+    monkeypatch.setattr(inspect_command, "run", closed)
     code, out, err = run(capsys, "inspect", str(tiny_k3_dir))
     assert (code, out, err) == (1, "", "")
 

@@ -20,9 +20,7 @@ import warnings
 from moeswap import tuning
 from moeswap.atomic_dir import OutOfSpaceError
 from moeswap.jsonio import dumps
-from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
-from moeswap.tiny.sizes import SIZES
 from moeswap.units import human_bytes
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
@@ -36,8 +34,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = {"plan": "moeswap.planner.cli", "quantize": "moeswap.quantize", "trace": "moeswap.trace_cmd",
+SUBCOMMANDS = {"init-tiny": "moeswap.commands.init_tiny", "inspect": "moeswap.commands.inspect",
+               "plan": "moeswap.planner.cli", "quantize": "moeswap.commands.quantize", "trace": "moeswap.commands.trace",
                "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge"}
+FIRST = ("init-tiny",)  # listed before generate in --help (the quickstart's first step); the rest after it
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
            "load": "moeswap.bench.load", "serve": "moeswap.bench.serve.command", "train": "moeswap.bench.train",
@@ -49,16 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("init-tiny",
-                       help="write a small random model in the published K3 / Kimi Linear / DeepSeek-V3 layout")
-    p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--arch", default="kimi_k3", choices=tuple(REGISTRY))
-    p.add_argument("--size", default="tiny", choices=tuple(SIZES),
-                   help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quant", choices=("fp8", "int4"), default="",
-                   help="deepseek_v3: fp8 = block-FP8 weights (float8 + weight_scale_inv per 128x128) as DeepSeek-V3 "
-                        "and Kimi K2 ship them; int4 = compressed-tensors pack-quantized routed experts (K2-Thinking)")
+    for name in FIRST:
+        importlib.import_module(SUBCOMMANDS[name]).add_parser(sub)
 
     p = sub.add_parser("generate", help="generate text from a model directory")
     add_model_argument(p)
@@ -87,31 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     from moeswap.distributed.cli import add_ep_flags
 
     add_ep_flags(p)
-
-    p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
-    p.add_argument("model")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--verify", action="store_true",
-                   help="also read every tensor and file: non-finite values, MX scales out of range, SHA-256 against "
-                        "*.sha256 / SHA256SUMS / manifest.json beside the checkpoint (exit 2 on any problem)")
+    importlib.import_module(SUBCOMMANDS["inspect"]).add_parser(sub)  # (its place in --help, as before)
 
     p = sub.add_parser("bench", help="measurements side by side with named baselines (JSON + markdown)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for module in BENCHES.values():
         importlib.import_module(module).add_parser(bench)
-    for module in SUBCOMMANDS.values():
-        importlib.import_module(module).add_parser(sub)
+    for name, module in SUBCOMMANDS.items():
+        if name not in (*FIRST, "inspect"):
+            importlib.import_module(module).add_parser(sub)
     return parser
-
-
-def cmd_init_tiny(args) -> int:
-    from moeswap.tiny import write_tiny_model
-
-    t0 = time.perf_counter()
-    out = write_tiny_model(args.out, args.arch, args.size, args.seed, progress=args.size != "tiny", quant=args.quant)
-    quant = {"fp8": ", block FP8", "int4": ", INT4 experts"}.get(args.quant, "")
-    print(f"wrote {args.arch} ({args.size}{quant}, seed {args.seed}) to {out} in {time.perf_counter() - t0:.1f}s")
-    return 0
 
 
 def check_text(flag: str, text: str) -> None:
@@ -308,25 +285,7 @@ def generate_many(args) -> int:
     return 0
 
 
-def cmd_inspect(args) -> int:
-    from moeswap.summary import format_summary, summarize
-
-    s = summarize(args.model)
-    if not args.verify:
-        print(dumps(s, indent=2) if args.json else format_summary(s))
-        return 0
-    from moeswap.verify import format_verify, summary_line, verify
-
-    v = verify(args.model, progress=sys.stderr.isatty())
-    print(dumps({**s, "verify": v}, indent=2) if args.json else
-          f"{format_summary(s)}\n\n{format_verify(v)}")
-    if v["ok"]:
-        return 0
-    print(f"moeswap: error: {summary_line(v)}", file=sys.stderr)
-    return 2
-
-
-COMMANDS = {"init-tiny": cmd_init_tiny, "generate": cmd_generate, "inspect": cmd_inspect}
+COMMANDS = {"generate": cmd_generate}
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -8,18 +8,17 @@ only when everything is written, so a failure leaves no output. A source value t
 is refused, naming the tensor. Sources: bf16/fp16/fp32, DeepSeek block FP8 (non-expert FP8 weights are
 written dequantised to bf16, or copied when the target is block FP8) and compressed-tensors MX or INT4
 (same-format experts are copied byte for byte).
-Entry points: `quantize(src, dst, QuantizeOptions)` and `compare_models` (logit error).
+Entry points: `quantize(src, dst, QuantizeOptions)` and `compare_models` (logit error); the command is
+commands/quantize.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from moeswap import jsonio
-from moeswap.atomic_dir import atomic_directory, atomic_file, writing
+from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mx
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
@@ -365,56 +364,3 @@ def compare_models(reference: str | os.PathLike, candidate: str | os.PathLike, t
         "greedy_tokens": len(ref_tokens), "greedy_identical_prefix": same_prefix,
         "greedy_agreement": sum(a == b for a, b in zip(ref_tokens, cand_tokens)) / max(1, len(ref_tokens)),
     }
-
-
-# -- CLI ------------------------------------------------------------------------------------------
-
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("quantize", help="store a checkpoint's routed experts as MXFP4, MXFP8, INT4 or block FP8 "
-                                               "(+ error report)")
-    p.add_argument("src", help="model directory (bf16, block-FP8 or compressed-tensors checkpoint)")
-    p.add_argument("dst", help="output directory (must not exist or be empty)")
-    p.add_argument("--experts", required=True, choices=EXPERT_CHOICES,
-                   help="format of the routed experts (fp8: DeepSeek block FP8, E4M3 with fp32 scales per 128x128)")
-    p.add_argument("--mode", default="even", choices=mx.MODES,
-                   help="block scale rule: even (compressed-tensors, default), floor (OCP spec), rceil (never clips)")
-    p.add_argument("--expert-pattern", default=EXPERT_PATTERN, help="regex matching routed-expert module names")
-    p.add_argument("--eval-tokens", type=int, default=0, metavar="N",
-                   help="afterwards, compare logits with the source on N random tokens (both must load in moeswap)")
-    p.add_argument("--json", action="store_true", help="print the whole report as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    options = QuantizeOptions(args.experts, args.mode, args.expert_pattern, progress=sys.stderr.isatty())
-    report = quantize(args.src, args.dst, options)
-    if args.eval_tokens > 0:
-        report["quality"] = compare_models(args.src, args.dst, tokens=args.eval_tokens)
-        with atomic_file(Path(args.dst) / REPORT_NAME) as f:
-            f.write((jsonio.dumps(report, indent=2) + "\n").encode())
-    print(jsonio.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
-
-
-def format_report(report: dict) -> str:
-    s = report["summary"]
-    lines = [f"wrote {report['destination']}: routed experts as {report['format']} ({report['mode']}) in "
-             f"{report['seconds']:.1f}s; {s['bytes_in'] / 1e6:,.1f} MB -> {s['bytes_out'] / 1e6:,.1f} MB of tensors"]
-    lines.append(f"expert weights: {s['encoded']} encoded, {s['copied']} copied unchanged")
-    if s["encoded"]:
-        lines.append(f"relative error (||Q - W|| / ||W||): mean {s['mean_rel_error']:.4g}, "
-                     f"max {s['max_rel_error']:.4g} "
-                     f"({s['worst_tensor']}); max abs error {s['max_abs_error']:.4g}")
-        worst = sorted((r for r in report["tensors"] if r["action"] == "encoded"), key=lambda r: -r["rel_error"])[:5]
-        lines += ["| tensor | shape | rel error | max abs error |", "|---|---|---:|---:|"]
-        lines += [f"| {r['name']} | {r['shape']} | {r['rel_error']:.4g} | {r['max_abs_error']:.4g} |" for r in worst]
-    if report["dequantized_to_bf16"]:
-        lines.append(f"{len(report['dequantized_to_bf16'])} quantised non-expert weights written as bf16")
-    if "quality" in report:
-        q = report["quality"]
-        lines.append(f"vs source on {q['tokens']} tokens: logit rel error {q['logit_rel_error']:.4g}, max abs "
-                     f"{q['logit_max_abs_error']:.4g}, top-1 agreement {q['top1_agreement']:.1%}, greedy "
-                     f"{q['greedy_identical_prefix']}/{q['greedy_tokens']} identical tokens before the first "
-                     f"difference")
-    lines.append(f"per-tensor report: {Path(report['destination']) / REPORT_NAME}")
-    return "\n".join(lines)

@@ -80,10 +80,10 @@ def test_launched_server_and_batch1_peer(tiny_k3_dir, tmp_path, capsys, strict_j
 
 def _serve_in_thread(model_dir):
     """A moeswap server in this process (uvicorn in a thread, on a free loopback port); returns (url, stop)."""
-    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
     from moeswap.server.options import ServeOptions
+    from moeswap.text.tokenizer import load_tokenizer
 
     model, store = load_model(model_dir)
     app = build_app(model, load_tokenizer(model_dir), ServeOptions(model_name="tiny", max_batch=4), store)

@@ -95,8 +95,7 @@ def test_two_ranks_match_one_process_bit_for_bit(arch_dir, tmp_path):
 
 
 def test_balanced_placement_from_a_trace_is_exact_and_spreads_hot_experts(tiny_k3_dir, tmp_path):
-    from moeswap.experts.trace import TraceRecorder, read_trace, write_trace
-    from moeswap.trace_cmd import model_meta
+    from moeswap.experts.trace import TraceRecorder, model_meta, read_trace, write_trace
 
     model, store = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
     store.trace = TraceRecorder(model_meta(model, store, str(tiny_k3_dir)))

@@ -21,10 +21,10 @@ import pytest
 
 from live_server import serve_in_thread
 from moeswap.distributed.launch import free_port, rank_env
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
+from moeswap.text.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

@@ -18,8 +18,8 @@ import torch
 import yaml
 
 from moeswap.distributed.launch import free_port
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.train.checkpoint import CHECKPOINTS, OPTIMIZER, PARAMS, checkpoint_dir
 from train.conftest import LORA_RUN, write_chains
 

@@ -74,8 +74,7 @@ def _replay(store, trace, layers) -> tuple[list, dict]:
 def test_batched_loads_make_the_per_expert_paths_decisions(tiny_k3_dir, tmp_path, policy, host):
     if native_library() is None:
         pytest.skip("the native reader does not build here")
-    from moeswap.experts.trace import TraceRecorder, write_trace
-    from moeswap.trace_cmd import model_meta
+    from moeswap.experts.trace import TraceRecorder, model_meta, write_trace
 
     model, probe = load_model(tiny_k3_dir, LoadOptions(expert_memory=1 << 30))
     layers = sorted({layer for layer, _ in probe.index.entries})

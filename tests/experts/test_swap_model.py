@@ -13,10 +13,9 @@ import pytest
 from moeswap.cli import main
 from moeswap.config import load_config
 from moeswap.engine.generate import GenerationConfig, generate
-from moeswap.experts.trace import MAGIC, TraceRecorder, read_trace, write_trace
+from moeswap.experts.trace import MAGIC, TraceRecorder, model_meta, read_trace, write_trace
 from moeswap.formats.checkpoint import CheckpointError
 from moeswap.models.loader import LoadOptions, load_model
-from moeswap.trace_cmd import model_meta
 
 PROMPT = list(range(7, 27))
 CFG = GenerationConfig(max_tokens=10, stop_ids=())

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from moeswap.cli import main
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.lora import LoRAConfig, attach_lora, detach_lora, fingerprint, load_adapter, lora_modules, save_adapter
 from moeswap.lora.merge import REPORT_NAME
 from moeswap.models.loader import LoadOptions, load_model
+from moeswap.text.tokenizer import load_tokenizer
 
 PROMPT = "the quick brown fox"
 TARGETS = ("q_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj", "routed_expert_up_proj", "lm_head")

@@ -10,10 +10,10 @@ import pytest
 
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.engine.scheduler import Scheduler
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.tiny import write_tiny_model
 
 

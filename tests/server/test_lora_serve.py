@@ -11,12 +11,12 @@ import pytest
 
 from moeswap.cli import main
 from moeswap.engine.generate import GenerationConfig, generate
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.lora import load_adapter
 from moeswap.lora.serving import load_adapters, read_adapters
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
+from moeswap.text.tokenizer import load_tokenizer
 
 BASE = "tiny-k3"
 PROMPT = [5, 17, 301, 44, 9, 120]

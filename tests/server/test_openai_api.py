@@ -14,9 +14,9 @@ import torch
 
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.engine.sampling import SamplingParams
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
+from moeswap.text.tokenizer import load_tokenizer
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a brown fox."}]
 PROMPT = "the quick brown fox"

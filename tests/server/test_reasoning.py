@@ -9,11 +9,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.server.output import ChatOutput, prompt_tail
 from moeswap.server.reasoning import KIMI_K3, REASONING, ChannelParser, find_layout, split, start_state
 from moeswap.server.tool_calls import KIMI_K3 as K3_CALLS
 from moeswap.server.tool_calls import Piece, pieces_of
+from moeswap.text.tokenizer import load_tokenizer
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 # the caller's strings that spell the layout's markup stay text, in the reasoning as in the content

@@ -20,11 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeswap.cli import main
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.formats.checkpoint import INDEX_NAME
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
+from moeswap.text.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("flags,message", [

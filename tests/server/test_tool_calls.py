@@ -14,10 +14,10 @@ import shutil
 import openai
 import pytest
 
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.server.output import ChatOutput, prompt_tail
 from moeswap.server.reasoning import find_layout, start_state
 from moeswap.server.tool_calls import KIMI_K2, KIMI_K3, Piece, find_format, parse, pieces_of
+from moeswap.text.tokenizer import load_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n}.", "parameters": {"type": "object"}}}
          for n in ("get_weather", "search", "now")]

@@ -34,8 +34,8 @@ def test_heldout_loss_is_the_mean_next_token_cross_entropy(tiny_k3_dir, tmp_path
     a, b = report["models"]["a"], report["models"]["b"]
     assert a["loss"] == b["loss"] and math.isclose(a["perplexity"], math.exp(a["loss"]))
 
-    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
+    from moeswap.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_k3_dir)
     model, store = load_model(tiny_k3_dir)

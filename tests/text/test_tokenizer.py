@@ -55,7 +55,7 @@ def test_specials_bos_eos(tok):
 
 
 def test_user_text_spelling_a_special_token_stays_text(tok):
-    for s, i in tok.special_to_id.items():
+    for s in tok.special_to_id:
         ids = tok.encode(s)
         assert len(ids) > 1 and not set(ids) & set(tok.id_to_special) and tok.decode(ids) == s
     # the same pieces as the text around it would give: the special's string is read as any other text

@@ -13,10 +13,10 @@ import yaml
 from safetensors import safe_open
 
 from moeswap import cli
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME, load_adapter
 from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.train.checkpoint import all_checkpoints
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import eval_rows, load_data

@@ -61,9 +61,8 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.experts.build import build_store
     from moeswap.experts.policy import POLICIES
-    from moeswap.experts.trace import TraceRecorder, write_trace
+    from moeswap.experts.trace import TraceRecorder, model_meta, write_trace
     from moeswap.models.loader import attach_store, load_model
-    from moeswap.trace_cmd import model_meta
 
     policies = tuple(POLICIES) if policies is None else tuple(policies)
     out_dir = Path(out_dir)
@@ -295,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    from moeswap.trace_cmd import read_prompts
+    from moeswap.commands.trace import read_prompts
 
     prompts = read_prompts(Path(args.prompts)) if args.prompts else None
     result = run_bench(args.model, budgets, policies, args.prompt_tokens, args.max_tokens, LoadOptions.from_args(args),

@@ -1,16 +1,9 @@
-"""The expert store: `fetch(layer, ids)` -> experts ready for compute, from the fastest tier holding them.
-
-Tiers go fastest first: the fast tier (accelerator memory, or host memory without one), an optional
-host tier, then the checkpoint. A miss is read from the first tier below that has the expert and
-promoted into every cache tier above, each evicting by its own CachePolicy within its byte budget.
-Experts of the layer step being computed and those hinted for the next layer are pinned: a prefetch
-never evicts them (a demand may, so nothing waits forever). With a prefetcher, reads run on background
-threads that only move and check bytes, a layer step's (or a hint's) loads begun under one lock and
-submitted in one call (`start_background_many`); the rest of a load (views, the books, the copy up)
-happens on the model's thread, at its next fetch or when it needs that expert. An autograd graph keeps an expert for its
-backward only through `hold`, and only while the fast tier holds it: evicting it lets the graph's hold
-go, and the backward fetches it again, so graphs never keep bytes outside the budget. Knows nothing of
-models: the loader builds it with `experts.build.build_store`.
+"""The expert store's cache: `fetch(layer, ids)` -> experts ready for compute, from the fastest tier holding them
+(fast tier, optional host tier, checkpoint); a miss is promoted into every cache tier above, each evicting by
+its CachePolicy within its budget; the step's experts and the next layer's hinted ones are pinned (a prefetch
+never evicts them; a demand may, so nothing waits forever). Mixins add the rest: loads.py (background loads),
+native_protocol.py (a caller that loads by itself), holds.py (autograd holds). Knows nothing of models; entry
+point: `experts.build.build_store`.
 """
 
 from __future__ import annotations
@@ -22,26 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
+from moeswap.experts.holds import GraphHolds
 from moeswap.experts.keys import Key
+from moeswap.experts.loads import BackgroundLoads, Load
+from moeswap.experts.native_protocol import InCallLoads
 from moeswap.experts.policy import CachePolicy
-from moeswap.experts.reads import Done
 from moeswap.experts.source import ExpertIndex
 from moeswap.experts.stats import StoreStats, TierStats
 from moeswap.experts.tiers import Tier, Weights, tensors_of
 from moeswap.formats.checkpoint import Checkpoint
-
-class _Load:
-    """One expert on its way into the fast tier. A background load has `pending` (its read, running on
-    the prefetcher's reader threads); the model's thread finishes it when it is needed or ready. `done`
-    once it is over (another thread's demand waits for that on the store's `_loaded` condition)."""
-
-    __slots__ = ("key", "need", "pending", "from_source", "background", "done", "value", "error", "event")
-
-    def __init__(self, key: Key, need: int):
-        self.key, self.need = key, need
-        self.pending = None
-        self.from_source = self.background = self.done = False
-        self.value = self.error = self.event = None
 
 
 class _Pinned:
@@ -56,21 +38,6 @@ class _Pinned:
             return True
         hint = s._hints.get(key[0])
         return hint is not None and key in hint[2]
-
-
-class Held:
-    """An expert kept by an autograd graph for its backward (what ops.expert_format.Held is for a store):
-    `w` while the fast tier holds the same expert, None once the store has evicted it; `get()` fetches it
-    again then."""
-
-    __slots__ = ("_store", "key", "w", "__weakref__")
-
-    def __init__(self, store: ExpertStore, key: Key):
-        self._store, self.key, self.w = store, key, None
-
-    def get(self) -> Weights:
-        w = self.w
-        return w if w is not None else self._store._refetch(self)
 
 
 class Fetched(Sequence):
@@ -91,7 +58,10 @@ class Fetched(Sequence):
         return self._store._get(self._keys[i])
 
 
-class ExpertStore:
+class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
+    """The store. Its state and the cache are here; BackgroundLoads, InCallLoads and GraphHolds add the methods
+    of the prefetcher, of a caller that loads by itself, and of autograd graphs, on the same state."""
+
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[CachePolicy], max_hint: int | None = None):
         """tiers: MemoryTiers fastest first, then the source of truth (the checkpoint); one policy per
         MemoryTier. A fast tier of capacity 0 keeps nothing: every fetch reads the source."""
@@ -105,7 +75,7 @@ class ExpertStore:
         self.hybrid = None  # experts/hybrid.py HybridExperts: computes experts the fast tier lacks on the CPU
         self.max_hint = max_hint  # most experts one hint may load (None: no limit)
         # False when the fast tier can hold every expert (build_store knows): then no eviction ever
-        # asks the policy, and hits skip its books (~1 us each, 8-16 per layer step)
+        # asks the policy, and hits skip its books (docs/benchmarks.md)
         self.can_evict = True
         # True: a layer step's (or a hint's) background loads are begun under one lock and submitted to the
         # readers in one call; False: one call each (the same decisions, kept as the oracle of tests/benches)
@@ -117,7 +87,7 @@ class ExpertStore:
         self._batch_victims = type(self.policies[0]).victim is CachePolicy.victim
         self._aside: list | None = None  # pinned residents passed over in such a run
         self._reserved = [0] * (len(self.tiers) - 1)  # bytes promised to loads in flight, per cache tier
-        self._inflight: dict[Key, _Load] = {}
+        self._inflight: dict[Key, Load] = {}
         self._active: set[Key] = set()  # the layer step being computed
         self._pending: set[Key] = set()  # ... and not yet asked for (what read-ahead may still load)
         self._hints: dict[int, tuple[int, frozenset[int], set[Key]]] = {}  # layer -> (fetch no., predicted, to load)
@@ -188,81 +158,11 @@ class ExpertStore:
             for key in keys:
                 self._hit(key)
 
-    # -- in-call loads (experts/incall.py: the native decode step reads missing experts itself) --------------
-
-    def offer(self, n: int) -> tuple[int, list[Key]]:
-        """For a caller that evicts and loads by itself: the fast tier's free bytes (what no load has
-        promised) and its policy's next n victims in order, hinted experts left out; nothing changes."""
+    def count_resident_hits(self, n: int) -> None:
+        """n fast-tier hits served without a fetch by a store that never evicts (can_evict False: no policy
+        to tell); an evicting store's table hits go through `table_hits`."""
         with self._lock:
-            hinted = set().union(*(h[2] for h in self._hints.values())) if self._hints else ()
-            free = self.fast.capacity - self.fast.used - self._reserved[0]
-            return free, self.policies[0].coldest(n, hinted)
-
-    def in_call_counts(self, read_s: float, predicted: int, actual: int, correct: int) -> None:
-        """What a caller that loads by itself (`offer`, `table_step`) counted: seconds it spent reading, and its
-        guesses of the next layer's experts (prefetch precision and recall, as the store scores its hints)."""
-        with self._lock:
-            self.stats.stall_s += read_s
-            self.stats.load_s += read_s
-            p = self.stats.prefetch
-            p.predicted, p.actual, p.correct = p.predicted + predicted, p.actual + actual, p.correct + correct
-
-    def table_step(self, layer: int, expert_ids: Sequence[int] | None, loads: dict, evicted: Sequence[Key] = ()
-                   ) -> None:
-        """The books of a layer step that a caller ran from `layer`'s mirror table after loading what it lacked
-        itself (`offer`): loads {expert: (victims evicted for it, in order; its weights; its mirror table row,
-        as the caller wrote it; whether it was read ahead, before the step asked)}, weights None for one read for
-        this step only (a fast tier of capacity 0). The same books as this step's fetch: hits, misses,
-        evictions, the policy's, in the fetch's order (ascending ids); an expert read ahead is a prefetched
-        expert: a hit if the step used it, else loaded and unused. expert_ids None: only store the loads (the
-        caller stopped there and will fetch the step); `evicted`: victims it evicted for loads that failed."""
-        ids = sorted(loads) if expert_ids is None else [int(e) for e in expert_ids]
-        with self._lock:
-            for victim in evicted:
-                self.policies[0].discard(victim)
-                self._evict(0, victim)
-            if expert_ids is not None:
-                self._begin_step(layer, ids, [Key(layer, e) for e in ids])
-                self._pending = set()
-                if self.hybrid is not None and loads:  # as its fetch counts a step it sends to the fast tier
-                    self.stats.hybrid.fetch_steps += 1
-            for e in ids:
-                got = loads.get(e)
-                if got is None:
-                    self._hit(Key(layer, e))
-                    continue
-                ahead = self._stored(layer, e, *got)
-                if expert_ids is None:  # (the step's fetch books it)
-                    continue
-                if ahead:
-                    self._hit(Key(layer, e))  # (read ahead and used: a prefetch hit)
-                else:
-                    self.stats.fast.misses += 1
-                    self.policies[0].record(Key(layer, e))
-            for e in sorted(loads.keys() - set(ids)):  # read ahead and not used by the step
-                self._stored(layer, e, *loads[e])
-
-    def _stored(self, layer: int, e: int, victims: Sequence[Key], w, row, ahead: bool) -> bool:
-        """Under the lock: the books of a caller's load of expert e (`table_step`): its victims evicted, it put in
-        the fast tier and `layer`'s mirror (unless w is None: read for one step), the disk's counts; returns
-        whether it was read ahead (a prefetch: counted loaded, and used where the step asked for it)."""
-        key, policy = Key(layer, e), self.policies[0]
-        for victim in victims:  # (the caller chose them among `offer`'s, in its order)
-            policy.discard(victim)
-            self._evict(0, victim, w)
-        self.stats.disk_reads += 1
-        self.stats.disk_bytes += self.source.stored_bytes(key)
-        if w is None:  # read for this step only: the fast tier keeps nothing
-            return False
-        self.fast.put(key, w)
-        policy.insert(key)
-        for mirror in self._mirrors.get(layer, ()):
-            mirror.loaded(e, w, row)
-        self.stats.fast.bytes_in += self.fast.cost(key)
-        if ahead:
-            self.stats.prefetch.loaded += 1
-            self._unused.add(key)  # (_hit counts it used)
-        return ahead
+            self.stats.fast.hits += n
 
     def resident(self, layer: int, expert_ids: Sequence[int], fill: bool = False) -> list[bool]:
         """Which of `expert_ids` the fast tier holds now (books nothing). fill: also those it lacks that fit,
@@ -292,51 +192,6 @@ class ExpertStore:
         if w is None:
             w = self._promote(key, self.source.get(key))
         return w
-
-    def hold(self, layer: int, expert: int, w: Weights) -> Held:
-        """What an autograd graph keeps of expert `w` (just fetched) for its backward: `w` itself while the
-        fast tier holds it (its bytes are counted there), nothing once evicted (the backward fetches it
-        again). Outside the fast tier (capacity 0) it keeps nothing from the start."""
-        held = Held(self, Key(layer, expert))
-        with self._lock:
-            self._attach(held, w)
-        return held
-
-    def graph_bytes(self) -> int:
-        """Bytes of the experts live graphs keep (all of them in the fast tier, counted in its `used`)."""
-        with self._lock:
-            return sum(self.fast.cost(k) for k, holds in self._holds.items() if len(holds))
-
-    def _attach(self, held: Held, w: Weights) -> None:
-        """Under the lock: let `held` keep `w` if the fast tier holds this very expert."""
-        if self.fast.get(held.key) is w:
-            held.w = w
-            self._holds.setdefault(held.key, weakref.WeakSet()).add(held)
-            self.stats.graph.held += 1
-
-    def _refetch(self, held: Held) -> Weights:
-        """A backward pass needs an expert its graph let go: fetch it as a demand (pinned while it loads)."""
-        with self._lock:
-            self._active = {held.key}  # the forward's layer step is over
-            self.stats.graph.refetched += 1
-        w = self._get(held.key)
-        with self._lock:
-            self._attach(held, w)
-        return w
-
-    def count_resident_hits(self, n: int) -> None:
-        """n fast-tier hits served without a fetch by a store that never evicts (can_evict False: no policy
-        to tell); an evicting store's table hits go through `table_hits`."""
-        with self._lock:
-            self.stats.fast.hits += n
-
-    def note_hint(self, layer: int, expert_ids: Sequence[int]) -> list[Key]:
-        """Records a lookahead guess for `layer` (best first) and pins it; returns the keys worth loading."""
-        ids = [int(e) for e in expert_ids]
-        with self._lock:
-            load = [Key(layer, e) for e in ids if Key(layer, e) not in self.fast][: self.max_hint]
-            self._hints[layer] = (self._fetches, frozenset(ids), set(load))
-        return load
 
     def preload(self, keys, reset_stats: bool = True) -> None:
         """Load `keys` into the fast tier (e.g. every expert, for an all-resident run); stats are reset unless
@@ -426,124 +281,20 @@ class ExpertStore:
             self._unused.discard(key)
             self.stats.prefetch.used += 1
 
-    # -- background loads (the prefetcher's) --------------------------------------------------------
-
-    def start_background(self, key: Key, urgent: bool) -> bool:
-        """Start reading `key` on the reader threads if it is still wanted and fits without evicting a
-        pinned expert; False if not started (dropped). The model's thread finishes it later (_harvest)."""
-        with self._lock:
-            if key in self.fast or key in self._inflight:
-                return False
-            hint = self._hints.get(key.layer)
-            wanted = key in self._pending or (hint is not None and key in hint[2])
-            load = self._begin(key, strict=False) if wanted else None
-            if load is None:
-                self.stats.prefetch.dropped += 1
-                return False
-            load.background = True
-            try:
-                load.pending = self._start_read(load, urgent)
-            except BaseException as err:  # e.g. the file is gone: the demand for it will say so
-                load.error = err
-                self._complete(load, None)
-            return True
-
-    def start_background_many(self, keys, urgent: bool) -> list[Key]:
-        """start_background for each key in order, under one lock, with the reads of those the checkpoint
-        serves submitted to the readers in one call; returns the keys started."""
-        started, reads = [], []
-        with self._lock:
-            # the pins do not change in this loop: the fast tier's policy passes over each pinned resident
-            # once for all the evictions it makes room with (same victims as one at a time)
-            self._aside = [] if self._batch_victims else None
-            try:
-                self._begin_many(keys, started, reads)
-            finally:
-                if self._aside is not None:
-                    self.policies[0].put_back(self._aside)
-                    self._aside = None
-            if reads:
-                try:
-                    pendings = self.source.start_many([l.key for l in reads], self.prefetcher.reads, urgent)
-                except BaseException as err:  # e.g. the reader is closed: the demands will say so
-                    pendings = [err] * len(reads)
-                for load, pending in zip(reads, pendings):
-                    if isinstance(pending, BaseException):
-                        load.error = pending
-                        self._complete(load, None)
-                    else:
-                        load.pending = pending
-        return started
-
-    def _begin_many(self, keys, started: list[Key], reads: list[_Load]) -> None:
-        """Under the lock: start_background's checks and books for each key in order; the loads the
-        checkpoint must serve go to `reads`."""
-        for key in keys:
-            if key in self.fast or key in self._inflight:
-                continue
-            hint = self._hints.get(key.layer)
-            wanted = key in self._pending or (hint is not None and key in hint[2])
-            load = self._begin(key, strict=False) if wanted else None
-            if load is None:
-                self.stats.prefetch.dropped += 1
-                continue
-            load.background = True
-            started.append(key)
-            w = self._from_host(key)
-            if w is not None:
-                load.pending = Done(w)
-            else:
-                load.from_source = True
-                reads.append(load)
-
-    def cancel_background(self, keys) -> None:
-        """Drop the loads of `keys` that have not started reading (an older hint's)."""
-        with self._lock:
-            for key in keys:
-                load = self._inflight.get(key)
-                if load is not None and load.background and load.pending is not None and load.pending.cancel():
-                    load.error = RuntimeError(f"{key}: prefetch cancelled")
-                    self._complete(load, None, stored=False)
-                    self.stats.prefetch.dropped += 1
-
-    def settle(self, layer: int) -> None:
-        """Take `layer`'s background loads (a hint's) whose reads are done into the fast tier now, so into its
-        mirror table: for a caller about to compute that layer from the table without asking the store first
-        (the native decode step resuming its call after a stop), where a load left for the store's next look
-        would make it stop there anyway. Reads still in flight are left to overlap its compute (a large
-        expert's read takes longer than a layer)."""
-        with self._lock:
-            self._harvest(layer)
-
-    def _harvest(self, layer: int | None = None) -> None:
-        """Under the lock: finish background loads (of `layer`, or all) whose reads are done (store them, free
-        their books)."""
-        for load in [l for l in self._inflight.values() if l.pending is not None and l.pending.ready()
-                     and (layer is None or l.key.layer == layer)]:
-            self._finish(load)
-
     # -- loading ----------------------------------------------------------------------------------------
 
-    def _begin(self, key: Key, strict: bool) -> _Load | None:
+    def _begin(self, key: Key, strict: bool) -> Load | None:
         """Under the lock: make room in the fast tier and register the load; None if a non-strict
         (prefetch) load would have to evict a pinned expert."""
         need = self.fast.cost(key) if self.fast.capacity else 0
         if need and not self._make_room(0, need, strict):
             return None
-        load = _Load(key, need)
+        load = Load(key, need)
         self._inflight[key] = load
         self._reserved[0] += need
         return load
 
-    def _start_read(self, load: _Load, urgent: bool):
-        """Under the lock: a host tier's copy, or a read of the checkpoint started on the reader threads."""
-        w = self._from_host(load.key)
-        if w is not None:
-            return Done(w)
-        load.from_source = True
-        return self.source.start(load.key, self.prefetcher.reads, urgent)
-
-    def _load_now(self, load: _Load) -> None:
+    def _load_now(self, load: Load) -> None:
         """A demand miss: read on this thread, outside the lock."""
         t0 = time.perf_counter()
         try:
@@ -560,32 +311,7 @@ class ExpertStore:
             self.stats.load_s += time.perf_counter() - t0
             self._complete(load, load.value)
 
-    def _finish(self, load: _Load) -> None:
-        """Under the lock: take a background load's result (its read is done or waited for) into the tier."""
-        t0, value = time.perf_counter(), None
-        try:
-            w = load.pending.result()
-            if load.from_source:
-                w = self._promote(load.key, w)
-            value = self._form_background(load, w)
-        except BaseException as err:
-            load.error = err
-        self.stats.load_s += time.perf_counter() - t0
-        self._complete(load, value)
-
-    def _form_background(self, load: _Load, w: Weights) -> Weights:
-        """CUDA: the copy of a prefetched expert runs on the prefetcher's side stream, and its first
-        use waits for it (_ready)."""
-        stream = getattr(self.prefetcher, "stream", None)
-        if stream is None:
-            return self.fast.form(w)
-        with torch.cuda.stream(stream):
-            value = self.fast.form(w)
-            load.event = torch.cuda.Event()
-            load.event.record()
-        return value
-
-    def _complete(self, load: _Load, value, stored: bool = True) -> None:
+    def _complete(self, load: Load, value, stored: bool = True) -> None:
         """Under the lock: the load is over; a good one goes into the fast tier."""
         key = load.key
         load.pending = None
@@ -662,9 +388,7 @@ class ExpertStore:
                 mirror.removed(victim.expert)
         dropped = tier.drop(victim)
         if i == 0:
-            for held in self._holds.pop(victim, ()):  # graphs let go of it too: its bytes leave the budget
-                held.w = None
-                self.stats.graph.released += 1
+            self._release_holds(victim)  # graphs let go of it too: its bytes leave the budget
         if dropped is not None and dropped is not taken_over:
             self.source.evicted(dropped)  # its read buffer is likely free for the next read
         self.stats.tiers[tier.name].evictions += 1

@@ -33,6 +33,18 @@ REQUIRED_META = ("num_layers", "num_experts", "moe_layers")
 ID_LIMIT = 1 << 16  # layers and experts are stored as u16 ids
 
 
+def model_meta(model, store, model_dir: str) -> dict:
+    """The metadata (META_TYPES) a trace of `model`, served by `store`, carries (bench cache sizes budgets with
+    it)."""
+    c = model.config
+    first = min(store.index.entries)
+    return {
+        "model": str(model_dir), "num_layers": c.num_layers, "num_experts": c.moe.num_experts, "top_k": c.moe.top_k,
+        "moe_layers": [i for i, k in enumerate(c.mlp_kinds) if k == "moe"],
+        "expert_stored_bytes": store.index.stored_bytes(store.ckpt, *first),
+    }
+
+
 @dataclass
 class Trace:
     meta: dict  # num_layers, num_experts, top_k, moe_layers, model, ...

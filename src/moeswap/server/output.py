@@ -1,11 +1,6 @@
 """A request's generated tokens as the text a client may see: streamed detokenization, special tokens left
-out (unless asked for), and stop strings found on the decoded text.
-
-Text that could still turn out to be the start of a stop string is held back (up to the longest stop
-string less one character), so a stream never shows a partial stop string that the next token completes.
-A chat answer goes through `ChatOutput`: server.reasoning's parser splits reasoning from content and drops the
-turn's markup, server.tool_calls' parser (with tools) takes the calls out of the content, and the content
-goes through the same TextOutput. Entry points: `TextOutput(tokenizer, stop, skip_specials)`,
+out (unless asked for), stop strings found on the decoded text; for chat, reasoning and tool calls split off
+(server.reasoning, server.tool_calls). Entry points: `TextOutput(tokenizer, stop, skip_specials)`,
 `.push(token) -> (text, stopped)`, `.finish() -> text`; `ChatOutput`, which adds `.take_reasoning()` and
 `.take_deltas()`; `prompt_tail(tokenizer, ids)`.
 """
@@ -20,6 +15,10 @@ from moeswap.text.tokenizer import StreamDecoder, Tokenizer
 
 
 class TextOutput:
+    """The text of a completion, token by token. Text that could still turn out to begin a stop string is held
+    back (up to the longest stop string less one character), so a stream never shows a partial stop string
+    that the next token completes."""
+
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_specials: bool = True) -> None:
         self._decoder = StreamDecoder(tokenizer)
         # control tokens are not text, unless asked for (vLLM's skip_special_tokens)

@@ -1,16 +1,8 @@
-"""Reasoning in a model's output: how the checkpoints moeswap serves lay out an assistant's turn (Kimi K3's
-`think` and `response` channels), which layout a checkpoint's chat template writes, and an incremental parser
-that splits an answer into reasoning (vLLM's `reasoning_content`) and content, dropping the markup around
-them and the turn's closing markup.
-
-A layout is a small state machine: in each state some markup (a sequence of pieces, always begun by a special
-token) moves to another state, and the text of a state is reasoning or content. The generation prompt has
-already opened a state (K3's template opens `think`, or `response` with thinking off): `start_state` reads
-it off the prompt's end. The content goes on to server.tool_calls' parser, which finds calls in it; the
-layout leaves a tools section alone (it is content to this parser). Pieces are tool_calls.Piece; markup is
-only ever a special token, so text that merely spells one stays text.
-Entry points: `find_layout(tokenizer)`, `start_state(layout, prompt_pieces)`, `ChannelParser(layout,
-state).feed(piece) / .finish()`.
+"""Reasoning in a model's output: the assistant-turn layouts of the checkpoints moeswap serves (Kimi K3's
+`think` and `response` channels), which one a chat template writes, and an incremental parser that splits an
+answer into reasoning (vLLM's `reasoning_content`) and content, dropping the markup. Knows no HTTP; tool calls
+in the content are server.tool_calls' (pieces are its Piece). Entry points: `find_layout(tokenizer)`,
+`start_state(layout, prompt_pieces)`, `ChannelParser(layout, state).feed(piece) / .finish()`.
 """
 
 from __future__ import annotations
@@ -26,7 +18,13 @@ REASONING, CONTENT = "reasoning", "content"
 @dataclass(frozen=True)
 class Layout:
     """A checkpoint's assistant turn: `moves` (state, markup, next state), `first` the state before any
-    markup, `reasoning` the states whose text is reasoning (all others' is content)."""
+    markup, `reasoning` the states whose text is reasoning (all others' is content).
+
+    A small state machine: in each state some markup (a sequence of pieces, always begun by a special token)
+    moves to another state. The generation prompt has already opened a state (K3's template opens `think`, or
+    `response` with thinking off): `start_state` reads it off the prompt's end. A tools section is content
+    here (server.tool_calls finds the calls in it). Markup is only ever a special token, so text that merely
+    spells one stays text."""
 
     name: str
     specials: tuple[str, ...]

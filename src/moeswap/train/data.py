@@ -1,7 +1,7 @@
 """Training data: JSONL lines -> token samples with loss masks -> rows -> batches.
 
 A line is `{"text": ...}` (tokens + EOS, every token but the first a target) or `{"messages": [...]}`
-(optionally with "tools"), rendered with the model's chat template (text/tokenizer.py, the same ids
+(optionally with "tools"), rendered with the model's chat template (engine/tokenizer.py, the same ids
 inference sees) and trained on the assistant turns only: each assistant turn's tokens are the ones its
 rendering adds after the conversation so far plus the generation prompt, found by diffing token ids.
 Rows: one sample per row (packing "off", the default; a batch is right-padded, which a causal model

@@ -29,17 +29,6 @@ def add_parser(sub) -> None:
     add_load_flags(p)
 
 
-def model_meta(model, store, model_dir: str) -> dict:
-    """What a trace says about the model it came from (bench cache sizes budgets with it)."""
-    c = model.config
-    first = min(store.index.entries)
-    return {
-        "model": str(model_dir), "num_layers": c.num_layers, "num_experts": c.moe.num_experts, "top_k": c.moe.top_k,
-        "moe_layers": [i for i, k in enumerate(c.mlp_kinds) if k == "moe"],
-        "expert_stored_bytes": store.index.stored_bytes(store.ckpt, *first),
-    }
-
-
 def read_prompts(path: Path) -> list[str]:
     if path.is_dir() or not path.exists():
         found = "a directory" if path.is_dir() else "nothing"
@@ -75,7 +64,7 @@ def check_output(out: Path, prompts: Path, force: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
-    from moeswap.experts.trace import TraceRecorder, write_trace
+    from moeswap.experts.trace import TraceRecorder, model_meta, write_trace
     from moeswap.models.loader import load_model
     from moeswap.text.tokenizer import load_tokenizer
 
