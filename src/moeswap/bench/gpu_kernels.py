@@ -18,7 +18,7 @@ import time
 import torch
 
 from moeswap import jsonio
-from moeswap.bench.kernels import K3_EXPERT, _machine, add_shape_flags, random_experts, shape_args
+from moeswap.bench.kernels import K3_EXPERT, add_shape_flags, machine_facts, random_experts, shape_args
 
 VARIANTS = ("triton grouped", "triton per expert", "torch_rows per expert", "bf16 resident")
 
@@ -104,7 +104,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
                          "max_rel_diff_vs_torch_rows": (outputs[name] - ref).abs().max().item() / scale,
                          "spread_us": (min(samples[name]) * 1e6, max(samples[name]) * 1e6)})
     bandwidth = measure_device_bandwidth(dev, bandwidth_bytes)
-    machine = _machine()
+    machine = machine_facts()
     machine["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     machine["triton"] = getattr(triton_mxfp4.triton, "__version__", None)
     return {"expert": {"in_dim": in_dim, "expert_dim": expert_dim, "act": act, "dtype": str(dtype).removeprefix("torch."),

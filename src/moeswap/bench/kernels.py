@@ -196,11 +196,11 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
                  "fraction_per_cpu_s": (packed_bytes / (best["cpu_us_per_call"] * 1e-6) / 1e9)
                  / bandwidth["read_GBps_per_cpu_s"],
                  "target": 0.5, "met": best["packed_GBps"] >= 0.5 * bandwidth["read_GBps"]},
-        "machine": _machine(), "kernel_isa": kernel.isa if kernel else None, "compile_seconds": compile_seconds,
+        "machine": machine_facts(), "kernel_isa": kernel.isa if kernel else None, "compile_seconds": compile_seconds,
     }
 
 
-def _machine() -> dict:
+def machine_facts() -> dict:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None

@@ -277,11 +277,11 @@ def add_parser(benches) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from moeswap.bench.cache import _list
+    from moeswap.bench.cache import comma_list
     from moeswap.experts.policy import POLICIES
 
-    budgets = [int(b) for b in _list(args.budgets, "--budgets", float)]
-    policies = _list(args.policies, "--policies") if args.policies else list(POLICIES)
+    budgets = [int(b) for b in comma_list(args.budgets, "--budgets", float)]
+    policies = comma_list(args.policies, "--policies") if args.policies else list(POLICIES)
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")

@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from moeswap.planner.local_cpu import _layer_buckets, _OpCounter, per_layer_counts
+from moeswap.planner.local_cpu import OpCounter, layer_buckets, per_layer_counts
 
 NOT_KERNELS = ("empty", "detach", "alias", "lift_fresh", "_to_copy")  # allocations and no-op copies on one device
 
@@ -36,7 +36,7 @@ def count(model) -> dict[str, float]:
     step = GraphedDecode(model, capture=False)
     state = model.make_state(1)
     tokens = torch.tensor([[1]])
-    counter = _OpCounter()
+    counter = OpCounter()
     quiet = [False]
 
     def counted(func):
@@ -55,7 +55,7 @@ def count(model) -> dict[str, float]:
                 counter.counts[counter.bucket] += 1
             return func(*args, **(kwargs or {}))
 
-    mods = _layer_buckets(model)
+    mods = layer_buckets(model)
     handles = []
     for i, (m, bucket) in enumerate(mods):
         handles += counter.hook(m, bucket, "step" if i == len(mods) - 1 else "layer")

@@ -171,7 +171,7 @@ def mxfp4_moe_rates() -> tuple[float, float, float] | None:
     return 1 / per_byte / 1e9, per_row * 1e9, TOP_K * 16 * 2 * 3 * i16 * w16 / per_call[-1] / 1e9
 
 
-class _OpCounter:
+class OpCounter:
     """Counts every aten op dispatched, into the bucket that module hooks say is running."""
 
     def __init__(self):
@@ -198,7 +198,7 @@ class _OpCounter:
         return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
-def _layer_buckets(model) -> list[tuple[Any, str]]:
+def layer_buckets(model) -> list[tuple[Any, str]]:
     """(module, bucket) in forward order: each layer's input norm + attention, then its norm + MLP/MoE."""
     out = []
     for layer in model.model.layers:
@@ -213,8 +213,8 @@ def count_ops(model, run) -> dict[str, float]:
     (residual adds and AttnRes mixes, between sublayers) and 'step' (embedding, final norm, lm_head,
     sampling, scheduler). `run(n)` generates n tokens; the difference of 9 and 1 removes the prefill."""
     run(9)  # warm: a cold expert store's first reads are ops no later step repeats
-    c = _OpCounter()
-    mods = _layer_buckets(model)
+    c = OpCounter()
+    mods = layer_buckets(model)
     handles = []
     for i, (m, bucket) in enumerate(mods):
         handles += c.hook(m, bucket, "step" if i == len(mods) - 1 else "layer")
