@@ -37,7 +37,7 @@ class OutOfSpaceError(OSError):
     """The disk (or the user's quota) filled up while writing; the partial output is already removed."""
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or super().__str__()
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def remove_stale(dst: str | os.PathLike) -> list[Path]:
     whose owner process is gone; returns them. Live writers' directories are left alone."""
     dst = Path(dst)
     prefix = f".{dst.name}."
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(dst.parent))
     except FileNotFoundError:

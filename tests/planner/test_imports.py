@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 import moeswap.planner
-from import_graph import find_cycle, import_graph as import_graph_of
+from import_graph import find_cycle
+from import_graph import import_graph as import_graph_of
 
 PACKAGE = "moeswap.planner"
 ROOT = Path(moeswap.planner.__file__).parent

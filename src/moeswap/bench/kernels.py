@@ -156,7 +156,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
         xb = x.to(torch.bfloat16)
         samples: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, list[float]] = {name: [] for name in variants}
-        for name, (fn, _) in variants.items():
+        for fn, _ in variants.values():
             fn(0, x, xb)  # warm up (and build the kernel)
         for _ in range(rounds):
             for name, (fn, _) in variants.items():
@@ -239,7 +239,7 @@ def format_report(r: dict) -> str:
     lines += ["", f"goal: {g['variant']} at {g['tokens']} token reads packed bytes at {g['packed_GBps']:.1f} GB/s = "
               f"{g['fraction_of_read_bandwidth']:.0%} of the measured read bandwidth (target >= 50%: "
               f"{'met' if g['met'] else 'NOT met'}); per CPU second: {g['fraction_per_cpu_s']:.0%}"]
-    for kind, fg in r.get("format_goals", {}).items():
+    for fg in r.get("format_goals", {}).values():
         lines.append(f"goal: {fg['variant']} at {fg['tokens']} token reads its {fg['stored_bytes'] / 1e6:.2f} MB of "
                      f"stored bytes at {fg['GBps']:.1f} GB/s = {fg['fraction_of_read_bandwidth']:.0%} of the measured "
                      f"read bandwidth (target >= 50%: {'met' if fg['met'] else 'NOT met'}); per CPU second: "

@@ -13,10 +13,10 @@ import json
 import subprocess
 import sys
 
+from moeswap import jsonio
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.procfs import peak_rss_bytes, rss_bytes
 from moeswap.tuning import tune_process
-from moeswap import jsonio
 
 
 def _dtypes(model) -> str:

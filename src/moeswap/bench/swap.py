@@ -20,7 +20,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from moeswap.options import LoadOptions, NO_CACHE, PREFETCH_MODES, add_load_flags, add_model_argument
+from moeswap.options import NO_CACHE, PREFETCH_MODES, LoadOptions, add_load_flags, add_model_argument
 
 BASELINE_RESIDENT = "all experts resident"
 BASELINE_NO_CACHE = "no cache: every expert read from disk every time"
@@ -109,7 +109,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
         for ids in prompts_ or timed:
             at_first = []
 
-            def on_token(_):  # the first token ends the prompt: decode-only statistics start here
+            def on_token(_, at_first=at_first):  # the first token ends the prompt: decode-only statistics start here
                 if not at_first:
                     at_first.extend(books(store.stats))
 

@@ -62,7 +62,7 @@ class _Ranked:
             self.put_back(skipped)
         return found
 
-    def put_back(self, entries: list) -> None:
+    def put_back(self, entries: list[tuple]) -> None:
         """Return entries pop_min left aside to the heap (those not superseded or removed meanwhile)."""
         for entry in entries:
             if self._entry.get(entry[2]) is entry:
@@ -71,7 +71,8 @@ class _Ranked:
     def lowest(self, n: int, pinned: Container) -> list[Key]:
         """The n lowest keys not in `pinned`, lowest first, left where they are (what n pop_min calls would
         return)."""
-        seen, found = [], []
+        seen: list[tuple] = []
+        found: list[Key] = []
         while self._heap and len(found) < n:
             entry = heapq.heappop(self._heap)
             if self._entry.get(entry[2]) is not entry:

@@ -49,7 +49,7 @@ def count(model) -> dict[str, float]:
                 quiet[0] = False
         return run
 
-    class Kernels(type(counter.mode)):
+    class Kernels(type(counter.mode)):  # type: ignore[misc]  # the counting mode's class, known at run time
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not quiet[0] and not func.is_view and not func.__name__.startswith(NOT_KERNELS):
                 counter.counts[counter.bucket] += 1

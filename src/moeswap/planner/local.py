@@ -80,7 +80,7 @@ def _gemv_fit(max_bytes: int) -> tuple[float, float]:
             for _ in range(reps):
                 torch.matmul(x, w)
 
-        def run():
+        def run(g=g):
             g.replay()
             torch.cuda.synchronize()
         points.append((k * n * 2, _best(run) / reps))

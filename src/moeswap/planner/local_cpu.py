@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,7 @@ def _empty_moe_call(kernel):
     return lambda: kernel.moe(x, experts, none, [0] * (TOP_K + 1), none.float(), "situ", BETAS, x)
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least squares t = t0 + slope * x over (x, seconds) points; t0 is floored at 0."""
     nb = len(points)
     mx = sum(b for b, _ in points) / nb
@@ -132,7 +133,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), slope
 
 
-def fit_rows_bytes(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+def fit_rows_bytes(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
     """Least squares t = rows * a + bytes * b over (rows, bytes, seconds), a >= 0, b > 0 (noise on a
     shared machine can push an unconstrained fit below zero): returns (a, b)."""
     srr = sum(r * r for r, _, _ in points)
@@ -231,7 +232,7 @@ def count_ops(model, run) -> dict[str, float]:
     return {k: (totals[1][k] - totals[0][k]) / 8 for k in totals[1]}
 
 
-def per_layer_counts(model, per_step: dict[str, float]) -> dict[str, float]:
+def per_layer_counts(model, per_step: Mapping[str, float]) -> dict[str, float]:
     """Engine-profile fields: ops per layer of each kind (kernels_*) and per forward pass (kernels_step)."""
     layers = model.model.layers
     n = collections.Counter(layer.attn_kind for layer in layers)

@@ -63,8 +63,9 @@ def initial_weights(random_dir: Path, out: Path) -> Path:
 
 
 def prepare(work: str | Path) -> Path:
-    from moeswap.tiny.model import write_tiny_model
     import yaml
+
+    from moeswap.tiny.model import write_tiny_model
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,9 @@ import sys
 import tempfile
 import time
 
+from moeswap import jsonio
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tuning import tune_process, use_huge_pages
-from moeswap import jsonio
 
 
 class MoeswapRunner:

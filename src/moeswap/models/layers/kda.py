@@ -10,15 +10,15 @@ Shapes: B batch, T tokens, D model width, H heads, K head dim, W conv width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import WeightOnly, derived, fuse_linears, project, records_graph, rms_norm
 from moeswap.ops import cpu_kernels
-from moeswap.ops.kda import (L2_EPS, fla_selected, kda_chunked, kda_decode_step, kda_fla, kda_for_training,
-                             l2_normalize)
+from moeswap.ops.kda import L2_EPS, fla_selected, kda_chunked, kda_decode_step, kda_fla, kda_for_training, l2_normalize
 
 
 @dataclass
