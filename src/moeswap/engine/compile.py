@@ -3,9 +3,8 @@
 Only the attention sublayers (KDA, MLA) are compiled: the MoE block asks a Python expert store for
 its experts, which would break any graph. The C kernels they call enter the graph as torch ops
 (ops/cpu_kernels.py, `moeswap::bf16_linear`, `moeswap::kda_decode`); as ctypes calls they broke it at
-every projection, which made the compiled step 2x slower than eager. Whole graphs measured level with
-eager on the bench model (24.1 against 24.8 tokens/s, batch 1, 5 alternating rounds): the eager glue
-is not what inductor speeds up here. The compiled versions are swapped in for decode steps only, so
+every projection. Whole graphs are level with eager (docs/benchmarks.md): the eager glue is not what
+inductor speeds up here. The compiled versions are swapped in for decode steps only, so
 prefill and every other caller keep the eager model, which stays the reference. On CUDA the graphed decode
 step (engine/cuda_graph.py) captures these compiled sublayers' fused kernels in its graphs.
 Entry point: `compile_decode(model) -> callable(tokens_B1, state) -> logits`.

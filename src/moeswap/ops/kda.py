@@ -177,7 +177,7 @@ def kda_chunked(
     sub: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kda_chunked_pairwise` with the intra-chunk decays factored (`_intra_chunk`): the [C, C, K]
-    pairwise tensor shrinks to sub-chunk blocks and the rest are matmuls (~3x faster measured on CPU)."""
+    pairwise tensor shrinks to sub-chunk blocks and the rest are matmuls (faster on CPU: docs/benchmarks.md)."""
     return _chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chunk,
                     lambda q, k, G64: _intra_chunk(q, k, G64, sub))
 
@@ -187,7 +187,7 @@ TRAIN_CHECKPOINT = 64  # tokens between the states the training forward keeps (b
 
 class KDATokenRecurrence(torch.autograd.Function):
     """`kda_recurrent` with the C kernels' forward and backward (csrc/kda_train.c): training on the CPU,
-    where the chunked form under autograd measured ~50x slower. Inputs as kda_recurrent's, fp32."""
+    where the chunked form under autograd is far slower (docs/benchmarks.md). Inputs as kda_recurrent's, fp32."""
 
     @staticmethod
     def forward(ctx, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV):

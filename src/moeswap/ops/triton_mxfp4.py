@@ -31,9 +31,8 @@ except Exception:  # not installed, or an install that does not load here: eithe
     triton = tl = None
 
 FMA_MAX_ROWS = 8  # up to this many rows per expert multiply as broadcast FMAs (GEMV-like); more in tl.dot (M >= 16)
-# Tiles sized so that no configuration spills registers on sm_90 (compiled without a GPU by the ptxas in
-# triton 3.8's wheel, `cuobjdump -res-usage`, 2026-12-01: 56-204 registers, stack 0; 8192-element FMA
-# tiles, or BLOCK_K 128 in the tl.dot path, spilled up to 1.4 KB): tests/ops/test_triton_mxfp4.py checks.
+# Tiles sized so that no configuration spills registers on sm_90 (compiled without a GPU by triton's
+# bundled ptxas; register counts in docs/benchmarks.md): tests/ops/test_triton_mxfp4.py checks.
 # Their speed is not tuned: no GPU has run them yet.
 GEMV_TILE = 4096  # elements of one [rows, BLOCK_N, BLOCK_K] product tile in the FMA path (registers)
 FP32_DOT_PRECISION = "tf32x3"  # fp32 inputs: x split in two TF32 halves, the weights exact in one

@@ -325,7 +325,7 @@ class TinyRun:
 
 def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
     """Runs moeswap's engine on a generated tiny K3 (`moeswap init-tiny --size tiny`: its own weights
-    stream in under 1 % of a decode step, so the step is ops and per-expert work) with _Streamer on."""
+    stream in a negligible share of a decode step, so the step is ops and per-expert work) with _Streamer on."""
     from moeswap.engine.generate import GenerationConfig, generate_batch
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
