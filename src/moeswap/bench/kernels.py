@@ -1,12 +1,6 @@
-"""`moeswap bench kernels`: µs per routed-expert call from MXFP4, block-FP8 and INT4 bytes, against named
-baselines.
-
-Variants: "mxfp4 direct" (every available ops.expert_mxfp4 implementation), "fp8 direct" and "int4 direct"
-(ops.expert_quant's kernel path: csrc/quant.c), "dequantise then matmul" for each (the formats' torch
-references) and "bf16 resident" (a decoded bf16 expert, ops.expert.ExpertWeights). Experts are cycled so
-their bytes come from DRAM, not cache, and the machine's read bandwidth is measured in the same run (a large
-fp32 sum). Variants are interleaved round by round and the median is reported; each format's goal is its
-direct kernel's stored bytes per second at the fewest tokens against that read bandwidth.
+"""`moeswap bench kernels`: µs per routed-expert call from MXFP4, block-FP8 and INT4 bytes against named
+baselines, with the machine's read bandwidth measured in the same run; each format's goal is its direct
+kernel's stored bytes per second at the fewest tokens against that bandwidth. Entry points: `add_parser`, `run`.
 """
 
 from __future__ import annotations
@@ -115,6 +109,11 @@ def _bf16_resident(w):
 def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens=(1, 4, 16), n_experts: int = 16,
               rounds: int = 5, min_seconds: float = 0.2, act: str = "situ", slow_variants: bool = True,
               with_compile: bool = False, formats: tuple[str, ...] = ("mxfp4", "fp8", "int4")) -> dict:
+    """Variants: "mxfp4 direct" (every available ops.expert_mxfp4 implementation), "fp8 direct" and "int4 direct"
+    (ops.expert_quant's kernel path: csrc/quant.c), "dequantise then matmul" for each (the formats' torch
+    references) and "bf16 resident" (a decoded bf16 expert, ops.expert.ExpertWeights). Experts are cycled so
+    their bytes come from DRAM, not cache; the read bandwidth is a large fp32 sum. Variants are interleaved
+    round by round and the median is reported."""
     from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant
 
     betas = (4.0, 25.0)

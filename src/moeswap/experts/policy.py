@@ -1,12 +1,7 @@
-"""Cache policies: which resident expert a tier gives up when it needs room.
-
-A policy hears of demand accesses (`record`) and new residents (`insert`), and names a `victim` among
-residents that are not pinned. It knows nothing of bytes, tiers or threads (the store calls it under
-its lock). Each policy is a priority: the lowest resident is evicted first; `_Ranked` keeps residents
-in a lazily updated heap, so every call is O(log n) even with 80k experts resident.
-Entry point: `make_policy(name, ...)`. POLICIES is the registry: adding a policy is one subclass and
-one entry there; every flag's choices, benchmark and the store take it from there. A policy's `create`
-says what it needs from the run (`online` ones need nothing but the run itself).
+"""Cache policies: which resident expert a tier gives up when it needs room. A policy hears of accesses
+(`record`) and new residents (`insert`) and names a `victim` among the unpinned; it knows nothing of bytes,
+tiers or threads (the store calls it under its lock). Entry point: `make_policy(name, ...)`; POLICIES is the
+registry: one subclass and one entry there reach every flag's choices, benchmark and the store.
 """
 
 from __future__ import annotations
@@ -21,7 +16,11 @@ from moeswap.experts.keys import Key
 
 
 class _Ranked:
-    """Resident keys with a priority; pop_min skips pinned keys and stale heap entries."""
+    """Resident keys with a priority; pop_min skips pinned keys and stale heap entries.
+
+    Each policy is a priority: the lowest resident is evicted first. The heap is updated lazily, so every
+    call is O(log n) even with 80k experts resident.
+    """
 
     def __init__(self):
         self._heap: list[tuple] = []
@@ -90,7 +89,10 @@ class _Ranked:
 
 
 class CachePolicy:
-    """Subclasses define `_count(key)` (update what they know on an access) and `_priority(key)`."""
+    """Subclasses define `_count(key)` (update what they know on an access) and `_priority(key)`.
+
+    A policy's `create` says what it needs from the run (`online` ones need nothing but the run itself).
+    """
 
     name = "policy"
     online = True  # usable in a live run with nothing but the run itself (no profile, no future)

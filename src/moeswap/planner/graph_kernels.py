@@ -1,14 +1,6 @@
 """Kernels per layer of moeswap's graphed CUDA decode step (engine/cuda_graph.py): the counts behind the
 planner's `moeswap-cuda` engine profile (catalog/engines.toml), whose fixed per-step time is kernels x
-kernel_us.
-
-Counted by running the step's forward once as the graph captures it (all experts resident: one graph, batch
-1), on the CPU with moeswap's C kernels off so that every sublayer takes the torch path CUDA takes: each aten op
-that launches work counts one kernel (views and allocations launch none), and each Triton launch one (what the
-Triton interpreter dispatches inside it is not counted). A composite op may launch more than one kernel on a
-GPU and a fused one fewer, so the counts are the step's structure, not a profile of the GPU; the measured time
-per kernel (kernel_us) is what a GPU run calibrates. tests/planner/test_graph_kernels.py keeps the catalog's
-numbers equal to a fresh count on the tiny K3.
+kernel_us. The counts are the step's structure, counted on the CPU, not a profile of a GPU.
 Entry point: `count(model) -> {kernels_kda, kernels_mla, kernels_dense, kernels_moe, kernels_attn_res,
 kernels_step}`.
 """
@@ -27,7 +19,15 @@ NOT_KERNELS = ("empty", "detach", "alias", "lift_fresh", "_to_copy")  # allocati
 
 def count(model) -> dict[str, float]:
     """Engine-profile kernel counts of the graphed decode step of `model` (loaded on the CPU, its experts all
-    resident): per layer of each kind and per step outside the layers."""
+    resident): per layer of each kind and per step outside the layers.
+
+    Counted by running the step's forward once as the graph captures it (all experts resident: one graph,
+    batch 1), on the CPU with moeswap's C kernels off so that every sublayer takes the torch path CUDA takes:
+    each aten op that launches work counts one kernel (views and allocations launch none), and each Triton
+    launch one (what the Triton interpreter dispatches inside it is not counted). A composite op may launch
+    more than one kernel on a GPU and a fused one fewer; the time per kernel (kernel_us) is what a GPU run
+    calibrates. tests/planner/test_graph_kernels.py keeps the catalog's numbers equal to a fresh count.
+    """
     from moeswap.engine.cuda_graph import GraphedDecode
     from moeswap.engine.scheduler import fuse_projections
     from moeswap.ops import cpu_kernels, triton_mxfp4

@@ -1,14 +1,7 @@
-"""`--hardware local` on a CPU: measure moeswap's own CPU engine, not generic torch ops.
-
-moeswap decodes on a CPU with three kinds of work (docs/planner.md, `--hardware local`):
-- dense Linear weights kept bf16 under fp32 math, run by the C kernel behind `ops.linear.linear`;
-- the routed experts of one MoE layer step, MXFP4, in one grouped C call (`CpuKernels.moe`);
-- everything else as eager PyTorch ops whose cost is mostly per-op dispatch and Python.
-This module times the two kernels (weight-streaming GB/s, GFLOP/s; for experts also a time per
-output row), then runs the engine itself on a generated tiny model: it counts the eager ops per
-layer kind and takes the time per op and per routed expert from the decode step. The planner's
-roofline (roofline.py) adds these up for any model: docs/planner.md, `--hardware local`.
-Entry point: `engine_fields(copy_gbs, bf16_tflops, tag)`; `fit_line` also serves local.py's GPU fit.
+"""`--hardware local` on a CPU: measures moeswap's own CPU engine, not generic torch ops: the rates of the bf16
+dense-linear kernel and the grouped MXFP4 expert call, then, from a tiny model's decode step, the eager ops
+per layer kind and the time per op and per routed expert; the planner's roofline adds these up for any model
+(docs/planner.md). Entry point: `engine_fields(copy_gbs, bf16_tflops, tag)`; `fit_line` also serves local.py.
 """
 
 from __future__ import annotations
