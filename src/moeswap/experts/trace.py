@@ -147,7 +147,8 @@ class TraceRecorder:
 
     def __init__(self, meta: dict):
         self.trace = Trace(dict(meta))
-        self._step, self._last_layer = -1, None
+        self._step = -1
+        self._last_layer: int | None = None
 
     def record(self, layer: int, expert_ids: Sequence[int]) -> None:
         if self._last_layer is None or layer <= self._last_layer:

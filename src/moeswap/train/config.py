@@ -330,7 +330,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     `given_flags` sees only what the command line said (a flag wins over CONFIG.yaml, a default does not)."""
     groups = {"model": "data", "mode": "what trains", "lr": "optimizer", "max_steps": "steps and batches",
               "seed": "the run"}
-    group = parser
+    group: argparse.ArgumentParser | argparse._ArgumentGroup = parser
     for f in fields(TrainConfig):
         if f.name == "load":
             continue
