@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 
-
 @contextlib.contextmanager
 def opened_paths():
     """Every path opened through open / io.open / os.open inside the block, resolved."""

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moeswap.atomic_dir import (OutOfSpaceError, Owner, atomic_directory, atomic_file, remove_stale,
-                                writing)
+from moeswap.atomic_dir import OutOfSpaceError, Owner, atomic_directory, atomic_file, remove_stale, writing
 from moeswap.cli import USER_ERRORS
 
 

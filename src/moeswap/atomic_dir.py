@@ -1,14 +1,7 @@
-"""Writing outputs all at once, so that a destination is always complete or absent: a directory
-(init-tiny, quantize) is written into a hidden staging sibling renamed into place at the end, a file
-(trace) into a temporary sibling renamed over it.
-
-A failure, Ctrl-C or SIGTERM removes the staging directory; after SIGKILL or a crash the next write to
-the same destination removes the staging directories whose owner is provably gone (the owner's pid and
-start time are in the directory's name). A full disk is a user error naming the file (OutOfSpaceError).
-An output that joins a directory already there (a training run's result beside its checkpoints) is written
-into a staging directory inside it and moved in file by file, a marker file last (`move_into`).
-Entry points: `atomic_directory(dst)`, `atomic_file(path)`, `move_into(src, dst, last)`, `writing(path)`,
-`remove_stale(dst)`.
+"""Outputs written all at once, so that a destination is always complete or absent: a directory (init-tiny,
+quantize) through a hidden staging sibling renamed into place, a file (trace) through a temporary sibling.
+Knows nothing of what is written. Entry points: `atomic_directory(dst)`, `atomic_file(path)`,
+`move_into(src, dst, last)`, `writing(path)`, `remove_stale(dst)`.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ class OutOfSpaceError(OSError):
     """The disk (or the user's quota) filled up while writing; the partial output is already removed."""
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or super().__str__()
 
 
 @dataclass(frozen=True)
@@ -108,7 +101,7 @@ def remove_stale(dst: str | os.PathLike) -> list[Path]:
     whose owner process is gone; returns them. Live writers' directories are left alone."""
     dst = Path(dst)
     prefix = f".{dst.name}."
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(dst.parent))
     except FileNotFoundError:
@@ -131,7 +124,12 @@ def remove_stale(dst: str | os.PathLike) -> list[Path]:
 def atomic_directory(dst: str | os.PathLike) -> Iterator[Path]:
     """Yields a new staging directory next to `dst`; when the block succeeds it becomes `dst`, which must
     be absent or an empty directory. If another process creates `dst` meanwhile, this one's output is
-    discarded with a FileExistsError: a rename never replaces a non-empty directory."""
+    discarded with a FileExistsError: a rename never replaces a non-empty directory.
+
+    A failure, Ctrl-C or SIGTERM removes the staging directory; after SIGKILL or a crash the next write to
+    the same destination removes the staging directories whose owner is provably gone (the owner's pid and
+    start time are in the directory's name). A full disk is a user error naming the file (OutOfSpaceError).
+    """
     dst = Path(dst)
     staging: list[Path] = []
     try:

@@ -10,9 +10,9 @@ CLI builds its parser without importing torch. Entry point: `LoadOptions`.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from moeswap.units import human_bytes, parse_bytes

@@ -58,9 +58,7 @@ def fit_threads_to_load(cores: int | None = None, load: float | None = None,
 
     torch and the C kernels share one OpenMP runtime (torch's libgomp), whose threads spin after every
     parallel region. When other processes hold the cores, a region's join waits for a worker the kernel
-    has descheduled, and the spinning threads take the time that worker needs: a 1,261-token prompt on
-    the small K3 under a load of 5 on 2 cores took 16.2 s to its first token with the defaults, 4.3 s with
-    OMP_WAIT_POLICY=PASSIVE and 1.6 s with one thread (docs/benchmarks.md). So, with other processes'
+    has descheduled, and the spinning threads take the time that worker needs (docs/benchmarks.md). So, with other processes'
     load L (other_load) on C cores, the threads are the cores left free, round(C - L), at least 1, waiting
     passively; when that is every core (L < 1/2) OpenMP keeps its defaults. A variable the
     user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, GOMP_SPINCOUNT) wins; MOESWAP_THREADS=spin turns this off.
@@ -116,13 +114,13 @@ def _cores() -> int:
 
 def use_huge_pages() -> None:
     """Transparent huge pages for torch's CPU allocations of 2 MB and more (weights, caches): a decode
-    step streams every weight once, and with 4 KB pages the page walks cost a CPU core about a third of
-    its streaming rate (measured on the bench VM: one core's bf16_linear 17 -> 25 GB/s; docs/benchmarks.md).
+    step streams every weight once, and with 4 KB pages the page walks cost a CPU core a good share of its
+    streaming rate (docs/benchmarks.md).
     A value the user set (THP_MEM_ALLOC_ENABLE=0 turns it off) wins."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-MMAP_THRESHOLD = 512 << 10  # inference: what return_large_frees_to_os's docstring measured
+MMAP_THRESHOLD = 512 << 10  # inference: see return_large_frees_to_os
 TRAIN_MMAP_THRESHOLD = 64 << 20  # training: see heap_for_training
 
 
@@ -130,8 +128,8 @@ def return_large_frees_to_os(threshold: int = MMAP_THRESHOLD) -> None:
     """Serve allocations >= threshold with mmap so freeing them returns memory to the OS (glibc only).
 
     Experts come and go in blocks of one buffer each (0.8 MB on the bench model, 17.5 MB on K3); glibc's
-    default (a threshold that grows up to 32 MiB) keeps them in the heap, which measured ~500 MB above
-    budget on a 1.2 GB-expert model, and 1 MiB still 110-250 MB more than 512 KiB. The price, page
+    default (a threshold that grows up to 32 MiB) keeps them in the heap, well above the store's budget, and
+    1 MiB still more than 512 KiB (docs/benchmarks.md). The price, page
     faults on every fresh buffer, is avoided for disk reads by reusing buffers (experts/buffers.py).
     """
     if sys.platform.startswith("linux"):
@@ -146,10 +144,8 @@ def heap_for_training(threshold: int = TRAIN_MMAP_THRESHOLD):
     """Allocations below `threshold` from the heap while the block runs, then MMAP_THRESHOLD again.
 
     A training step's activations and the frozen-experts node's buffers (several MB each) are freed and
-    allocated again every step: served by mmap, each is page-faulted afresh (55-65K minor faults a step on
-    `bench train`'s Kimi Linear; 5-10K with this threshold). 2026-12-02, `moeswap bench train
-    models/small-linear --threads 1`, load 0.6-0.8: 417.8 -> 521.1 tokens/s, peak RSS 801 -> 920 MiB (8 MiB
-    gave the same RSS and speed there; 64 MiB also keeps longer rows' activations). The expert store's
+    allocated again every step: served by mmap, each is page-faulted afresh every step (docs/benchmarks.md);
+    64 MiB also keeps longer rows' activations in the heap. The expert store's
     buffers are pooled (experts/buffers.py), so the heap growth the inference threshold guards against does
     not come from them.
     """

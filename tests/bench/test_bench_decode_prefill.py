@@ -4,7 +4,8 @@ rate is the reported count over the reported time, and that moeswap's tokens are
 
 import pytest
 
-from moeswap.bench import decode, prefill, sidebyside as sbs
+from moeswap.bench import decode, prefill
+from moeswap.bench import sidebyside as sbs
 from moeswap.cli import main
 from moeswap.models.loader import LoadOptions, load_model
 

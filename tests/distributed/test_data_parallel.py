@@ -16,8 +16,13 @@ import pytest
 import torch
 
 # arch_dir is a fixture: imported, pytest finds it here too
-from distributed.test_expert_parallel import (SRC, arch_dir, config_and_budgets,  # noqa: F401
-                                              generate_alone_and_under_torchrun, launch)
+from distributed.test_expert_parallel import (  # noqa: F401
+    SRC,
+    arch_dir,
+    config_and_budgets,
+    generate_alone_and_under_torchrun,
+    launch,
+)
 from moeswap.distributed.placement import contiguous
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.models.loader import LoadOptions, load_model

@@ -36,7 +36,7 @@ def test_balanced_spreads_hot_experts_with_equal_shares(tiny_k3_dir):
     use = [100, 90, 80, 70] + [1] * 12  # four hot experts that contiguous ranges would put on rank 0
     rows = [use if row else [] for row in contiguous(cfg, 2).owners]
     p = balanced(Counts(rows), cfg, 2)
-    for i, row in enumerate(p.owners):
+    for row in p.owners:
         if not row:
             continue
         assert sorted(row) == [0] * 8 + [1] * 8

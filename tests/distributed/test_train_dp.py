@@ -11,16 +11,15 @@ rank 0, forward and backward."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 # arch_dir is a fixture: imported, pytest finds it here too
 from distributed.ep_worker import MICRO_BATCHES, dp_lora_gradients
 from distributed.test_expert_parallel import arch_dir, launch  # noqa: F401
+from distributed.test_train_ep import train_alone_and_under_torchrun
 from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME
 from moeswap.train.checkpoint import OPTIMIZER, PARAMS, checkpoint_dir
-from distributed.test_train_ep import train_alone_and_under_torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

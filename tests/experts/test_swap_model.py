@@ -288,7 +288,7 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
         prompt = torch.tensor([PROMPT[:6], PROMPT[6:12], PROMPT[12:18]])
         with torch.inference_mode():
             outs = [model(prompt, state)]  # prefill: the store's path (and the tables fill)
-            for step in range(4):
+            for _ in range(4):
                 outs.append(model(outs[-1][:, -1:].argmax(-1), state))
         return torch.cat([o[:, -1] for o in outs]), store
 

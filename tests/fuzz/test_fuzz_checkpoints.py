@@ -25,12 +25,12 @@ import torch
 from hypothesis import HealthCheck, currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
 
-from open_spy import opened_paths
 from moeswap.cli import USER_ERRORS, main
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, CheckpointError
 from moeswap.models.loader import load_model
 from moeswap.tiny import tiny_config
+from open_spy import opened_paths
 
 HANG_S = 60  # one example takes well under a second; only a blocked read or an endless loop takes this long
 SECRET = b"secret-token-4242 (not a checkpoint)\n"

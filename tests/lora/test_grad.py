@@ -128,7 +128,7 @@ def test_every_target_kind_against_finite_differences(k3_f64, tokens, monkeypatc
             dirs = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
             analytic = sum((p.grad * d).sum() for p, d in zip(params, dirs)).item()
 
-            def central(h: float) -> float:
+            def central(h: float, params=params, dirs=dirs, i=i) -> float:
                 with torch.no_grad():
                     for p, d in zip(params, dirs):
                         p.add_(h * d)

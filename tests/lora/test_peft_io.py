@@ -12,8 +12,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.lora import (CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, attach_lora, fingerprint, load_adapter,
-                          lora_modules, save_adapter)
+from moeswap.lora import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    LoRAConfig,
+    attach_lora,
+    fingerprint,
+    load_adapter,
+    lora_modules,
+    save_adapter,
+)
 
 TARGETS = ("q_proj", "kv_b_proj", "shared_experts.gate_proj", "lm_head")
 
@@ -54,7 +62,7 @@ def test_round_trip(adapted, load, tiny_k3_dir, tmp_path, tokens):
     assert cfg == adapted.lora_config
     with torch.no_grad():
         assert torch.equal(fresh(tokens), adapted.eval()(tokens))
-    for name, lora in lora_modules(fresh).items():
+    for lora in lora_modules(fresh).values():
         assert lora.scaling == 8 / 2 and lora.lora_dropout.p == 0.05  # rsLoRA: alpha / sqrt(r)
         assert not lora.lora_A.weight.requires_grad
     with pytest.raises(ValueError, match="already carries a LoRA adapter"):

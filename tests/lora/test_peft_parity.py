@@ -16,12 +16,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from moeswap.lora import (LoRAConfig, attach_lora, fingerprint, load_adapter, save_adapter,  # noqa: E402
-                          trainable_parameters)
-from moeswap.models.loader import LoadOptions, load_model  # noqa: E402
 # the tiny transformers Kimi Linear of the model parity tests (4 KDA + 1 MLA layers, a dense first layer,
 # 8 routed experts and a shared one)
 from models.test_kimi_linear_parity import _reference_model as _reference  # noqa: E402
+from moeswap.lora import LoRAConfig, attach_lora, fingerprint, load_adapter, save_adapter, trainable_parameters  # noqa: E402
+from moeswap.models.loader import LoadOptions, load_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
            "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]

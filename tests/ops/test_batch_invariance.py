@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from moeswap.formats import fp8_block, int4, mxfp4
-from moeswap.ops import cpu_kernels
-from moeswap.ops import expert_mxfp4
+from moeswap.ops import cpu_kernels, expert_mxfp4
 from moeswap.ops.activation import glu_reference
 from moeswap.ops.expert import ExpertWeights, FP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights
 
@@ -51,11 +50,11 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(flags):
     for I in (32, 64, 96, 100, 7, 2048 + 32):
         w = torch.randn(O, I, generator=gen).bfloat16()
         x = torch.randn(MAX_T, I, generator=gen)
-        alone = _assert_rows_alone(lambda xt: kernel.bf16_linear(xt, w), x)
+        alone = _assert_rows_alone(lambda xt, w=w: kernel.bf16_linear(xt, w), x)
         want = x @ w.float().T
         torch.testing.assert_close(alone, want, rtol=2e-6, atol=4e-6 * want.abs().max().item())
         if kernel.has_bf16_dot and I % 32 == 0:  # --gemm-precision bf16's pair dot products
-            alone = _assert_rows_alone(lambda xt: kernel.bf16_linear(xt, w, bf16_inputs=True), x)
+            alone = _assert_rows_alone(lambda xt, w=w: kernel.bf16_linear(xt, w, bf16_inputs=True), x)
             want = x.bfloat16().float() @ w.float().T
             torch.testing.assert_close(alone, want, rtol=2e-6, atol=4e-6 * want.abs().max().item())
 

@@ -20,7 +20,7 @@ def test_decode_step_matches_the_recurrence(B, H, K, V, use_kernel, monkeypatch)
     gen = torch.Generator().manual_seed(B * 100 + K)
     state = torch.randn(B, H, K, V, generator=gen) * 0.1
     want_state = state.clone()
-    for step in range(4):
+    for _ in range(4):
         q, k = torch.randn(B, 1, H, K, generator=gen) * 3, torch.randn(B, 1, H, K, generator=gen)
         v = torch.randn(B, 1, H, V, generator=gen)
         g = -5 * torch.rand(B, 1, H, K, generator=gen)  # down to K3's bound

@@ -6,9 +6,9 @@ import pytest
 
 from moeswap.ops import cpu_kernels
 from moeswap.planner import PlanRequest, Serve, plan
-from moeswap.planner.models import parse_model_dict, preset_path
 from moeswap.planner.hardware import builtin_catalog, resolve_hardware
 from moeswap.planner.local import load_or_measure, measure, write_toml
+from moeswap.planner.models import parse_model_dict, preset_path
 
 
 @pytest.mark.slow

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from moeswap.planner.hardware import resolve_hardware
 from moeswap.planner.models import parse_model_dict, preset_path, resolve_model
 from moeswap.planner.params import kda_state_bytes_per_seq, mla_cache_values_per_token, model_params
 from moeswap.planner.plan import model_sizes
-from moeswap.planner.hardware import resolve_hardware
 from moeswap.planner.workload import Precision
 
 MIB, KIB = 2**20, 1024

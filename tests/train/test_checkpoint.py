@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from moeswap import cli
+from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME
 from moeswap.train.checkpoint import CheckpointError, all_checkpoints
 from moeswap.train.loop import train
-from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME
 
 KILLER = textwrap.dedent("""
     import json, os, signal, sys

@@ -15,7 +15,6 @@ from moeswap.train.data import IGNORE, Sample, batch, eval_rows
 from moeswap.train.loop import _loss_sum
 from moeswap.train.targets import prepare_model
 
-
 TEXTS = ("the lamp", "the lamp is lit and the fog horn is silent tonight", "and the sea is calm")
 
 

@@ -13,8 +13,7 @@ import pytest
 
 from moeswap.text.tokenizer import load_tokenizer
 from moeswap.train.config import TrainConfig
-from moeswap.train.data import (IGNORE, DataError, Encoder, RowStream, Sample, batch, load_data, pack,
-                                read_file)
+from moeswap.train.data import IGNORE, DataError, Encoder, RowStream, Sample, batch, load_data, pack, read_file
 
 K3_TEMPLATE = (Path(__file__).parent.parent / "data" / "Kimi-K3.jinja").read_text(encoding="utf-8")
 EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "

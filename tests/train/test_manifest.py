@@ -14,8 +14,8 @@ import pytest
 from moeswap import cli
 from moeswap.experts.stats import StoreStats, TierStats
 from moeswap.lora import WEIGHTS_NAME, fingerprint
-from moeswap.train.loop import train
 from moeswap.procfs import peak_rss_bytes
+from moeswap.train.loop import train
 from moeswap.train.manifest import LOSS_CSV, LOSS_PNG, MANIFEST, check_reproduction
 
 # what full mode writes for the tiny base: one shard and its index (train/export.py)

@@ -146,7 +146,7 @@ def add_parser(benches) -> None:
     b.add_argument("--out-dir", default=".", help="where cache-hit-rate.{md,png,json} go (default: here)")
 
 
-def _list(text: str, flag: str, cast=str) -> list:
+def comma_list(text: str, flag: str, cast=str) -> list:
     try:
         return [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -155,11 +155,11 @@ def _list(text: str, flag: str, cast=str) -> list:
 
 def run(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
-    budgets = _list(args.budgets, "--budgets", float)
+    budgets = comma_list(args.budgets, "--budgets", float)
     if not budgets or any(not 0 < b <= 100 for b in budgets):
         raise ValueError(f"--budgets {args.budgets!r}: expected percentages in (0, 100]")
     budgets = [int(b) if b == int(b) else b for b in budgets]
-    policies = _list(args.policies, "--policies")
+    policies = comma_list(args.policies, "--policies")
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")

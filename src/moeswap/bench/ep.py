@@ -1,14 +1,7 @@
-"""`moeswap bench ep MODEL --nproc N`: greedy decode on 1 process and on N expert-parallel ranks on this
-machine (started as torchrun would: distributed/launch.py), side by side, in both modes (`--mode`):
-replicated attention (every rank the same sequence; distributed/ep.py) and data-parallel attention with
-token dispatch (rank r its own sequence r; distributed/dispatch.py). For each: tokens/s, bytes each rank
-received per token per MoE layer, time in the collectives against the rest, and the planner's figure for
-the same exchange (planner/roofline.py expert_exchange_bytes: its "replicated" form, and its default
-"data-parallel" form, whose dispatch term the data-parallel run is compared with).
-
-The baseline is named "1 process" (the same model, options and prompts, no torch.distributed; for the
-data-parallel run it generates the N sequences one after another). Both sides must give the same tokens
-(checked and reported). Writes ep-<time>.{md,json} like the other benches.
+"""`moeswap bench ep MODEL --nproc N`: greedy decode on 1 process and on N expert-parallel ranks of this
+machine, in both modes (replicated attention; data-parallel attention with token dispatch): tokens/s, bytes
+received per token per MoE layer against the planner's figure, time in the collectives. Both sides must
+give the same tokens (checked and reported). Writes ep-<time>.{md,json}. Entry points: `add_parser`, `run`.
 """
 
 from __future__ import annotations
@@ -113,6 +106,12 @@ MODES = ("both", "replicated", "data-parallel")
 
 def run_bench(model_dir: str, nproc: int, options: LoadOptions, prompt_tokens: int, max_tokens: int, threads: int,
               placement: str | None, timeout_s: float = 1800, mode: str = "both") -> dict:
+    """Ranks start as torchrun would start them (distributed/launch.py). Replicated attention: every rank the
+    same sequence (distributed/ep.py); data-parallel: rank r its own sequence r (distributed/dispatch.py).
+    The planner's figure is planner/roofline.py expert_exchange_bytes: its "replicated" form, and its default
+    "data-parallel" form, whose dispatch term the data-parallel run is compared with. The baseline, "1 process",
+    is the same model, options and prompts without torch.distributed (for the data-parallel run it generates the
+    N sequences one after another)."""
     from moeswap.bench.cache import environment
     from moeswap.config import load_config
     from moeswap.models.loader import resolve_dtype

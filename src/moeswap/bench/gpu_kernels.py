@@ -1,12 +1,7 @@
-"""`moeswap bench gpu-kernels`: one layer step of routed MXFP4 experts on a CUDA device, µs per step, tokens/s
-and GB/s of expert bytes read, for the Triton kernels (ops/triton_mxfp4.py) against named baselines.
-
-A step routes `tokens` tokens to the same `experts` experts (each expert's bytes are read once per step).
-Variants: "triton grouped" (the MoE block's path on CUDA: three launches for all experts), "triton per
-expert", "torch_rows per expert" (the torch fallback: decode ~1 MB of rows, matmul) and "bf16 resident"
-(decoded bf16 experts, torch matmuls: 3.8x the bytes). The device's read bandwidth is measured in the same
-run (a large sum). Experts are bench.kernels' random K3-sized ones. `--device cpu` runs the same on CPU
-tensors under Triton's interpreter (TRITON_INTERPRET=1), only to check this code on tiny shapes.
+"""`moeswap bench gpu-kernels`: one layer step of routed MXFP4 experts on a CUDA device (µs per step, tokens/s,
+GB/s of expert bytes read) for the Triton kernels (ops/triton_mxfp4.py) against named baselines, with the
+device's read bandwidth measured in the same run. `--device cpu` runs it under Triton's interpreter, only to
+check this code on tiny shapes. Entry points: `add_parser`, `run`.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ import time
 import torch
 
 from moeswap import jsonio
-from moeswap.bench.kernels import K3_EXPERT, _machine, add_shape_flags, random_experts, shape_args
+from moeswap.bench.kernels import K3_EXPERT, add_shape_flags, machine_facts, random_experts, shape_args
 
 VARIANTS = ("triton grouped", "triton per expert", "torch_rows per expert", "bf16 resident")
 
@@ -46,6 +41,10 @@ def measure_device_bandwidth(device: torch.device, nbytes: int = 4 << 30, repeat
 def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens=(1, 4, 16, 64), n_experts: int = 16,
               rounds: int = 5, min_seconds: float = 0.1, act: str = "situ", dtype: torch.dtype = torch.bfloat16,
               device: str = "cuda", bandwidth_bytes: int = 4 << 30) -> dict:
+    """A step routes `tokens` tokens to the same `experts` experts (each expert's bytes are read once per step).
+    Variants: "triton grouped" (the MoE block's path on CUDA: three launches for all experts), "triton per
+    expert", "torch_rows per expert" (the torch fallback: decode ~1 MB of rows, matmul) and "bf16 resident"
+    (decoded bf16 experts, torch matmuls: 3.8x the bytes). Experts are bench.kernels' random K3-sized ones."""
     from moeswap.formats import mxfp4
     from moeswap.ops import expert_mxfp4, triton_mxfp4
     from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
@@ -65,13 +64,13 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
         offsets = [g * t for g in range(n_experts + 1)]
         weights = torch.full((n_experts * t,), 1.0 / n_experts, device=dev)
 
-        def per_expert(fn, ws):
+        def per_expert(fn, ws, t=t, h=h):  # bound now: called within this iteration only
             out = torch.zeros(t, in_dim, device=dev)
             for w in ws:
                 out += fn(w, h, act, betas).float() / n_experts
             return out
 
-        def grouped():
+        def grouped(t=t, h=h, token_ids=token_ids, offsets=offsets, weights=weights):
             out = torch.zeros(t, in_dim, device=dev)
             triton_mxfp4.grouped_experts(h, experts, token_ids, offsets, weights, act, betas, out)
             return out
@@ -104,7 +103,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
                          "max_rel_diff_vs_torch_rows": (outputs[name] - ref).abs().max().item() / scale,
                          "spread_us": (min(samples[name]) * 1e6, max(samples[name]) * 1e6)})
     bandwidth = measure_device_bandwidth(dev, bandwidth_bytes)
-    machine = _machine()
+    machine = machine_facts()
     machine["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     machine["triton"] = getattr(triton_mxfp4.triton, "__version__", None)
     return {"expert": {"in_dim": in_dim, "expert_dim": expert_dim, "act": act, "dtype": str(dtype).removeprefix("torch."),

@@ -1,12 +1,6 @@
-"""`moeswap bench kernels`: µs per routed-expert call from MXFP4, block-FP8 and INT4 bytes, against named
-baselines.
-
-Variants: "mxfp4 direct" (every available ops.expert_mxfp4 implementation), "fp8 direct" and "int4 direct"
-(ops.expert_quant's kernel path: csrc/quant.c), "dequantise then matmul" for each (the formats' torch
-references) and "bf16 resident" (a decoded bf16 expert, ops.expert.ExpertWeights). Experts are cycled so
-their bytes come from DRAM, not cache, and the machine's read bandwidth is measured in the same run (a large
-fp32 sum). Variants are interleaved round by round and the median is reported; each format's goal is its
-direct kernel's stored bytes per second at the fewest tokens against that read bandwidth.
+"""`moeswap bench kernels`: µs per routed-expert call from MXFP4, block-FP8 and INT4 bytes against named
+baselines, with the machine's read bandwidth measured in the same run; each format's goal is its direct
+kernel's stored bytes per second at the fewest tokens against that bandwidth. Entry points: `add_parser`, `run`.
 """
 
 from __future__ import annotations
@@ -115,6 +109,11 @@ def _bf16_resident(w):
 def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens=(1, 4, 16), n_experts: int = 16,
               rounds: int = 5, min_seconds: float = 0.2, act: str = "situ", slow_variants: bool = True,
               with_compile: bool = False, formats: tuple[str, ...] = ("mxfp4", "fp8", "int4")) -> dict:
+    """Variants: "mxfp4 direct" (every available ops.expert_mxfp4 implementation), "fp8 direct" and "int4 direct"
+    (ops.expert_quant's kernel path: csrc/quant.c), "dequantise then matmul" for each (the formats' torch
+    references) and "bf16 resident" (a decoded bf16 expert, ops.expert.ExpertWeights). Experts are cycled so
+    their bytes come from DRAM, not cache; the read bandwidth is a large fp32 sum. Variants are interleaved
+    round by round and the median is reported."""
     from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant
 
     betas = (4.0, 25.0)
@@ -156,7 +155,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
         xb = x.to(torch.bfloat16)
         samples: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, list[float]] = {name: [] for name in variants}
-        for name, (fn, _) in variants.items():
+        for fn, _ in variants.values():
             fn(0, x, xb)  # warm up (and build the kernel)
         for _ in range(rounds):
             for name, (fn, _) in variants.items():
@@ -196,11 +195,11 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
                  "fraction_per_cpu_s": (packed_bytes / (best["cpu_us_per_call"] * 1e-6) / 1e9)
                  / bandwidth["read_GBps_per_cpu_s"],
                  "target": 0.5, "met": best["packed_GBps"] >= 0.5 * bandwidth["read_GBps"]},
-        "machine": _machine(), "kernel_isa": kernel.isa if kernel else None, "compile_seconds": compile_seconds,
+        "machine": machine_facts(), "kernel_isa": kernel.isa if kernel else None, "compile_seconds": compile_seconds,
     }
 
 
-def _machine() -> dict:
+def machine_facts() -> dict:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
@@ -239,7 +238,7 @@ def format_report(r: dict) -> str:
     lines += ["", f"goal: {g['variant']} at {g['tokens']} token reads packed bytes at {g['packed_GBps']:.1f} GB/s = "
               f"{g['fraction_of_read_bandwidth']:.0%} of the measured read bandwidth (target >= 50%: "
               f"{'met' if g['met'] else 'NOT met'}); per CPU second: {g['fraction_per_cpu_s']:.0%}"]
-    for kind, fg in r.get("format_goals", {}).items():
+    for fg in r.get("format_goals", {}).values():
         lines.append(f"goal: {fg['variant']} at {fg['tokens']} token reads its {fg['stored_bytes'] / 1e6:.2f} MB of "
                      f"stored bytes at {fg['GBps']:.1f} GB/s = {fg['fraction_of_read_bandwidth']:.0%} of the measured "
                      f"read bandwidth (target >= 50%: {'met' if fg['met'] else 'NOT met'}); per CPU second: "

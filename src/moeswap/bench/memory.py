@@ -13,10 +13,10 @@ import json
 import subprocess
 import sys
 
+from moeswap import jsonio
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.procfs import peak_rss_bytes, rss_bytes
 from moeswap.tuning import tune_process
-from moeswap import jsonio
 
 
 def _dtypes(model) -> str:
@@ -39,7 +39,7 @@ def measure(model_dir: str, prompt_tokens: int, max_tokens: int, options: LoadOp
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     # torch imports its compiler stack lazily on the first model built (nn.init goes through torch._dynamo,
-    # which imports triton where it is installed: ~90 MB): torch's, not moeswap's, so part of the baseline
+    # which imports triton where it is installed: tens of MB): torch's, not moeswap's, so part of the baseline
     import torch._dynamo  # noqa: F401
 
     base = rss_bytes()

@@ -1,15 +1,7 @@
-"""`moeswap bench swap MODEL`: decode tokens/s with the fast tier at a fraction of the experts' bytes, for
-every cache policy with and without next-layer prefetch, next to two named baselines: "all experts
-resident" (the reference of every ratio) and "no cache: read each expert from disk every time".
-
-One process and one model load; each configuration gets a fresh store, the same prompts (seeded random
-token ids, or a file's lines decoded one after another) and greedy decoding, and must reproduce the
-all-resident tokens (checked and reported).
-Budgets are fractions of all experts' bytes in the fast tier's form (MXFP4, or decoded with
---decoded-experts). Disk reads are cold by default (each expert's pages are dropped from the OS page
-cache after it is read), as for a checkpoint larger than RAM. All-resident (the reference)
-and every other configuration run round-robin `--repeats` times; tokens/s is the median. Static is
-profiled on a second prompt; Belady replays the reference run's own trace.
+"""`moeswap bench swap MODEL`: decode tokens/s with the fast tier at fractions of the experts' bytes, for every
+cache policy with and without next-layer prefetch, next to "all experts resident" (the reference of every
+ratio) and "no cache: read each expert from disk every time". Every configuration must reproduce the
+all-resident tokens (checked and reported). Entry points: `run_bench`, `add_parser`, `run`.
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from moeswap.options import LoadOptions, NO_CACHE, PREFETCH_MODES, add_load_flags, add_model_argument
+from moeswap.options import NO_CACHE, PREFETCH_MODES, LoadOptions, add_load_flags, add_model_argument
 
 BASELINE_RESIDENT = "all experts resident"
 BASELINE_NO_CACHE = "no cache: every expert read from disk every time"
@@ -53,7 +45,14 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
     default seeded random tokens. The first `timed_prompts` are decoded one after another with the same store
     (as a server's requests; default: all but two of `prompts`, one random prompt), the next one profiles
     `static` and the one after warms the cache (cycled). Tokens/s is decoded tokens over decode time of all
-    timed prompts: a few dozen tokens of a small model take tens of ms, which a shared machine's noise swamps."""
+    timed prompts: a few dozen tokens of a small model take tens of ms, which a shared machine's noise swamps.
+
+    One process and one model load; each configuration gets a fresh store, the same prompts (seeded random
+    token ids, or a file's lines decoded one after another) and greedy decoding. Budgets are fractions of all
+    experts' bytes in the fast tier's form (MXFP4, or decoded with --decoded-experts). Disk reads are cold by
+    default (each expert's pages are dropped from the OS page cache after it is read), as for a checkpoint
+    larger than RAM. Static is profiled on a second prompt; Belady replays the reference run's own trace.
+    """
     import statistics
 
     import torch
@@ -108,7 +107,7 @@ def run_bench(model_dir: str, budgets=(10, 25, 50, 100), policies=None, prompt_t
         for ids in prompts_ or timed:
             at_first = []
 
-            def on_token(_):  # the first token ends the prompt: decode-only statistics start here
+            def on_token(_, at_first=at_first):  # the first token ends the prompt: decode-only statistics start here
                 if not at_first:
                     at_first.extend(books(store.stats))
 
@@ -276,11 +275,11 @@ def add_parser(benches) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from moeswap.bench.cache import _list
+    from moeswap.bench.cache import comma_list
     from moeswap.experts.policy import POLICIES
 
-    budgets = [int(b) for b in _list(args.budgets, "--budgets", float)]
-    policies = _list(args.policies, "--policies") if args.policies else list(POLICIES)
+    budgets = [int(b) for b in comma_list(args.budgets, "--budgets", float)]
+    policies = comma_list(args.policies, "--policies") if args.policies else list(POLICIES)
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"--policies: unknown policy {p!r}; expected some of {', '.join(POLICIES)}")

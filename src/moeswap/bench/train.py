@@ -1,21 +1,7 @@
 """`moeswap bench train LINEAR [--k3 K3]`: LoRA fine-tuning tokens/s and peak memory, moeswap against PEFT +
-transformers on one Kimi Linear checkpoint, and moeswap on a K3 checkpoint at full and reduced expert budgets.
-
-Same work for both on Kimi Linear: the rows `moeswap train` makes from one synthetic JSONL (random one-token
-words, every sample cut to --seq-len tokens, no packing: each row is seq_len real tokens), in its order; the
-same LoRA (rank, alpha, no dropout, --targets: modules both reach; PEFT cannot target transformers' fused
-routed experts), AdamW (constant lr, betas, eps 1e-8, no weight decay), gradient clipping at 1.0, micro-batch and
-steps, fp32 math. moeswap runs as users run it (`moeswap train CONFIG`, its manifest's tokens/s and peak
-RSS); PEFT as `get_peft_model` on `KimiLinearForCausalLM.from_pretrained(dtype=float32)` with a plain loop
-(no Trainer overhead) and the same loss. Each run is its own process with the same threads
-(OMP_NUM_THREADS, torch.set_num_threads); tokens/s = real tokens / time in the training steps (the first
-included: both pay their warm-up alike), peak RSS = the process's VmHWM (model load included). The first
-step's loss of both is reported as a check that they train the same model on the same data (B = 0 at
-the start: the base model's loss, equal up to fp32 rounding); and tokens/s after the first step (the
-steady state, without either's warm-up: lazy imports, kernel loads, experts' first reads).
-K3 runs: `moeswap train` with expert LoRA too (--k3-targets), at each --budgets percentage of the routed
-experts' bytes (100: all resident). Entry points: add_parser / run; `python -m moeswap.bench.train
---worker peft SPEC.json` is the PEFT process.
+transformers on one Kimi Linear checkpoint (the same rows, LoRA, optimiser and steps, each in its own
+process), and moeswap on a K3 checkpoint at full and reduced expert budgets. Entry points: `add_parser`,
+`run`; `python -m moeswap.bench.train --worker peft SPEC.json` is the PEFT process.
 """
 
 from __future__ import annotations
@@ -193,6 +179,20 @@ def peft_worker(spec_path: str) -> dict:
 
 
 def measure(a: argparse.Namespace, work: Path) -> dict:
+    """Same work for both on Kimi Linear: the rows `moeswap train` makes from one synthetic JSONL (random one-token
+    words, every sample cut to --seq-len tokens, no packing: each row is seq_len real tokens), in its order; the
+    same LoRA (rank, alpha, no dropout, --targets: modules both reach; PEFT cannot target transformers' fused
+    routed experts), AdamW (constant lr, betas, eps 1e-8, no weight decay), gradient clipping at 1.0, micro-batch
+    and steps, fp32 math. moeswap runs as users run it (`moeswap train CONFIG`, its manifest's tokens/s and peak
+    RSS); PEFT as `get_peft_model` on `KimiLinearForCausalLM.from_pretrained(dtype=float32)` with a plain loop
+    (no Trainer overhead) and the same loss. Each run is its own process with the same threads
+    (OMP_NUM_THREADS, torch.set_num_threads); tokens/s = real tokens / time in the training steps (the first
+    included: both pay their warm-up alike), peak RSS = the process's VmHWM (model load included). The first
+    step's loss of both is reported as a check that they train the same model on the same data (B = 0 at
+    the start: the base model's loss, equal up to fp32 rounding); and tokens/s after the first step (the
+    steady state, without either's warm-up: lazy imports, kernel loads, experts' first reads).
+    K3 runs: `moeswap train` with expert LoRA too (--k3-targets), at each --budgets percentage of the routed
+    experts' bytes (100: all resident)."""
     from moeswap.bench.sidebyside import machine_info
     from moeswap.config import load_config
 

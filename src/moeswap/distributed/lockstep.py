@@ -1,20 +1,7 @@
-"""Serving under expert parallelism: rank 0's scheduler (the server's engine thread owns it) and one on
-every other rank, stepped in lockstep. Rank 0 records what changes the schedulers (new engine config,
-submitted requests, aborts) and, before each step, publishes that list and "step" through the rendezvous
-store; the others apply the calls to their own Scheduler and step it.
-
-Replicated mode: every rank gets every call, so every rank runs the same forward passes and meets at the
-same expert exchanges. The Scheduler is deterministic given its calls (only its statistics read the
-clock); requests that sample get a seed from rank 0.
-
-Data-parallel mode (`ep.dispatch`, token dispatch): rank 0 gives each request to one rank (the one with
-the fewest unfinished requests, rank 0 itself included), and only that rank's scheduler gets it. Every
-step, each rank steps its own scheduler (possibly with nothing to run), then serves the others' expert
-exchanges until every rank's step is done (`TokenDispatch.finish`), and rank 0 gathers every rank's tokens
-and finished results, which it hands to the server as its own.
-
-Knows nothing of HTTP. Entry points: `leader_scheduler(ep)` (a factory for server.app.build_app) and
-`follow(model, ep)` (the other ranks' loop), `stop_followers(ep)`.
+"""Serving under expert parallelism: rank 0's scheduler (owned by the server's engine thread) and one on every
+other rank, stepped in lockstep through the rendezvous store: before each step rank 0 publishes the calls
+that changed its scheduler, and the others apply them and step. Knows nothing of HTTP. Entry points:
+`leader_scheduler(ep)` (a factory for server.app.build_app), `follow(model, ep)`, `stop_followers(ep)`.
 """
 
 from __future__ import annotations
@@ -83,7 +70,12 @@ class Channel:
 
 
 class LeaderScheduler(Scheduler):
-    """Rank 0's Scheduler: every call that changes it is also sent to the other ranks before the next step."""
+    """Rank 0's Scheduler: every call that changes it is also sent to the other ranks before the next step.
+
+    Replicated mode: every rank gets every call, so every rank runs the same forward passes and meets at the
+    same expert exchanges. The Scheduler is deterministic given its calls (only its statistics read the
+    clock); requests that sample get a seed from rank 0.
+    """
 
     def __init__(self, model, config, channel: Channel):
         super().__init__(model, config)
@@ -118,7 +110,14 @@ class LeaderScheduler(Scheduler):
 
 class DataParallelLeader(Scheduler):
     """Rank 0's Scheduler in data-parallel mode: its own share of the requests, and the other ranks' through
-    the channel; `step` returns every rank's tokens and puts their results in `finished`."""
+    the channel; `step` returns every rank's tokens and puts their results in `finished`.
+
+    Data-parallel mode (`ep.dispatch`, token dispatch): rank 0 gives each request to one rank (the one with
+    the fewest unfinished requests, rank 0 itself included), and only that rank's scheduler gets it. Every
+    step, each rank steps its own scheduler (possibly with nothing to run), then serves the others' expert
+    exchanges until every rank's step is done (`TokenDispatch.finish`), and rank 0 gathers every rank's tokens
+    and finished results, which it hands to the server as its own.
+    """
 
     def __init__(self, model, config, channel: Channel):
         super().__init__(model, config)

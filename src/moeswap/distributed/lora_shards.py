@@ -52,7 +52,7 @@ class LoRAShards:
         new_opt = make_optimizer(params)
         new_order = [p for g in new_opt.param_groups for p in g["params"]]
         state = {}
-        for i, (old, new) in enumerate(zip(old_order, new_order)):
+        for i, (old, _new) in enumerate(zip(old_order, new_order)):
             if i not in old_sd["state"]:
                 continue
             st = dict(old_sd["state"][i])

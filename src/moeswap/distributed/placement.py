@@ -62,7 +62,7 @@ def balanced(trace, config: ModelConfig, world: int) -> Placement:
     moe = _moe_layers(config)
     counts = trace.expert_counts()
     per_rank = E // world
-    owners = []
+    owners: list[tuple[int, ...]] = []
     for i in range(config.num_layers):
         if i not in moe:
             owners.append(())

@@ -1,13 +1,6 @@
-"""Optional torch.compile of the decode step, applied from outside the model (EngineConfig.compile).
-
-Only the attention sublayers (KDA, MLA) are compiled: the MoE block asks a Python expert store for
-its experts, which would break any graph. The C kernels they call enter the graph as torch ops
-(ops/cpu_kernels.py, `moeswap::bf16_linear`, `moeswap::kda_decode`); as ctypes calls they broke it at
-every projection, which made the compiled step 2x slower than eager. Whole graphs measured level with
-eager on the bench model (24.1 against 24.8 tokens/s, batch 1, 5 alternating rounds): the eager glue
-is not what inductor speeds up here. The compiled versions are swapped in for decode steps only, so
-prefill and every other caller keep the eager model, which stays the reference. On CUDA the graphed decode
-step (engine/cuda_graph.py) captures these compiled sublayers' fused kernels in its graphs.
+"""Optional torch.compile of the decode step's attention sublayers (KDA, MLA), applied from outside the model
+(EngineConfig.compile) for decode steps only: prefill and every other caller keep the eager model, the
+reference. The MoE block is not compiled: it asks a Python expert store for its experts.
 Entry point: `compile_decode(model) -> callable(tokens_B1, state) -> logits`.
 """
 
@@ -41,7 +34,13 @@ class CompiledDecode:
 
 
 def compile_decode(model) -> CompiledDecode:
-    """One per model (kept on it): schedulers made later reuse the compiled graphs instead of recompiling."""
+    """One per model (kept on it): schedulers made later reuse the compiled graphs instead of recompiling.
+
+    The C kernels enter the graph as torch ops (ops/cpu_kernels.py, `moeswap::bf16_linear`,
+    `moeswap::kda_decode`); as ctypes calls they broke it at every projection. Whole graphs are level with eager
+    (docs/benchmarks.md): the eager glue is not what inductor speeds up here. On CUDA the graphed decode step
+    (engine/cuda_graph.py) captures these compiled sublayers' fused kernels in its graphs.
+    """
     compiled = model.__dict__.get("_compiled_decode")
     if compiled is None:
         compiled = model.__dict__["_compiled_decode"] = CompiledDecode(model)

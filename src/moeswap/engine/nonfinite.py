@@ -22,7 +22,7 @@ class NonFiniteError(ValueError):
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every value of a floating-point tensor is finite, at the cost of one sum: the sum is finite
     unless a value is NaN or infinite, or the sum overflows, and only then does aminmax (min and max
-    propagate NaN) decide. [1, 512] fp32 logits: 2.0 us (isfinite().all(): 14 us); [1, 163840]: 9 us (659)."""
+    propagate NaN) decide; far cheaper than isfinite().all() (docs/benchmarks.md)."""
     if math.isfinite(t.sum().item()):
         return True
     lo, hi = torch.aminmax(t)

@@ -1,13 +1,6 @@
-"""Reusable host buffers for expert reads from disk.
-
-A fresh buffer of an expert's size is served by mmap (tuning.return_large_frees_to_os) and page-faults
-on first touch: measured 0.53 ms to read a 0.8 MB expert from the page cache into a fresh buffer
-against 0.14 ms into a reused one, CPU time taken from the model on every miss. The pool hands out
-buffers that nothing references any more (the expert they held was evicted and dropped by every user),
-and, before it allocates a new one, lets go of unreferenced ones beyond `spare_bytes`, so memory stays
-bounded by the most experts ever in use plus that spare. Finding a free buffer means asking each one
-for its storage's use count (~0.6 us); with a fast tier of hundreds of experts that scan cost ~70 us a
-miss, so the store names each expert it evicts (`released`) and `take` tries those buffers first.
+"""Reusable host buffers for expert reads from disk: a fresh mmap-served buffer page-faults on first touch.
+Hands out buffers nothing references any more and keeps at most `spare_bytes` of unreferenced ones; the
+store names each expert it evicts (`released`) and `take` tries those buffers first. Knows nothing of tiers.
 Entry points: `BufferPool(spare_bytes).take(nbytes)`, `.released(tensor)`.
 """
 

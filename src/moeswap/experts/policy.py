@@ -1,12 +1,7 @@
-"""Cache policies: which resident expert a tier gives up when it needs room.
-
-A policy hears of demand accesses (`record`) and new residents (`insert`), and names a `victim` among
-residents that are not pinned. It knows nothing of bytes, tiers or threads (the store calls it under
-its lock). Each policy is a priority: the lowest resident is evicted first; `_Ranked` keeps residents
-in a lazily updated heap, so every call is O(log n) even with 80k experts resident.
-Entry point: `make_policy(name, ...)`. POLICIES is the registry: adding a policy is one subclass and
-one entry there; every flag's choices, benchmark and the store take it from there. A policy's `create`
-says what it needs from the run (`online` ones need nothing but the run itself).
+"""Cache policies: which resident expert a tier gives up when it needs room. A policy hears of accesses
+(`record`) and new residents (`insert`) and names a `victim` among the unpinned; it knows nothing of bytes,
+tiers or threads (the store calls it under its lock). Entry point: `make_policy(name, ...)`; POLICIES is the
+registry: one subclass and one entry there reach every flag's choices, benchmark and the store.
 """
 
 from __future__ import annotations
@@ -21,7 +16,11 @@ from moeswap.experts.keys import Key
 
 
 class _Ranked:
-    """Resident keys with a priority; pop_min skips pinned keys and stale heap entries."""
+    """Resident keys with a priority; pop_min skips pinned keys and stale heap entries.
+
+    Each policy is a priority: the lowest resident is evicted first. The heap is updated lazily, so every
+    call is O(log n) even with 80k experts resident.
+    """
 
     def __init__(self):
         self._heap: list[tuple] = []
@@ -62,7 +61,7 @@ class _Ranked:
             self.put_back(skipped)
         return found
 
-    def put_back(self, entries: list) -> None:
+    def put_back(self, entries: list[tuple]) -> None:
         """Return entries pop_min left aside to the heap (those not superseded or removed meanwhile)."""
         for entry in entries:
             if self._entry.get(entry[2]) is entry:
@@ -71,7 +70,8 @@ class _Ranked:
     def lowest(self, n: int, pinned: Container) -> list[Key]:
         """The n lowest keys not in `pinned`, lowest first, left where they are (what n pop_min calls would
         return)."""
-        seen, found = [], []
+        seen: list[tuple] = []
+        found: list[Key] = []
         while self._heap and len(found) < n:
             entry = heapq.heappop(self._heap)
             if self._entry.get(entry[2]) is not entry:
@@ -89,7 +89,10 @@ class _Ranked:
 
 
 class CachePolicy:
-    """Subclasses define `_count(key)` (update what they know on an access) and `_priority(key)`."""
+    """Subclasses define `_count(key)` (update what they know on an access) and `_priority(key)`.
+
+    A policy's `create` says what it needs from the run (`online` ones need nothing but the run itself).
+    """
 
     name = "policy"
     online = True  # usable in a live run with nothing but the run itself (no profile, no future)

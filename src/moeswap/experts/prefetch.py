@@ -18,9 +18,8 @@ import torch
 from moeswap.experts.keys import Key
 from moeswap.experts.reads import DEFAULT_THREADS, Reads
 
-
-# up to this many guessed (token, slot) pairs, counting in Python beats torch's unique and argsort (~50 us on
-# a decode step's handful, where the native decode step makes a guess at every layer that stops)
+# up to this many guessed (token, slot) pairs, counting in Python beats torch's unique and argsort
+# (docs/benchmarks.md): a decode step's handful, where the native decode step guesses at every layer that stops
 GUESSES_IN_PYTHON = 256
 
 

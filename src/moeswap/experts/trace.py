@@ -1,13 +1,7 @@
-"""Routing traces: the (step, layer, experts) of a real run, written as trace.bin and replayed by
-`moeswap bench cache` (policies without the model) and read by the planner (expert counts).
-
-A step is one model forward (a prefill, or one decode step of the batch); an event is one MoE layer of
-one step with the experts it used, in fetch order. TraceRecorder is attached to an ExpertStore
-(`store.trace`); it needs no torch. File layout (little-endian): b"MSWTRACE", u32 version, u32 n,
-n bytes of JSON metadata, u32 events, then u32 step[events], u16 layer[events], u16 count[events],
-u16 expert[sum(count)]. A trace is checked when read (`Trace.check`: metadata types, ids in range) and
-against the model it is used with (`Trace.check_model`). Entry points: `TraceRecorder`, `write_trace`,
-`read_trace`, `is_trace_file`.
+"""Routing traces: the (step, layer, experts) of a real run, written as trace.bin, replayed by `moeswap bench
+cache` (policies without the model) and read by the planner (expert counts). Needs no torch.
+Entry points: `TraceRecorder` (attached to an ExpertStore as `store.trace`), `write_trace`, `read_trace`,
+`is_trace_file`.
 """
 
 from __future__ import annotations
@@ -165,7 +159,8 @@ class TraceRecorder:
 
     def __init__(self, meta: dict):
         self.trace = Trace(dict(meta))
-        self._step, self._last_layer = -1, None
+        self._step = -1
+        self._last_layer: int | None = None
 
     def record(self, layer: int, expert_ids: Sequence[int]) -> None:
         if self._last_layer is None or layer <= self._last_layer:
@@ -186,7 +181,14 @@ def _little(a: array) -> bytes:
 
 
 def write_trace(trace: Trace, path: str | Path, overwrite: bool = True) -> Path:
-    """Writes atomically (a temporary sibling renamed into place); overwrite=False never replaces a file."""
+    """Writes atomically (a temporary sibling renamed into place); overwrite=False never replaces a file.
+
+    A step is one model forward (a prefill, or one decode step of the batch); an event is one MoE layer of
+    one step with the experts it used, in fetch order. File layout (little-endian): b"MSWTRACE", u32 version,
+    u32 n, n bytes of JSON metadata, u32 events, then u32 step[events], u16 layer[events], u16 count[events],
+    u16 expert[sum(count)]. A trace is checked when read (`Trace.check`: metadata types, ids in range) and
+    against the model it is used with (`Trace.check_model`).
+    """
     path = Path(path)
     meta = jsonio.dumps(trace.meta, sort_keys=True).encode()
     with atomic_file(path, overwrite) as f:

@@ -1,30 +1,6 @@
 """Several LoRA adapters served at once, each request's rows with their own: the per-forward row -> adapter
-context (`AdapterRows`) and the wrapper that applies it (`MultiLoRALinear`).
-
-Adapters are numbered by slot, 1..n; slot 0 is the base model (no adapter). Before each forward the
-scheduler says which slot each row of the batch uses (`AdapterRows.use`): one slot for all rows (a prefill,
-which runs one sequence) or one per row (a decode step's batch, row i along dimension 0 of every
-projection's input). Each wrapper adds, for each distinct slot of the batch that it holds an adapter for,
-s · B A x on that slot's rows: one pair of products per adapter, not per row. Rows that use no adapter, or
-one that does not target the module, get the wrapped Linear's output untouched, and with no adapter row
-in the batch a wrapper costs one attribute check.
-
-Numerics: a slot's product is the same call LoRALinear makes (fp32 A and B, the same order of operations;
-the base product fused or not has the same values: basic.fuse_linears),
-so a request whose rows are the only ones of its adapter in a step computes what `load_adapter` +
-LoRALinear computes for it alone, bit for bit. Rows that share an adapter share one fp32 GEMM, and torch's
-CPU GEMM rounds a row differently with 1 row than with several: those rows equal their run alone to fp32
-rounding in the LoRA delta (base rows are untouched either way).
-
-The wrapper keeps the Linear's `weight` (and `bias`) under the same names and its adapters as non-persistent
-buffers, so the model's state_dict is unchanged. It is no LoRALinear: it never trains, merges or folds.
-Callers that read a Linear's weight directly see through it for rows without an adapter (`row_adapters`,
-models.layers.basic.unadapted): a fused projection (basic.project) computes the base product for the whole
-batch and the wrapper adds its rows' deltas to its part (`add_deltas`); the fused MLP kernel takes the rows
-without an adapter there and the modules the others (basic.GatedMLP, `AdapterRows.split` / `subset`); MLA's
-absorbed kv_b_proj runs once per slot with that adapter folded in (`slot_groups`, `folded_weight_of`); the
-C decode step runs while no row uses an adapter (engine/native_step.py). So base rows compute exactly what
-they compute without adapters.
+context (`AdapterRows`) and the wrapper that applies it (`MultiLoRALinear`). It never trains, merges or
+folds, leaves the model's state_dict unchanged, and base rows compute exactly what they compute without it.
 Entry points: `AdapterRows`, `MultiLoRALinear(base, rows)`, `.add(slot, A, B, scaling)`, `.slot_groups(n)`.
 """
 
@@ -127,7 +103,30 @@ class AdapterRows:
 
 class MultiLoRALinear(nn.Module):
     """A Linear with LoRA adapters in slots; row r of an input adds the adapter of its slot (AdapterRows).
-    `base` is the wrapped Linear (not a submodule: its parameters are this module's `weight` and `bias`)."""
+    `base` is the wrapped Linear (not a submodule: its parameters are this module's `weight` and `bias`).
+
+    Adapters are numbered by slot, 1..n; slot 0 is the base model (no adapter). Before each forward the
+    scheduler says which slot each row of the batch uses (`AdapterRows.use`): one slot for all rows (a prefill,
+    which runs one sequence) or one per row (a decode step's batch, row i along dimension 0 of every
+    projection's input). Each wrapper adds, for each distinct slot of the batch that it holds an adapter for,
+    s · B A x on that slot's rows: one pair of products per adapter, not per row. Rows that use no adapter, or
+    one that does not target the module, get the wrapped Linear's output untouched, and with no adapter row
+    in the batch a wrapper costs one attribute check.
+
+    Numerics: a slot's product is the same call LoRALinear makes (fp32 A and B, the same order of operations;
+    the base product fused or not has the same values: basic.fuse_linears), so a request whose rows are the
+    only ones of its adapter in a step computes what `load_adapter` + LoRALinear computes for it alone, bit for
+    bit. Rows that share an adapter share one fp32 GEMM, and torch's CPU GEMM rounds a row differently with 1
+    row than with several: those rows equal their run alone to fp32 rounding in the LoRA delta.
+
+    The wrapper keeps the Linear's `weight` (and `bias`) under the same names and its adapters as non-persistent
+    buffers. Callers that read a Linear's weight directly see through it for rows without an adapter
+    (`row_adapters`, models.layers.basic.unadapted): a fused projection (basic.project) computes the base product
+    for the whole batch and the wrapper adds its rows' deltas to its part (`add_deltas`); the fused MLP kernel
+    takes the rows without an adapter there and the modules the others (basic.GatedMLP, `AdapterRows.split` /
+    `subset`); MLA's absorbed kv_b_proj runs once per slot with that adapter folded in (`slot_groups`,
+    `folded_weight_of`); the C decode step runs while no row uses an adapter (engine/native_step.py).
+    """
 
     row_adapters = True  # rows without an adapter get exactly `base`'s output (models.layers.basic.unadapted)
 

@@ -1,12 +1,7 @@
-"""Adapters on disk in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`.
-
-Tensor names are PEFT's, `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
-where <module> is the checkpoint name (weight prefix included, e.g. K3's `language_model.`). Loading also
-takes the module names of transformers' port of the architecture (the model file's MODULE_ALIASES), which
-adapters PEFT saved from that port carry. An adapter is checked whole before anything is applied: every
-key must name a Linear of the model (or a routed-expert projection) with shapes that fit, else one
-ValueError lists the problems; a recorded base fingerprint must match the base directory when given.
-Entry points: `save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`, `adapter_state_dict`.
+"""Adapters on disk in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`, tensors named
+`base_model.model.<checkpoint module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. An adapter is
+checked whole before anything is applied. Entry points: `save_adapter`, `write_adapter`, `read_adapter`,
+`load_adapter`, `adapter_state_dict`.
 """
 
 from __future__ import annotations
@@ -115,7 +110,13 @@ def plan_adapter(model: nn.Module, adapter: Adapter,
                  base_weight: Callable[[str], torch.Tensor | None] | None = None) -> _Plan:
     """Maps every tensor of `adapter` onto `model` (its modules and shapes only: a model built on `meta`
     will do); one ValueError listing what does not fit. base_weight(param name) gives a base weight's values
-    (default: the model's parameter), to compare with copies of base weights PEFT saves in adapters."""
+    (default: the model's parameter), to compare with copies of base weights PEFT saves in adapters.
+
+    The module part of a name is the checkpoint name, weight prefix included (e.g. K3's `language_model.`);
+    the module names of transformers' port of the architecture (the model file's MODULE_ALIASES), which
+    adapters PEFT saved from that port carry, are taken too. Every key must name a Linear of the model (or a
+    routed-expert projection) with shapes that fit.
+    """
     prefix = weight_prefix(model)
     modules = dict(model.named_modules())
     blocks = moe_blocks(model)

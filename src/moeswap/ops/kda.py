@@ -1,12 +1,7 @@
-"""Kimi Delta Attention core: the token recurrence (reference, decode) and the chunked form (prefill).
-
-Knows nothing of projections or checkpoints: inputs are already normalised q/k, v, the log-decay g
-and beta. State S is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the reference),
-`kda_decode_step` (one token from raw q/k, in place; a fused CPU kernel where it runs), `kda_chunked`
-(prefill under autograd and off the CPU; CPU inference runs the recurrence in C, cpu_kernels.kda_layer),
-`kda_chunked_pairwise` (the chunked form written plainly, its reference), `kda_for_training` (under
-autograd: the token recurrence's C forward and backward on the CPU, csrc/kda_train.c). On CUDA,
-inference may instead go to flash-linear-attention's Triton kernels (`kda_fla`, chosen by `fla_selected`).
+"""Kimi Delta Attention core: the token recurrence (reference, decode) and the chunked form (prefill). Knows
+nothing of projections or checkpoints: inputs are normalised q/k, v, the log-decay g and beta; the state S
+is [B, H, Dk, Dv] in fp32. Entry points: `kda_recurrent` (the reference), `kda_decode_step`, `kda_chunked`,
+`kda_chunked_pairwise` (its reference), `kda_for_training`, and on CUDA `kda_fla` (chosen by `fla_selected`).
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, C chunk length, N sub-chunk length.
 """
 
@@ -177,7 +172,11 @@ def kda_chunked(
     sub: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kda_chunked_pairwise` with the intra-chunk decays factored (`_intra_chunk`): the [C, C, K]
-    pairwise tensor shrinks to sub-chunk blocks and the rest are matmuls (~3x faster measured on CPU)."""
+    pairwise tensor shrinks to sub-chunk blocks and the rest are matmuls (faster on CPU: docs/benchmarks.md).
+
+    Used for prefill under autograd and off the CPU; CPU inference runs the recurrence in C
+    (cpu_kernels.kda_layer).
+    """
     return _chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV, chunk,
                     lambda q, k, G64: _intra_chunk(q, k, G64, sub))
 
@@ -187,7 +186,7 @@ TRAIN_CHECKPOINT = 64  # tokens between the states the training forward keeps (b
 
 class KDATokenRecurrence(torch.autograd.Function):
     """`kda_recurrent` with the C kernels' forward and backward (csrc/kda_train.c): training on the CPU,
-    where the chunked form under autograd measured ~50x slower. Inputs as kda_recurrent's, fp32."""
+    where the chunked form under autograd is far slower (docs/benchmarks.md). Inputs as kda_recurrent's, fp32."""
 
     @staticmethod
     def forward(ctx, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV):

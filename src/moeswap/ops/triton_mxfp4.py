@@ -1,17 +1,9 @@
-"""triton_mxfp4: MXFP4 expert matmuls in Triton for CUDA tensors, reading the packed E2M1 bytes and E8M0
-scale bytes (formats/mxfp4.py's layout) and dequantising them in registers; no decoded copy is ever written.
-Owns one kernel and its launches: `linear` (x W^T, one matrix), `grouped_linear` (one launch over the
-(token, expert) pairs of a layer step, rows sorted by expert, a table of the experts' byte pointers;
-`grouped_linears`: gate and up in the same launch),
-`expert` (ops.expert_mxfp4's implementation signature) and `grouped_experts` (ops.expert_mxfp4.grouped's);
-and for decode steps captured in CUDA graphs (engine/cuda_graph.py), where the experts' addresses sit in tables
-on the device and nothing of the routing may be read on the host: `sorted_linears` (the same kernel, rows sorted
-and offsets made on the device, its grid bounded by the step's tokens) and a second kernel, `pair_linears`, one
-(token, expert) row per program (MXFP4 or float experts; best with few rows per expert).
-Few rows per expert (decode, FMA_MAX_ROWS) multiply in fp32 FMAs; more go to `tl.dot` (bf16 on the
-tensor cores for bf16 inputs, 3-pass TF32 for fp32: the decoded weights are exact in both). Knows nothing
-of models or stores; triton is optional (`available`). CPU tensors run under Triton's interpreter: for
-parity tests only, it is very slow. Shapes: P rows (pairs), N input width, O output width, G experts.
+"""MXFP4 expert matmuls in Triton for CUDA tensors: the packed E2M1 and E8M0 scale bytes (formats/mxfp4.py's
+layout) dequantised in registers, no decoded copy ever written. Knows nothing of models or stores; triton is
+optional (`available`); CPU tensors run under Triton's interpreter, for parity tests only (very slow).
+Entry points: `linear`, `grouped_linear(s)`, `expert`, `grouped_experts` (ops.expert_mxfp4's signatures), and
+for CUDA graphs (tables of addresses on the device) `sorted_linears` and `pair_linears`.
+Shapes: P rows (pairs), N input width, O output width, G experts.
 """
 
 from __future__ import annotations
@@ -31,9 +23,10 @@ except Exception:  # not installed, or an install that does not load here: eithe
     triton = tl = None
 
 FMA_MAX_ROWS = 8  # up to this many rows per expert multiply as broadcast FMAs (GEMV-like); more in tl.dot (M >= 16)
-# Tiles sized so that no configuration spills registers on sm_90 (compiled without a GPU by the ptxas in
-# triton 3.8's wheel, `cuobjdump -res-usage`, 2026-12-01: 56-204 registers, stack 0; 8192-element FMA
-# tiles, or BLOCK_K 128 in the tl.dot path, spilled up to 1.4 KB): tests/ops/test_triton_mxfp4.py checks.
+# tl.dot multiplies bf16 inputs on the tensor cores and fp32 ones as 3-pass TF32: the decoded weights are exact
+# in both.
+# Tiles sized so that no configuration spills registers on sm_90 (compiled without a GPU by triton's
+# bundled ptxas; register counts in docs/benchmarks.md): tests/ops/test_triton_mxfp4.py checks.
 # Their speed is not tuned: no GPU has run them yet.
 GEMV_TILE = 4096  # elements of one [rows, BLOCK_N, BLOCK_K] product tile in the FMA path (registers)
 FP32_DOT_PRECISION = "tf32x3"  # fp32 inputs: x split in two TF32 halves, the weights exact in one

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 from moeswap import jsonio
-
-from .errors import PlanError
 from moeswap.options import EXPERT_GPU_MIN_TOKENS
 
+from .errors import PlanError
 from .workload import COMPUTE, LORA_TARGETS, OFFLOAD_COMPUTE, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
 
 

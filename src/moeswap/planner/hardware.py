@@ -7,8 +7,8 @@ users add their own with the same schema (see docs/planner.md). Entry point: `re
 
 from __future__ import annotations
 
-import tomllib
 import math
+import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path

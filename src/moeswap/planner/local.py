@@ -80,7 +80,7 @@ def _gemv_fit(max_bytes: int) -> tuple[float, float]:
             for _ in range(reps):
                 torch.matmul(x, w)
 
-        def run():
+        def run(g=g):
             g.replay()
             torch.cuda.synchronize()
         points.append((k * n * 2, _best(run) / reps))
@@ -326,7 +326,7 @@ FINGERPRINT_LINE = "# moeswap engine measured: "
 def engine_fingerprint() -> str:
     """What the measured engine rates depend on besides the machine: moeswap's version and the source of
     its engine (ops, models, engine). A saved measurement with another fingerprint is measured again: a
-    step's kernel and glue times change with the code (a stale file once predicted 2.9 s for a 25 ms step)."""
+    step's kernel and glue times change with the code (docs/benchmarks.md)."""
     import hashlib
 
     import moeswap

@@ -1,20 +1,14 @@
-"""`--hardware local` on a CPU: measure moeswap's own CPU engine, not generic torch ops.
-
-moeswap decodes on a CPU with three kinds of work (docs/planner.md, `--hardware local`):
-- dense Linear weights kept bf16 under fp32 math, run by the C kernel behind `ops.linear.linear`;
-- the routed experts of one MoE layer step, MXFP4, in one grouped C call (`CpuKernels.moe`);
-- everything else as eager PyTorch ops whose cost is mostly per-op dispatch and Python.
-This module times the two kernels (weight-streaming GB/s, GFLOP/s; for experts also a time per
-output row), then runs the engine itself on a generated tiny model: it counts the eager ops per
-layer kind and takes the time per op and per routed expert from the decode step. The planner's
-roofline (roofline.py) adds these up for any model: docs/planner.md, `--hardware local`.
-Entry point: `engine_fields(copy_gbs, bf16_tflops, tag)`; `fit_line` also serves local.py's GPU fit.
+"""`--hardware local` on a CPU: measures moeswap's own CPU engine, not generic torch ops: the rates of the bf16
+dense-linear kernel and the grouped MXFP4 expert call, then, from a tiny model's decode step, the eager ops
+per layer kind and the time per op and per routed expert; the planner's roofline adds these up for any model
+(docs/planner.md). Entry point: `engine_fields(copy_gbs, bf16_tflops, tag)`; `fit_line` also serves local.py.
 """
 
 from __future__ import annotations
 
 import collections
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +117,7 @@ def _empty_moe_call(kernel):
     return lambda: kernel.moe(x, experts, none, [0] * (TOP_K + 1), none.float(), "situ", BETAS, x)
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least squares t = t0 + slope * x over (x, seconds) points; t0 is floored at 0."""
     nb = len(points)
     mx = sum(b for b, _ in points) / nb
@@ -132,7 +126,7 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), slope
 
 
-def fit_rows_bytes(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+def fit_rows_bytes(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
     """Least squares t = rows * a + bytes * b over (rows, bytes, seconds), a >= 0, b > 0 (noise on a
     shared machine can push an unconstrained fit below zero): returns (a, b)."""
     srr = sum(r * r for r, _, _ in points)
@@ -171,7 +165,7 @@ def mxfp4_moe_rates() -> tuple[float, float, float] | None:
     return 1 / per_byte / 1e9, per_row * 1e9, TOP_K * 16 * 2 * 3 * i16 * w16 / per_call[-1] / 1e9
 
 
-class _OpCounter:
+class OpCounter:
     """Counts every aten op dispatched, into the bucket that module hooks say is running."""
 
     def __init__(self):
@@ -198,7 +192,7 @@ class _OpCounter:
         return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
-def _layer_buckets(model) -> list[tuple[Any, str]]:
+def layer_buckets(model) -> list[tuple[Any, str]]:
     """(module, bucket) in forward order: each layer's input norm + attention, then its norm + MLP/MoE."""
     out = []
     for layer in model.model.layers:
@@ -213,8 +207,8 @@ def count_ops(model, run) -> dict[str, float]:
     (residual adds and AttnRes mixes, between sublayers) and 'step' (embedding, final norm, lm_head,
     sampling, scheduler). `run(n)` generates n tokens; the difference of 9 and 1 removes the prefill."""
     run(9)  # warm: a cold expert store's first reads are ops no later step repeats
-    c = _OpCounter()
-    mods = _layer_buckets(model)
+    c = OpCounter()
+    mods = layer_buckets(model)
     handles = []
     for i, (m, bucket) in enumerate(mods):
         handles += c.hook(m, bucket, "step" if i == len(mods) - 1 else "layer")
@@ -231,7 +225,7 @@ def count_ops(model, run) -> dict[str, float]:
     return {k: (totals[1][k] - totals[0][k]) / 8 for k in totals[1]}
 
 
-def per_layer_counts(model, per_step: dict[str, float]) -> dict[str, float]:
+def per_layer_counts(model, per_step: Mapping[str, float]) -> dict[str, float]:
     """Engine-profile fields: ops per layer of each kind (kernels_*) and per forward pass (kernels_step)."""
     layers = model.model.layers
     n = collections.Counter(layer.attn_kind for layer in layers)
@@ -324,7 +318,7 @@ class TinyRun:
 
 def engine_overheads(row_ns: float, rounds: int = 10) -> TinyRun:
     """Runs moeswap's engine on a generated tiny K3 (`moeswap init-tiny --size tiny`: its own weights
-    stream in under 1 % of a decode step, so the step is ops and per-expert work) with _Streamer on."""
+    stream in a negligible share of a decode step, so the step is ops and per-expert work) with _Streamer on."""
     from moeswap.engine.generate import GenerationConfig, generate_batch
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model

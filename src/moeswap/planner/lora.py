@@ -72,7 +72,7 @@ def lora_point(mp: ModelParams, lay: Layout, stages: list[range], hw: Hardware, 
 def _miss_bytes(mp: ModelParams, layers: range, lay: Layout, prec: Precision, pl: Placement, tokens: float) -> float:
     """Expert bytes one forward pass pulls into one device (misses over the stage's MoE layers)."""
     moe = mp.cfg.moe
-    eb = mp.expert_params * bytes_per_param(prec.for_model(mp.cfg).experts) / lay.expert_tp
+    eb = mp.expert_params * bytes_per_param(prec.expert_format(mp.cfg)) / lay.expert_tp
     out = 0.0
     for i in layers:
         if mp.layers[i].num_experts:

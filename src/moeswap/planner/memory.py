@@ -42,7 +42,7 @@ class DeviceMemory:
 
 
 def expert_bytes(mp: ModelParams, prec: Precision) -> float:
-    return mp.expert_params * bytes_per_param(prec.for_model(mp.cfg).experts)
+    return mp.expert_params * bytes_per_param(prec.expert_format(mp.cfg))
 
 
 def model_bytes(mp: ModelParams, prec: Precision) -> dict[str, float]:

@@ -145,7 +145,7 @@ def _meta_model(cfg: ModelConfig):
 
     class SkipMetaNormalInit(TorchFunctionMode):
         """nn.init.normal_ (the embedding's init) on a meta tensor runs a Python reference that imports
-        torch._dynamo, about 1 s, several times the build itself; a meta tensor has no values to set."""
+        torch._dynamo, several times the cost of the build itself; a meta tensor has no values to set."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}

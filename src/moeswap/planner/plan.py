@@ -249,9 +249,9 @@ def _evaluate(mp: ModelParams, lay: Layout, hw: Hardware, req: PlanRequest) -> t
         if bad:
             return None, bad
         placements = [_placement(m, req.offload) for m in mems]
-        pt = lora_point(mp, lay, stages, hw, req.precision, req.lora, placements, mems)
-        cand = Candidate(lay, stages, mems, 0, min(p.hit_rate for p in placements), lora=pt)
-        cand.score, cand.score_label = _score_lora(pt, req)
+        lp = lora_point(mp, lay, stages, hw, req.precision, req.lora, placements, mems)
+        cand = Candidate(lay, stages, mems, 0, min(p.hit_rate for p in placements), lora=lp)
+        cand.score, cand.score_label = _score_lora(lp, req)
         return cand, ""
 
     serve = req.serve
@@ -266,7 +266,8 @@ def _evaluate(mp: ModelParams, lay: Layout, hw: Hardware, req: PlanRequest) -> t
     fitting = [c for c in serve.concurrency if c <= max_c] or [min(serve.concurrency)]
     c_mem = max(fitting)
     mems = _memory(mp, lay, stages, hw, req, c_mem / (lay.dp * lay.replicas))
-    points, worst_cost = [], None
+    points: list[ServePoint] = []
+    worst_cost = None
     for c in serve.concurrency:
         seqs = c / (lay.dp * lay.replicas)
         pl = [_placement(m, req.offload) for m in _memory(mp, lay, stages, hw, req, seqs)] \
@@ -323,6 +324,7 @@ def _score_serve(points: list[ServePoint], req: PlanRequest) -> tuple[float, str
         return p.tpot * 1e3, f"TPOT {p.tpot * 1e3:.1f} ms @ c={p.concurrency}"
     best = max(ok, key=lambda p: p.tok_s_device)
     if req.objective == "cost":
+        assert req.price_per_hour is not None  # plan() refuses the cost objective without a price
         usd = req.price_per_hour / 3600 / best.out_tok_s_device * 1e6
         return usd, f"${usd:.2f} per M output tokens @ c={best.concurrency}"
     return best.tok_s_device, f"{best.tok_s_device:.0f} tok/s/device @ c={best.concurrency}"
@@ -332,6 +334,7 @@ def _score_lora(pt: LoraPoint, req: PlanRequest) -> tuple[float, str]:
     if req.objective == "latency":
         return pt.step_s, f"{pt.step_s:.2f} s/step"
     if req.objective == "cost":
+        assert req.price_per_hour is not None  # plan() refuses the cost objective without a price
         usd = req.price_per_hour / 3600 / pt.tok_s_device * 1e6
         return usd, f"${usd:.2f} per M training tokens"
     return pt.tok_s_device, f"{pt.tok_s_device:.1f} tok/s/device"

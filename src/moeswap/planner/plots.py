@@ -81,8 +81,10 @@ def _serve_plot(r: PlanResult, path: Path, top: int, plt) -> Path:
 
 def _lora_plot(r: PlanResult, path: Path, top: int, plt) -> Path:
     cands = r.candidates[:top]
+    points = [c.lora for c in cands]
+    assert all(p is not None for p in points)  # a LoRA request's candidates carry their LoRA point
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(cands) + 2), 4.5))
-    ax.bar(range(len(cands)), [c.lora.tok_s_device for c in cands])
+    ax.bar(range(len(cands)), [p.tok_s_device for p in points if p is not None])
     ax.set_xticks(range(len(cands)))
     ax.set_xticklabels([c.layout.name for c in cands], rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("LoRA tokens/s per device")

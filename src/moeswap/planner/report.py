@@ -51,8 +51,8 @@ def _mem_cell(c: Candidate) -> str:
 def rows(r: PlanResult, top: int) -> tuple[list[str], list[list[str]]]:
     if r.request.workload == "serve":
         head = ["#", "layout", "stages", "GB/device", "max conc"]
-        for c in r.request.serve.concurrency:
-            head += [f"c={c} TTFT s", "TPOT ms", "tok/s/dev"]
+        for conc in r.request.serve.concurrency:
+            head += [f"c={conc} TTFT s", "TPOT ms", "tok/s/dev"]
         body = []
         for i, c in enumerate(r.candidates[:top], 1):
             row = [str(i), c.layout.name, "/".join(str(len(s)) for s in c.stages), _mem_cell(c), str(c.max_concurrency)]
@@ -64,10 +64,11 @@ def rows(r: PlanResult, top: int) -> tuple[list[str], list[list[str]]]:
     head = ["#", "layout", "stages", "GB/device", "hit rate", "step s", "tok/s", "tok/s/dev", "swap GB/step/dev"]
     body = []
     for i, c in enumerate(r.candidates[:top], 1):
-        p = c.lora
+        lp = c.lora
+        assert lp is not None  # a LoRA request's candidates carry their LoRA point
         body.append([str(i), c.layout.name, "/".join(str(len(s)) for s in c.stages), _mem_cell(c),
-                     f"{c.hit_rate:.2f}", f"{p.step_s:.2f}", f"{p.tok_s:.0f}", f"{p.tok_s_device:.1f}",
-                     f"{p.swap_bytes_device / GB:.0f}"])
+                     f"{c.hit_rate:.2f}", f"{lp.step_s:.2f}", f"{lp.tok_s:.0f}", f"{lp.tok_s_device:.1f}",
+                     f"{lp.swap_bytes_device / GB:.0f}"])
     return head, body
 
 

@@ -64,7 +64,7 @@ class Placement:
     host_fraction: float = 1.0  # of misses, the share served from host RAM (rest from NVMe)
     compute: str = "swap"  # "swap": copy misses into HBM; "host": run misses on the host CPU; "auto": per pass
     swap_overlap: float = 0.0
-    touched: tuple[float, ...] | None = None  # per-layer expert popularity from a trace (sums to 1)
+    touched: tuple[tuple[float, ...], ...] | None = None  # per-layer expert popularity from a trace (sums to 1)
 
     def compute_for(self, tokens: float) -> str:
         """Where a pass of `tokens` tokens computes its misses. auto is the runtime's `--expert-compute auto`
@@ -140,7 +140,7 @@ class _Ctx:
         self.f16 = hw.flops("bf16")
         self.dense_b = bytes_per_param(prec.dense)
         self.f_dense = hw.flops("fp8") if prec.dense in ("fp8", "mxfp8") else self.f16
-        self.exp_b = mp.expert_params * bytes_per_param(prec.experts)
+        self.exp_b = mp.expert_params * bytes_per_param(prec.expert_format(mp.cfg))
 
 
 def _linear(cx: _Ctx, cost: Cost, l: Linear, tokens: float) -> float:
@@ -224,6 +224,7 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
         return
     # Computing misses on the host: its DRAM and cores are shared by the server's devices.
     host = hw.host
+    assert host is not None  # misses computed on the host need one
     share = hw.on_node(lay.devices)
     h_bw = host.mem_bw_gbs * 1e9 * host.mem_efficiency / share
     h_flops = (host.get("bf16_tflops") or 0) * 1e12 * eng.gemm_efficiency / share
@@ -263,7 +264,7 @@ def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
         comm += 2 * collective(hw, lay.stage_devices, a2a) + all_reduce(hw, lay.tp, ar)
     elif lay.stage_devices > 1:
         comm += all_reduce(hw, lay.stage_devices, p.tokens * d * 2)
-    if lp.num_experts and cfg.moe.latent_norm and lay.expert_tp > 1:
+    if lp.num_experts and cfg.moe.latent_norm and cfg.moe.latent_dim and lay.expert_tp > 1:
         # K3 normalises the combined latent: TP-split experts give partial sums that must be
         # reduced before the norm.
         comm += all_reduce(hw, lay.expert_tp, p.tokens / lay.ep * cfg.moe.latent_dim * 2)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from .layouts import parse_layout
+from .lora import LoraPoint
 from .plan import PlanRequest, PlanResult, plan
 from .serving import ServePoint
 from .workload import Lora, Offload, Precision, Serve
@@ -23,6 +24,15 @@ def _proxy(name: str) -> str:
 
 def _at(c: int) -> Callable[[PlanResult], ServePoint]:
     return lambda r: next(p for p in r.best.points if p.concurrency == c)
+
+
+def _at_c(c: int, value: Callable[[ServePoint], float]) -> Callable[[PlanResult], float]:
+    return lambda r: value(_at(c)(r))
+
+
+def _lora(r: PlanResult) -> LoraPoint:
+    assert r.best.lora is not None  # a LoRA request's candidates carry their LoRA point
+    return r.best.lora
 
 
 @dataclass(frozen=True)
@@ -45,9 +55,9 @@ def _mi350x() -> Case:
     figs = []
     for c, ttft, tpot, tps in ((1, 590, 18.55, 58), (16, 6331, 32.80, 462), (64, 18665, 70.39, 813)):
         figs += [
-            Figure(f"TTFT ms @ c={c}", "prefill", ttft, lambda r, c=c: _at(c)(r).ttft * 1e3),
-            Figure(f"TPOT ms @ c={c}", "decode", tpot, lambda r, c=c: _at(c)(r).tpot * 1e3),
-            Figure(f"tok/s per GPU @ c={c}", "throughput", tps, lambda r, c=c: _at(c)(r).tok_s_device),
+            Figure(f"TTFT ms @ c={c}", "prefill", ttft, _at_c(c, lambda p: p.ttft * 1e3)),
+            Figure(f"TPOT ms @ c={c}", "decode", tpot, _at_c(c, lambda p: p.tpot * 1e3)),
+            Figure(f"tok/s per GPU @ c={c}", "throughput", tps, _at_c(c, lambda p: p.tok_s_device)),
         ]
     return Case(
         "SGLang, 8 x MI350X, TP8/DCP8, MXFP4, ISL 8192 / OSL 1024",
@@ -94,7 +104,7 @@ def _lora_cases() -> list[Case]:
             PlanRequest(model=_proxy("deepseek_v3_proxy"), hardware="h100", devices=1, workload="lora",
                         lora=Lora(rank=8, seq_len=512, grad_accum=1, checkpointing=False),
                         precision=Precision(experts="bf16"), offload=kt),
-            (Figure("LoRA tok/s", "lora", 40.35, lambda r: r.best.lora.tok_s),),
+            (Figure("LoRA tok/s", "lora", 40.35, lambda r: _lora(r).tok_s),),
             "GPU taken as an 80 GB H100 (~70 GB used); bf16 experts computed on the 2-socket Sapphire Rapids "
             "host (1.2-1.3 TB RAM used); one 512-token sequence per step",
         ),
@@ -103,7 +113,7 @@ def _lora_cases() -> list[Case]:
             PlanRequest(model=_proxy("qwen3_235b_proxy"), hardware="h100", devices=2, layout="tp2", workload="lora",
                         lora=Lora(rank=8, seq_len=512, grad_accum=1, checkpointing=False),
                         precision=Precision(experts="bf16"), offload=kt),
-            (Figure("LoRA tok/s", "lora", 147.9, lambda r: r.best.lora.tok_s),),
+            (Figure("LoRA tok/s", "lora", 147.9, lambda r: _lora(r).tok_s),),
             "GPU model, sequence length and CPU not published: 2 H100s as TP2, 512-token sequences and the H100 "
             "server's host assumed; bf16 experts computed on the host",
         ),
@@ -112,7 +122,7 @@ def _lora_cases() -> list[Case]:
             PlanRequest(model=_proxy("qwen3_235b_proxy"), hardware="h100", devices=8, workload="lora",
                         lora=Lora(rank=8, seq_len=2048, micro_batch=8, grad_accum=1),
                         precision=Precision(experts="bf16")),
-            (Figure("seconds per iteration", "lora", 3.2, lambda r: r.best.lora.step_s),),
+            (Figure("seconds per iteration", "lora", 3.2, lambda r: _lora(r).step_s),),
             "one iteration = 8 sequences of 2048 tokens over the 8 GPUs; bf16 weights; best layout chosen by "
             "the planner (Megatron's actual parallel sizes not published)",
         ),

@@ -44,6 +44,12 @@ class Precision:
         stored = {"fp8_block": "fp8", "pack-quantized": "int4"}.get(fmt, "mxfp4" if fmt.startswith("mxfp4") else "bf16")
         return replace(self, experts=stored)
 
+    def expert_format(self, cfg) -> str:
+        """The routed experts' weight format: the chosen one, else the checkpoint's."""
+        fmt = self.for_model(cfg).experts
+        assert fmt is not None  # for_model always fills it
+        return fmt
+
     def check(self) -> None:
         for name, val, allowed in (("experts", self.experts or "mxfp4", WEIGHT_FORMATS),
                                    ("dense", self.dense, WEIGHT_FORMATS),

@@ -1,15 +1,6 @@
 """The default model's corpus: the running interpreter's standard-library sources (PSF licence), cleaned and
-split deterministically into train and held-out files.
-
-Every machine with Python has this text, so anyone can rebuild the corpus, the tokenizer and the model.
-Which files: `*.py` under `sysconfig.get_paths()["stdlib"]`, outside site-packages and the test suites
-(`test`, `tests`, `idle_test`: generated data and deliberately odd code), valid UTF-8, under MAX_FILE_BYTES.
-Cleaning: newlines normalised to "\\n", trailing whitespace removed, runs of blank lines cut to two, tabs
-kept. A file goes to the held-out split when the SHA-256 of its relative path falls in the last
-`eval_per_mille` of the range: the split depends on names only, never on order or on the machine.
-Each file is cut into pieces of at most `max_chars` at top-level boundaries (a line that starts a
-`def`, `class`, decorator or statement at column 0 after a blank line), so that a piece fits one
-training row. Entry points: `collect(stdlib)`, `write_corpus(out_dir, ...)`.
+split deterministically into train and held-out files, so anyone with Python can rebuild the corpus, the
+tokenizer and the model. Entry points: `collect(stdlib)`, `write_corpus(out_dir, ...)`.
 """
 
 from __future__ import annotations
@@ -43,19 +34,28 @@ class SourceFile:
 
 
 def held_out(relpath: str, eval_per_mille: int = 50) -> bool:
-    """Whether a file is in the held-out split: by the SHA-256 of its path alone."""
+    """Whether a file is in the held-out split: by the SHA-256 of its path alone.
+
+    In the last `eval_per_mille` of the range: the split depends on names only, never on order or on the
+    machine.
+    """
     digest = int.from_bytes(hashlib.sha256(relpath.encode()).digest()[:4], "big")
     return digest % 1000 >= 1000 - eval_per_mille
 
 
 def clean(text: str) -> str:
+    """Newlines normalised to "\\n", trailing whitespace removed, runs of blank lines cut to two, tabs kept."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     return _BLANK_RUNS.sub("\n\n\n", text).strip("\n") + "\n"
 
 
 def collect(stdlib: str | Path | None = None) -> list[SourceFile]:
-    """The cleaned sources, sorted by path. stdlib: the directory (default: this interpreter's)."""
+    """The cleaned sources, sorted by path. stdlib: the directory (default: this interpreter's).
+
+    Which files: `*.py` under `sysconfig.get_paths()["stdlib"]`, outside site-packages and the test suites
+    (`test`, `tests`, `idle_test`: generated data and deliberately odd code), valid UTF-8, under MAX_FILE_BYTES.
+    """
     root = Path(stdlib if stdlib is not None else sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise FileNotFoundError(f"standard library directory {root} does not exist")
@@ -81,7 +81,11 @@ def collect(stdlib: str | Path | None = None) -> list[SourceFile]:
 
 def pieces(text: str, max_chars: int) -> Iterator[str]:
     """`text` cut into pieces of at most max_chars (one line longer than that is cut inside), preferring
-    top-level boundaries, then blank lines, then any line end. Joined, the pieces are `text`."""
+    top-level boundaries, then blank lines, then any line end. Joined, the pieces are `text`.
+
+    A top-level boundary is a line that starts a `def`, `class`, decorator or statement at column 0 after a
+    blank line, so that a piece fits one training row.
+    """
     lines = text.splitlines(keepends=True)
     piece: list[str] = []
     size = 0

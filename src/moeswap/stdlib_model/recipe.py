@@ -18,8 +18,8 @@ SIZE = "stdlib"
 SEED = 0
 # The run: rows of 1024 tokens packed from whole pieces (a 2000-character piece is ~600 tokens; the rare
 # denser one is cut), 2 rows a step, AdamW with warm-up and cosine decay to a tenth. 1000 steps see ~1.5 M
-# real tokens, about half the train split: ~70 minutes of this 2-core machine when nothing else runs (1.5 h
-# shared, 2026-12-01). MAX_STEPS is the knob for a longer run (the schedule follows it).
+# real tokens, about half the train split (its time: docs/benchmarks.md). MAX_STEPS is the knob for a longer
+# run (the schedule follows it).
 MAX_STEPS = 1000
 TRAIN = {
     "model": "base", "train_data": "corpus/train.jsonl", "eval_data": "corpus/eval.jsonl", "output": "trained",
@@ -28,7 +28,7 @@ TRAIN = {
     "max_grad_norm": 1.0, "max_steps": MAX_STEPS, "router_bias_rate": 1.0e-3, "eval_interval": 250,
     "save_interval": 50, "keep_checkpoints": 2, "loss_chunk": 1024, "seed": SEED,
 }
-EVAL_PER_MILLE = 20  # ~2 % of the files held out: ~80 k tokens, a minute to evaluate
+EVAL_PER_MILLE = 20  # ~2 % of the files held out: ~80 k tokens, quick to evaluate
 
 
 def tokenizer_lines(train_jsonl: Path) -> list[str]:
@@ -63,8 +63,9 @@ def initial_weights(random_dir: Path, out: Path) -> Path:
 
 
 def prepare(work: str | Path) -> Path:
-    from moeswap.tiny.model import write_tiny_model
     import yaml
+
+    from moeswap.tiny.model import write_tiny_model
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)

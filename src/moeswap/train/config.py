@@ -1,12 +1,7 @@
-"""TrainConfig: every setting of a training run, declared once with its help, kind, choices and default.
-
-A run's settings come from CONFIG.yaml (PyYAML safe_load, unknown keys refused with the closest valid
-one named) and from flags, one per field (`--micro-batch` for `micro_batch`); a flag given wins over
-the file. The base model's load and expert-store settings are options.LoadOptions, written as top-level
-keys in the file (`expert_memory: 2GiB`) and as the usual load flags. Paths are resolved once (a file's
-relative paths against the file's directory), so `as_dict()` is the complete, resolved configuration the
-manifest records and `from_dict` rebuilds. Torch-free (the CLI builds its parser without torch).
-Entry points: `TrainConfig`, `add_train_flags`, `resolve(config_path, args)`.
+"""TrainConfig: every setting of a training run, declared once with its help, kind, choices and default, read
+from CONFIG.yaml and from flags (a flag given wins); the base model's load settings are options.LoadOptions.
+Torch-free (the CLI builds its parser without torch). Entry points: `TrainConfig`, `add_train_flags`,
+`resolve(config_path, args)`.
 """
 
 from __future__ import annotations
@@ -310,7 +305,13 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def resolve(config_path: str | None, args: argparse.Namespace | None = None) -> TrainConfig:
-    """CONFIG.yaml (if given) overridden by the flags present in `args` (a parser from `add_train_flags`)."""
+    """CONFIG.yaml (if given) overridden by the flags present in `args` (a parser from `add_train_flags`).
+
+    The file is read with PyYAML's safe_load, unknown keys refused with the closest valid one named; each
+    field has a flag (`--micro-batch` for `micro_batch`). Load settings are top-level keys (`expert_memory: 2GiB`)
+    and the usual load flags. Paths are resolved once (a file's relative paths against the file's directory), so
+    `as_dict()` is the complete, resolved configuration the manifest records and `from_dict` rebuilds.
+    """
     values = read_yaml(config_path) if config_path else {}
     values.update(given_flags(args))
     return _build(values)
@@ -329,7 +330,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     `given_flags` sees only what the command line said (a flag wins over CONFIG.yaml, a default does not)."""
     groups = {"model": "data", "mode": "what trains", "lr": "optimizer", "max_steps": "steps and batches",
               "seed": "the run"}
-    group = parser
+    group: argparse.ArgumentParser | argparse._ArgumentGroup = parser
     for f in fields(TrainConfig):
         if f.name == "load":
             continue

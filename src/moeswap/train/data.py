@@ -1,13 +1,5 @@
-"""Training data: JSONL lines -> token samples with loss masks -> rows -> batches.
-
-A line is `{"text": ...}` (tokens + EOS, every token but the first a target) or `{"messages": [...]}`
-(optionally with "tools"), rendered with the model's chat template (engine/tokenizer.py, the same ids
-inference sees) and trained on the assistant turns only: each assistant turn's tokens are the ones its
-rendering adds after the conversation so far plus the generation prompt, found by diffing token ids.
-Rows: one sample per row (packing "off", the default; a batch is right-padded, which a causal model
-cannot see), or samples concatenated into rows of seq_len (packing "concat": the loss is masked where a
-sample starts, but attention and the KDA state run across the join). Order and eval split come from the
-seed alone. Torch-free except `batch`. Entry points: `load_data(cfg, tok)`, `RowStream`, `batch`.
+"""Training data: JSONL lines -> token samples with loss masks -> rows -> batches. Order and eval split come
+from the seed alone. Torch-free except `batch`. Entry points: `load_data(cfg, tok)`, `RowStream`, `batch`.
 """
 
 from __future__ import annotations
@@ -198,7 +190,13 @@ def read_file(path: str, encoder: Encoder, on_bad_line: str) -> tuple[list[Sampl
 
 
 def load_data(cfg, tok) -> Data:
-    """The training and eval samples of a TrainConfig, with what the manifest says about them."""
+    """The training and eval samples of a TrainConfig, with what the manifest says about them.
+
+    A line is `{"text": ...}` (tokens + EOS, every token but the first a target) or `{"messages": [...]}`
+    (optionally with "tools"), rendered with the model's chat template (engine/tokenizer.py, the same ids
+    inference sees) and trained on the assistant turns only: each assistant turn's tokens are the ones its
+    rendering adds after the conversation so far plus the generation prompt, found by diffing token ids.
+    """
     encoder = Encoder(tok, cfg.seq_len, cfg.truncate)
     train, info = read_file(cfg.train_data, encoder, cfg.on_bad_line)
     files = [info]
@@ -243,7 +241,12 @@ def pack(samples: Sequence[Sample], seq_len: int) -> list[Row]:
 class RowStream:
     """The training rows of all epochs as one sequence: epoch e is the samples in the order
     random.Random(seed, e) shuffles them, as rows (one per sample, or packed). A run's position in its
-    data is one number, the rows consumed so far."""
+    data is one number, the rows consumed so far.
+
+    Rows: one sample per row (packing "off", the default; a batch is right-padded, which a causal model
+    cannot see), or samples concatenated into rows of seq_len (packing "concat": the loss is masked where a
+    sample starts, but attention and the KDA state run across the join).
+    """
 
     def __init__(self, samples: Sequence[Sample], seed: int, seq_len: int, packing: str):
         self.samples, self.seed, self.seq_len, self.packing = list(samples), seed, seq_len, packing

@@ -1,13 +1,7 @@
-"""A run's record, written beside its output: manifest.json, loss.csv and loss.png.
-
-The manifest says what went in (the base model's fingerprint, the data files' SHA-256 and sample
-counts, the full resolved config, the seed), where it ran (package versions, CPU, cores, threads) and what
-came out (wall time, tokens/s, peak RSS, expert-store statistics, the loss curve, eval loss before and
-after). `check_reproduction` compares a new run's curve with a manifest's (`moeswap train --reproduce`).
-The result (adapter or trained weights) and the record are published together (`publish`): written into
-a staging directory inside the output, then moved in with manifest.json last, so a run whose manifest is
-there is finished and complete. Entry points: `fingerprint(model_dir)`, `publish`, `write_record`,
-`read_manifest`, `check_reproduction`.
+"""A run's record, written beside its output: manifest.json (what went in, where it ran, what came out),
+loss.csv and loss.png, published together with the result so that a run whose manifest is there is finished
+and complete. Entry points: `fingerprint(model_dir)`, `publish`, `write_record`, `read_manifest`,
+`check_reproduction`.
 """
 
 from __future__ import annotations
@@ -81,7 +75,13 @@ def publish(out_dir: Path, write_result: Callable[[Path], list[str]], manifest: 
 
 
 def write_record(out_dir: Path, manifest: dict[str, Any]) -> list[str]:
-    """manifest.json, loss.csv and (with matplotlib) loss.png in out_dir; returns the files written."""
+    """manifest.json, loss.csv and (with matplotlib) loss.png in out_dir; returns the files written.
+
+    The manifest says what went in (the base model's fingerprint, the data files' SHA-256 and sample
+    counts, the full resolved config, the seed), where it ran (package versions, CPU, cores, threads) and what
+    came out (wall time, tokens/s, peak RSS, expert-store statistics, the loss curve, eval loss before and
+    after). `check_reproduction` compares a new run's curve with a manifest's (`moeswap train --reproduce`).
+    """
     out_dir = Path(out_dir)
     with atomic_file(out_dir / LOSS_CSV) as f:
         f.write(loss_csv(manifest["curve"], manifest["eval"]).encode())

@@ -1,14 +1,5 @@
-"""What trains, and what a finished run writes: the one place the training loop meets the model's parameters.
-
-Mode "lora": moeswap.lora's adapters (`attach_lora`), on Linear modules and, through the MoE blocks'
-expert hook, on routed experts; the base stays frozen. Mode "full": the model's own parameters, in fp32:
-every one, routed experts included (decoded from the store into parameters, train/experts.py; the
-router's selection bias follows K3's balancing rule instead of a gradient), or those under
---target-modules (routed experts then stay frozen in the store, gradients flowing through them by
-ops.expert_format's autograd to the router and everything before). Target
-patterns follow one rule in both modes, moeswap.lora's (`lora.targets.matches`, PEFT's). Both modes
-return the trainable parameters by name, in a fixed order: what checkpoints, the optimizer and the
-manifest use; and turns on the model's per-layer activation checkpointing when asked.
+"""What trains, and what a finished run writes: the one place the training loop meets the model's parameters
+(mode "lora": moeswap.lora's adapters on a frozen base; mode "full": the model's own parameters, in fp32).
 Entry points: `prepare_model(model, cfg)`, `save_trained(model, cfg, params, out_dir, base, metadata)`.
 """
 
@@ -37,7 +28,16 @@ def prepare_model(model: nn.Module, cfg, owned: Callable[[int], Sequence[int]] |
                   ) -> list[tuple[str, nn.Parameter]]:
     """Freezes the model, makes the parameters `cfg` trains trainable and returns them by name, in model
     order. ValueError when nothing, or a pattern, matches. owned: LoRA's routed-expert rows built for an MoE
-    layer's experts `owned(layer)` only (lora.attach_lora; expert parallelism), the others never held."""
+    layer's experts `owned(layer)` only (lora.attach_lora; expert parallelism), the others never held.
+
+    Mode "lora": adapters (`attach_lora`) on Linear modules and, through the MoE blocks' expert hook, on
+    routed experts. Mode "full": every parameter, routed experts included (decoded from the store into
+    parameters, train/experts.py; the router's selection bias follows K3's balancing rule instead of a
+    gradient), or those under --target-modules (routed experts then stay frozen in the store, gradients
+    flowing through them by ops.expert_format's autograd to the router and everything before). Target patterns
+    follow one rule in both modes, moeswap.lora's (`lora.targets.matches`, PEFT's). The order returned is what
+    checkpoints, the optimizer and the manifest use; per-layer activation checkpointing is turned on when asked.
+    """
     for p in model.parameters():
         p.requires_grad_(False)
     if cfg.mode == "full":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 
-
 def available() -> tuple[bool, str]:
     try:
         import transformers

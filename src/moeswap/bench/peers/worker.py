@@ -1,12 +1,7 @@
-"""One implementation under test in its own process: moeswap, llama.cpp (llama-cpp-python, or llama-server where
-that is not installed) or transformers.
-
-Separate processes keep the implementations from sharing a heap or an OpenMP runtime (torch bundles
-its own libgomp, llama.cpp links the system's: two spinning thread pools would slow each other), and
-let the parent alternate between them so that load from other users of the machine hits all alike.
-Protocol: one JSON object per line on stdin ({"op": "generate", "prompts": [[ids]], "max_tokens": n}
-or {"op": "quit"}), one JSON reply per line on the original stdout; everything else goes to stderr.
-Entry point: `Worker(kind, ...)` in the parent; `python -m moeswap.bench.peers.worker` in the child.
+"""One implementation under test (moeswap, llama.cpp through llama-cpp-python or llama-server, or transformers)
+in its own process, so that implementations share no heap or OpenMP runtime and the parent can alternate
+between them. Protocol: one JSON request per line on stdin, one JSON reply per line on stdout.
+Entry points: `Worker(kind, ...)` in the parent; `python -m moeswap.bench.peers.worker` in the child.
 """
 
 from __future__ import annotations
@@ -19,9 +14,9 @@ import sys
 import tempfile
 import time
 
+from moeswap import jsonio
 from moeswap.options import LoadOptions, add_load_flags
 from moeswap.tuning import tune_process, use_huge_pages
-from moeswap import jsonio
 
 
 class MoeswapRunner:
@@ -117,7 +112,13 @@ def serve(argv: list[str]) -> None:
 
 
 class Worker:
-    """Parent side: start a worker process and call it."""
+    """Parent side: start a worker process and call it.
+
+    Separate processes keep torch's bundled libgomp and the system's (llama.cpp's) from spinning against each
+    other, and let the parent alternate so that load from other users of the machine hits all alike. Requests:
+    {"op": "generate", "prompts": [[ids]], "max_tokens": n} or {"op": "quit"}; one JSON reply per line on the
+    child's original stdout; everything else goes to stderr.
+    """
 
     def __init__(self, kind: str, model: str, threads: int, extra: list[str] = (), env: dict | None = None):
         cmd = [sys.executable, "-m", "moeswap.bench.peers.worker", kind, str(model), "--threads", str(threads), *extra]

@@ -15,7 +15,7 @@ from moeswap.ops.linear import KERNEL_MAX_ROWS, FP8BlockLinear, StoredWeightLine
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (as the references do), returned in x's dtype. Eager CPU inference runs
-    the C kernel: torch's CPU rms_norm is a chain of ~8 ops, ~27 us for one decode row of 1024."""
+    the C kernel: torch's CPU rms_norm is a chain of ops (docs/benchmarks.md)."""
     xf = x if x.dtype == torch.float32 else x.float()
     if weight is not None and weight.dtype != torch.float32:
         weight = weight.float()

@@ -10,15 +10,15 @@ Shapes: B batch, T tokens, D model width, H heads, K head dim, W conv width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import WeightOnly, derived, fuse_linears, project, records_graph, rms_norm
 from moeswap.ops import cpu_kernels
-from moeswap.ops.kda import (L2_EPS, fla_selected, kda_chunked, kda_decode_step, kda_fla, kda_for_training,
-                             l2_normalize)
+from moeswap.ops.kda import L2_EPS, fla_selected, kda_chunked, kda_decode_step, kda_fla, kda_for_training, l2_normalize
 
 
 @dataclass
@@ -43,8 +43,8 @@ def causal_conv_silu_reference(x_BTC: torch.Tensor, history_BWC: torch.Tensor, w
 
 def causal_conv_silu(x_BTC: torch.Tensor, history_BWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
     """Same as `causal_conv_silu_reference`, as W shifted multiply-adds over [B, T, C]. A depthwise
-    conv1d goes through oneDNN on CPU, which measured ~1.9 ms per call for one decode token of a
-    1536-channel layer (more than the layer's projections); this takes microseconds."""
+    conv1d goes through oneDNN on CPU, which costs more than the layer's projections for one decode token
+    (docs/benchmarks.md); this takes microseconds."""
     return conv_taps_silu(x_BTC, history_BWC, weight_C1W[:, 0, :].T)[0]
 
 
@@ -125,7 +125,7 @@ class KDA(nn.Module):
         token recurrence instead of the chunked form (the same result to fp32 rounding)."""
         B, T, _ = x_BTD.shape
         rows = lambda t: t.reshape(B, T, -1).float().contiguous()  # noqa: E731
-        # the kernel's weight-derived inputs in one kept lookup (four cost ~37 us a layer in a decode step)
+        # the kernel's weight-derived inputs in one kept lookup (four lookups cost a layer's decode step time)
         weights = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,
                    self.o_norm.weight)
         taps, dt_bias, rate, o_norm = derived(
