@@ -18,9 +18,9 @@ import time
 import warnings
 
 from moeswap import tuning
+from moeswap.archs import REGISTRY
 from moeswap.atomic_dir import OutOfSpaceError
 from moeswap.jsonio import dumps
-from moeswap.models import REGISTRY
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.tiny.sizes import SIZES
 from moeswap.units import human_bytes

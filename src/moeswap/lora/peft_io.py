@@ -2,8 +2,8 @@
 
 Tensor names are PEFT's, `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
 where <module> is the checkpoint name (weight prefix included, e.g. K3's `language_model.`). Loading also
-takes the module names of transformers' port of the architecture (the model file's MODULE_ALIASES), which
-adapters PEFT saved from that port carry. An adapter is checked whole before anything is applied: every
+takes the module names of transformers' port of the architecture (its `module_aliases`, moeswap.archs),
+which adapters PEFT saved from that port carry. An adapter is checked whole before anything is applied: every
 key must name a Linear of the model (or a routed-expert projection) with shapes that fit, else one
 ValueError lists the problems; a recorded base fingerprint must match the base directory when given.
 Entry points: `save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`, `adapter_state_dict`.
@@ -222,9 +222,9 @@ def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "arch"):
         return ()
-    from moeswap.models.loader import checkpoint_map_module
+    from moeswap import archs
 
-    return getattr(checkpoint_map_module(config), "MODULE_ALIASES", ())
+    return archs.get(config.arch).module_aliases
 
 
 def _resolve(name: str, modules: Mapping[str, nn.Module], aliases) -> str | None:
