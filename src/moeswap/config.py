@@ -1,11 +1,8 @@
-"""ModelConfig: the frozen description of a model, read from a checkpoint's config.json.
-
-Owns: unwrapping K3's multimodal `text_config`, both key spellings (Kimi and DeepSeek/transformers),
-layer kinds from `linear_attn_config` (1-based lists) or `layer_types`/`mlp_layer_types`, the rotary
-embedding (`rope_scaling` / `rope_parameters`, YaRN), the quantization scheme, and the type and range of
-every field. Which architecture a file is, and its choices (all MLA, rotary, MTP layers), it asks the
-architecture's description (moeswap.archs); it never names one. Knows nothing of tensors or files.
-Entry points: `load_config(path)` (a directory or a config.json) and `parse_config(dict)`.
+"""ModelConfig, read from config.json: K3's `text_config` wrapper, both key spellings (Kimi, DeepSeek /
+transformers), layer kinds (`linear_attn_config` 1-based lists, `layer_types`, `mlp_layer_types`), rotary
+embedding (`rope_scaling` / `rope_parameters`, YaRN), the quantization scheme, every field's type and range.
+Which architecture a file is and its choices (all MLA, rotary, MTP layers) it asks moeswap.archs; it never
+names one, and knows nothing of tensors. Entry points: `load_config(path)`, `parse_config(dict)`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""DeepSeek-V3 / R1 and Kimi K2 (`DeepseekV3ForCausalLM`): every layer MLA with a rotary shared key (RoPE,
-YaRN-scaled) and q-LoRA, a dense SwiGLU first, then MoE with group-limited sigmoid routing, shared and
-full-width routed experts; built by models/decoder.py from its config. Owns what differs from Kimi:
-config.json's names and choices (all MLA, rotary, MTP layers), the checkpoint names both ways, and the
-init-tiny layouts (bf16, block FP8, INT4 routed experts).
-
-Published names put a MoE layer's router, shared and routed experts under `mlp.` (`mlp.gate`,
-`mlp.shared_experts`, `mlp.experts.E.{gate,up,down}_proj`); the model keeps them under `block_sparse_moe`
-like the other architectures, so the swap core, native step, planner and LoRA see one layout.
+"""DeepSeek-V3 / R1 and Kimi K2 (`DeepseekV3ForCausalLM`): all-MLA with a rotary (YaRN) shared key and
+q-LoRA, a dense SwiGLU first, then MoE with group-limited sigmoid routing; built by models/decoder.py.
+Owns what differs from Kimi: config.json's names and choices (all MLA, rotary, MTP layers), the
+checkpoint names both ways (published `mlp.{gate,shared_experts,experts}` <-> the model's
+`block_sparse_moe`, which every other part sees), and the init-tiny layouts (bf16, block FP8, INT4).
 """
 
 from __future__ import annotations

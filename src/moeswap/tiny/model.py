@@ -1,11 +1,8 @@
-"""Tiny models' configs and weights in the exact published checkpoint layout (tokenizer: tokenizer.py).
-
-The architecture's description (moeswap.archs) gives config.json, the checkpoint names and each tensor's
-published layout; this file draws the values: bf16 dense weights, routed experts bf16, MXFP4 (a config
-with a quantization scheme, K3) or, by `quant`, block FP8 ("fp8": every Linear but the router and lm_head
-float8_e4m3fn with a `weight_scale_inv` per 128 x 128 block) or compressed-tensors INT4 routed experts
-("int4"). Always >= 2 shards with an index and a tokenizer. Deterministic by seed: every tensor is drawn
-from a generator seeded by (seed, its name). Entry point: `write_tiny_model(out_dir, arch, size, seed)`.
+"""Tiny models in the exact published checkpoint layout: the architecture's description (moeswap.archs)
+gives config.json, the names and each tensor's layout; this file draws the values (bf16; MXFP4 experts
+where the config quantises them; by `quant`, block FP8 "fp8" or INT4 experts "int4"), deterministic by
+(seed, tensor name), in >= 2 shards with an index and a tokenizer (tokenizer.py).
+Entry point: `write_tiny_model(out_dir, arch, size, seed)`.
 """
 
 from __future__ import annotations
@@ -119,8 +116,8 @@ def _fp8_block(module: str, value: torch.Tensor):
 
 
 def _random_mxfp4(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random E2M1 codes with block scales giving weights of std ~ 1/sqrt(fan_in). Drawing codes
-    directly (not encoding random floats) keeps `--size bench` to seconds instead of many minutes."""
+    """Random E2M1 codes with block scales giving weights of std ~ 1/sqrt(fan_in). Codes are drawn
+    directly, not encoded from random floats, so large sizes write fast (docs/benchmarks.md)."""
     out_dim, in_dim = shape
     packed = torch.randint(0, 256, (out_dim, in_dim // 2), dtype=torch.uint8, generator=gen)
     code_rms = math.sqrt(sum(v * v for v in mxfp4.E2M1_VALUES) / len(mxfp4.E2M1_VALUES))
