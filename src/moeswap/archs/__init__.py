@@ -9,7 +9,7 @@ from __future__ import annotations
 from moeswap.archs import deepseek_v3, kimi_k3, kimi_linear
 from moeswap.archs.base import Arch
 
-# Order: the CLI's --arch choices and error messages list them so; detection asks them in turn
+# Order: the CLI's --arch choices and error messages list them so
 REGISTRY: dict[str, Arch] = {a.name: a for a in (kimi_k3.ARCH, kimi_linear.ARCH, deepseek_v3.ARCH)}
 
 
@@ -20,8 +20,11 @@ def get(name: str) -> Arch:
 
 
 def detect(model_type: object, architectures: tuple[str, ...], text: dict) -> Arch | None:
-    """The first registered architecture that recognises config.json; None: none does."""
-    return next((a for a in REGISTRY.values() if a.recognises(model_type, architectures, text)), None)
+    """The architecture recognising config.json with the highest rank (the first registered of equals);
+    None: none does."""
+    ranked = [(rank, -i, a) for i, a in enumerate(REGISTRY.values())
+              if (rank := a.recognises(model_type, architectures, text)) is not None]
+    return max(ranked, key=lambda r: r[:2])[2] if ranked else None
 
 
 __all__ = ["Arch", "REGISTRY", "detect", "get"]

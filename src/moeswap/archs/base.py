@@ -24,6 +24,8 @@ class Arch:
     # config.json: `model_type` values and `architectures` class names that are this architecture
     model_types: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ()
+    # a config.json naming several architectures is the one recognising it with the highest rank
+    rank: int = 0
     # "module:Class" of the torch model, imported only when one is built
     model_class: str = "moeswap.models.decoder:DecoderModel"
 
@@ -48,9 +50,11 @@ class Arch:
     # init-tiny --quant variants this architecture has a published layout for
     tiny_quants: tuple[str, ...] = ()
 
-    def recognises(self, model_type: object, architectures: tuple[str, ...], text: dict) -> bool:
-        """Whether config.json (its model_type, its architectures list, its text part) is this architecture."""
-        return model_type in self.model_types or any(a in self.architectures for a in architectures)
+    def recognises(self, model_type: object, architectures: tuple[str, ...], text: dict) -> int | None:
+        """The rank with which config.json (its model_type, architectures list and text part) is this
+        architecture; None: it is not."""
+        named = model_type in self.model_types or any(a in self.architectures for a in architectures)
+        return self.rank if named else None
 
     def classify(self, name: str) -> tuple[str, re.Match]:
         """A (prefix-stripped) checkpoint name through checkpoint_map: ('expert'|'skip'|param name, match)."""

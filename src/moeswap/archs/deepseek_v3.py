@@ -21,6 +21,7 @@ class DeepseekV3(Arch):
     name = "deepseek_v3"  # also Kimi K2, which ships this architecture under its own model_type
     model_types = ("deepseek_v3", "kimi_k2")
     architectures = ("DeepseekV3ForCausalLM",)
+    rank = 2  # a file that also names Kimi Linear (or is a text-only K3) is DeepSeek-V3's
     attention = "mla"
     rotary = True
     mtp_key = "num_nextn_predict_layers"  # the multi-token-prediction module: stored, not run

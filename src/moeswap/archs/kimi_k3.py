@@ -18,13 +18,16 @@ class KimiK3(KimiLinear):
     name = "kimi_k3"
     model_types = ("kimi_k3",)
     architectures = ("KimiK3ForConditionalGeneration",)
+    rank = 3
 
-    def recognises(self, model_type: object, architectures: tuple[str, ...], text: dict) -> bool:
-        if super().recognises(model_type, architectures, text):
-            return True
+    def recognises(self, model_type: object, architectures: tuple[str, ...], text: dict) -> int | None:
+        named = super().recognises(model_type, architectures, text)
+        if named is not None:
+            return named
         # A text-only K3 file says kimi_linear too; K3's own features tell them apart.
         k3 = "attn_res_block_size" in text or "routed_expert_hidden_size" in text
-        return k3 and kimi_linear.ARCH.recognises(model_type, architectures, text)
+        linear = kimi_linear.ARCH.recognises(model_type, architectures, text)
+        return linear + 1 if k3 and linear is not None else None
 
     def publish(self, param_name: str, tensor: Any, config: Any) -> Any:
         if param_name.endswith("self_attn.A_log"):  # K3 ships [128] zero-padded; mimic with max(H, head_dim)
