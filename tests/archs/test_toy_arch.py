@@ -5,6 +5,7 @@ written by init-tiny in its own layout, loaded, and keeps the whole architecture
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import MappingProxyType
 
 import pytest
@@ -14,6 +15,7 @@ from archs.contract import CHECKS, check_id
 from moeswap import archs
 from moeswap.archs.base import IDENTITY
 from moeswap.archs.kimi_linear import KimiLinear
+from moeswap.cli import main
 from moeswap.config import ConfigError, load_config, parse_config
 from moeswap.formats.checkpoint import Checkpoint
 from moeswap.models.loader import LoadOptions, load_model
@@ -86,6 +88,14 @@ def test_init_tiny_writes_its_layout_and_it_loads(toy_dir):
     # the store indexes w1 / w3 / w2 from the published gate / up / down (the description's expert_projs)
     assert store.index.entries[(1, 0)] == {proj: {"weight": f"model.layers.1.moe.experts.0.{published}.weight"}
                                            for published, proj in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
+
+
+def test_the_cli_writes_and_inspects_it(toy, tmp_path, capsys):
+    """`moeswap init-tiny --arch` offers it and `inspect` reads it, with nothing but the registration."""
+    assert main(["init-tiny", str(tmp_path / "m"), "--arch", "toy_linear", "--size", "tiny"]) == 0
+    assert "wrote toy_linear" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "m"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["arch"] == "toy_linear"
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=check_id)
