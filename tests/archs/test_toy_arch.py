@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 import pytest
 import torch
-from archs.contract import CHECKS, check_id
+from archs.contract import CHECKS, Tiny, check_id
 
 from moeswap import archs
 from moeswap.archs.base import IDENTITY
@@ -100,4 +100,4 @@ def test_the_cli_writes_and_inspects_it(toy, tmp_path, capsys):
 
 @pytest.mark.parametrize("check", CHECKS, ids=check_id)
 def test_it_keeps_the_contract(toy_dir, check):
-    check("toy_linear", toy_dir)
+    check(Tiny("toy_linear", "", toy_dir))
