@@ -367,6 +367,22 @@ def test_deepseek_v3_and_kimi_k2_configs():
     assert (parse_config(t5).mla.rope.theta, parse_config(t5).mla.rope.factor) == (50000.0, 32.0)
 
 
+def test_a_config_naming_two_architectures_is_the_higher_ranked_one():
+    """model_type and architectures disagreeing: K3's names outrank DeepSeek-V3's, which outrank Kimi Linear's
+    (even a text-only K3's features), whichever key names which."""
+    from moeswap.archs import detect
+
+    k3, linear, ds = "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM", "DeepseekV3ForCausalLM"
+    k3_text = {"routed_expert_hidden_size": 8}
+    cases = [("kimi_k3", (ds,), {}, "kimi_k3"), ("deepseek_v3", (k3,), {}, "kimi_k3"),
+             ("kimi_linear", (ds,), {}, "deepseek_v3"), ("kimi_k2", (linear,), k3_text, "deepseek_v3"),
+             (None, (linear, ds), k3_text, "deepseek_v3"), ("kimi_linear", (), k3_text, "kimi_k3"),
+             ("kimi_linear", (linear,), {}, "kimi_linear"), ("llama", ("LlamaForCausalLM",), {}, None)]
+    for model_type, names, text, want in cases:
+        got = detect(model_type, names, text)
+        assert (got.name if got else None) == want, (model_type, names, text)
+
+
 @pytest.mark.parametrize("edits, message", [
     ({"rope_scaling": {"type": "longrope"}}, r"rope_scaling type 'longrope' is not supported for DeepSeek-V3"),
     ({"rope_scaling": {"type": "yarn", "factor": 40}}, r"'rope_scaling.original_max_position_embeddings' is missing"),

@@ -17,11 +17,11 @@ import sys
 import pytest
 
 from moeswap import cli
+from moeswap.archs import REGISTRY
 from moeswap.bench import cache as bench_cache
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.experts.policy import POLICIES, CachePolicy, make_policy, online_policies
 from moeswap.experts.trace import TraceRecorder
-from moeswap.models import REGISTRY
 from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions, add_load_flags, load_flag_names
 

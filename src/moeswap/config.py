@@ -1,11 +1,8 @@
-"""ModelConfig: the frozen description of a model, read from a checkpoint's config.json.
-
-Owns: unwrapping K3's multimodal `text_config`, both key spellings (Kimi and DeepSeek/transformers),
-layer kinds from `linear_attn_config` (1-based lists) or `layer_types`/`mlp_layer_types` (DeepSeek-V3: all
-MLA), DeepSeek-V3's rotary embedding (`rope_scaling` / `rope_parameters`, YaRN), the compressed-tensors
-or block-FP8 quantization scheme, and the type and range of every field (finite positive floats,
-sizes within bounds, routing the router can do). Knows nothing of tensors or files beyond config.json.
-Entry points: `load_config(path)` (a directory or a config.json) and `parse_config(dict)`.
+"""ModelConfig, read from config.json: K3's `text_config` wrapper, both key spellings (Kimi, DeepSeek /
+transformers), layer kinds (`linear_attn_config` 1-based lists, `layer_types`, `mlp_layer_types`), rotary
+embedding (`rope_scaling` / `rope_parameters`, YaRN), the quantization scheme, every field's type and range.
+Which architecture a file is and its choices (all MLA, rotary, MTP layers) it asks moeswap.archs; it never
+names one, and knows nothing of tensors. Entry points: `load_config(path)`, `parse_config(dict)`.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moeswap import archs
 from moeswap.formats.files import confined, read_json, show
 
 
@@ -192,9 +190,9 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: field 'text_config' must be an object")
     top, g = _Getter(raw, source), _Getter(text, source)
-    archs = top.str_list("architectures") + (g.str_list("architectures") if wrapped else ())
+    names = top.str_list("architectures") + (g.str_list("architectures") if wrapped else ())
     model_type = raw.get("model_type", text.get("model_type"))
-    arch = _detect_arch(model_type, archs, text, source)
+    arch = _detect_arch(model_type, names, text, source)
 
     num_layers = g.int("num_hidden_layers", low=1, high=MAX_LAYERS)
     lin_raw = text.get("linear_attn_config")
@@ -202,7 +200,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         raise ConfigError(f"{source}: field 'linear_attn_config' must be an object, got {show(lin_raw)}")
     lin = lin_raw or {}
     lg = _Getter(lin, source, "linear_attn_config.")
-    attn_kinds = ("mla",) * num_layers if arch == "deepseek_v3" else _attn_kinds(text, lin, num_layers, source)
+    attn_kinds = (arch.attention,) * num_layers if arch.attention else _attn_kinds(text, lin, num_layers, source)
     mlp_kinds = _mlp_kinds(g, num_layers, source)
 
     rope_raw = text.get("rope_scaling") or text.get("rope_parameters") or {}
@@ -233,8 +231,8 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         qk_rope_head_dim=g.int("qk_rope_head_dim"),
         v_head_dim=g.int("v_head_dim", low=int(has_mla)),
         output_gate=g.bool("mla_use_output_gate", False),
-        use_nope=g.bool("mla_use_nope", arch != "deepseek_v3"),
-        rope=_rope(g, rope_raw, source) if arch == "deepseek_v3" else None,
+        use_nope=g.bool("mla_use_nope", not arch.rotary),
+        rope=_rope(g, rope_raw, source) if arch.rotary else None,
     )
     if not mla.use_nope and mla.rope is None:
         raise ConfigError(f"{source}: mla_use_nope=false (rotary MLA) is supported for DeepSeek-V3 "
@@ -274,7 +272,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     quant = _quant_scheme(quant_raw, source)
 
     cfg = ModelConfig(
-        arch=arch,
+        arch=arch.name,
         hidden_size=g.int("hidden_size", low=1),
         num_layers=num_layers,
         vocab_size=vocab_size,
@@ -297,7 +295,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         pad_token_id=tokens.opt_int("pad_token_id", high=vocab_size - 1),
         max_position_embeddings=g.first_int(("max_position_embeddings", "model_max_length"), 1 << 20, low=1,
                                             high=MAX_POSITIONS),
-        mtp_layers=g.int("num_nextn_predict_layers", 0, high=MAX_LAYERS) if arch == "deepseek_v3" else 0,
+        mtp_layers=g.int(arch.mtp_key, 0, high=MAX_LAYERS) if arch.mtp_key else 0,
         unknown_keys=tuple(unknown),
     )
     return cfg
@@ -322,21 +320,14 @@ def _printable(key: str) -> str:
     return key if key.isprintable() else show(key)
 
 
-def _detect_arch(model_type: object, archs: tuple[str, ...], text: dict, source: str) -> str:
-    if model_type == "kimi_k3" or "KimiK3ForConditionalGeneration" in archs:
-        return "kimi_k3"
-    if model_type in ("deepseek_v3", "kimi_k2") or "DeepseekV3ForCausalLM" in archs:
-        return "deepseek_v3"  # Kimi K2 ships DeepSeek-V3's architecture under its own model_type
-    if model_type == "kimi_linear" or "KimiLinearForCausalLM" in archs:
-        # A text-only K3 file says kimi_linear too; K3's own features tell them apart.
-        k3 = "attn_res_block_size" in text or "routed_expert_hidden_size" in text
-        return "kimi_k3" if k3 else "kimi_linear"
-    from moeswap.models import REGISTRY
-
-    raise ConfigError(
-        f"{source}: unknown architecture (model_type={show(model_type)}, architectures={show(list(archs))}); "
-        f"moeswap runs: {', '.join(REGISTRY)}"
-    )
+def _detect_arch(model_type: object, names: tuple[str, ...], text: dict, source: str) -> archs.Arch:
+    arch = archs.detect(model_type, names, text)
+    if arch is None:
+        raise ConfigError(
+            f"{source}: unknown architecture (model_type={show(model_type)}, architectures={show(list(names))}); "
+            f"moeswap runs: {', '.join(archs.REGISTRY)}"
+        )
+    return arch
 
 
 def _attn_kinds(text: dict, lin: dict, n: int, source: str) -> tuple[str, ...]:
@@ -392,8 +383,8 @@ def _mlp_kinds(g: _Getter, n: int, source: str) -> tuple[str, ...]:
 
 
 def _rope(g: _Getter, r: dict, source: str) -> RopeConfig:
-    """DeepSeek-V3's `rope_scaling` (published files) or `rope_parameters` (transformers 5, which moves
-    rope_theta inside it); kind "yarn" or none/"default"."""
+    """A rotary architecture's (DeepSeek-V3's) `rope_scaling` (published files) or `rope_parameters`
+    (transformers 5, which moves rope_theta inside it); kind "yarn" or none/"default"."""
     rg = _Getter(r, source, "rope_scaling.")
     kind = r.get("rope_type", r.get("type", "default"))
     if kind not in ("yarn", "default"):

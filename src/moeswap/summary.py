@@ -11,9 +11,10 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from moeswap import archs
 from moeswap.config import load_config
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
-from moeswap.models.loader import checkpoint_map_module, is_mtp_tensor
+from moeswap.models.loader import is_mtp_tensor
 from moeswap.units import human_bytes, human_count
 
 # First match wins; applied to prefix-stripped parameter names.
@@ -48,7 +49,7 @@ def _component(name: str, attn_kinds: tuple[str, ...]) -> str:
 def summarize(model_dir: str | Path) -> dict:
     config = load_config(model_dir)
     ckpt = Checkpoint.open(model_dir)
-    arch = checkpoint_map_module(config)
+    arch = archs.get(config.arch)
     params: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)
     by_precision: dict[str, int] = defaultdict(int)

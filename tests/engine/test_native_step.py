@@ -60,7 +60,7 @@ def test_layers_whose_experts_are_not_in_the_table_yet_run_through_the_store(tin
     """A fresh model's tables are empty: the first native step stops at each MoE layer, runs its FFN through the
     store and resumes, and the table takes the experts the store hands over (it keeps them for good), so the
     same steps again need no stop. Same logits as the forward at every step."""
-    from moeswap.models.kimi_k3 import DecoderLayer
+    from moeswap.models.decoder import DecoderLayer
 
     def steps(step, model, n=6):
         state, tokens, outs = model.make_state(2), _prompts(2, 1), []
@@ -130,7 +130,7 @@ def test_a_swapping_store_computes_its_experts_in_the_call(tiny_k3_dir, policy, 
     layers whose experts are all there and, where one is missing, stops, fetches them through the store and
     resumes at that FFN: the model runs no FFN after the prefill. Logits bit for bit as the forward's; without
     prefetch the store makes the same decisions (hits, misses, evictions, what it holds at the end)."""
-    from moeswap.models.kimi_k3 import DecoderLayer
+    from moeswap.models.decoder import DecoderLayer
 
     _, probe = load_model(tiny_k3_dir, LoadOptions(expert_memory=1 << 30))
     total = sum(probe.fast.cost(k) for k in probe.index.entries)
@@ -368,7 +368,7 @@ def test_every_kernel_build_gives_the_forward_bit_for_bit(tiny_k3_dir, monkeypat
 def test_a_lookahead_with_every_expert_resident_costs_nothing(tiny_k3_dir, monkeypatch):
     """--prefetch next-layer with a fast tier that holds every expert: nothing can be evicted, so nothing is left
     to load; the decode steps run whole in the call, without stops or guesses, and give the forward's logits."""
-    from moeswap.models.kimi_k3 import DecoderLayer
+    from moeswap.models.decoder import DecoderLayer
 
     model, store = _load(tiny_k3_dir, prefetch="next-layer")
     assert store.can_evict is False and model.expert_lookahead is not None

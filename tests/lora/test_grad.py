@@ -13,7 +13,7 @@ import torch
 
 from moeswap.formats import mxfp4
 from moeswap.lora import LoRAConfig, attach_lora, lora_modules, trainable_parameters
-from moeswap.models import kimi_k3
+from moeswap.models import decoder
 from moeswap.models.layers.moe import Router
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
@@ -164,7 +164,7 @@ def test_activation_checkpointing_gives_the_same_gradients(k3_f64, tokens, monke
         calls.append(kwargs.get("use_reentrant"))
         return torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)
 
-    monkeypatch.setattr(kimi_k3, "checkpoint", counting)
+    monkeypatch.setattr(decoder, "checkpoint", counting)
     model.gradient_checkpointing = True
     loss_fn(model, tokens, weights).backward()
     assert calls == [False] * model.config.num_layers

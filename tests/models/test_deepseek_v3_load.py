@@ -11,7 +11,7 @@ from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.formats.files import read_json
 from moeswap.jsonio import dumps
-from moeswap.models import deepseek_v3
+from moeswap import archs
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
 from moeswap.ops import cpu_kernels
@@ -41,7 +41,7 @@ def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights)
         dense = [m for m in scaled if ".experts." not in m]
         assert any("kv_a_proj_with_mqa" in m for m in dense) and any("shared_experts" in m for m in dense)
         for module in dense:
-            target, _ = deepseek_v3.classify(module + ".weight")
+            target, _ = archs.get("deepseek_v3").classify(module + ".weight")
             linear = model.get_submodule(target.removesuffix(".weight"))
             if dense_weights == "compute" or cpu_kernels.kernel() is None:
                 assert type(linear) is torch.nn.Linear and torch.equal(params[target], _decoded(ckpt, module)), module

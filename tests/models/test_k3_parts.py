@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moeswap.archs import REGISTRY
 from moeswap.config import parse_config
 from moeswap.models.layers.attn_res import mix, score_vector
 from moeswap.models.layers.basic import WeightOnly
@@ -35,6 +36,11 @@ EPS = 1e-5  # rms_norm_eps, o_norm eps and the attn-res rmsnorm eps of the spec
 
 def cfg_for(arch: str):
     return parse_config(tiny_config(arch, "tiny"))
+
+
+# The registered architectures whose tiny model has KDA layers, and NoPE MLA (the spec's, unrotated k_r)
+KDA_ARCHS = [a for a in REGISTRY if "kda" in cfg_for(a).attn_kinds]
+NOPE_MLA_ARCHS = [a for a in REGISTRY if "mla" in cfg_for(a).attn_kinds and cfg_for(a).mla.rope is None]
 
 
 def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -250,7 +256,7 @@ def ref_kda_layer(layer: KDA, x: torch.Tensor, lower_bound: float | None) -> tor
     return y @ W(layer.o_proj).T
 
 
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+@pytest.mark.parametrize("arch", KDA_ARCHS)
 def test_kda_layer_matches_spec_from_scratch(arch):
     cfg = cfg_for(arch)
     layer = make_kda(arch, seed=8)
@@ -262,7 +268,7 @@ def test_kda_layer_matches_spec_from_scratch(arch):
     assert_close(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+@pytest.mark.parametrize("arch", KDA_ARCHS)
 def test_kda_layer_prefill_then_decode_equals_full_pass(arch):
     """Prefill with a state, then T == 1 steps (token recurrence + conv state) equal one full pass."""
     cfg = cfg_for(arch)
@@ -294,7 +300,7 @@ def fused_and_torch_decode(monkeypatch, layer_module, kernel_name: str, steps: i
     return fused, run()
 
 
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+@pytest.mark.parametrize("arch", KDA_ARCHS)
 def test_kda_fused_kernel_equals_the_torch_prefill_and_decode(arch, monkeypatch):
     """The one-call C layer (cpu_kernels.kda_layer: the token recurrence) gives the general path's
     outputs and states, for prefill chunks (the torch path's chunked form, across a chunk boundary
@@ -359,7 +365,7 @@ def ref_mla(layer: MLA, x: torch.Tensor) -> torch.Tensor:
     return attn @ W(layer.o_proj).T
 
 
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+@pytest.mark.parametrize("arch", NOPE_MLA_ARCHS)
 def test_mla_matches_spec_non_absorbed(arch):
     cfg = cfg_for(arch)
     layer = make_mla(arch, seed=12)
@@ -404,7 +410,7 @@ def test_mla_incremental_with_cache_equals_full_pass():
     assert_close(full, ref_mla(layer, x))
 
 
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+@pytest.mark.parametrize("arch", NOPE_MLA_ARCHS)
 def test_mla_fused_decode_kernel_equals_the_torch_decode(arch, monkeypatch):
     """The one-call C decode (cpu_kernels.mla_decode) gives the torch path's outputs on ragged caches
     (sequences of different lengths in one batch) and leaves the same cache behind."""

@@ -1,4 +1,4 @@
-"""Every architecture in moeswap.models.REGISTRY, on its init-tiny checkpoint (a new architecture gets these
+"""Every architecture in moeswap.archs.REGISTRY, on its init-tiny checkpoint (a new architecture gets these
 checks by being registered and written by init-tiny): the full-sequence forward equals prefill plus
 token-by-token decode; the native decode step equals the forward bit for bit; the C kernels equal the
 plain-torch paths; the model written back in the published layout holds the stored tensors and reloads
@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeswap import archs
+from moeswap.archs import REGISTRY
 from moeswap.config import load_config
 from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.scheduler import fuse_projections
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, TensorInfo
 from moeswap.formats.writer import layout, write_index, write_shard
-from moeswap.models import REGISTRY
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
-from moeswap.models.loader import LoadOptions, checkpoint_map_module, load_model
+from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
 from moeswap.tiny import write_tiny_model
 
@@ -138,8 +139,8 @@ def _as_stored(value: torch.Tensor, info: TensorInfo) -> torch.Tensor:
 
 def _published_tensors(model, store) -> dict[str, torch.Tensor]:
     """The loaded model under its checkpoint names: dense tensors from its parameters (through the loader's
-    CHECKPOINT_MAP), routed experts as the store reads them (it never makes them parameters)."""
-    arch, prefix = checkpoint_map_module(model.config), model.config.weight_prefix
+    checkpoint_map), routed experts as the store reads them (it never makes them parameters)."""
+    arch, prefix = archs.get(model.config.arch), model.config.weight_prefix
     params = dict(model.named_parameters())
     out = {}
     for name in store.ckpt.names():

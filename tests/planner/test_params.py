@@ -80,7 +80,7 @@ def test_mxfp4_versus_bf16_experts(k3p):
 
 def _configs():
     """A small config of every architecture in the model registry, and every preset the planner ships."""
-    from moeswap.models import REGISTRY
+    from moeswap.archs import REGISTRY
     from moeswap.tiny import tiny_config
 
     out = [(f"tiny-{arch}", parse_model_dict(tiny_config(arch, "tiny"))) for arch in sorted(REGISTRY)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from moeswap.models import REGISTRY
+from moeswap.archs import REGISTRY
 from moeswap.tiny.sizes import SIZES
 
 

@@ -39,7 +39,7 @@ import torch
 
 from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.keys import Key
-from moeswap.models.kimi_k3 import ModelState
+from moeswap.models.decoder import ModelState
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
 from moeswap.models.layers.moe import OnHost, pairs_by_expert

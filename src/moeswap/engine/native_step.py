@@ -51,7 +51,7 @@ import torch
 
 from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.incall import InCallLoads
-from moeswap.models.kimi_k3 import KimiModel, ModelState
+from moeswap.models.decoder import DecoderModel, ModelState
 from moeswap.models.layers.attn_res import score_vector
 from moeswap.models.layers.basic import fused_fp8, fused_weight, unadapted
 from moeswap.models.layers.kda import KDAState
@@ -77,7 +77,7 @@ class Unsupported(Exception):
 class _Plan:
     """The layer table of one model as its parameters are now, and the tensors it points into."""
 
-    def __init__(self, model: KimiModel):
+    def __init__(self, model: DecoderModel):
         self.kernel = cpu_kernels.kernel()
         if self.kernel is None:
             raise Unsupported(f"no CPU kernel ({cpu_kernels.build_error()})")
@@ -307,7 +307,7 @@ class _Plan:
 class NativeDecode:
     """model(tokens_B1, state) for decode steps, through moeswap_decode_layers where it applies."""
 
-    def __init__(self, model: KimiModel):
+    def __init__(self, model: DecoderModel):
         self.model = model
         self._plan: _Plan | None = None
         self._params: list[torch.Tensor] | None = None  # listed once: ~0.2 ms a listing

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from moeswap.models.kimi_k3 import ModelState
+from moeswap.models.decoder import ModelState
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
 from moeswap.units import human_bytes

@@ -1,6 +1,6 @@
 """Where each routed expert's tensors sit in a checkpoint, and how to turn them into weights.
 
-`ExpertIndex` is built by the loader from CHECKPOINT_MAP matches and validated against the config
+`ExpertIndex` is built by the loader from the architecture's checkpoint_map matches and validated against the config
 (every expert of every MoE layer present, with the right shapes and dtypes, all in one format: its
 `format`, an ops.expert_format object chosen here once). `load_expert` reads one expert's tensors through
 that format (MXFP4 kept as bytes if asked, else decoded); nothing else is read. `check_expert` refuses

@@ -46,8 +46,8 @@ MERGEABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path, progress: bool = False) -> dict:
     """Writes OUT and returns the report (also OUT/merge_report.json)."""
+    from moeswap import archs
     from moeswap.models import build_model
-    from moeswap.models.loader import checkpoint_map_module, expert_key
 
     t0 = time.perf_counter()
     base, out = Path(base), Path(out)
@@ -65,18 +65,18 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
     recorded = base_fingerprint(adapter.raw)
     if recorded is not None:
         check_same_base(recorded, base, f"adapter {adapter.directory}")
-    arch = checkpoint_map_module(config)
+    arch = archs.get(config.arch)
     model = build_model(config, device="meta")  # modules and shapes only
     with Checkpoint.open(base) as ckpt:
         prefix = config.weight_prefix
-        # parameter name -> checkpoint name (the map is nearly the identity; see the model's CHECKPOINT_MAP)
+        # parameter name -> checkpoint name (the map is nearly the identity; see its architecture's checkpoint_map)
         stored = {}
         expert_tensors: dict[tuple[int, int, str], dict[str, str]] = {}  # (layer, expert, proj) -> suffix -> name
         for name in ckpt.names():
             local = name[len(prefix):] if prefix and name.startswith(prefix) else name
             target, m = arch.classify(local)
             if target == "expert":
-                layer, expert, proj, kind = expert_key(arch, m)
+                layer, expert, proj, kind = arch.expert_key(m)
                 expert_tensors.setdefault((layer, expert, proj), {})[kind] = name
             elif target != "skip":
                 stored[target] = name

@@ -1,7 +1,8 @@
 """Adapters on disk in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`, tensors named
-`base_model.model.<checkpoint module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]. An adapter is
-checked whole before anything is applied. Entry points: `save_adapter`, `write_adapter`, `read_adapter`,
-`load_adapter`, `adapter_state_dict`.
+`base_model.model.<checkpoint module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]; loading also takes
+the module names of transformers' port (an architecture's `module_aliases`). An adapter is checked whole
+before anything is applied. Entry points: `save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`,
+`adapter_state_dict`.
 """
 
 from __future__ import annotations
@@ -224,9 +225,9 @@ def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "arch"):
         return ()
-    from moeswap.models.loader import checkpoint_map_module
+    from moeswap import archs
 
-    return getattr(checkpoint_map_module(config), "MODULE_ALIASES", ())
+    return archs.get(config.arch).module_aliases
 
 
 def _resolve(name: str, modules: Mapping[str, nn.Module], aliases) -> str | None:

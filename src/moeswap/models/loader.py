@@ -1,26 +1,26 @@
 """The one loader: config.json + safetensors -> model with dense weights, routed experts in a store.
 
 Builds the model on `meta`, classifies every checkpoint tensor through the architecture's
-CHECKPOINT_MAP, fills each parameter from exactly its byte range (pread into owned memory, so the
+checkpoint map (moeswap.archs), fills each parameter from exactly its byte range (pread into owned memory, so the
 process holds the dense weights once and maps nothing), indexes routed experts for the store, and
 fails on any unmapped, missing, misshapen or wrongly typed tensor. Entry point: `load_model(path, LoadOptions)`.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from moeswap import archs
 from moeswap.config import ModelConfig, load_config
 from moeswap.experts.source import ExpertIndex
 from moeswap.experts.build import build_store
 from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
-from moeswap.models import REGISTRY, build_model
+from moeswap.models import build_model
 from moeswap.ops import expert_format
 from moeswap.ops.linear import FP8BlockLinear, StoredWeightLinear, can_keep_fp8, can_keep_stored
 from moeswap.options import LoadOptions
@@ -102,10 +102,6 @@ def attach_store(model: nn.Module, store) -> None:
     model.expert_lookahead = NextLayerLookahead(routes, store.prefetcher)
 
 
-def checkpoint_map_module(config: ModelConfig):
-    return importlib.import_module(REGISTRY[config.arch].split(":")[0])
-
-
 def is_mtp_tensor(local_name: str, config: ModelConfig) -> bool:
     """A tensor of a multi-token-prediction layer (DeepSeek-V3's num_nextn_predict_layers, stored as
     layers after the last): not part of the model moeswap runs."""
@@ -113,16 +109,9 @@ def is_mtp_tensor(local_name: str, config: ModelConfig) -> bool:
     return m is not None and config.num_layers <= int(m[1]) < config.num_layers + config.mtp_layers
 
 
-def expert_key(arch, match: re.Match) -> tuple[int, int, str, str]:
-    """(layer, expert, store projection w1/w2/w3, tensor kind) of a CHECKPOINT_MAP "expert" match; the
-    architecture's EXPERT_PROJS renames published projections (DeepSeek's gate/up/down_proj)."""
-    layer, expert, proj, kind = match.groups()
-    return int(layer), int(expert), getattr(arch, "EXPERT_PROJS", {}).get(proj, proj), kind
-
-
 def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig, dtype: torch.dtype,
                          device: str, dense_weights: str = "compute") -> ExpertIndex:
-    arch = checkpoint_map_module(config)
+    arch = archs.get(config.arch)
     params = dict(model.named_parameters())
     filled: set[str] = set()
     index = ExpertIndex()
@@ -137,7 +126,7 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         if target == "skip" or is_mtp_tensor(local, config) or name in scales:
             continue
         if target == "expert":
-            index.add(*expert_key(arch, match), name)
+            index.add(*arch.expert_key(match), name)
             continue
         if target not in params:
             info = ckpt.info(name)

@@ -11,9 +11,8 @@ SIZES = {
     # active a token; vocab from its own BPE
     "stdlib": dict(hidden=256, layers=8, vocab=4096, heads=4, head_dim=64, kv_lora=64, q_lora=96, nope=32, rope=16,
                    experts=32, top_k=4, expert_dim=256, latent=128, dense=768, res_block=4),
-    # benchmarks and memory checks: ~0.96 B parameters (the engine benchmark's 0.3-1 B), 0.45 GB of MXFP4 experts
-    # plain_expert_dim: the routed and shared expert width of an architecture whose experts take the full hidden
-    # width (DeepSeek-V3: no latent projection), giving its experts K3's parameters (3 x 1024 x 512 each)
+    # benchmarks and memory checks: ~0.96 B parameters (the engine benchmark's 0.3-1 B), 0.45 GB of MXFP4 experts;
+    # an architecture may take other widths from these (archs/deepseek_v3.py: full-width experts)
     "bench": dict(hidden=1024, layers=12, vocab=4096, heads=8, head_dim=64, kv_lora=128, q_lora=256, nope=64, rope=32,
-                  experts=48, top_k=8, expert_dim=1024, latent=512, dense=2048, res_block=4, plain_expert_dim=512),
+                  experts=48, top_k=8, expert_dim=1024, latent=512, dense=2048, res_block=4),
 }

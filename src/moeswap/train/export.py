@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moeswap import jsonio
+from moeswap import archs, jsonio
 from moeswap.config import parse_config
 from moeswap.formats.checkpoint import Checkpoint
 from moeswap.formats.files import read_json
 from moeswap.formats.writer import layout, write_index, write_shard
-from moeswap.models.loader import checkpoint_map_module
 from moeswap.quantize import copy_side_files, side_files
 from moeswap.train.experts import expert_tensors, moe_blocks
 
@@ -46,7 +45,7 @@ def write_model(model: nn.Module, base_dir: str | Path, out_dir: str | Path) -> 
     base, out = Path(base_dir), Path(out_dir)
     raw = read_json(base / "config.json", ValueError)
     config = parse_config(raw)
-    arch = checkpoint_map_module(config)
+    arch = archs.get(config.arch)
     ckpt = Checkpoint.open(base)
     params = dict(model.named_parameters())
     experts = {b.layer_idx: expert_tensors(b) for b in moe_blocks(model) if "experts" in b._modules}

@@ -46,7 +46,7 @@ def prepare_model(model: nn.Module, cfg, owned: Callable[[int], Sequence[int]] |
         params = _full_parameters(model, cfg.target_modules)
     else:
         params = _lora_parameters(model, cfg, owned)
-    # the model's own per-layer activation checkpointing (models/kimi_k3.py)
+    # the model's own per-layer activation checkpointing (models/decoder.py)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if not params:
         raise ValueError("nothing to train: no trainable parameters")

@@ -1,17 +1,13 @@
-"""Kimi K3 text model, and Kimi Linear through the same code with its flags.
-
-K3: KDA (bounded gate, full-rank output gate) + gated NoPE MLA with q-LoRA, dense SiTU-GLU layer 0,
-latent MoE with routed-expert norm and shared experts, block attention residuals.
-Kimi Linear: unbounded gate, low-rank output gate, SwiGLU, full-width experts, plain residuals.
-Module names equal checkpoint names (minus `language_model.`), so CHECKPOINT_MAP is nearly the
-identity. Routed experts are never parameters: MoE blocks ask the attached expert store.
-Entry points: `KimiModel(config, device=...)`, `.forward(tokens, state)`, `.make_state(batch)`.
+"""The decoder every architecture builds (Kimi K3, Kimi Linear, DeepSeek-V3 / K2), its layers chosen by
+ModelConfig's flags: KDA or MLA attention per layer (MLA NoPE or rotary), a dense MLP or a MoE, block
+attention residuals when the config has them. Knows no checkpoint names (moeswap.archs does). Routed
+experts are never parameters: MoE blocks ask the attached expert store.
+Entry points: `DecoderModel(config, device=...)`, `.forward(tokens, state)`, `.make_state(batch)`.
 Shapes: B batch, T tokens, D width, V vocab.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -19,40 +15,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moeswap.config import ModelConfig
-from moeswap.models import classify_name
 from moeswap.models.layers.attn_res import mix, score_vector
 from moeswap.models.layers.basic import FUSABLE, GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
 from moeswap.ops.linear import gemm_precision, linear
-
-# Checkpoint tensor name (prefix stripped) -> what it is. First match wins.
-#   "expert": a routed-expert tensor, indexed for the expert store (groups: layer, expert, proj, kind)
-#   "skip":   not part of the text model (vision tower, projector)
-#   a template: the model parameter it fills (\1.. refer to groups)
-CHECKPOINT_MAP: tuple[tuple[str, str], ...] = (
-    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)",
-     "expert"),
-    (r"(vision_tower|mm_projector|multi_modal_projector)\..*", "skip"),
-    # transformers writes the dense layer's MLP under block_sparse_moe; the original files say mlp
-    (r"model\.layers\.(\d+)\.block_sparse_moe\.(gate|up|down)_proj\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
-    (r"(.*)", r"\1"),
-)
-
-# transformers' KimiLinearForCausalLM names some modules otherwise than the checkpoint does (its loader renames
-# the tensors); adapters PEFT saves from that model carry its names. Its name -> ours, first match wins.
-MODULE_ALIASES: tuple[tuple[str, str], ...] = (
-    (r"model\.layers\.(\d+)\.self_attn\.forget_gate\.(f_a_proj|f_b_proj)", r"model.layers.\1.self_attn.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.(shared_experts\..*)", r"model.layers.\1.block_sparse_moe.\2"),
-)
-
-
-def sanitize(param_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """Checkpoint quirks, in one place: A_log is [128] zero-padded in K3 and [1,1,H,1] in transformers."""
-    if param_name.endswith("self_attn.A_log"):
-        return tensor.reshape(-1)[: config.kda.num_heads]
-    return tensor
 
 
 @dataclass
@@ -89,7 +57,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x) if hasattr(self, "mlp") else self.block_sparse_moe(x)
 
 
-class KimiModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
         c = config
@@ -186,12 +154,3 @@ class KimiModel(nn.Module):
             self.expert_lookahead(i, m)
         return partial + layer.feed_forward(layer.post_attention_layernorm(m))
 
-
-def expert_name(layer: int, expert: int, proj: str) -> str:
-    """The checkpoint module name of one routed expert projection (proj: w1 / w2 / w3)."""
-    return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"
-
-
-def classify(name: str) -> tuple[str, re.Match]:
-    """A (prefix-stripped) checkpoint name through CHECKPOINT_MAP: ('expert'|'skip'|param name, match)."""
-    return classify_name(CHECKPOINT_MAP, name)
