@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 _FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+_READ_ONLY = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+              errno.EPERM: "operation not permitted"}
 # What follows ".<destination name>." in a staging directory's name; the last part is mkdtemp's.
 _STAGING = re.compile(r"staging-([0-9a-f]{8})-(\d+)-(\d+)\.[a-z0-9_]+")
 
@@ -31,6 +33,41 @@ class OutOfSpaceError(OSError):
 
     def __str__(self) -> str:
         return self.strerror or super().__str__()
+
+
+class UnwritableError(OSError):
+    """The output's place cannot be written (a read-only file system, no permission); nothing was left there."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+@contextmanager
+def library_write(path: str | os.PathLike) -> Iterator[None]:
+    """A write by a library that words a failed write its own way (safetensors, torch.save): inside, such a
+    failure is raised as the OSError it stands for, naming `path`, so a full disk is said as one."""
+    try:
+        yield
+    except Exception as err:
+        mapped = _io_error(err, path)
+        if mapped is err:
+            raise
+        raise mapped from None
+
+
+def _io_error(err: BaseException, path: str | os.PathLike) -> BaseException:
+    """safetensors names the OS error's code in its message ("(os error 28)", or "IoError(Os { code: 28"
+    in older versions); torch.save says only "unexpected pos" (a short
+    write: the disk filled up). Anything else comes back as it is."""
+    text = str(err)
+    found = re.search(r"\(os error (\d+)\)|IoError\(Os \{ code: (\d+)", text)
+    if found is not None:
+        number = int(found[1] or found[2])
+    elif "unexpected pos" in text:
+        number = errno.ENOSPC
+    else:
+        return err
+    return OSError(number, os.strerror(number), os.fspath(path))
 
 
 @dataclass(frozen=True)
@@ -161,7 +198,13 @@ def atomic_file(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Bin
         raise IsADirectoryError(f"{path} is a directory; expected a file name")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path}: directory {path.parent} does not exist")
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        unwritable = _out_of_space(err, None, path)
+        if unwritable is None:
+            raise
+        raise unwritable from None
     tmp = Path(name)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -193,8 +236,11 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
         raise
 
 
-def _out_of_space(err: BaseException, tmp: Path | None, dst: Path) -> OutOfSpaceError | None:
-    if isinstance(err, OutOfSpaceError) or not isinstance(err, OSError) or err.errno not in _FULL:
+def _out_of_space(err: BaseException, tmp: Path | None, dst: Path) -> OSError | None:
+    """A full disk or an unwritable place as one user error naming the file, or None for anything else."""
+    if isinstance(err, (OutOfSpaceError, UnwritableError)) or not isinstance(err, OSError):
+        return None
+    if err.errno not in _FULL and err.errno not in _READ_ONLY:
         return None
     shown = dst
     if isinstance(err.filename, str) and tmp is not None:
@@ -202,6 +248,9 @@ def _out_of_space(err: BaseException, tmp: Path | None, dst: Path) -> OutOfSpace
             shown = dst / Path(err.filename).relative_to(tmp)
         except ValueError:
             shown = Path(err.filename)
+    if err.errno in _READ_ONLY:
+        return UnwritableError(err.errno, f"cannot write {shown}: {_READ_ONLY[err.errno]}; choose another place "
+                                          f"for the output (nothing was left there)")
     return OutOfSpaceError(err.errno, f"{_FULL[err.errno]} writing {shown}; free some space and run again "
                                       f"(the partial output was removed)")
 

@@ -9,6 +9,7 @@ with exit code 1.
 from __future__ import annotations
 
 import argparse
+import errno
 import dataclasses
 import importlib
 import os
@@ -18,13 +19,15 @@ import time
 import warnings
 
 from moeswap import tuning
-from moeswap.atomic_dir import OutOfSpaceError
+from moeswap.atomic_dir import OutOfSpaceError, UnwritableError
 from moeswap.jsonio import dumps
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.units import human_bytes
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
-                                                OutOfSpaceError)
+                                                OutOfSpaceError, UnwritableError)
+# OS errors of a write that no atomic writer worded: said in one line with the file, never a traceback
+WRITE_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors as one line, like every other user error (argparse would print the usage first)."""
@@ -324,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if not getattr(err, "reported", False):  # (said already: distributed.cli.from_lead under torchrun)
             print(f"moeswap: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if args.debug or err.errno not in WRITE_ERRNOS:
+            raise
+        where = f" {err.filename}" if err.filename else ""
+        print(f"moeswap: error: cannot write{where}: {err.strerror or err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # failures that explain themselves in one line (distributed.ep.PeerLost)
         if args.debug or not hasattr(err, "exit_code"):
