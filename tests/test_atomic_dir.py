@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moeswap.atomic_dir import OutOfSpaceError, Owner, atomic_directory, atomic_file, remove_stale, writing
+from moeswap.atomic_dir import OutOfSpaceError, UnwritableError, Owner, atomic_directory, atomic_file, remove_stale, writing
 from moeswap.cli import USER_ERRORS
 
 
@@ -75,9 +75,13 @@ def test_a_full_disk_is_a_user_error_naming_the_file(tmp_path, code, words):
     with pytest.raises(OutOfSpaceError, match=f"no space left on device writing {dst};"):
         with atomic_directory(dst):
             raise OSError(errno.ENOSPC, "No space left on device")  # no file known: the destination is named
-    with pytest.raises(PermissionError):  # other OS errors pass through unchanged
+    with pytest.raises(UnwritableError, match=f"cannot write {dst}: permission denied; choose another place"):
         with atomic_directory(dst):
             raise PermissionError(errno.EACCES, "denied")
+    with pytest.raises(OSError, match="Input/output error") as info:  # other OS errors pass through unchanged
+        with atomic_directory(dst):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+    assert type(info.value) is OSError
 
 
 def _dead_pid() -> int:
