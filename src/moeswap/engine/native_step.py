@@ -1,12 +1,12 @@
 """A decode step's decoder layers in one C call (ops/csrc/decode_step.c moeswap_decode_layers).
 
-Between the kernels of an eager decode step, Python spends ~0.4 ms a layer (module calls, views, checks,
-tensor allocations, cold caches after each kernel): a third of a batch-1 step on the bench model. Here
+Between the kernels of an eager decode step, Python spends time on every layer (module calls, views, checks,
+tensor allocations, cold caches after each kernel): a large share of a batch-1 step (docs/benchmarks.md). Here
 the layers' weights are described once, as a table of pointers, and a step is one C call that runs the
 same kernels in the same order on the same values; the model's forward stays the reference and runs
 whenever this does not apply:
 
-- eager CPU inference without gradients, fp32 activations, at most 32 sequences (either GEMM precision:
+- eager CPU inference without gradients, fp32 activations, at most KERNEL_MAX_ROWS sequences (either GEMM precision:
   under bf16, every bf16-weight product rounds its input as ops/linear.py does);
 - dense weights kept bf16 (the loader's default on the CPU), or block FP8 kept as their codes and scales
   (ops.linear.FP8BlockLinear, DeepSeek-V3's published layout; MLA and MLPs), with each attention's input
@@ -310,7 +310,7 @@ class NativeDecode:
     def __init__(self, model: KimiModel):
         self.model = model
         self._plan: _Plan | None = None
-        self._params: list[torch.Tensor] | None = None  # listed once: ~0.2 ms a listing
+        self._params: list[torch.Tensor] | None = None  # listed once: a listing is not free (docs/benchmarks.md)
         self._key: list[int] | None = None  # the plan's watched versions when it was made
         self._built = False
         self._unsupported: str | None = None  # why no plan could be made for the current parameters

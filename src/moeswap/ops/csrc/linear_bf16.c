@@ -218,7 +218,7 @@ int rounded_linear(const float *x, int64_t T, int64_t I, const uint16_t *W, int6
  * (moeswap_bf16_linear, moeswap_glu), so the same bits. Returns 0, 1 for bad sizes, 2 out of memory. */
 int gated_mlp(int bf16_in, const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H,
               const uint16_t *w_down, int act, float b1, float b2, float *y, int nthreads) {
-    if (T < 1 || D < 1 || H < 1 || (act != 0 && act != 1)) return 1;
+    if (T < 1 || D < 1 || H < 1 || (act < 0 || act >= ACTIVATIONS)) return 1;
     float *gu = (float *)malloc((size_t)(T * 2 * H) * sizeof(float) + 64);
     float *h = (float *)malloc((size_t)(T * H) * sizeof(float) + 64);
     if (!gu || !h) { free(gu); free(h); return 2; }
