@@ -1,14 +1,15 @@
 /* cpu_kernels.h: the C ABI of moeswap's CPU kernels (the C files beside it, built into one shared library),
  * the one description both sides read. Every C file includes it, so the compiler checks each definition
- * against its prototype here; ops/cpu_kernels.py reads the prototypes to set every function's ctypes
- * argtypes, and engine/native_step.py builds its ctypes `decode_layer` from MOESWAP_DECODE_LAYER_FIELDS,
- * which the library also exports as a table (moeswap_decode_layer_field), checked field by field before the
- * first call.
+ * against its prototype here; ops/kernel_abi.py reads the prototypes to set every function's ctypes
+ * argtypes, the shared lists (format codes, activations, load_state's slots, ...) and constants below, and
+ * decode_layer's fields, from which engine/native_step.py builds its ctypes `decode_layer`. The library
+ * exports the lists and the fields as compiled (moeswap_abi_entry, moeswap_decode_layer_field), checked
+ * entry by entry and field by field when it is loaded and before the first decode call.
  *
- * Python parses this file strictly: the include guard, #include, MOESWAP_ macros, the decode_layer typedef
- * and one prototype per exported function, whose parameters are `[const] T [* [const]]... name` with a
- * scalar T of int, int64_t, float or double (pointers may point at anything declared here). Anything else
- * is an error there, not a guess.
+ * Python parses this file strictly: the include guard, #include, MOESWAP_ macros (a list `NAME(X) X(...)
+ * X(...)` or an integer constant), the decode_layer typedef and one prototype per exported function, whose
+ * parameters are `[const] T [* [const]]... name` with a scalar T of int, int64_t, float or double
+ * (pointers may point at anything declared here). Anything else is an error there, not a guess.
  * Status returns: 0 done, 1 bad sizes, 2 out of memory, 3 a path this build lacks, 4 see the function.
  */
 #ifndef MOESWAP_CPU_KERNELS_H
