@@ -7,7 +7,7 @@
 
 /* Gated activations, for the experts' hidden rows (activate) and whole tensors (moeswap_glu): out = act(g, u),
  * ACT_SILU: silu(g) * u; ACT_SITU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2). torch runs SiTU as nine
- * passes over memory (~5.5 ns per element on 2 cores); this is one. exp is Cody-Waite range reduction
+ * passes over memory (docs/benchmarks.md); this is one. exp is Cody-Waite range reduction
  * and Cephes' degree-5 polynomial (~2 ulp), tanh Cephes' odd polynomial below |x| = 0.625 and
  * 1 - 2 / (exp(2|x|) + 1) above, all branch-free so the loop vectorizes; NaN in, NaN out. */
 static inline float act_exp(float x) {
@@ -44,7 +44,7 @@ static inline float act_tanh(float x) {
 static inline float act_sigmoid(float x) { return 1.0f / (1.0f + act_exp(-x)); }
 
 /* One loop per act: with the choice inside, the vectorized loop computed both (SiTU's three exps and
- * divisions for SiLU too: 3x the time). The same per-element math either way. */
+ * divisions for SiLU too: docs/benchmarks.md). The same per-element math either way. */
 void glu_span(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2) {
     if (act == ACT_SILU) {
         #pragma omp simd
