@@ -162,7 +162,8 @@ def test_a_field_added_to_the_c_side_only_is_named(tmp_path):
 
 def test_constants_have_one_source():
     c = kernel_abi.abi().constants
-    assert c == {"DENSE_KERNEL_MAX_ROWS": 32, "EXPERT_GEMM_MIN_ROWS": 32, "ROW_CHUNK_BYTES": 1 << 20}
+    assert c == {"TABLE_ROW": 6, "DENSE_KERNEL_MAX_ROWS": 32, "EXPERT_GEMM_MIN_ROWS": 32, "ROW_CHUNK_BYTES": 1 << 20}
+    assert dict(kernel_abi.abi().layer_fields)["load_row"] == ctypes.c_int64 * c["TABLE_ROW"]
     assert linear.KERNEL_MAX_ROWS == roofline.NATIVE_MAX_TOKENS == c["DENSE_KERNEL_MAX_ROWS"]
     assert expert_mxfp4.GEMM_MIN_TOKENS == c["EXPERT_GEMM_MIN_ROWS"]
     assert (expert_format.ROW_CHUNK_BYTES == expert_mxfp4.ROW_CHUNK_BYTES == expert_quant.ROW_CHUNK_BYTES

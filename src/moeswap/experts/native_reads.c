@@ -107,7 +107,7 @@ void msw_reads_submit(void *handle, msw_job *j, int urgent) {
 #define MSW_TEXT(x) MSW_TEXT_(x)
 #define MSW_TEXT_(x) #x
 #define FIELD_ROW(type, name, dims) \
-    {#name, (int64_t)offsetof(msw_job, name), (int64_t)sizeof(((msw_job *)0)->name), MSW_TEXT(type dims)},
+    {#name, (int64_t)offsetof(msw_job, name), (int64_t)sizeof(((msw_job *)0)->name), MSW_TEXT(type) MSW_TEXT(dims)},
 static const struct { const char *name; int64_t offset, size; const char *type; } job_fields[] = {
     MSW_JOB_FIELDS(FIELD_ROW)
 };

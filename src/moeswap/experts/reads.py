@@ -32,7 +32,6 @@ HEADER = JOB_HEADER  # msw_job, the read and its check
 DEFAULT_THREADS = 2
 
 
-
 class ReadJob(ctypes.Structure):
     """ops/csrc/expert_read.h `msw_job`: its fields as MSW_JOB_FIELDS lists them, compared with the reader
     library's own layout, field by field, before the library is used."""

@@ -121,8 +121,9 @@ def parse_header(text: str, where: str = "cpu_kernels.h") -> Abi:
     for name in _LISTS:
         if name not in macros:
             raise ValueError(f"{where}: no #define MOESWAP_{name}(...)")
+    named = {f"MOESWAP_{name}": value for name, value in constants.items()}  # dimensions may name a constant
     fields = [(n, ctype_of(t + d, f"{where}: decode_layer field {n}")) for t, n, d in _dims(
-        macros.pop("DECODE_LAYER_FIELDS"), {}, where)]
+        macros.pop("DECODE_LAYER_FIELDS"), named, where)]
     projections = {name: role for name, role in macros.pop("EXPERT_PROJS")}
     if sorted(projections.values()) != ["down", "gate", "up"]:
         raise ValueError(f"{where}: MOESWAP_EXPERT_PROJS roles {list(projections.values())} (expected gate, up, down)")

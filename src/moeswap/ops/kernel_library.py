@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from moeswap.formats import mx
-from moeswap.ops.kernel_abi import HEADER, Layout, abi, list_problem, struct_problem
+from moeswap.ops.kernel_abi import HEADER, Layout, abi, constant, list_problem, struct_problem
 
 ACTS = {name.lower(): code for name, code in abi().lists["ACTIVATIONS"].items()}  # `act` (MOESWAP_ACTIVATIONS)
 # the grouped kernels' weight formats by Python's kind (csrc/cpu_kernels.h MOESWAP_FORMATS, names in lower case);
@@ -22,6 +22,7 @@ ACTS = {name.lower(): code for name, code in abi().lists["ACTIVATIONS"].items()}
 _CODES = {name.lower(): code for name, code in abi().lists["FORMATS"].items()}
 MXFP4_Q8 = _CODES.pop("mxfp4_q8")
 FORMAT_CODES = _CODES
+TABLE_ROW = constant("TABLE_ROW")  # an expert's pointers in a resident-table row, and for the expert kernels
 
 
 class CpuKernels:
@@ -93,7 +94,7 @@ class CpuKernels:
         """MXFP4 expert of width F: x fp32 contiguous [T, I] -> w2 · act(w1 x, w3 x), fp32 [T, I]; mats: the data
         pointers of w1's packed bytes and scales, then w3's, then w2's (kernel_experts.expert gathers them)."""
         T, I = x_TI.shape
-        if len(mats) != 6 or F < 1 or x_TI.dtype != torch.float32 or not x_TI.is_contiguous():
+        if len(mats) != TABLE_ROW or F < 1 or x_TI.dtype != torch.float32 or not x_TI.is_contiguous():
             raise ValueError(f"mxfp4_expert: x {tuple(x_TI.shape)} {x_TI.dtype}, width {F}, {len(mats)} pointers "
                              f"(expected contiguous fp32 x and six pointers)")
         y = torch.empty(T, I, dtype=torch.float32)
@@ -116,7 +117,7 @@ class CpuKernels:
         to int8 per 32-column block and the dot products run in integers (expert_mxfp4.reference_int8)."""
         T, I = x_TI.shape
         E = len(table)
-        slots = 3 if kind == "bf16" else 6
+        slots = 3 if kind == "bf16" else TABLE_ROW
         if (len(offsets) != E + 1 or tokens.dtype != torch.int64 or weights.dtype != torch.float32
                 or tokens.numel() != offsets[-1] or weights.numel() != offsets[-1] or y_TI.shape != x_TI.shape
                 or y_TI.dtype != torch.float32 or not y_TI.is_contiguous() or kind not in FORMAT_CODES
@@ -565,7 +566,7 @@ def _resident_format(what: str, table_E6: torch.Tensor, ids_TK: torch.Tensor, w_
     table are as they read them; else a ValueError."""
     if (kind not in FORMAT_CODES or ids_TK.dtype != torch.int64 or ids_TK.ndim != 2 or ids_TK.shape[0] != T
             or w_TK.shape != ids_TK.shape or w_TK.dtype != torch.float32 or table_E6.dtype != torch.int64
-            or table_E6.ndim != 2 or table_E6.shape[1] != 6
+            or table_E6.ndim != 2 or table_E6.shape[1] != TABLE_ROW
             or not all(t.is_contiguous() and t.is_cpu for t in (table_E6, ids_TK, w_TK))):
         raise ValueError(f"{what}: table {tuple(table_E6.shape)} {table_E6.dtype}, ids {tuple(ids_TK.shape)} "
                          f"{ids_TK.dtype}, weights {tuple(w_TK.shape)} {w_TK.dtype}, kind {kind!r} (expected "

@@ -20,7 +20,7 @@
 /* ---- lists C and Python share: C builds its enums from them, ops/kernel_abi.py parses them, and the library
  * exports them as it was compiled (moeswap_abi_entry), checked entry by entry when it is loaded ---- */
 /* The expert kernels' weight formats (`format` of moe.c, quant.c and the resident tables): FORMAT(name, code).
- * Python's kind of each is its name in lower case (ops/cpu_kernels.py FORMAT_CODES). */
+ * Python's kind of each is its name in lower case (ops/kernel_library.py FORMAT_CODES). */
 #define MOESWAP_FORMATS(FORMAT) FORMAT(MXFP4, 0) FORMAT(BF16, 1) FORMAT(MXFP4_Q8, 2) FORMAT(FP8, 3) FORMAT(INT4, 4)
 /* The gated activations of every `act` parameter, from 0 (glue.c describes them); Python's names are these in
  * lower case (ops/activation.py). */
@@ -42,6 +42,9 @@
 #define MOESWAP_EXPERT_PROJS(PROJ) PROJ(w1, gate) PROJ(w2, down) PROJ(w3, up)
 
 /* ---- constants Python reads from here (ops/kernel_abi.py constant()), each written once ---- */
+/* Entries of a resident-table row (moeswap_moe_resident's `table`, decode_layer's table and load_row): an
+ * expert's matrix pointers as the expert kernels take them, w1, w3, w2, each matrix's data then its scales. */
+#define MOESWAP_TABLE_ROW 6
 /* Rows of a dense bf16 linear that take the kernel (moeswap_bf16_linear streams the weights once), up to and
  * including this many; a GEMM above. The native decode step (decode_step.c, whose products are these
  * kernels) runs batches of up to as many sequences, where the model's forward takes the same kernels. */
@@ -107,7 +110,7 @@
     FIELD(const uint16_t *, w_gu, )                                                                           \
     FIELD(const uint16_t *, w_down, )                                                                         \
     FIELD(int64_t, hidden, )                                                                                  \
-    /* MoE: router [E, D] + bias [E]; resident table [E, 6] (format as moeswap_moe_resident; NULL only with   \
+    /* MoE: router [E, D] + bias [E]; resident table [E, TABLE_ROW] (format as moeswap_moe_resident; NULL  \
      * `stop`); K3's latent projections down [lat_dim, D], up [D, lat_dim] and norm [lat_dim] (NULL: the      \
      * experts read x) */                                                                                     \
     FIELD(const float *, router, )                                                                            \
@@ -152,7 +155,7 @@
      * (layer, expert, -1, LOAD) of an eviction, in order */                                                  \
     FIELD(const int64_t *, load_at, )                                                                         \
     FIELD(const void *, load_job, )                                                                           \
-    FIELD(int64_t, load_row, [6])                                                                             \
+    FIELD(int64_t, load_row, [MOESWAP_TABLE_ROW])                                                             \
     FIELD(int64_t, load_cost, )                                                                               \
     FIELD(int64_t *, load_state, )                                                                            \
     FIELD(int64_t *, load_buffers, )                                                                          \
@@ -170,7 +173,7 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
                           int64_t *used, int64_t *stopped, int64_t ffn_first, int guess, int bf16_in,
                           int nt);
 /* The layout check: sizeof(decode_layer), and field i's name, offset, size and type as spelled above
- * (e.g. "const float *", "int64_t[6]"); 0, or 1 past the last field. */
+ * (e.g. "const float *", "int64_t[6]": a named dimension as its value); 0, or 1 past the last field. */
 int moeswap_decode_layer_size(void);
 int moeswap_decode_layer_field(int64_t i, const char **name, int64_t *offset, int64_t *size, const char **type);
 /* The shared lists above as compiled: entry i of `list` ("FORMATS", "LOAD_STATE", "LOAD_VICTIM", "LOAD_LOG",

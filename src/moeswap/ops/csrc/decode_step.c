@@ -192,7 +192,7 @@ static int room_for(const decode_layer *layers, const decode_layer *l, load_curs
         int64_t *gone = v + VICTIM * c->next;
         if (apply) {
             int64_t *rows = (int64_t *)layers[gone[V_LAYER]].table;
-            if (rows) memset(rows + 6 * gone[V_EXPERT], 0, 6 * sizeof(int64_t));
+            if (rows) memset(rows + TABLE_ROW * gone[V_EXPERT], 0, TABLE_ROW * sizeof(int64_t));
             gone[V_STATE] = 2;
             int64_t *entry = log + LOG * c->n_log;
             entry[G_LAYER] = gone[V_LAYER], entry[G_EXPERT] = gone[V_EXPERT], entry[G_BUFFER] = -1;
@@ -227,7 +227,8 @@ static msw_job expert_job(const decode_layer *l, int64_t e, unsigned char *dst) 
 static void loaded(const decode_layer *l, int64_t layer, int64_t e, const unsigned char *dst, int64_t b,
                    int64_t slot, int64_t kind) {
     int64_t *table = (int64_t *)l->table; /* the store's table, which the store writes the same way */
-    for (int j = 0; j < 6; j++) table[6 * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
+    for (int j = 0; j < TABLE_ROW; j++)
+        table[TABLE_ROW * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
     int64_t *entry = l->load_log + LOG * slot;
     entry[G_LAYER] = layer, entry[G_EXPERT] = e, entry[G_BUFFER] = b, entry[G_KIND] = kind;
 }
@@ -244,7 +245,7 @@ static int load_missing(const decode_layer *layers, int64_t layer, const int64_t
     load_cursor c = {st[LS_ROOM], st[LS_FREE], st[LS_NEXT], st[LS_LOG]};
     for (int64_t k = 0; k < m; k++) {
         const int64_t e = ids[k];
-        if (table[6 * e]) continue;
+        if (table[TABLE_ROW * e]) continue;
         unsigned char *dst;
         int64_t b, slot;
         if (room_for(layers, l, &c, apply, &dst, &b, &slot)) return 4;
@@ -281,7 +282,7 @@ static void ahead_start(const decode_layer *layers, int64_t next, const int64_t 
     int64_t count = 0;
     for (int64_t k = 0; k < m && count < st[LS_NJOBS]; k++) {
         const int64_t e = guess[k];
-        if (l->table[6 * e]) continue;
+        if (l->table[TABLE_ROW * e]) continue;
         unsigned char *dst;
         int64_t b, slot;
         if (room_for(layers, l, &c, 1, &dst, &b, &slot)) break;
@@ -383,7 +384,7 @@ static int ffn_block(int bf16_in, const decode_layer *layers, int64_t n_layers, 
         const int64_t *log = l->load_log;
         for (int64_t j = log_before; j < l->load_state[LS_LOG]; j++)
             if (log[LOG * j + G_BUFFER] == -2)
-                memset((int64_t *)l->table + 6 * log[LOG * j + G_EXPERT], 0, 6 * sizeof(int64_t));
+                memset((int64_t *)l->table + TABLE_ROW * log[LOG * j + G_EXPERT], 0, TABLE_ROW * sizeof(int64_t));
         l->load_state[LS_FREE] = free_before;
     }
     free(distinct);
@@ -505,8 +506,10 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
 }
 
 /* decode_layer as the compiler laid it out, for the caller's ctypes mirror (checked before the first call). */
+#define TEXT(x) TEXT_(x)
+#define TEXT_(x) #x
 #define FIELD_ROW(type, name, dims) \
-    {#name, (int64_t)offsetof(decode_layer, name), (int64_t)sizeof(((decode_layer *)0)->name), #type #dims},
+    {#name, (int64_t)offsetof(decode_layer, name), (int64_t)sizeof(((decode_layer *)0)->name), TEXT(type) TEXT(dims)},
 static const struct { const char *name; int64_t offset, size; const char *type; } layer_fields[] = {
     MOESWAP_DECODE_LAYER_FIELDS(FIELD_ROW)
 };

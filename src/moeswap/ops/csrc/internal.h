@@ -23,6 +23,7 @@
 #define HIDDEN __attribute__((visibility("hidden")))
 
 #define CHUNK_ROWS 32 /* output rows per work item of the linear kernels */
+#define TABLE_ROW MOESWAP_TABLE_ROW /* entries of a resident-table row (cpu_kernels.h) */
 
 /* FORMAT_MXFP4, FORMAT_BF16, ...: the `format` codes cpu_kernels.h lists. */
 #define FORMAT_CODE(name, code) FORMAT_##name = code,

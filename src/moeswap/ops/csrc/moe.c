@@ -85,7 +85,8 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
                float b1, float b2, float *y, int nthreads) {
     if (format == FORMAT_MXFP4_Q8 && !Q8) return 3;
     if (format < FORMAT_MXFP4 || format > FORMAT_INT4) return 1;
-    if ((format != FORMAT_BF16 && (I % 32 || F % 32)) || act < 0 || act >= ACTIVATIONS || E < 1 || off[0] != 0) return 1;
+    if ((format != FORMAT_BF16 && (I % 32 || F % 32)) || act < 0 || act >= ACTIVATIONS || E < 1 || off[0] != 0)
+        return 1;
     mxfp4_tables();
     const int64_t P = off[E];
     for (int64_t k = 0; k < P; k++)
@@ -167,18 +168,18 @@ int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t 
 static int resident_ids(const int64_t *table, int64_t E_total, const int64_t *ids, int64_t P) {
     for (int64_t k = 0; k < P; k++) {
         if (ids[k] < 0 || ids[k] >= E_total) return 1;
-        if (!table[ids[k] * 6]) return 4;
+        if (!table[ids[k] * TABLE_ROW]) return 4;
     }
     return 0;
 }
 
 /* A decode step's routed experts straight from the router's choice, for experts that stay resident:
- * table [E_total, 6] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
+ * table [E_total, TABLE_ROW] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
  * bf16: w1 0 w3 0 w2 0; FP8 and INT4: codes and scales as MXFP4), a row of zeros where the caller has none;
  * ids, weight [T, K] are the router's
  * output. The pairs are grouped by expert, experts in id order and each one's tokens in order (as
- * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format:
- * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations, 3 block FP8, 4 INT4. *used: the distinct experts. Returns moe()'s status,
+ * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format: a FORMAT_
+ * code (MXFP4_Q8: MXFP4 on int8 activations). *used: the distinct experts. Returns moe()'s status,
  * 1 for an id out of range, 4 when a chosen expert has no pointers (the caller takes the store's path). */
 
 int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64_t F, int64_t E_total,
@@ -199,7 +200,7 @@ int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64
     off[0] = 0;
     for (int64_t e = 0; e < E_total; e++) {
         if (!at[e]) continue;
-        for (int m = 0; m < 6; m++) ptr[m * P + E] = (const void *)(intptr_t)table[e * 6 + m];
+        for (int m = 0; m < TABLE_ROW; m++) ptr[m * P + E] = (const void *)(intptr_t)table[e * TABLE_ROW + m];
         off[E + 1] = off[E] + at[e];
         at[e] = off[E]; /* from here: where this expert's next pair goes */
         E++;

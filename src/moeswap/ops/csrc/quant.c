@@ -365,7 +365,7 @@ void quant_linear_rows(int fp8, const float *xp, int64_t T, int64_t I, const uin
         quant_rows(fp8, xp + t * I, T - t < 8 ? (int)(T - t) : 8, I, q, s, o, n, y + t * O, O);
 }
 
-/* y[T, O] = x[T, I] @ W^T for one matrix; format 3 block FP8, 4 INT4 (moe.c's codes). Returns 0, 1 for bad
+/* y[T, O] = x[T, I] @ W^T for one matrix; format FORMAT_FP8 or FORMAT_INT4 (cpu_kernels.h). Returns 0, 1 for bad
  * sizes, 2 out of memory. */
 int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
                          int64_t O, float *y, int nthreads) {
