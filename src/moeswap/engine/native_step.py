@@ -196,7 +196,7 @@ class _Plan:
         C = a.H * a.K
         if starts[1:3] != [starts[0] + C, starts[0] + 2 * C] or a.f_a_proj.weight.shape[0] != a.K:
             raise Unsupported("KDA's q, k, v projections are not adjacent")
-        t.off[:] = starts + [0] * (6 - len(starts))
+        t.off[:] = starts + [0] * (len(t.off) - len(starts))
         t.w_o, t.w_fb = self._bf16(a.o_proj), self._bf16(a.f_b_proj)
         if hasattr(a, "g_b_proj"):
             t.w_gb = self._bf16(a.g_b_proj)
@@ -216,7 +216,7 @@ class _Plan:
             self.rope_layers.append(t)
             t.rope_interleave = int(a.rotary.interleave)
         t.w_in, t.in_rows, starts, t.s_in = self._fused(a, a.input_projections())
-        t.off[:] = starts + [0] * (6 - len(starts))
+        t.off[:] = starts + [0] * (len(t.off) - len(starts))
         if hasattr(a, "q_a_proj"):
             self._norm_eps(a.q_a_layernorm)
             t.q_norm = self._f32(a.q_a_layernorm.weight)
