@@ -184,7 +184,7 @@ class InCallLoads:
             return
         free, victims = store.offer(self.n_victims) if store.fast.capacity else (0, [])
         cost, layers, get, offered = store.fast.cost, self.layers, store.fast.get, []
-        flat = []
+        flat: list = []
         for k in victims:  # (a layer's experts all cost the same: its load_cost)
             lay = layers.get(k.layer)
             w = get(k) if self.reuse and lay is not None else None

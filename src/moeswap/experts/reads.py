@@ -95,12 +95,13 @@ def compiled_job(lib: ctypes.CDLL) -> tuple[list[tuple[str, int, int, str]], int
     i64, text = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_char_p)
     lib.msw_job_field.restype, lib.msw_job_field.argtypes = ctypes.c_int, [ctypes.c_int64, text, i64, i64, text]
     lib.msw_job_state.restype, lib.msw_job_state.argtypes = ctypes.c_int, [ctypes.c_int64, text]
-    fields, states = [], []
+    fields: list[tuple[str, int, int, str]] = []
+    states: list[tuple[str, int]] = []
     name, ctype, offset, size = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64()
     while not lib.msw_job_field(len(fields), name, offset, size, ctype):
-        fields.append((name.value.decode(), offset.value, size.value, ctype.value.decode()))
+        fields.append(((name.value or b"").decode(), offset.value, size.value, (ctype.value or b"").decode()))
     while not lib.msw_job_state(len(states), name):
-        states.append((name.value.decode(), len(states)))
+        states.append(((name.value or b"").decode(), len(states)))
     return fields, lib.msw_job_size(), states
 
 

@@ -12,6 +12,7 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CSRC = Path(__file__).with_name("csrc")
 HEADER = CSRC / "cpu_kernels.h"
@@ -195,6 +196,7 @@ def ctype_of(spelling: str, where: str = "C type") -> type:
     "struct msw_job *"): int, int32_t, int64_t, float, double as themselves, any pointer as a void pointer,
     [n] as an array."""
     m = re.fullmatch(r"(.*?)\s*(?:\[(\d+)\])?", spelling.strip())
+    assert m is not None  # (every string matches)
     tokens = re.findall(r"[A-Za-z_]\w*|\S", m.group(1))
     if tokens[:1] == ["const"]:
         tokens = tokens[1:]
@@ -205,7 +207,7 @@ def ctype_of(spelling: str, where: str = "C type") -> type:
             or (not rest and base not in _SCALARS)):
         raise ValueError(f"{where}: type {spelling.strip()!r} (expected [const] int, int32_t, int64_t, float or "
                          f"double, or a pointer to one of {', '.join(sorted(_POINTEES))})")
-    ctype = ctypes.c_void_p if rest else _SCALARS[base]
+    ctype: Any = ctypes.c_void_p if rest else _SCALARS[base]
     return ctype * int(m.group(2)) if m.group(2) else ctype
 
 
@@ -245,14 +247,14 @@ def list_problem(what: str, header: dict[str, int], compiled: list[tuple[str, in
     return None
 
 
-def _same_ctype(a: type, b: type) -> bool:
+def _same_ctype(a: Any, b: Any) -> bool:
     if issubclass(a, ctypes.Array) or issubclass(b, ctypes.Array):
         return (issubclass(a, ctypes.Array) and issubclass(b, ctypes.Array) and a._length_ == b._length_
                 and _same_ctype(a._type_, b._type_))
     return a is b
 
 
-def _ctype_name(t: type) -> str:
+def _ctype_name(t: Any) -> str:
     return f"{_ctype_name(t._type_)}[{t._length_}]" if issubclass(t, ctypes.Array) else t.__name__
 
 

@@ -53,7 +53,7 @@ def resident_row(w, I: int, kind: str) -> tuple[int, tuple[int, ...]] | None:
     return F, ((ptrs[0], 0, ptrs[1], 0, ptrs[2], 0) if kind == "bf16" else ptrs)
 
 
-def _kernel_pointers(w, I: int, kind: str, held: list) -> tuple[int, tuple[int, ...]]:
+def _kernel_pointers(w, I: int, kind: str | None, held: list) -> tuple[int, tuple[int, ...]]:
     """(F, data pointers of the expert's matrices in the kernels' order) for input width I, kept on the expert:
     a decode step hands the same experts over every step, and gathering six tensors' pointers per expert per
     call is not free (docs/benchmarks.md). Experts are values (tiers make new objects, never swap a tensor in

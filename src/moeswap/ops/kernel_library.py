@@ -45,19 +45,19 @@ class CpuKernels:
 
     def _layer_layout(self) -> Layout:
         """decode_layer as this library was compiled: (name, offset, size, C type) per field, in order."""
-        out = []
+        out: Layout = []
         name, ctype, offset, size = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64()
         while not self.lib.moeswap_decode_layer_field(len(out), ctypes.byref(name), ctypes.byref(offset),
                                                       ctypes.byref(size), ctypes.byref(ctype)):
-            out.append((name.value.decode(), offset.value, size.value, ctype.value.decode()))
+            out.append((_text(name), offset.value, size.value, _text(ctype)))
         return out
 
     def _list(self, name: str) -> list[tuple[str, int]]:
         """A shared list of cpu_kernels.h (MOESWAP_<name>) as this library was compiled: (entry, value) in order."""
-        out = []
+        out: list[tuple[str, int]] = []
         entry, value = ctypes.c_char_p(), ctypes.c_int64()
         while not self.lib.moeswap_abi_entry(name.encode(), len(out), ctypes.byref(entry), ctypes.byref(value)):
-            out.append((entry.value.decode(), value.value))
+            out.append((_text(entry), value.value))
         return out
 
     def layout_problem(self, struct: type[ctypes.Structure]) -> str | None:
@@ -548,6 +548,10 @@ class CpuKernels:
             raise ValueError(f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g "
                              f"{tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)} (expected "
                              f"contiguous fp32 CPU tensors [N, T, K], [N, T, V], [N, T] and [N, K, V], V <= 4096)")
+
+
+def _text(s: ctypes.c_char_p) -> str:
+    return (s.value or b"").decode()
 
 
 def _ptrs(tensors: Sequence[torch.Tensor]):
