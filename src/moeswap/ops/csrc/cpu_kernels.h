@@ -23,7 +23,7 @@
  * Python's kind of each is its name in lower case (ops/kernel_library.py FORMAT_CODES). */
 #define MOESWAP_FORMATS(FORMAT) FORMAT(MXFP4, 0) FORMAT(BF16, 1) FORMAT(MXFP4_Q8, 2) FORMAT(FP8, 3) FORMAT(INT4, 4)
 /* The gated activations of every `act` parameter, from 0 (glue.c describes them); Python's names are these in
- * lower case (ops/activation.py). */
+ * lower case (ops/kernel_library.py ACTS). */
 #define MOESWAP_ACTIVATIONS(ACT) ACT(SILU) ACT(SITU)
 
 /* decode_layer's load_state slots, in order (decode_step.c LS_*, experts/incall.py; described at load_state). */
