@@ -15,7 +15,7 @@ from moeswap.experts import incall
 from moeswap.experts.keys import Key
 from moeswap.formats.checkpoint import CheckpointError
 from moeswap.models.loader import LoadOptions, load_model
-from moeswap.ops import cpu_kernels
+from moeswap.ops import cpu_kernels, kernel_experts
 from moeswap.ops.expert import tensors
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernel() is None, reason="no CPU kernel")
@@ -49,7 +49,7 @@ def _check_tables(model, store) -> None:
         held = {k.expert: store.fast.get(k) for k in store.fast.keys() if k.layer == moe.layer_idx}
         assert table.experts.keys() == held.keys() and all(table.experts[e] is w for e, w in held.items())
         for e in range(moe.num_experts):
-            want = [0] * 6 if e not in held else list(cpu_kernels.resident_row(held[e], table.I, table.kind)[1])
+            want = [0] * 6 if e not in held else list(kernel_experts.resident_row(held[e], table.I, table.kind)[1])
             assert table.rows[e].tolist() == want, (moe.layer_idx, e)
         for e, w in held.items():
             fresh = store.source.get(Key(moe.layer_idx, e))
@@ -103,7 +103,8 @@ def test_a_load_takes_over_an_evicted_experts_buffer_only_when_nothing_else_hold
     reused, real = [], incall.InCallLoads.books
 
     def books(self, stopped):
-        reused.append(sum(self.log[3 * j + 2] <= -3 for j in range(self.state[incall.LOG])))
+        reused.append(sum(self.log[incall.LOG_ENTRY * j + incall.LOG.BUFFER] <= -3
+                          for j in range(self.state[incall.LS.LOG])))
         return real(self, stopped)
 
     monkeypatch.setattr(incall.InCallLoads, "books", books)
@@ -144,8 +145,8 @@ def test_a_call_offered_too_little_stops_and_the_store_loads_the_rest(tiny_k3_di
 
     def scarce(self, B):
         real(self, B)
-        self.state[incall.VICTIMS] = min(1, self.state[incall.VICTIMS])
-        self.state[incall.FREE] = min(1, self.state[incall.FREE])
+        self.state[incall.LS.VICTIMS] = min(1, self.state[incall.LS.VICTIMS])
+        self.state[incall.LS.FREE] = min(1, self.state[incall.LS.FREE])
 
     _, fetched, _, _ = _decode(tiny_k3_dir, half, in_call=False, monkeypatch=monkeypatch)
     monkeypatch.setattr(incall.InCallLoads, "offer", scarce)
@@ -205,8 +206,8 @@ def test_reads_ahead_of_the_next_layer_run_on_the_reader_threads(tiny_k3_dir, ha
     kinds, real = [], incall.InCallLoads.books
 
     def books(self, stopped):
-        kinds.extend(self.log[incall.LOG_ENTRY * j + 3] for j in range(self.state[incall.LOG])
-                     if self.log[incall.LOG_ENTRY * j + 2] != -1)
+        kinds.extend(self.log[incall.LOG_ENTRY * j + incall.LOG.KIND] for j in range(self.state[incall.LS.LOG])
+                     if self.log[incall.LOG_ENTRY * j + incall.LOG.BUFFER] != -1)
         return real(self, stopped)
 
     want, _, _, _ = _decode(tiny_k3_dir, half, native=False, prefetch="next-layer")
@@ -214,8 +215,8 @@ def test_reads_ahead_of_the_next_layer_run_on_the_reader_threads(tiny_k3_dir, ha
     got, store, model, calls = _decode(tiny_k3_dir, half, prefetch="next-layer")
     p = store.stats.prefetch
     assert torch.equal(got, want) and calls < 1.5
-    assert kinds.count(incall.AHEAD_LOAD) > 0 and incall.AHEAD_BAD not in kinds
-    assert p.loaded >= kinds.count(incall.AHEAD_LOAD) and p.used > 0 and p.predicted > 0 and p.correct > 0
+    assert kinds.count(incall.KIND.AHEAD) > 0 and incall.KIND.AHEAD_BAD not in kinds
+    assert p.loaded >= kinds.count(incall.KIND.AHEAD) and p.used > 0 and p.predicted > 0 and p.correct > 0
     _check_tables(model, store)
 
 

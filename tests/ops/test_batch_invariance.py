@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeswap.formats import fp8_block, int4, mxfp4
-from moeswap.ops import cpu_kernels, expert_mxfp4
+from moeswap.ops import cpu_kernels, expert_mxfp4, kernel_experts
 from moeswap.ops.activation import glu_reference
 from moeswap.ops.expert import ExpertWeights, FP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights
 
@@ -112,7 +112,7 @@ def test_routed_experts_rows_do_not_depend_on_the_batch(flags, kind):
     experts = _experts(kind, I, F, E, gen)
     table = torch.zeros(E, 6, dtype=torch.int64)
     for e, w in enumerate(experts):
-        table[e] = torch.tensor(cpu_kernels.resident_row(w, I, kind)[1])
+        table[e] = torch.tensor(kernel_experts.resident_row(w, I, kind)[1])
     # 6 experts, 3 each: with up to 17 tokens every expert gets from none to most of them
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(MAX_T)])
     weight = torch.rand(MAX_T, K, generator=gen)

@@ -10,7 +10,7 @@ from torch import nn
 
 from moeswap.models.layers.attn_res import mix, mix_reference
 from moeswap.models.layers.basic import derived, rms_norm
-from moeswap.ops import cpu_kernels
+from moeswap.ops import cpu_kernels, kernel_experts
 
 kernel = cpu_kernels.kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"no CPU kernel: {cpu_kernels.build_error()}")
@@ -199,7 +199,7 @@ def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
     experts = [make() for _ in range(E)]
     table = torch.zeros(E, 6, dtype=torch.int64)
     for e in range(E - 1):  # the last expert has no row
-        F_got, row = cpu_kernels.resident_row(experts[e], I, kind)
+        F_got, row = kernel_experts.resident_row(experts[e], I, kind)
         table[e] = torch.tensor(row)
     assert F_got == F_
     x = torch.randn(T, I, generator=g)
@@ -209,8 +209,8 @@ def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
     assert kernel.moe_resident(x, table, ids, w, F_, kind, "silu", (1.0, 1.0), got) == len(set(ids.flatten().tolist()))
     unique, counts, tokens, weights = pairs_by_expert(ids, w)
     want = torch.zeros(T, I)
-    kernel.moe(x, [experts[e] for e in unique], tokens, [0, *torch.tensor(counts).cumsum(0).tolist()], weights,
-               "silu", (1.0, 1.0), want)
+    kernel_experts.moe(kernel, x, [experts[e] for e in unique], tokens,
+                       [0, *torch.tensor(counts).cumsum(0).tolist()], weights, "silu", (1.0, 1.0), want)
     assert torch.equal(got, want) and got.abs().sum() > 0
     ids[2, 1] = E - 1
     untouched = torch.zeros(T, I)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeswap.formats import mxfp4
-from moeswap.ops import cpu_kernels, native_build
+from moeswap.ops import cpu_kernels, kernel_experts, native_build
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
@@ -81,7 +81,7 @@ def test_every_kernel_build_matches_the_decoded_matmul(flags):
     w = random_expert(96, 160, seed=9)
     for tokens, act in ((1, "situ"), (3, "silu"), (9, "situ")):
         x = torch.randn(tokens, 96, generator=gen)
-        assert_matches(kernel.expert(x, w, act, BETAS), em.reference(w, x, act, BETAS), torch.float32)
+        assert_matches(kernel_experts.expert(kernel, x, w, act, BETAS), em.reference(w, x, act, BETAS), torch.float32)
     check_grouped_moe(kernel, gen)
     decoded = kernel.mxfp4_decode(packed, scale)  # bit-exact, NaN rows and extreme scales included
     assert torch.equal(decoded.isnan(), weight.isnan()) and torch.equal(decoded.nan_to_num(), weight.nan_to_num())
@@ -161,7 +161,8 @@ def check_grouped_moe(kernel, gen: torch.Generator) -> None:
         for p in pairs:
             offsets.append(offsets[-1] + len(p))
         y = torch.full((tokens, 64), 0.5)  # the kernel adds to what is there
-        kernel.moe(x, experts, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS, y)
+        kernel_experts.moe(kernel, x, experts, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS,
+                           y)
         want = torch.full((tokens, 64), 0.5)
         for e, p in enumerate(pairs):
             for k, t in enumerate(p):
@@ -170,21 +171,24 @@ def check_grouped_moe(kernel, gen: torch.Generator) -> None:
         bf16 = [ExpertWeights(*(mxfp4.decode(getattr(w, f"{p}_packed"), getattr(w, f"{p}_scale"), torch.float32)
                                 .to(torch.bfloat16) for p in ("w1", "w3", "w2"))) for w in experts]
         y = torch.full((tokens, 64), 0.5)
-        kernel.moe(x, bf16, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS, y)
+        kernel_experts.moe(kernel, x, bf16, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS,
+                           y)
         torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())  # MXFP4 is exact in bf16
         # the same bf16 experts with a strided down matrix: copied for the call, never remembered by pointer
         strided = [ExpertWeights(w.w1_FI, w.w3_FI, w.w2_IF.T.contiguous().T) for w in bf16]
         y = torch.full((tokens, 64), 0.5)
-        kernel.moe(x, strided, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS, y)
+        kernel_experts.moe(kernel, x, strided, torch.tensor(flat, dtype=torch.int64), offsets, weights, "situ", BETAS,
+                           y)
         torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
         assert all("_kernel_pointers" not in w.__dict__ for w in strided)
     with pytest.raises(ValueError, match="must be of one kind"):
-        kernel.moe(x, [experts[0], bf16[1]], torch.zeros(2, dtype=torch.int64), [0, 1, 2], torch.ones(2), "situ",
-                   BETAS, y)
+        kernel_experts.moe(kernel, x, [experts[0], bf16[1]], torch.zeros(2, dtype=torch.int64), [0, 1, 2],
+                           torch.ones(2), "situ", BETAS, y)
     with pytest.raises(ValueError, match="do not fit x"):
-        kernel.moe(x, experts, torch.zeros(2, dtype=torch.int64), [0, 1, 2], torch.ones(2), "situ", BETAS, y)
+        kernel_experts.moe(kernel, x, experts, torch.zeros(2, dtype=torch.int64), [0, 1, 2], torch.ones(2), "situ",
+                           BETAS, y)
     with pytest.raises(RuntimeError, match="bad sizes"):  # a token index outside x
-        kernel.moe(x, experts[:1], torch.tensor([tokens]), [0, 1], torch.ones(1), "situ", BETAS, y)
+        kernel_experts.moe(kernel, x, experts[:1], torch.tensor([tokens]), [0, 1], torch.ones(1), "situ", BETAS, y)
 
 
 def check_bf16_linear(kernel, gen: torch.Generator) -> None:
@@ -259,8 +263,8 @@ def test_int8_activation_moe_matches_its_reference(in_dim, expert_dim):
                 want[t] += weights[offsets[e] + k] * em.reference_int8(experts[e], x[t : t + 1], "silu", BETAS)[0]
                 exact[t] += weights[offsets[e] + k] * em.reference(experts[e], x[t : t + 1], "silu", BETAS)[0]
         y = torch.zeros(tokens, in_dim)
-        kernel.moe(x, experts, torch.tensor(flat, dtype=torch.int64), offsets, weights, "silu", BETAS, y,
-                   int8_activations=True)
+        kernel_experts.moe(kernel, x, experts, torch.tensor(flat, dtype=torch.int64), offsets, weights, "silu", BETAS,
+                           y, int8_activations=True)
         # integer sums are exact; the hidden activations differ from torch's in the last bit, which can move
         # one of them across a rounding boundary of the second quantization: one step of one value
         torch.testing.assert_close(y, want, rtol=0, atol=5e-4 * want.abs().max().item())
@@ -294,8 +298,10 @@ def test_int8_activations_keep_nan_and_refuse_bf16_experts():
     x = torch.randn(2, 64)
     x[1, 40] = float("nan")
     y = torch.zeros(2, 64)
-    kernel.moe(x, [w], torch.tensor([0, 1]), [0, 2], torch.ones(2), "silu", BETAS, y, int8_activations=True)
+    kernel_experts.moe(kernel, x, [w], torch.tensor([0, 1]), [0, 2], torch.ones(2), "silu", BETAS, y,
+                       int8_activations=True)
     assert y[0].isfinite().all() and y[1].isnan().all()
     bf16 = ExpertWeights(*(torch.zeros(*s, dtype=torch.bfloat16) for s in ((96, 64), (96, 64), (64, 96))))
     with pytest.raises(ValueError, match="int8 activations are for MXFP4 experts"):
-        kernel.moe(x, [bf16], torch.tensor([0]), [0, 1], torch.ones(1), "silu", BETAS, y, int8_activations=True)
+        kernel_experts.moe(kernel, x, [bf16], torch.tensor([0]), [0, 1], torch.ones(1), "silu", BETAS, y,
+                           int8_activations=True)

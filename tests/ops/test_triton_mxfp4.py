@@ -405,7 +405,7 @@ def test_cpu_selection_does_not_change():
     """Without CUDA tensors nothing routes to triton: CPU experts group on cpu_c as before, CUDA grouping is
     unavailable without a GPU, and forcing triton there is an error naming what it needs."""
     w = random_expert(64, 32, seed=0)
-    assert em.group_kind(w, "cpu") == em.cpu_kernels.grouped_kind(w)
+    assert em.group_kind(w, "cpu") == em.kernel_experts.grouped_kind(w)
     assert em.group_kind(w, "cuda") is None  # CPU bytes never go to the CUDA kernel
     if not torch.cuda.is_available():
         assert em.grouped("cuda") is None and not em.available()["triton"]

@@ -1,12 +1,12 @@
 """A decode step's decoder layers in one C call (ops/csrc/decode_step.c moeswap_decode_layers).
 
-Between the kernels of an eager decode step, Python spends ~0.4 ms a layer (module calls, views, checks,
-tensor allocations, cold caches after each kernel): a third of a batch-1 step on the bench model. Here
+Between the kernels of an eager decode step, Python spends time on every layer (module calls, views, checks,
+tensor allocations, cold caches after each kernel): a large share of a batch-1 step (docs/benchmarks.md). Here
 the layers' weights are described once, as a table of pointers, and a step is one C call that runs the
 same kernels in the same order on the same values; the model's forward stays the reference and runs
 whenever this does not apply:
 
-- eager CPU inference without gradients, fp32 activations, at most 32 sequences (either GEMM precision:
+- eager CPU inference without gradients, fp32 activations, at most KERNEL_MAX_ROWS sequences (either GEMM precision:
   under bf16, every bf16-weight product rounds its input as ops/linear.py does);
 - dense weights kept bf16 (the loader's default on the CPU), or block FP8 kept as their codes and scales
   (ops.linear.FP8BlockLinear, DeepSeek-V3's published layout; MLA and MLPs), with each attention's input
@@ -196,7 +196,7 @@ class _Plan:
         C = a.H * a.K
         if starts[1:3] != [starts[0] + C, starts[0] + 2 * C] or a.f_a_proj.weight.shape[0] != a.K:
             raise Unsupported("KDA's q, k, v projections are not adjacent")
-        t.off[:] = starts + [0] * (6 - len(starts))
+        t.off[:] = starts + [0] * (len(t.off) - len(starts))
         t.w_o, t.w_fb = self._bf16(a.o_proj), self._bf16(a.f_b_proj)
         if hasattr(a, "g_b_proj"):
             t.w_gb = self._bf16(a.g_b_proj)
@@ -216,7 +216,7 @@ class _Plan:
             self.rope_layers.append(t)
             t.rope_interleave = int(a.rotary.interleave)
         t.w_in, t.in_rows, starts, t.s_in = self._fused(a, a.input_projections())
-        t.off[:] = starts + [0] * (6 - len(starts))
+        t.off[:] = starts + [0] * (len(t.off) - len(starts))
         if hasattr(a, "q_a_proj"):
             self._norm_eps(a.q_a_layernorm)
             t.q_norm = self._f32(a.q_a_layernorm.weight)
@@ -310,7 +310,7 @@ class NativeDecode:
     def __init__(self, model: DecoderModel):
         self.model = model
         self._plan: _Plan | None = None
-        self._params: list[torch.Tensor] | None = None  # listed once: ~0.2 ms a listing
+        self._params: list[torch.Tensor] | None = None  # listed once: a listing is not free (docs/benchmarks.md)
         self._key: list[int] | None = None  # the plan's watched versions when it was made
         self._built = False
         self._unsupported: str | None = None  # why no plan could be made for the current parameters

@@ -1,8 +1,8 @@
 """In-call expert loads: the native decode step reads the experts a layer step lacks inside its one C call.
 
 Without them the step stops at every layer whose chosen experts are not all in its resident table and the
-store loads them (engine/native_step.py); on a small model at a 25 % fast tier that was most layers of every
-token, and each stop and each load cost the model's thread ~0.1-0.3 ms of Python. With them the call reads a
+store loads them (engine/native_step.py); at a small fast tier that is most layers of every token, each stop
+and each load costing the model's thread Python time (docs/benchmarks.md). With them the call reads a
 missing expert itself (csrc/decode_step.c `load_missing`: the reader's own read and scale-byte check,
 ops/csrc/expert_read.h) into a free read buffer, writes its table row, evicts for room from victims the store
 offered before the call (its policy's coldest residents, passing over any the call has routed to), and logs
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -40,16 +41,22 @@ from moeswap.experts.buffers import storage_users
 from moeswap.experts.keys import Key
 from moeswap.experts.reads import ReadJob, native_library, read_job, read_now
 from moeswap.ops.expert import tensors
+from moeswap.ops.kernel_abi import abi
 
 _i64 = ctypes.c_int64
-# load_state's entries (csrc/decode_step.c LS_*)
-(ROOM, FREE, VICTIMS, NEXT, LOG, LOG_CAP, READ_NS, KEEP, READER, SUBMIT, WAIT, JOBS, NJOBS, AHEAD, AHEAD_LAYER,
- AHEAD_IDS, GUESS, N_GUESS, PREDICTED, ACTUAL, CORRECT) = range(21)
-LOG_ENTRY = 4  # a load_log entry: layer, expert, buffer code, kind
-LOAD, AHEAD_LOAD, AHEAD_BAD = 0, 1, 2  # its kinds
+# the call's shared lists (csrc/cpu_kernels.h): load_state's slots, a load_victims and a load_log entry's columns,
+# a log entry's kinds, each by name
+_LISTS = abi().lists
+LS = SimpleNamespace(**_LISTS["LOAD_STATE"])
+VICTIM, LOG = SimpleNamespace(**_LISTS["LOAD_VICTIM"]), SimpleNamespace(**_LISTS["LOAD_LOG"])
+KIND = SimpleNamespace(**_LISTS["LOAD_KINDS"])
+VICTIM_ENTRY, LOG_ENTRY = len(_LISTS["LOAD_VICTIM"]), len(_LISTS["LOAD_LOG"])
+# `offer` writes a victim's columns, and `books` reads a log entry's, in this order
+if (list(_LISTS["LOAD_VICTIM"]), list(_LISTS["LOAD_LOG"])) != (["LAYER", "EXPERT", "COST", "STATE", "BUFFER"],
+                                                              ["LAYER", "EXPERT", "BUFFER", "KIND"]):
+    raise ImportError(f"experts/incall.py writes load entries in another column order than cpu_kernels.h: {_LISTS}")
 SPARE_BYTES = 64 << 20  # free read buffers kept for the call beyond two layer steps' worth
 MAX_VICTIM_LAYERS = 8
-VICTIM = 5  # a load_victims entry: layer, expert, cost, state, the buffer a load may read into (0: none)
 # references to an expert nothing else uses: the fast tier's and its layer's table's, and in `offer` the local
 # name and getrefcount's argument (its buffer's storage then has the pool's tensor, the expert's views and
 # storage_users' own: views + 2)
@@ -81,7 +88,7 @@ class InCallLoads:
         first = next(iter(layers.values())).span
         self.nbytes = first.end - first.start  # every load layer's (build checks)
         self.topk = topk
-        self.state = (_i64 * 21)()
+        self.state = (_i64 * len(_LISTS["LOAD_STATE"]))()
         self._B = 0
         self._free: list[torch.Tensor] = []  # free read buffers handed to the call, taken from the end
         self._offered: list = []  # the offered victims' weights, where a load may take over their buffer
@@ -157,7 +164,7 @@ class InCallLoads:
             # victims offered: eight layer steps' worth at most (each offer walks the policy's heap: with
             # K3's 60 layers and 32 sequences every expert of a step could miss, 30k of them)
             self.n_victims = min(self.cap, MAX_VICTIM_LAYERS * B * self.topk)
-            self.victims = (_i64 * (VICTIM * self.n_victims))()
+            self.victims = (_i64 * (VICTIM_ENTRY * self.n_victims))()
             self.buffers = (_i64 * self.keep)()
             # each load and its eviction, and as many again for reads ahead
             self.log = (_i64 * (LOG_ENTRY * 4 * self.cap))()
@@ -170,14 +177,14 @@ class InCallLoads:
             del self._free[self.keep:]
         store, st = self.store, self.state
         hybrid = store.hybrid
-        st[KEEP] = int(store.fast.capacity > 0)
+        st[LS.KEEP] = int(store.fast.capacity > 0)
         if hybrid is not None and hybrid.on_cpu(B):
-            st[FREE] = st[VICTIMS] = st[LOG] = st[READ_NS] = st[READER] = st[AHEAD] = 0
-            st[PREDICTED] = st[ACTUAL] = st[CORRECT] = 0
+            st[LS.FREE] = st[LS.VICTIMS] = st[LS.LOG] = st[LS.READ_NS] = st[LS.READER] = st[LS.AHEAD] = 0
+            st[LS.PREDICTED] = st[LS.ACTUAL] = st[LS.CORRECT] = 0
             return
         free, victims = store.offer(self.n_victims) if store.fast.capacity else (0, [])
         cost, layers, get, offered = store.fast.cost, self.layers, store.fast.get, []
-        flat = []
+        flat: list = []
         for k in victims:  # (a layer's experts all cost the same: its load_cost)
             lay = layers.get(k.layer)
             w = get(k) if self.reuse and lay is not None else None
@@ -194,13 +201,13 @@ class InCallLoads:
         while len(self._free) < self.keep:
             self._free.append(take(self.nbytes))
         self.buffers[:len(self._free)] = [b.data_ptr() for b in self._free]
-        st[ROOM], st[FREE], st[VICTIMS], st[NEXT], st[LOG], st[LOG_CAP], st[READ_NS] = (
+        st[LS.ROOM], st[LS.FREE], st[LS.VICTIMS], st[LS.NEXT], st[LS.LOG], st[LS.LOG_CAP], st[LS.READ_NS] = (
             free, len(self._free), len(victims), 0, 0, 4 * self.cap, 0)
-        reader = store.prefetcher.reads.entry_points() if store.prefetcher is not None and st[KEEP] else None
-        st[READER], st[SUBMIT], st[WAIT] = reader or (0, 0, 0)
-        st[JOBS], st[NJOBS] = ctypes.addressof(self.jobs), len(self.jobs)
-        st[AHEAD_IDS], st[GUESS] = ctypes.addressof(self.ahead), ctypes.addressof(self.guess)
-        st[AHEAD] = st[N_GUESS] = st[PREDICTED] = st[ACTUAL] = st[CORRECT] = 0
+        reader = store.prefetcher.reads.entry_points() if store.prefetcher is not None and st[LS.KEEP] else None
+        st[LS.READER], st[LS.SUBMIT], st[LS.WAIT] = reader or (0, 0, 0)
+        st[LS.JOBS], st[LS.NJOBS] = ctypes.addressof(self.jobs), len(self.jobs)
+        st[LS.AHEAD_IDS], st[LS.GUESS] = ctypes.addressof(self.ahead), ctypes.addressof(self.guess)
+        st[LS.AHEAD] = st[LS.N_GUESS] = st[LS.PREDICTED] = st[LS.ACTUAL] = st[LS.CORRECT] = 0
 
     def books(self, stopped: int) -> dict[int, dict]:
         """After a call: its loads by layer {layer: {expert: (victims evicted for it, its weights, its table row,
@@ -211,7 +218,7 @@ class InCallLoads:
         by_layer: dict[int, dict] = {}
         victims: list[Key] = []
         failed: list[Key] = []
-        for j in range(st[LOG]):
+        for j in range(st[LS.LOG]):
             layer, e, b, kind = log[LOG_ENTRY * j: LOG_ENTRY * j + LOG_ENTRY]
             if b == -2:  # read for this step only (a store that keeps nothing)
                 by_layer.setdefault(layer, {})[e] = ([], None, None, False)
@@ -219,7 +226,7 @@ class InCallLoads:
             if b == -1:
                 victims.append(Key(layer, e))
                 continue
-            if kind == AHEAD_BAD:  # the layer's own load reads it again (and names a problem)
+            if kind == KIND.AHEAD_BAD:  # the layer's own load reads it again (and names a problem)
                 failed += victims
                 victims = []
                 continue
@@ -229,13 +236,13 @@ class InCallLoads:
                 w, base = store.source.views(buf, lay.span), buf.data_ptr()
             else:  # into an evicted victim's buffer: its weights object (views of that buffer) serves this one
                 w = self._offered[-3 - b]
-                base = self.victims[VICTIM * (-3 - b) + 4]
+                base = self.victims[VICTIM_ENTRY * (-3 - b) + VICTIM.BUFFER]
             row = tuple(base + o if o >= 0 else 0 for o in lay.row)  # what the call wrote
-            by_layer.setdefault(layer, {})[e] = (victims, w, row, kind == AHEAD_LOAD)
+            by_layer.setdefault(layer, {})[e] = (victims, w, row, kind == KIND.AHEAD)
             victims = []
-        del self._free[st[FREE]:]  # the buffers the loads kept (taken from the end)
+        del self._free[st[LS.FREE]:]  # the buffers the loads kept (taken from the end)
         self._offered = []  # (an evicted victim's weights must not outlive the store's books here)
-        store.in_call_counts(st[READ_NS] / 1e9, st[PREDICTED], st[ACTUAL], st[CORRECT])
+        store.in_call_counts(st[LS.READ_NS] / 1e9, st[LS.PREDICTED], st[LS.ACTUAL], st[LS.CORRECT])
         failed += victims
         if failed or stopped in by_layer:
             store.table_step(stopped, None, by_layer.pop(stopped, {}), failed)

@@ -24,23 +24,23 @@ from typing import NamedTuple
 import torch
 
 from moeswap.formats.checkpoint import pread_into
+from moeswap.ops.kernel_abi import JOB_HEADER, job_abi, list_problem, struct_problem
 
 SOURCE = Path(__file__).with_name("native_reads.c")
-HEADER = Path(__file__).parent.parent / "ops" / "csrc" / "expert_read.h"  # msw_job, the read and its check
-# reads in flight. On the dev VM's disk, random 0.8 MB reads gave 0.55 / 0.86 / 1.07 GB/s at 1 / 2 / 4;
-# swap-bench decode with 1-6 threads was within its noise, 2 as good as any
+HEADER = JOB_HEADER  # msw_job, the read and its check
+# reads in flight: more threads read faster, and decode gained nothing past 2 (docs/benchmarks.md)
 DEFAULT_THREADS = 2
 
-_DONE, _CANCELLED = 2, 3  # msw_job.state
-_CHECKS = 4  # MSW_CHECKS
+
+class ReadJob(ctypes.Structure):
+    """ops/csrc/expert_read.h `msw_job`: its fields as MSW_JOB_FIELDS lists them, compared with the reader
+    library's own layout, field by field, before the library is used."""
+
+    _fields_ = job_abi().fields
 
 
-class ReadJob(ctypes.Structure):  # msw_job in ops/csrc/expert_read.h
-    _fields_ = [("fd", ctypes.c_int64), ("offset", ctypes.c_int64), ("nbytes", ctypes.c_int64),
-                ("dst", ctypes.c_void_p), ("drop", ctypes.c_int32), ("state", ctypes.c_int32),
-                ("error", ctypes.c_int32), ("nchecks", ctypes.c_int32),
-                ("check_off", ctypes.c_int64 * _CHECKS), ("check_len", ctypes.c_int64 * _CHECKS),
-                ("check_max", ctypes.c_int32), ("bad", ctypes.c_int32), ("next", ctypes.c_void_p)]
+_DONE, _CANCELLED = job_abi().states["DONE"], job_abi().states["CANCELLED"]  # msw_job.state (MSW_JOB_STATES)
+_CHECKS = ReadJob.check_off.size // ctypes.sizeof(ctypes.c_int64)  # MSW_CHECKS
 
 
 class Checks(NamedTuple):
@@ -62,12 +62,9 @@ class _Native:
 
     def __init__(self, path: str):
         blocking, quick = ctypes.CDLL(path), ctypes.PyDLL(path)
-        for name in ("msw_job_size", "msw_job_offset_bad"):
-            getattr(quick, name).restype, getattr(quick, name).argtypes = ctypes.c_int64, []
-        layout = (quick.msw_job_size(), quick.msw_job_offset_bad())
-        if layout != (ctypes.sizeof(ReadJob), ReadJob.bad.offset):
-            raise RuntimeError(f"msw_job is {layout[0]} bytes with `bad` at {layout[1]} in the reader library, "
-                               f"but {ctypes.sizeof(ReadJob)} and {ReadJob.bad.offset} in its ctypes mirror")
+        problem = layout_problem(quick)
+        if problem is not None:
+            raise RuntimeError(f"the reader library does not match {HEADER.name}: {problem}")
         job_p = ctypes.POINTER(ReadJob)
         self.new = blocking.msw_reads_new
         self.new.restype, self.new.argtypes = ctypes.c_void_p, [ctypes.c_int]
@@ -89,6 +86,31 @@ class _Native:
         # for C that submits and waits itself (the native decode step's reads ahead): the functions' addresses
         self.addresses = {name: ctypes.cast(getattr(blocking, name), ctypes.c_void_p).value
                           for name in ("msw_reads_submit", "msw_reads_wait")}
+
+
+def compiled_job(lib: ctypes.CDLL) -> tuple[list[tuple[str, int, int, str]], int, list[tuple[str, int]]]:
+    """msw_job as the reader library `lib` was compiled: (name, offset, size, C type) per field, its size, and
+    its states (name, value) in order."""
+    lib.msw_job_size.restype, lib.msw_job_size.argtypes = ctypes.c_int64, []
+    i64, text = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_char_p)
+    lib.msw_job_field.restype, lib.msw_job_field.argtypes = ctypes.c_int, [ctypes.c_int64, text, i64, i64, text]
+    lib.msw_job_state.restype, lib.msw_job_state.argtypes = ctypes.c_int, [ctypes.c_int64, text]
+    fields: list[tuple[str, int, int, str]] = []
+    states: list[tuple[str, int]] = []
+    name, ctype, offset, size = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64()
+    while not lib.msw_job_field(len(fields), name, offset, size, ctype):
+        fields.append(((name.value or b"").decode(), offset.value, size.value, (ctype.value or b"").decode()))
+    while not lib.msw_job_state(len(states), name):
+        states.append(((name.value or b"").decode(), len(states)))
+    return fields, lib.msw_job_size(), states
+
+
+def layout_problem(lib: ctypes.CDLL) -> str | None:
+    """None when ReadJob and the job states as expert_read.h gives them are the reader library's, field for
+    field and state for state; else a sentence naming the first difference."""
+    fields, size, states = compiled_job(lib)
+    return (struct_problem("msw_job", fields, size, ReadJob)
+            or list_problem("MSW_JOB_STATES", job_abi().states, states))
 
 
 def native_library() -> _Native | None:

@@ -20,8 +20,9 @@ from torch import nn
 
 from moeswap.lora.config import LoRAConfig
 from moeswap.lora.layer import LoRALinear
+from moeswap.ops.kernel_abi import EXPERT_PROJS
 
-EXPERT_PROJECTIONS = ("w1", "w2", "w3")
+EXPERT_PROJECTIONS = EXPERT_PROJS  # csrc/cpu_kernels.h MOESWAP_EXPERT_PROJS
 
 
 @dataclass

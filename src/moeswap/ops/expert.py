@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from moeswap.formats import mx
+from moeswap.ops.kernel_abi import KERNEL_PROJS
 
 
 _TENSOR_FIELDS: dict[type, tuple[str, ...]] = {}  # class -> its init fields (dataclasses.fields is slow per call)
@@ -76,7 +77,7 @@ class MXFP4ExpertWeights:
 
     def __post_init__(self):
         """Checked once here (shapes, E8M0 scales as bytes), so the per-step kernel calls need not."""
-        for p in ("w1", "w3", "w2"):
+        for p in KERNEL_PROJS:
             scale = mx.as_scale_bytes(getattr(self, f"{p}_scale"), f"expert {p}")
             setattr(self, f"{p}_scale", scale)
             packed = getattr(self, f"{p}_packed")

@@ -30,13 +30,14 @@ from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant
 from moeswap.ops.activation import glu, glu_reference
 from moeswap.ops.expert import ExpertWeights, FP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights, tensors
+from moeswap.ops.kernel_abi import EXPERT_PROJS, KERNEL_PROJS, constant
 from moeswap.ops.linear import linear
 
-PROJS = ("w1", "w2", "w3")  # gate, down, up
+PROJS = EXPERT_PROJS  # gate, down, up (csrc/cpu_kernels.h MOESWAP_EXPERT_PROJS)
 DENSE_FIELDS = {"w1": "w1_FI", "w3": "w3_FI", "w2": "w2_IF"}  # ExpertWeights' field of each projection
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
-ROW_CHUNK_BYTES = 1 << 20  # decoded bytes per chunk in a backward product: stays in L2
+ROW_CHUNK_BYTES = constant("ROW_CHUNK_BYTES")  # decoded bytes per chunk in a backward product (cpu_kernels.h)
 
 Adapter = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # (projection, its input) -> added output
 
@@ -114,7 +115,7 @@ class ExpertFormat:
     def check_finite(self, w, names: Mapping[str, Mapping[str, str]]) -> tuple[str, str, str] | None:
         """(checkpoint tensor, projection, what is wrong) for the first projection of a just-read expert
         whose bytes cannot give finite weights, else None."""
-        for proj in ("w1", "w3", "w2"):
+        for proj in KERNEL_PROJS:
             t = getattr(w, DENSE_FIELDS[proj])
             # a NaN or Inf anywhere makes the fp32 sum non-finite, so a finite sum clears the matrix (~12x faster
             # than isfinite on bf16, which torch does not vectorize); a sum that overflows gets the full check

@@ -23,13 +23,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moeswap.formats import mxfp4
-from moeswap.ops import cpu_kernels
+from moeswap.ops import cpu_kernels, kernel_experts
+from moeswap.ops.kernel_abi import constant
 from moeswap.ops.activation import glu, glu_reference
 from moeswap.ops.linear import gemm_in_bf16
 
 ENV_KERNEL = "MOESWAP_EXPERT_KERNEL"
-ROW_CHUNK_BYTES = 1 << 20  # decoded fp32 bytes per chunk in torch_rows: stays in L2
-GEMM_MIN_TOKENS = 32  # from here on an expert's tokens go to torch_rows (measured: 2.4x cpu_c at 85 tokens)
+ROW_CHUNK_BYTES = constant("ROW_CHUNK_BYTES")  # decoded fp32 bytes per chunk in torch_rows (cpu_kernels.h)
+GEMM_MIN_TOKENS = constant("EXPERT_GEMM_MIN_ROWS")  # from here on an expert's tokens go to torch_rows (cpu_kernels.h)
 
 
 def reference(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
@@ -119,7 +120,7 @@ def cpu_c(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> t
     if kernel is None:
         raise RuntimeError(f"the MXFP4 CPU kernel is not available here: {cpu_kernels.build_error()}")
     x32 = x_TI.reshape(-1, x_TI.shape[-1]).to(torch.float32).contiguous()
-    return kernel.expert(x32, w, act, situ_betas).to(x_TI.dtype).reshape(x_TI.shape)
+    return kernel_experts.expert(kernel, x32, w, act, situ_betas).to(x_TI.dtype).reshape(x_TI.shape)
 
 
 def triton(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
@@ -210,8 +211,8 @@ def grouped(device_type: str = "cpu") -> Callable[..., None] | None:
             weights_P: torch.Tensor, act: str, situ_betas: tuple[float, float], out_TI: torch.Tensor,
             int8_activations: bool = False) -> None:
         x32 = h_TI.to(torch.float32).contiguous()
-        kernel.moe(x32, experts, tokens_P, offsets, weights_P.to(torch.float32), act, situ_betas, out_TI,
-                   int8_activations)
+        kernel_experts.moe(kernel, x32, experts, tokens_P, offsets, weights_P.to(torch.float32), act, situ_betas,
+                           out_TI, int8_activations)
 
     return run
 
@@ -219,10 +220,10 @@ def grouped(device_type: str = "cpu") -> Callable[..., None] | None:
 
 
 def group_kind(w, device_type: str) -> str | None:
-    """Which grouped kernel of `grouped(device_type)` runs expert w: cpu_kernels.grouped_kind on the CPU;
+    """Which grouped kernel of `grouped(device_type)` runs expert w: kernel_experts.grouped_kind on the CPU;
     "mxfp4" for MXFP4 experts on CUDA (triton); None: it runs on its own."""
     if device_type == "cpu":
-        return cpu_kernels.grouped_kind(w)
+        return kernel_experts.grouped_kind(w)
     packed = getattr(w, "w1_packed", None)
     fmt = getattr(w, "fmt", None)
     if device_type == "cuda" and packed is not None and packed.is_cuda and getattr(fmt, "name", None) == "mxfp4":

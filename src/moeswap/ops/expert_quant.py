@@ -19,11 +19,12 @@ import os
 import torch
 
 from moeswap.formats import fp8_block, int4
-from moeswap.ops import cpu_kernels
+from moeswap.ops import cpu_kernels, kernel_experts
 from moeswap.ops.activation import glu, glu_reference
 from moeswap.ops.expert_mxfp4 import ENV_KERNEL, GEMM_MIN_TOKENS
+from moeswap.ops.kernel_abi import KERNEL_PROJS, constant
 
-ROW_CHUNK_BYTES = 1 << 20  # decoded fp32 bytes per chunk of rows_linear / project_backward
+ROW_CHUNK_BYTES = constant("ROW_CHUNK_BYTES")  # decoded fp32 bytes per chunk of rows_linear / project_backward
 
 
 def is_fp8(w) -> bool:
@@ -105,7 +106,7 @@ def group_kind(w) -> str | None:
     if F % 32 or I % 32 or not all(t.is_cpu for t in parts(w, "w1")):
         return None
     scale_dtype = torch.float32 if is_fp8(w) else torch.bfloat16
-    if any(parts(w, p)[1].dtype != scale_dtype for p in ("w1", "w3", "w2")):
+    if any(parts(w, p)[1].dtype != scale_dtype for p in KERNEL_PROJS):
         return None
     return kind(w)
 
@@ -113,7 +114,7 @@ def group_kind(w) -> str | None:
 def kernel_mats(w, I: int) -> list[torch.Tensor]:
     if shape(w, "w1")[1] != I:
         raise ValueError(f"{kind(w)} expert of input width {shape(w, 'w1')[1]} given inputs of width {I}")
-    mats = [t for p in ("w1", "w3", "w2") for t in parts(w, p)]
+    mats = [t for p in KERNEL_PROJS for t in parts(w, p)]
     return [t if t.is_contiguous() else t.contiguous() for t in mats]
 
 
@@ -135,7 +136,7 @@ def forward(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) ->
     x32 = x_TI.reshape(-1, x_TI.shape[-1]).to(torch.float32).contiguous()
     T = x32.shape[0]
     y = torch.zeros_like(x32)
-    kernel.moe(x32, [w], torch.arange(T, dtype=torch.int64), [0, T], torch.ones(T), act, situ_betas, y)
+    kernel_experts.moe(kernel, x32, [w], torch.arange(T, dtype=torch.int64), [0, T], torch.ones(T), act, situ_betas, y)
     return y.to(x_TI.dtype).reshape(x_TI.shape)
 
 

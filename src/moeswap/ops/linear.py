@@ -22,9 +22,10 @@ from torch import nn
 
 from moeswap.formats import fp8_block
 from moeswap.ops import cpu_kernels
+from moeswap.ops.kernel_abi import constant
 from moeswap.options import GEMM_PRECISIONS
 
-KERNEL_MAX_ROWS = 32  # up to this many rows the kernel streams the weights once; above, GEMM wins
+KERNEL_MAX_ROWS = constant("DENSE_KERNEL_MAX_ROWS")  # up to this many rows the kernel; above, GEMM (cpu_kernels.h)
 
 # "bf16": CPU matmuls with bf16 weights round their inputs to bf16. More than KERNEL_MAX_ROWS rows
 # (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x fp32), outputs rounded to bf16

@@ -84,6 +84,8 @@ class _MoePool:
     def __init__(self, kernel, in_dim: int, width: int, per_expert: int):
         import torch
 
+        from moeswap.ops import kernel_experts
+
         gen = torch.Generator().manual_seed(0)
         first = _random_expert(gen, in_dim, width)
         count = max(2 * TOP_K, POOL_BYTES // first.nbytes // TOP_K * TOP_K)
@@ -91,6 +93,7 @@ class _MoePool:
         self.groups = [pool[i:i + TOP_K] for i in range(0, count, TOP_K)]
         self.nbytes = TOP_K * first.nbytes  # per call
         self.kernel, self.x = kernel, torch.randn(per_expert, in_dim)
+        self.moe = kernel_experts.moe
         self.y = torch.zeros_like(self.x)
         self.tokens = torch.arange(per_expert).repeat(TOP_K)
         self.offsets = [e * per_expert for e in range(TOP_K + 1)]
@@ -99,7 +102,7 @@ class _MoePool:
 
     def call(self, *_):
         g = self.groups[self.calls % len(self.groups)]
-        self.kernel.moe(self.x, g, self.tokens, self.offsets, self.weights, "situ", BETAS, self.y)
+        self.moe(self.kernel, self.x, g, self.tokens, self.offsets, self.weights, "situ", BETAS, self.y)
         self.calls += 1
 
     def all(self):
@@ -111,10 +114,12 @@ def _empty_moe_call(kernel):
     """A grouped call with no tokens: the wrapper's and thread pool's fixed time, no expert work."""
     import torch
 
+    from moeswap.ops import kernel_experts
+
     experts = [_random_expert(torch.Generator().manual_seed(0), 64, 64)] * TOP_K
     x = torch.zeros(1, 64)
     none = torch.zeros(0, dtype=torch.int64)
-    return lambda: kernel.moe(x, experts, none, [0] * (TOP_K + 1), none.float(), "situ", BETAS, x)
+    return lambda: kernel_experts.moe(kernel, x, experts, none, [0] * (TOP_K + 1), none.float(), "situ", BETAS, x)
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -142,7 +147,7 @@ def fit_rows_bytes(points: Sequence[tuple[float, float, float]]) -> tuple[float,
 
 
 def mxfp4_moe_rates() -> tuple[float, float, float] | None:
-    """The grouped MXFP4 call of one MoE layer step (`CpuKernels.moe`, TOP_K experts).
+    """The grouped MXFP4 call of one MoE layer step (`kernel_experts.moe`, TOP_K experts).
 
     Returns (GB/s, ns per output row, GFLOP/s). With one token per expert, the time per expert
     (a call's time less an empty call's, over TOP_K) is fitted over EXPERT_SHAPES as

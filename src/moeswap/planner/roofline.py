@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeswap.config import ModelConfig
+from moeswap.ops.kernel_abi import constant
 from moeswap.options import EXPERT_GPU_MIN_TOKENS
 
 from .hardware import Hardware
@@ -282,7 +283,7 @@ def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
     return cost
 
 
-NATIVE_MAX_TOKENS = 32  # engine/native_step.py: decode steps of at most this many sequences
+NATIVE_MAX_TOKENS = constant("DENSE_KERNEL_MAX_ROWS")  # engine/native_step.py: decode steps of at most this many
 
 
 def _native_step(cx: _Ctx, p: Pass) -> bool:

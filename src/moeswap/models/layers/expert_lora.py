@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PROJS = ("w1", "w2", "w3")  # gate, down, up: the checkpoint's names, and PEFT's module names under experts.{e}
+from moeswap.ops.kernel_abi import EXPERT_PROJS
+
+PROJS = EXPERT_PROJS  # gate, down, up: the checkpoint's names, and PEFT's module names under experts.{e}
 
 
 def peft_key(layer: int, expert: int, proj: str, part: str) -> str:

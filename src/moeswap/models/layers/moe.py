@@ -28,7 +28,7 @@ from moeswap.models import routed_expert_shapes
 from moeswap.models.layers.basic import GatedMLP, RMSNorm, adapter_split, derived, unadapted
 from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA, ExpertLoRASlots
 from moeswap.ops import cpu_kernels, expert_format, expert_mxfp4
-from moeswap.ops.cpu_kernels import grouped_kind
+from moeswap.ops.kernel_experts import grouped_kind, resident_row
 from moeswap.ops.linear import StoredWeightLinear, gemm_in_bf16
 
 
@@ -374,7 +374,7 @@ class _ResidentTable:
         kind = grouped_kind(w)
         if kind is None or self.kind not in (None, kind):
             return None
-        got = cpu_kernels.resident_row(w, self.I, kind)
+        got = resident_row(w, self.I, kind)
         if got is None:
             return None
         self.kind, self.F = kind, got[0]

@@ -1,20 +1,61 @@
 /* cpu_kernels.h: the C ABI of moeswap's CPU kernels (the C files beside it, built into one shared library),
  * the one description both sides read. Every C file includes it, so the compiler checks each definition
- * against its prototype here; ops/cpu_kernels.py reads the prototypes to set every function's ctypes
- * argtypes, and engine/native_step.py builds its ctypes `decode_layer` from MOESWAP_DECODE_LAYER_FIELDS,
- * which the library also exports as a table (moeswap_decode_layer_field), checked field by field before the
- * first call.
+ * against its prototype here; ops/kernel_abi.py reads the prototypes to set every function's ctypes
+ * argtypes, the shared lists (format codes, activations, load_state's slots, ...) and constants below, and
+ * decode_layer's fields, from which engine/native_step.py builds its ctypes `decode_layer`. The library
+ * exports the lists and the fields as compiled (moeswap_abi_entry, moeswap_decode_layer_field), checked
+ * entry by entry and field by field when it is loaded and before the first decode call.
  *
- * Python parses this file strictly: the include guard, #include, MOESWAP_ macros, the decode_layer typedef
- * and one prototype per exported function, whose parameters are `[const] T [* [const]]... name` with a
- * scalar T of int, int64_t, float or double (pointers may point at anything declared here). Anything else
- * is an error there, not a guess.
+ * Python parses this file strictly: the include guard, #include, MOESWAP_ macros (a list `NAME(X) X(...)
+ * X(...)` or an integer constant), the decode_layer typedef and one prototype per exported function, whose
+ * parameters are `[const] T [* [const]]... name` with a scalar T of int, int64_t, float or double
+ * (pointers may point at anything declared here). Anything else is an error there, not a guess.
  * Status returns: 0 done, 1 bad sizes, 2 out of memory, 3 a path this build lacks, 4 see the function.
  */
 #ifndef MOESWAP_CPU_KERNELS_H
 #define MOESWAP_CPU_KERNELS_H
 
 #include <stdint.h>
+
+/* ---- lists C and Python share: C builds its enums from them, ops/kernel_abi.py parses them, and the library
+ * exports them as it was compiled (moeswap_abi_entry), checked entry by entry when it is loaded ---- */
+/* The expert kernels' weight formats (`format` of moe.c, quant.c and the resident tables): FORMAT(name, code).
+ * Python's kind of each is its name in lower case (ops/kernel_library.py FORMAT_CODES). */
+#define MOESWAP_FORMATS(FORMAT) FORMAT(MXFP4, 0) FORMAT(BF16, 1) FORMAT(MXFP4_Q8, 2) FORMAT(FP8, 3) FORMAT(INT4, 4)
+/* The gated activations of every `act` parameter, from 0 (glue.c describes them); Python's names are these in
+ * lower case (ops/kernel_library.py ACTS). */
+#define MOESWAP_ACTIVATIONS(ACT) ACT(SILU) ACT(SITU)
+
+/* decode_layer's load_state slots, in order (decode_step.c LS_*, experts/incall.py; described at load_state). */
+#define MOESWAP_LOAD_STATE(SLOT)                                                                              \
+    SLOT(ROOM) SLOT(FREE) SLOT(VICTIMS) SLOT(NEXT) SLOT(LOG) SLOT(LOG_CAP) SLOT(READ_NS) SLOT(KEEP) SLOT(READER) \
+    SLOT(SUBMIT) SLOT(WAIT) SLOT(JOBS) SLOT(NJOBS) SLOT(AHEAD) SLOT(AHEAD_LAYER) SLOT(AHEAD_IDS) SLOT(GUESS)     \
+    SLOT(N_GUESS) SLOT(PREDICTED) SLOT(ACTUAL) SLOT(CORRECT)
+/* The columns of a load_victims entry and of a load_log entry, and a log entry's kinds (described at
+ * load_state). */
+#define MOESWAP_LOAD_VICTIM(COLUMN) COLUMN(LAYER) COLUMN(EXPERT) COLUMN(COST) COLUMN(STATE) COLUMN(BUFFER)
+#define MOESWAP_LOAD_LOG(COLUMN) COLUMN(LAYER) COLUMN(EXPERT) COLUMN(BUFFER) COLUMN(KIND)
+#define MOESWAP_LOAD_KINDS(KIND) KIND(LOAD) KIND(AHEAD) KIND(AHEAD_BAD)
+
+/* Routed experts' projections, PROJ(name, role), in the checkpoint's order; the expert kernels take them as
+ * gate, up, down (moe.c's w1/p1, w3/p3, w2/p2). Python: ops/kernel_abi.py EXPERT_PROJS, KERNEL_PROJS. */
+#define MOESWAP_EXPERT_PROJS(PROJ) PROJ(w1, gate) PROJ(w2, down) PROJ(w3, up)
+
+/* ---- constants Python reads from here (ops/kernel_abi.py constant()), each written once ---- */
+/* Entries of a resident-table row (moeswap_moe_resident's `table`, decode_layer's table and load_row): an
+ * expert's matrix pointers as the expert kernels take them, w1, w3, w2, each matrix's data then its scales. */
+#define MOESWAP_TABLE_ROW 6
+/* Rows of a dense bf16 linear that take the kernel (moeswap_bf16_linear streams the weights once), up to and
+ * including this many; a GEMM above. The native decode step (decode_step.c, whose products are these
+ * kernels) runs batches of up to as many sequences, where the model's forward takes the same kernels. */
+#define MOESWAP_DENSE_KERNEL_MAX_ROWS 32
+/* Tokens of one routed expert from which a layer step multiplies it by decoded rows in a GEMM (prefill);
+ * fewer take the grouped kernels (moe.c). Tuned apart from the dense crossover above: 32 tokens go to the
+ * GEMM here, 32 rows to the kernel there. */
+#define MOESWAP_EXPERT_GEMM_MIN_ROWS 32
+/* Decoded bytes per chunk of rows where the torch paths decode a stored matrix (prefill GEMMs, backward
+ * products): a chunk stays in L2. */
+#define MOESWAP_ROW_CHUNK_BYTES (1 << 20)
 
 /* ---- decode_step.c: a decode step's decoder layers in one call (engine/native_step.py builds the table) ----
  * One row per decoder layer; every weight bf16 [out, in] unless noted; norms, scores, router, taps and
@@ -69,7 +110,7 @@
     FIELD(const uint16_t *, w_gu, )                                                                           \
     FIELD(const uint16_t *, w_down, )                                                                         \
     FIELD(int64_t, hidden, )                                                                                  \
-    /* MoE: router [E, D] + bias [E]; resident table [E, 6] (format as moeswap_moe_resident; NULL only with   \
+    /* MoE: router [E, D] + bias [E]; resident table [E, TABLE_ROW] (format as moeswap_moe_resident; NULL  \
      * `stop`); K3's latent projections down [lat_dim, D], up [D, lat_dim] and norm [lat_dim] (NULL: the      \
      * experts read x) */                                                                                     \
     FIELD(const float *, router, )                                                                            \
@@ -102,18 +143,19 @@
      * stopping, where load_at is set: load_at [E, 2] each expert's (file descriptor, offset) of its bytes,     \
      * load_job an msw_job (expert_read.h) with their length and scale-byte checks filled in, load_row the six  \
      * table entries' offsets into those bytes (-1: a zero entry), load_cost the fast-tier bytes one takes.      \
-     * Shared by the call's layers (NULL: no loads): load_state [21], decode_step.c's LS_* (free bytes, free    \
-     * buffers, victims offered, next victim, log entries and capacity, read nanoseconds, keep (0: the store   \
-     * keeps nothing), the reader threads' handle, submit and wait and the job slots for reads ahead, those in \
-     * flight and their layer, ids and guess, the guesses' counts); load_buffers [free buffers] their          \
-     * addresses, taken from the end; load_victims [offered, 5] (layer, expert, cost, state: 0 evictable, 1    \
-     * used by this call, 2 evicted; its buffer, which a load may read into once it is evicted, or 0) coldest   \
-     * first; load_log [capacity, 4] (layer, expert, index in load_buffers, -2 not kept or -3 - the victim     \
-     * whose buffer it took, kind: 0 a load, 1 read ahead, 2 read ahead and bad) of a load, (layer, expert,    \
-     * -1, 0) of an eviction, in order */                                                                      \
+     * Shared by the call's layers (NULL: no loads): load_state [slots of MOESWAP_LOAD_STATE] (free           \
+     * bytes, free buffers, victims offered, next victim, log entries and capacity, read nanoseconds,         \
+     * keep (0: the store keeps nothing), the reader threads' handle, submit and wait and the job slots       \
+     * for reads ahead, those in flight and their layer, ids and guess, the guesses' counts);                 \
+     * load_buffers [free buffers] their addresses, taken from the end; load_victims [offered, columns of     \
+     * MOESWAP_LOAD_VICTIM] (layer, expert, cost, state: 0 evictable, 1 used by this call, 2 evicted; its     \
+     * buffer, which a load may read into once it is evicted, or 0) coldest first; load_log [capacity,        \
+     * columns of MOESWAP_LOAD_LOG] (layer, expert, index in load_buffers, -2 not kept or -3 - the victim     \
+     * whose buffer it took, kind: MOESWAP_LOAD_KINDS, a load, read ahead, read ahead and bad) of a load,     \
+     * (layer, expert, -1, LOAD) of an eviction, in order */                                                  \
     FIELD(const int64_t *, load_at, )                                                                         \
     FIELD(const void *, load_job, )                                                                           \
-    FIELD(int64_t, load_row, [6])                                                                             \
+    FIELD(int64_t, load_row, [MOESWAP_TABLE_ROW])                                                             \
     FIELD(int64_t, load_cost, )                                                                               \
     FIELD(int64_t *, load_state, )                                                                            \
     FIELD(int64_t *, load_buffers, )                                                                          \
@@ -131,9 +173,13 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
                           int64_t *used, int64_t *stopped, int64_t ffn_first, int guess, int bf16_in,
                           int nt);
 /* The layout check: sizeof(decode_layer), and field i's name, offset, size and type as spelled above
- * (e.g. "const float *", "int64_t[6]"); 0, or 1 past the last field. */
+ * (e.g. "const float *", "int64_t[6]": a named dimension as its value); 0, or 1 past the last field. */
 int moeswap_decode_layer_size(void);
 int moeswap_decode_layer_field(int64_t i, const char **name, int64_t *offset, int64_t *size, const char **type);
+/* The shared lists above as compiled: entry i of `list` ("FORMATS", "LOAD_STATE", "LOAD_VICTIM", "LOAD_LOG",
+ * "LOAD_KINDS": the macro's name without MOESWAP_) as its name and value (a format's code, else i); 0, or 1
+ * past the last entry or for a list not named here; "ACTIVATIONS" too. */
+int moeswap_abi_entry(const char *list, int64_t i, const char **name, int64_t *value);
 
 /* ---- mxfp4.c: MXFP4 weights straight from the packed bytes ---- */
 int moeswap_mxfp4_isa(void);
@@ -183,7 +229,7 @@ int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t 
                       const void *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
                       float b1, float b2, float *y, int nthreads);
 
-/* ---- quant.c: block-FP8 (format 3) and INT4 (format 4) weights straight from their stored bytes ---- */
+/* ---- quant.c: block-FP8 (FORMAT FP8) and INT4 (FORMAT INT4) weights straight from their stored bytes ---- */
 int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
                          int64_t O, float *y, int nthreads);
 

@@ -19,7 +19,7 @@ static void take_columns(const float *src, int64_t N, int64_t stride, int64_t fr
  * inputs under either GEMM precision, as ops/linear.py's FP8BlockLinear computes them), else bf16. */
 static int weight_linear(int bf16_in, const float *x, int64_t T, int64_t I, const uint16_t *W, const float *s,
                          int64_t O, float *y, int nt) {
-    if (s) return moeswap_quant_linear(3, x, T, I, W, s, O, y, nt);
+    if (s) return moeswap_quant_linear(FORMAT_FP8, x, T, I, W, s, O, y, nt);
     return dense_linear(bf16_in, x, T, I, W, O, y, nt);
 }
 
@@ -33,9 +33,9 @@ static int layer_mlp(int bf16_in, const decode_layer *l, const float *x, int64_t
     float *gu = (float *)malloc((size_t)(T * 3 * H) * sizeof(float) + 64);
     if (!gu) return 2;
     float *h = gu + T * 2 * H;
-    int status = moeswap_quant_linear(3, x, T, D, l->w_gu, l->s_gu, 2 * H, gu, nt);
+    int status = moeswap_quant_linear(FORMAT_FP8, x, T, D, l->w_gu, l->s_gu, 2 * H, gu, nt);
     for (int64_t t = 0; !status && t < T; t++) glu_span(gu + t * 2 * H, gu + t * 2 * H + H, h + t * H, H, act, b1, b2);
-    if (!status) status = moeswap_quant_linear(3, h, T, H, l->w_down, l->s_down, D, y, nt);
+    if (!status) status = moeswap_quant_linear(FORMAT_FP8, h, T, H, l->w_down, l->s_down, D, y, nt);
     free(gu);
     return status;
 }
@@ -132,12 +132,20 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
  * over any expert this call has used (routed to), which the store's policy would have made recent. With a
  * reader (LS_READER) and `guess`, each MoE layer also routes the next one on its input and reads ahead what
  * that guess lacks on the reader threads, to be put in the table when that layer routes (ahead_*). */
-enum { LS_ROOM, LS_FREE, LS_VICTIMS, LS_NEXT, LS_LOG, LS_LOG_CAP, LS_READ_NS, LS_KEEP, LS_READER, LS_SUBMIT,
-       LS_WAIT, LS_JOBS, LS_NJOBS, LS_AHEAD, LS_AHEAD_LAYER, LS_AHEAD_IDS, LS_GUESS, LS_N_GUESS, LS_PREDICTED,
-       LS_ACTUAL, LS_CORRECT };
-
-#define VICTIM 5 /* a load_victims entry: layer, expert, cost, state, buffer this load may take (0: none) */
-#define LOG 4    /* a load_log entry: layer, expert, buffer code, kind (0 a load, 1 read ahead, 2 read ahead and bad) */
+/* LS_ROOM, ...: load_state's slots; V_LAYER, ...: a load_victims entry's columns, VICTIM of them; G_LAYER, ...: a
+ * load_log entry's, LOG of them; KIND_LOAD, ...: a log entry's kinds (all as cpu_kernels.h lists them). */
+#define LOAD_SLOT(name) LS_##name,
+#define VICTIM_COLUMN(name) V_##name,
+#define LOG_COLUMN(name) G_##name,
+#define LOAD_KIND(name) KIND_##name,
+enum { MOESWAP_LOAD_STATE(LOAD_SLOT) LS_SLOTS };
+enum { MOESWAP_LOAD_VICTIM(VICTIM_COLUMN) VICTIM };
+enum { MOESWAP_LOAD_LOG(LOG_COLUMN) LOG };
+enum { MOESWAP_LOAD_KINDS(LOAD_KIND) LOAD_KINDS };
+#undef LOAD_SLOT
+#undef VICTIM_COLUMN
+#undef LOG_COLUMN
+#undef LOAD_KIND
 
 typedef void (*reads_submit_fn)(void *reads, msw_job *job, int urgent);
 typedef void (*reads_wait_fn)(void *reads, msw_job *job);
@@ -146,9 +154,9 @@ typedef void (*reads_wait_fn)(void *reads, msw_job *job);
 static void mark_used(const decode_layer *l, int64_t layer, const int64_t *ids, int64_t n) {
     int64_t *v = l->load_victims;
     for (int64_t j = 0; j < l->load_state[LS_VICTIMS]; j++)
-        if (v[VICTIM * j] == layer && v[VICTIM * j + 3] == 0)
+        if (v[VICTIM * j + V_LAYER] == layer && v[VICTIM * j + V_STATE] == 0)
             for (int64_t k = 0; k < n; k++)
-                if (ids[k] == v[VICTIM * j + 1]) { v[VICTIM * j + 3] = 1; break; }
+                if (ids[k] == v[VICTIM * j + V_EXPERT]) { v[VICTIM * j + V_STATE] = 1; break; }
 }
 
 /* The distinct ids [n] ascending into out; returns how many. */
@@ -179,23 +187,24 @@ static int room_for(const decode_layer *layers, const decode_layer *l, load_curs
     const int keep = st[LS_KEEP] != 0;
     int64_t reuse = -1;
     while (keep && c->room < l->load_cost) {
-        while (c->next < st[LS_VICTIMS] && v[VICTIM * c->next + 3]) c->next++;
+        while (c->next < st[LS_VICTIMS] && v[VICTIM * c->next + V_STATE]) c->next++;
         if (c->next >= st[LS_VICTIMS] || c->n_log >= st[LS_LOG_CAP]) return 4;
         int64_t *gone = v + VICTIM * c->next;
         if (apply) {
-            int64_t *rows = (int64_t *)layers[gone[0]].table;
-            if (rows) memset(rows + 6 * gone[1], 0, 6 * sizeof(int64_t));
-            gone[3] = 2;
+            int64_t *rows = (int64_t *)layers[gone[V_LAYER]].table;
+            if (rows) memset(rows + TABLE_ROW * gone[V_EXPERT], 0, TABLE_ROW * sizeof(int64_t));
+            gone[V_STATE] = 2;
             int64_t *entry = log + LOG * c->n_log;
-            entry[0] = gone[0], entry[1] = gone[1], entry[2] = -1, entry[3] = 0;
+            entry[G_LAYER] = gone[V_LAYER], entry[G_EXPERT] = gone[V_EXPERT], entry[G_BUFFER] = -1;
+            entry[G_KIND] = KIND_LOAD;
         }
-        if (reuse < 0 && gone[4]) reuse = c->next;
-        c->room += gone[2];
+        if (reuse < 0 && gone[V_BUFFER]) reuse = c->next;
+        c->room += gone[V_COST];
         c->n_log++, c->next++;
     }
     if ((reuse < 0 && !c->free_n) || c->n_log >= st[LS_LOG_CAP]) return 4;
     if (reuse >= 0) {
-        *dst = (unsigned char *)(intptr_t)v[VICTIM * reuse + 4];
+        *dst = (unsigned char *)(intptr_t)v[VICTIM * reuse + V_BUFFER];
         *b = -3 - reuse;
     } else {
         c->free_n--;
@@ -218,9 +227,10 @@ static msw_job expert_job(const decode_layer *l, int64_t e, unsigned char *dst) 
 static void loaded(const decode_layer *l, int64_t layer, int64_t e, const unsigned char *dst, int64_t b,
                    int64_t slot, int64_t kind) {
     int64_t *table = (int64_t *)l->table; /* the store's table, which the store writes the same way */
-    for (int j = 0; j < 6; j++) table[6 * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
+    for (int j = 0; j < TABLE_ROW; j++)
+        table[TABLE_ROW * e + j] = l->load_row[j] < 0 ? 0 : (int64_t)(intptr_t)(dst + l->load_row[j]);
     int64_t *entry = l->load_log + LOG * slot;
-    entry[0] = layer, entry[1] = e, entry[2] = b, entry[3] = kind;
+    entry[G_LAYER] = layer, entry[G_EXPERT] = e, entry[G_BUFFER] = b, entry[G_KIND] = kind;
 }
 
 /* Layer `layer`'s missing experts among its step's distinct ids [m]: with apply 0, whether the offered
@@ -235,7 +245,7 @@ static int load_missing(const decode_layer *layers, int64_t layer, const int64_t
     load_cursor c = {st[LS_ROOM], st[LS_FREE], st[LS_NEXT], st[LS_LOG]};
     for (int64_t k = 0; k < m; k++) {
         const int64_t e = ids[k];
-        if (table[6 * e]) continue;
+        if (table[TABLE_ROW * e]) continue;
         unsigned char *dst;
         int64_t b, slot;
         if (room_for(layers, l, &c, apply, &dst, &b, &slot)) return 4;
@@ -250,7 +260,7 @@ static int load_missing(const decode_layer *layers, int64_t layer, const int64_t
             st[LS_ROOM] = c.room + l->load_cost, st[LS_NEXT] = c.next, st[LS_LOG] = slot;
             return 4;
         }
-        loaded(l, layer, e, dst, b, slot, 0);
+        loaded(l, layer, e, dst, b, slot, KIND_LOAD);
         st[LS_ROOM] = c.room, st[LS_FREE] = c.free_n, st[LS_NEXT] = c.next, st[LS_LOG] = c.n_log;
     }
     return 0;
@@ -272,7 +282,7 @@ static void ahead_start(const decode_layer *layers, int64_t next, const int64_t 
     int64_t count = 0;
     for (int64_t k = 0; k < m && count < st[LS_NJOBS]; k++) {
         const int64_t e = guess[k];
-        if (l->table[6 * e]) continue;
+        if (l->table[TABLE_ROW * e]) continue;
         unsigned char *dst;
         int64_t b, slot;
         if (room_for(layers, l, &c, 1, &dst, &b, &slot)) break;
@@ -297,10 +307,10 @@ static void ahead_take(const decode_layer *layers, int64_t layer) {
         ((reads_wait_fn)(intptr_t)st[LS_WAIT])((void *)(intptr_t)st[LS_READER], jobs + j);
         const int64_t e = ahead[3 * j], b = ahead[3 * j + 1], slot = ahead[3 * j + 2];
         if (!jobs[j].error && !jobs[j].bad) {
-            loaded(l, layer, e, jobs[j].dst, b, slot, 1);
+            loaded(l, layer, e, jobs[j].dst, b, slot, KIND_AHEAD);
         } else {
             int64_t *entry = l->load_log + LOG * slot;
-            entry[0] = layer, entry[1] = e, entry[2] = b, entry[3] = 2;
+            entry[G_LAYER] = layer, entry[G_EXPERT] = e, entry[G_BUFFER] = b, entry[G_KIND] = KIND_AHEAD_BAD;
         }
     }
     st[LS_AHEAD] = 0;
@@ -373,7 +383,8 @@ static int ffn_block(int bf16_in, const decode_layer *layers, int64_t n_layers, 
     if (distinct && !l->load_state[LS_KEEP]) { /* a store that keeps nothing: this layer's loads given back */
         const int64_t *log = l->load_log;
         for (int64_t j = log_before; j < l->load_state[LS_LOG]; j++)
-            if (log[LOG * j + 2] == -2) memset((int64_t *)l->table + 6 * log[LOG * j + 1], 0, 6 * sizeof(int64_t));
+            if (log[LOG * j + G_BUFFER] == -2)
+                memset((int64_t *)l->table + TABLE_ROW * log[LOG * j + G_EXPERT], 0, TABLE_ROW * sizeof(int64_t));
         l->load_state[LS_FREE] = free_before;
     }
     free(distinct);
@@ -495,8 +506,10 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
 }
 
 /* decode_layer as the compiler laid it out, for the caller's ctypes mirror (checked before the first call). */
+#define TEXT(x) TEXT_(x)
+#define TEXT_(x) #x
 #define FIELD_ROW(type, name, dims) \
-    {#name, (int64_t)offsetof(decode_layer, name), (int64_t)sizeof(((decode_layer *)0)->name), #type #dims},
+    {#name, (int64_t)offsetof(decode_layer, name), (int64_t)sizeof(((decode_layer *)0)->name), TEXT(type) TEXT(dims)},
 static const struct { const char *name; int64_t offset, size; const char *type; } layer_fields[] = {
     MOESWAP_DECODE_LAYER_FIELDS(FIELD_ROW)
 };
@@ -511,4 +524,30 @@ int moeswap_decode_layer_field(int64_t i, const char **name, int64_t *offset, in
     *size = layer_fields[i].size;
     *type = layer_fields[i].type;
     return 0;
+}
+
+/* The lists cpu_kernels.h shares with Python, as this library was compiled (checked when it is loaded). */
+typedef struct { const char *name; int64_t value; } abi_entry;
+#define NAMED(name) {#name, 0},
+#define CODED(name, code) {#name, code},
+static const abi_entry formats[] = {MOESWAP_FORMATS(CODED)}, load_state[] = {MOESWAP_LOAD_STATE(NAMED)},
+                       load_victim[] = {MOESWAP_LOAD_VICTIM(NAMED)}, load_log[] = {MOESWAP_LOAD_LOG(NAMED)},
+                       load_kinds[] = {MOESWAP_LOAD_KINDS(NAMED)}, activations[] = {MOESWAP_ACTIVATIONS(NAMED)};
+#undef NAMED
+#undef CODED
+#define LIST(name, entries, coded) {name, entries, (int64_t)(sizeof(entries) / sizeof(entries[0])), coded}
+static const struct { const char *name; const abi_entry *entries; int64_t n; int coded; } abi_lists[] = {
+    LIST("FORMATS", formats, 1), LIST("LOAD_STATE", load_state, 0), LIST("LOAD_VICTIM", load_victim, 0),
+    LIST("LOAD_LOG", load_log, 0), LIST("LOAD_KINDS", load_kinds, 0), LIST("ACTIVATIONS", activations, 0),
+};
+#undef LIST
+
+int moeswap_abi_entry(const char *list, int64_t i, const char **name, int64_t *value) {
+    for (size_t k = 0; k < sizeof(abi_lists) / sizeof(abi_lists[0]); k++) {
+        if (strcmp(abi_lists[k].name, list) || i < 0 || i >= abi_lists[k].n) continue;
+        *name = abi_lists[k].entries[i].name;
+        *value = abi_lists[k].coded ? abi_lists[k].entries[i].value : i;
+        return 0;
+    }
+    return 1;
 }

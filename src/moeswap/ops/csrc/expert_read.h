@@ -1,7 +1,7 @@
 /* expert_read.h: one expert's bytes read from its checkpoint file and checked, as a job (msw_job) that both
  * the background reader threads (experts/native_reads.c) and the native decode step's in-call loads
- * (decode_step.c) run: one definition of the job's layout and of the read and check. experts/reads.py mirrors
- * msw_job in ctypes and checks its size and the offset of `bad` against the reader library.
+ * (decode_step.c) run: one definition of the job's layout and of the read and check. experts/reads.py builds
+ * msw_job's ctypes mirror from MSW_JOB_FIELDS and checks it field by field against the reader library.
  * The file names no function the kernels library exports: everything here is static. */
 #ifndef MOESWAP_EXPERT_READ_H
 #define MOESWAP_EXPERT_READ_H
@@ -16,18 +16,33 @@
 
 #define MSW_CHECKS 4
 
-typedef struct msw_job {
-    int64_t fd, offset, nbytes;
-    unsigned char *dst;
-    int32_t drop;  /* after reading, drop these pages from the OS page cache (benchmarks' cold reads) */
-    int32_t state;
-    int32_t error; /* 0, an errno, or -1: the file ended before nbytes */
-    int32_t nchecks; /* ranges of dst to check after a good read (0..MSW_CHECKS) */
-    int64_t check_off[MSW_CHECKS], check_len[MSW_CHECKS];
-    int32_t check_max; /* every byte of those ranges must be <= this */
-    int32_t bad;       /* set by the reader: 1 when some byte is above check_max */
-    struct msw_job *next;
-} msw_job;
+/* msw_job's fields, FIELD(type, name, array dimension or nothing) in struct order; experts/reads.py builds its
+ * ctypes mirror from this list (ops/kernel_abi.py) and checks it against the reader library's msw_job_field. */
+#define MSW_JOB_FIELDS(FIELD)                                                                                  \
+    FIELD(int64_t, fd, )                                                                                       \
+    FIELD(int64_t, offset, )                                                                                   \
+    FIELD(int64_t, nbytes, )                                                                                   \
+    FIELD(uint8_t *, dst, )                                                                                    \
+    FIELD(int32_t, drop, )      /* after reading, drop these pages from the OS page cache (cold reads) */     \
+    FIELD(int32_t, state, )     /* MSW_JOB_STATES */                                                          \
+    FIELD(int32_t, error, )     /* 0, an errno, or -1: the file ended before nbytes */                        \
+    FIELD(int32_t, nchecks, )   /* ranges of dst to check after a good read (0..MSW_CHECKS) */                \
+    FIELD(int64_t, check_off, [MSW_CHECKS])                                                                    \
+    FIELD(int64_t, check_len, [MSW_CHECKS])                                                                    \
+    FIELD(int32_t, check_max, ) /* every byte of those ranges must be <= this */                              \
+    FIELD(int32_t, bad, )       /* set by the reader: 1 when some byte is above check_max */                  \
+    FIELD(struct msw_job *, next, )
+
+/* A job's states, in order from 0 (MSW_QUEUED, ...). */
+#define MSW_JOB_STATES(STATE) STATE(QUEUED) STATE(RUNNING) STATE(DONE) STATE(CANCELLED)
+
+#define MSW_DECLARE_FIELD(type, name, dims) type name dims;
+typedef struct msw_job { MSW_JOB_FIELDS(MSW_DECLARE_FIELD) } msw_job;
+#undef MSW_DECLARE_FIELD
+
+#define MSW_STATE(name) MSW_##name,
+enum { MSW_JOB_STATES(MSW_STATE) };
+#undef MSW_STATE
 
 static inline int msw_read_all(msw_job *j) {
     int64_t done = 0;

@@ -6,8 +6,8 @@
 #include "internal.h"
 
 /* Gated activations, for the experts' hidden rows (activate) and whole tensors (moeswap_glu): out = act(g, u),
- * act 0: silu(g) * u; act 1: SiTU, b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2). torch runs SiTU as nine
- * passes over memory (~5.5 ns per element on 2 cores); this is one. exp is Cody-Waite range reduction
+ * ACT_SILU: silu(g) * u; ACT_SITU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2). torch runs SiTU as nine
+ * passes over memory (docs/benchmarks.md); this is one. exp is Cody-Waite range reduction
  * and Cephes' degree-5 polynomial (~2 ulp), tanh Cephes' odd polynomial below |x| = 0.625 and
  * 1 - 2 / (exp(2|x|) + 1) above, all branch-free so the loop vectorizes; NaN in, NaN out. */
 static inline float act_exp(float x) {
@@ -44,9 +44,9 @@ static inline float act_tanh(float x) {
 static inline float act_sigmoid(float x) { return 1.0f / (1.0f + act_exp(-x)); }
 
 /* One loop per act: with the choice inside, the vectorized loop computed both (SiTU's three exps and
- * divisions for SiLU too: 3x the time). The same per-element math either way. */
+ * divisions for SiLU too: docs/benchmarks.md). The same per-element math either way. */
 void glu_span(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2) {
-    if (act == 0) {
+    if (act == ACT_SILU) {
         #pragma omp simd
         for (int64_t i = 0; i < n; i++) {
             const float gv = g[i], uv = u[i];
@@ -65,7 +65,7 @@ void glu_span(const float *g, const float *u, float *out, int64_t n, int act, fl
 
 /* out[i] = act(g[i], u[i]) for n elements (out may be g). Returns 0, or 1 for a bad act or size. */
 int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, float b1, float b2, int nthreads) {
-    if (n < 0 || (act != 0 && act != 1)) return 1;
+    if (n < 0 || (act < 0 || act >= ACTIVATIONS)) return 1;
     const int64_t span = 16384;  /* 64 KB of g per work item */
     const int64_t spans = (n + span - 1) / span;
     #pragma omp parallel for num_threads(spans > 1 ? nthreads : 1) schedule(static)
@@ -82,13 +82,13 @@ int moeswap_glu(const float *g, const float *u, float *out, int64_t n, int act, 
  * dg = dout B ((1 - tanh^2(g/b1)) s + A (1 - s)), du = dout A (1 - tanh^2(u/b2)). */
 int moeswap_glu_backward(const float *g, const float *u, const float *dout, float *dg, float *du, int64_t n, int act,
                          float b1, float b2, int nthreads) {
-    if (n < 0 || (act != 0 && act != 1)) return 1;
+    if (n < 0 || (act < 0 || act >= ACTIVATIONS)) return 1;
     const int64_t span = 16384;
     const int64_t spans = (n + span - 1) / span;
     #pragma omp parallel for num_threads(spans > 1 ? nthreads : 1) schedule(static)
     for (int64_t sp = 0; sp < spans; sp++) {
         const int64_t o = sp * span, m = n - o < span ? n - o : span;
-        if (act == 0) { /* one loop per act, as glu_span */
+        if (act == ACT_SILU) { /* one loop per act, as glu_span */
             #pragma omp simd
             for (int64_t i = o; i < o + m; i++) {
                 const float gv = g[i], uv = u[i], d = dout[i], s = act_sigmoid(gv);

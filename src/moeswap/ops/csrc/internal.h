@@ -23,6 +23,16 @@
 #define HIDDEN __attribute__((visibility("hidden")))
 
 #define CHUNK_ROWS 32 /* output rows per work item of the linear kernels */
+#define TABLE_ROW MOESWAP_TABLE_ROW /* entries of a resident-table row (cpu_kernels.h) */
+
+/* FORMAT_MXFP4, FORMAT_BF16, ...: the `format` codes cpu_kernels.h lists. */
+#define FORMAT_CODE(name, code) FORMAT_##name = code,
+enum { MOESWAP_FORMATS(FORMAT_CODE) };
+#undef FORMAT_CODE
+/* ACT_SILU, ACT_SITU, then ACTIVATIONS (how many): the `act` codes cpu_kernels.h lists. */
+#define ACT_CODE(name) ACT_##name,
+enum { MOESWAP_ACTIVATIONS(ACT_CODE) ACTIVATIONS };
+#undef ACT_CODE
 
 /* bf16 -> fp32 is exact: the 16 bits are the top half of the fp32 pattern. */
 static inline float bf16_to_f32(uint16_t h) {

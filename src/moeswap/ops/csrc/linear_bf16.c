@@ -12,14 +12,14 @@
  * ones. One load of a block's 2L bf16 weights then holds in each 32-bit lane an even weight (low half) and
  * the next odd one (high half): a 16-bit left shift makes the even ones fp32, clearing the low half the odd
  * ones; two integer ops per 2L weights instead of widening shuffles, which bound one core's streaming rate
- * once huge pages had taken the page walks away (17 -> 25 GB/s). Per (row, token), as mxfp4.c's tiles sum:
+ * once huge pages had taken the page walks away (docs/benchmarks.md). Per (row, token), as mxfp4.c's tiles sum:
  *   acc = 0 (L fp32 lanes); for each whole block, in column order:
  *     acc = fma(W[even columns], x[even columns], acc);  acc = fma(W[odd columns], x[odd columns], acc);
  *   s = the horizontal sum of acc (one fixed sequence of adds); then s += W[i] x[i] for each column past
  *   the whole blocks, in order (portable C: s = 0 and every column so).
  * One accumulator per (row, token), so a tile of R rows and TT tokens holds R TT of them: as many rows and
- * tokens as one accumulator per 16 columns allowed before (two per (row, token) held a 4-token tile to 3 rows:
- * ~10 % slower at 4 tokens). Its chain of two dependent FMAs per block is hidden by running several rows at
+ * tokens as one accumulator per 16 columns allowed before (two per (row, token) held a 4-token tile to 3 rows,
+ * slower at 4 tokens). Its chain of two dependent FMAs per block is hidden by running several rows at
  * once, a token alone too: 4 rows (4 chains, 4 streams, the next 4 rows prefetched) streamed one core's
  * weights faster than the one row at a time with 4 accumulators of before (docs/benchmarks.md). */
 #if PERMUTED_WIDTH == 16
@@ -218,7 +218,7 @@ int rounded_linear(const float *x, int64_t T, int64_t I, const uint16_t *W, int6
  * (moeswap_bf16_linear, moeswap_glu), so the same bits. Returns 0, 1 for bad sizes, 2 out of memory. */
 int gated_mlp(int bf16_in, const float *x, int64_t T, int64_t D, const uint16_t *w_gu, int64_t H,
               const uint16_t *w_down, int act, float b1, float b2, float *y, int nthreads) {
-    if (T < 1 || D < 1 || H < 1 || (act != 0 && act != 1)) return 1;
+    if (T < 1 || D < 1 || H < 1 || (act < 0 || act >= ACTIVATIONS)) return 1;
     float *gu = (float *)malloc((size_t)(T * 2 * H) * sizeof(float) + 64);
     float *h = (float *)malloc((size_t)(T * H) * sizeof(float) + 64);
     if (!gu || !h) { free(gu); free(h); return 2; }

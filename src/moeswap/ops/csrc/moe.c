@@ -18,10 +18,8 @@ static int64_t list_items(work_item *items, const int64_t *off, int E, int64_t c
     return n;
 }
 
-enum { MXFP4 = 0, BF16 = 1, MXFP4_Q8 = 2, FP8 = 3, INT4 = 4 };
-
 /* The activations one phase of `moe` multiplies, per pair, in the form its weight format reads: fp32 rows in
- * `permuted` column order (MXFP4, bf16, INT4), in natural order (block FP8), or quantized rows (MXFP4_Q8). */
+ * `permuted` column order (MXFP4, bf16, INT4), in natural order (block FP8), or quantized rows (FORMAT_MXFP4_Q8). */
 typedef struct { const float *f; q8_rows q; int64_t width; } pair_rows;
 
 /* Row tokens[k] of x for each of the P pairs (tokens NULL: x already has one row per pair), in `format`'s
@@ -31,7 +29,7 @@ static void *pair_inputs(int format, const float *x, int64_t T, int64_t I, const
                          float *buf, pair_rows *out, int *ok, int nthreads) {
     *ok = 1;
     out->width = I;
-    if (format == MXFP4_Q8) {
+    if (format == FORMAT_MXFP4_Q8) {
         const int64_t chunks = (I + 127) / 128, row = chunks * Q8_CHUNK_BYTES;
         uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)(P * row) + 64);
         /* a token's row quantized once for all its pairs (a decode step's K experts), when that is less work */
@@ -53,7 +51,7 @@ static void *pair_inputs(int format, const float *x, int64_t T, int64_t I, const
         for (int64_t k = 0; k < P; k++) memcpy(buf + k * I, x + tokens[k] * I, (size_t)I * sizeof(float));
         x = buf;
     }
-    float *xp = format == FP8 ? aligned_rows(x, P, I) : permuted(x, P, I);
+    float *xp = format == FORMAT_FP8 ? aligned_rows(x, P, I) : permuted(x, P, I);
     if (!xp) *ok = 0;
     out->f = xp;
     return xp;
@@ -64,10 +62,10 @@ static void *pair_inputs(int format, const float *x, int64_t T, int64_t I, const
 static void expert_rows(int format, pair_rows a, int64_t k0, int64_t nt, const void *p, const uint8_t *s, int64_t O,
                         int64_t o, int64_t n, float *y) {
     const int64_t I = a.width;
-    if (format == BF16) bf16_rows(a.f + k0 * I, nt, I, (const uint16_t *)p, O, o, n, y);
-    else if (format == MXFP4) linear_rows(a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
-    else if (format == FP8 || format == INT4)
-        quant_linear_rows(format == FP8, a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
+    if (format == FORMAT_BF16) bf16_rows(a.f + k0 * I, nt, I, (const uint16_t *)p, O, o, n, y);
+    else if (format == FORMAT_MXFP4) linear_rows(a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
+    else if (format == FORMAT_FP8 || format == FORMAT_INT4)
+        quant_linear_rows(format == FORMAT_FP8, a.f + k0 * I, nt, I, (const uint8_t *)p, s, O, o, n, y);
     else q8_linear_rows((q8_rows){a.q.base + k0 * a.q.chunks * Q8_CHUNK_BYTES, a.q.chunks}, nt, I,
                         (const uint8_t *)p, s, O, o, n, y);
 }
@@ -79,16 +77,16 @@ static void expert_rows(int format, pair_rows a, int64_t k0, int64_t nt, const v
  * are (expert, chunk of MOE_CHUNK_ROWS rows) pairs, so a decode step's 8-16 small experts keep every thread
  * busy in one fork/join per phase; a static schedule gives each thread a contiguous run of them, whole
  * experts at decode, which streams from memory far better than threads taking turns on 32-row chunks
- * (bench-k3's MXFP4 layer step 0.71 -> 0.41 ms, 16 tokens 6.3 -> 4.3 ms; a decode step's 8 bf16 experts
- * of 256 x 256, 229 -> 135 us). The per-token sums run serially in pair order: deterministic. Returns 0,
+ * (docs/benchmarks.md). The per-token sums run serially in pair order: deterministic. Returns 0,
  * 1 for bad sizes, 2 out of memory, 3 for MXFP4_Q8 in a build without it. */
 static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
                const uint8_t *const *s1, const void *const *p3, const uint8_t *const *s3, const void *const *p2,
                const uint8_t *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
                float b1, float b2, float *y, int nthreads) {
-    if (format == MXFP4_Q8 && !Q8) return 3;
-    if (format < MXFP4 || format > INT4) return 1;
-    if ((format != BF16 && (I % 32 || F % 32)) || act < 0 || act > 1 || E < 1 || off[0] != 0) return 1;
+    if (format == FORMAT_MXFP4_Q8 && !Q8) return 3;
+    if (format < FORMAT_MXFP4 || format > FORMAT_INT4) return 1;
+    if ((format != FORMAT_BF16 && (I % 32 || F % 32)) || act < 0 || act >= ACTIVATIONS || E < 1 || off[0] != 0)
+        return 1;
     mxfp4_tables();
     const int64_t P = off[E];
     for (int64_t k = 0; k < P; k++)
@@ -138,30 +136,30 @@ static int moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int 
     return 0;
 }
 
-/* q8: 0 computes in fp32, 1 quantizes the activations to int8 per block (MXFP4_Q8 above). */
+/* q8: 0 computes in fp32, 1 quantizes the activations to int8 per block (FORMAT_MXFP4_Q8 above). */
 int moeswap_mxfp4_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint8_t *const *p1,
                       const uint8_t *const *s1, const uint8_t *const *p3, const uint8_t *const *s3,
                       const uint8_t *const *p2, const uint8_t *const *s2, const int64_t *off, const int64_t *tokens,
                       const float *weight, int act, float b1, float b2, float *y, int nthreads, int q8) {
-    return moe(q8 ? MXFP4_Q8 : MXFP4, x, T, I, F, E, (const void *const *)p1, s1, (const void *const *)p3, s3,
-               (const void *const *)p2, s2, off, tokens, weight, act, b1, b2, y, nthreads);
+    return moe(q8 ? FORMAT_MXFP4_Q8 : FORMAT_MXFP4, x, T, I, F, E, (const void *const *)p1, s1,
+               (const void *const *)p3, s3, (const void *const *)p2, s2, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 
 /* The same for bf16 experts (w1, w3 [F, I], w2 [I, F] bf16; fp32 math). */
 int moeswap_bf16_moe(const float *x, int64_t T, int64_t I, int64_t F, int E, const uint16_t *const *w1,
                      const uint16_t *const *w3, const uint16_t *const *w2, const int64_t *off, const int64_t *tokens,
                      const float *weight, int act, float b1, float b2, float *y, int nthreads) {
-    return moe(BF16, x, T, I, F, E, (const void *const *)w1, NULL, (const void *const *)w3, NULL,
+    return moe(FORMAT_BF16, x, T, I, F, E, (const void *const *)w1, NULL, (const void *const *)w3, NULL,
                (const void *const *)w2, NULL, off, tokens, weight, act, b1, b2, y, nthreads);
 }
 
-/* The same for block-FP8 (format 3: E4M3 codes [O, N] + fp32 scales per 128 x 128) or INT4 experts (4: int32
- * words [O, N/8] + bf16 scales per 32), quant.c's math. */
+/* The same for block-FP8 (FORMAT_FP8: E4M3 codes [O, N] + fp32 scales per 128 x 128) or INT4 experts
+ * (FORMAT_INT4: int32 words [O, N/8] + bf16 scales per 32), quant.c's math. */
 int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t F, int E, const void *const *p1,
                       const void *const *s1, const void *const *p3, const void *const *s3, const void *const *p2,
                       const void *const *s2, const int64_t *off, const int64_t *tokens, const float *weight, int act,
                       float b1, float b2, float *y, int nthreads) {
-    if (format != FP8 && format != INT4) return 1;
+    if (format != FORMAT_FP8 && format != FORMAT_INT4) return 1;
     return moe(format, x, T, I, F, E, p1, (const uint8_t *const *)s1, p3, (const uint8_t *const *)s3, p2,
                (const uint8_t *const *)s2, off, tokens, weight, act, b1, b2, y, nthreads);
 }
@@ -170,25 +168,25 @@ int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t 
 static int resident_ids(const int64_t *table, int64_t E_total, const int64_t *ids, int64_t P) {
     for (int64_t k = 0; k < P; k++) {
         if (ids[k] < 0 || ids[k] >= E_total) return 1;
-        if (!table[ids[k] * 6]) return 4;
+        if (!table[ids[k] * TABLE_ROW]) return 4;
     }
     return 0;
 }
 
 /* A decode step's routed experts straight from the router's choice, for experts that stay resident:
- * table [E_total, 6] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
+ * table [E_total, TABLE_ROW] holds each expert's matrix pointers in moe()'s order (MXFP4: p1 s1 p3 s3 p2 s2;
  * bf16: w1 0 w3 0 w2 0; FP8 and INT4: codes and scales as MXFP4), a row of zeros where the caller has none;
  * ids, weight [T, K] are the router's
  * output. The pairs are grouped by expert, experts in id order and each one's tokens in order (as
- * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format:
- * 0 MXFP4, 1 bf16, 2 MXFP4 on int8 activations, 3 block FP8, 4 INT4. *used: the distinct experts. Returns moe()'s status,
+ * models/layers/moe.py pairs_by_expert), then moe() runs them: the same call, the same sums. format: a FORMAT_
+ * code (MXFP4_Q8: MXFP4 on int8 activations). *used: the distinct experts. Returns moe()'s status,
  * 1 for an id out of range, 4 when a chosen expert has no pointers (the caller takes the store's path). */
 
 int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64_t F, int64_t E_total,
                          const int64_t *table, const int64_t *ids, const float *weight, int64_t K, int act,
                          float b1, float b2, float *y, int nthreads, int64_t *used) {
     const int64_t P = T * K;
-    if (T < 1 || K < 1 || E_total < 1 || format < MXFP4 || format > INT4) return 1;
+    if (T < 1 || K < 1 || E_total < 1 || format < FORMAT_MXFP4 || format > FORMAT_INT4) return 1;
     const int checked = resident_ids(table, E_total, ids, P);
     if (checked) return checked;
     int64_t *at = (int64_t *)calloc((size_t)E_total, sizeof(int64_t)); /* pairs per expert, then next slot */
@@ -202,7 +200,7 @@ int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64
     off[0] = 0;
     for (int64_t e = 0; e < E_total; e++) {
         if (!at[e]) continue;
-        for (int m = 0; m < 6; m++) ptr[m * P + E] = (const void *)(intptr_t)table[e * 6 + m];
+        for (int m = 0; m < TABLE_ROW; m++) ptr[m * P + E] = (const void *)(intptr_t)table[e * TABLE_ROW + m];
         off[E + 1] = off[E] + at[e];
         at[e] = off[E]; /* from here: where this expert's next pair goes */
         E++;
@@ -212,7 +210,7 @@ int moeswap_moe_resident(int format, const float *x, int64_t T, int64_t I, int64
         tokens[slot] = k / K;
         w[slot] = weight[k];
     }
-    const int bf16 = format == BF16;
+    const int bf16 = format == FORMAT_BF16;
     const int status = moe(format, x, T, I, F, E, ptr, bf16 ? NULL : (const uint8_t *const *)(ptr + P),
                            ptr + 2 * P, bf16 ? NULL : (const uint8_t *const *)(ptr + 3 * P), ptr + 4 * P,
                            bf16 ? NULL : (const uint8_t *const *)(ptr + 5 * P), off, tokens, w, act, b1, b2, y,

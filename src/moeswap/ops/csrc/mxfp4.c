@@ -160,7 +160,7 @@ int moeswap_mxfp4_linear(const float *x, int64_t T, int64_t I, int n_mats, const
 int moeswap_mxfp4_expert(const float *x, int64_t T, int64_t I, int64_t F, const uint8_t *p1, const uint8_t *s1,
                          const uint8_t *p3, const uint8_t *s3, const uint8_t *p2, const uint8_t *s2, int act,
                          float b1, float b2, float *y, int nthreads) {
-    if (I % 32 || F % 32 || act < 0 || act > 1) return 1;
+    if (I % 32 || F % 32 || act < 0 || act >= ACTIVATIONS) return 1;
     float *xp = permuted(x, T, I);
     float *g = (float *)malloc((size_t)(2 * T * F) * sizeof(float) + 64);
     if (!xp || !g) { free(xp); free(g); return 2; }

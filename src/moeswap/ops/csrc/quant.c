@@ -256,7 +256,7 @@ INLINE void int4_decode(const uint8_t *p, __m512 t, __m512 *even, __m512 *odd) {
 
 /* Whether any of n bf16 scales is subnormal or NaN (exponent bits all 0 or all 1, mantissa not 0): their tables are
  * not a mantissa row times a power of two. 32 scales a step, per tile, on scales the tile is about to read (a scalar
- * pass over a chunk's scales before its tiles measured ~8 % of a one-token call). */
+ * pass over a chunk's scales before its tiles cost too much of a one-token call: docs/benchmarks.md). */
 INLINE uint32_t abnormal_scales(const uint16_t *s, int64_t n) {
     const __m512i exp_bits = _mm512_set1_epi16(0x7F80), mantissa = _mm512_set1_epi16(0x7F);
     __mmask32 found = 0;
@@ -365,19 +365,19 @@ void quant_linear_rows(int fp8, const float *xp, int64_t T, int64_t I, const uin
         quant_rows(fp8, xp + t * I, T - t < 8 ? (int)(T - t) : 8, I, q, s, o, n, y + t * O, O);
 }
 
-/* y[T, O] = x[T, I] @ W^T for one matrix; format 3 block FP8, 4 INT4 (moe.c's codes). Returns 0, 1 for bad
+/* y[T, O] = x[T, I] @ W^T for one matrix; format FORMAT_FP8 or FORMAT_INT4 (cpu_kernels.h). Returns 0, 1 for bad
  * sizes, 2 out of memory. */
 int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
                          int64_t O, float *y, int nthreads) {
-    if ((format != 3 && format != 4) || I % 32 || T < 0 || O < 0) return 1;
+    if ((format != FORMAT_FP8 && format != FORMAT_INT4) || I % 32 || T < 0 || O < 0) return 1;
     quant_tables();
-    float *xp = format == 3 ? aligned_rows(x, T, I) : permuted(x, T, I);
+    float *xp = format == FORMAT_FP8 ? aligned_rows(x, T, I) : permuted(x, T, I);
     if (!xp) return 2;
     const int64_t chunks = (O + CHUNK_ROWS - 1) / CHUNK_ROWS;
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 4)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t o = c * CHUNK_ROWS;
-        quant_linear_rows(format == 3, xp, T, I, (const uint8_t *)q, scale, O, o,
+        quant_linear_rows(format == FORMAT_FP8, xp, T, I, (const uint8_t *)q, scale, O, o,
                           O - o < CHUNK_ROWS ? O - o : CHUNK_ROWS, y);
     }
     free(xp);
