@@ -7,6 +7,7 @@ from the headers (kernel_abi); expert objects become pointers in kernel_experts;
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -31,13 +32,63 @@ def build_error() -> str:
 
 def kernel_ready() -> bool:
     """Whether this machine's kernel is built and loaded (never builds it: safe while tracing)."""
-    return _loaded.get("native") is not None
+    return _loaded.get(_key(isa_flags())) is not None
+
+
+def _key(flags: tuple[str, ...] | None) -> str:
+    return " ".join(flags) if flags is not None else "native"
+
+
+# MOESWAP_KERNEL_ISA: the instruction-set level the kernels are built for (default: this CPU's best), so the
+# numerics a user's CPU gets can be run on a wider one; each level needs these CPU flags
+ISA_ENV = "MOESWAP_KERNEL_ISA"
+ISA_LEVELS = {
+    "native": (),
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"),
+    "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe"),
+    "x86-64-v2": ("sse4_2", "popcnt", "ssse3"),
+    "x86-64": (),
+}
+
+
+def isa_flags() -> tuple[str, ...] | None:
+    """The build flags MOESWAP_KERNEL_ISA names (None: this CPU's best); ValueError for a level this CPU lacks."""
+    level = os.environ.get(ISA_ENV, "native") or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={level!r}: expected one of {', '.join(ISA_LEVELS)}")
+    if level == "native":
+        return None
+    missing = [f for f in ISA_LEVELS[level] if f not in cpu_flags()]
+    if missing:
+        raise ValueError(f"{ISA_ENV}={level}: this CPU lacks {', '.join(missing)}; levels it runs: "
+                         f"{', '.join(supported_levels())}")
+    return (f"-march={level}",)
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def supported_levels() -> list[str]:
+    """The MOESWAP_KERNEL_ISA levels this CPU executes (x86-64 only; elsewhere just native)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    have = cpu_flags()
+    return [level for level, need in ISA_LEVELS.items() if all(f in have for f in need)]
 
 
 def kernel(flags: tuple[str, ...] | None = None) -> CpuKernels | None:
-    """The compiled kernel for `flags` (default: this machine's best), building it on first use."""
+    """The compiled kernel for `flags` (default: MOESWAP_KERNEL_ISA's level, else this machine's best),
+    building it on first use."""
     global _build_error
-    key = " ".join(flags) if flags is not None else "native"
+    if flags is None:
+        flags = isa_flags()
+    key = _key(flags)
     if key in _loaded:
         return _loaded[key]
     with _lock:
@@ -78,6 +129,8 @@ def build_variants(without_vbmi: bool = False) -> list[tuple[str, ...] | None]:
 
 
 def build(flags: tuple[str, ...] | None = None) -> Path:
-    """The kernel library for `flags` (default: this CPU's best; native_build.build), built from every C file
+    """The kernel library for `flags` (default: MOESWAP_KERNEL_ISA's level, else this CPU's best;
+    native_build.build), built from every C file
     and header of csrc/, or found in the cache."""
+    flags = isa_flags() if flags is None else flags
     return native_build.build("cpu_kernels", sorted(CSRC.glob("*.c")), sorted(CSRC.glob("*.h")), flags)
