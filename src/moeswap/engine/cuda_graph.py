@@ -37,12 +37,13 @@ from contextlib import nullcontext
 
 import torch
 
+from moeswap.experts.executors import ExpertExecutor, OnHost
 from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.keys import Key
+from moeswap.experts.pairs import pairs_by_expert
 from moeswap.models.kimi_k3 import ModelState
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
-from moeswap.models.layers.moe import OnHost, pairs_by_expert
 from moeswap.ops import triton_mxfp4
 from moeswap.ops.activation import glu
 
@@ -116,9 +117,25 @@ class DeviceTable:
         return kind, [0 if t is None else t.data_ptr() for t in mats]
 
 
+class GraphTableExecutor(ExpertExecutor):
+    """A MoE block's expert executor while a graphed decode step runs its forward (installed by
+    `GraphedDecode._forward`, the block's own one restored after): its routed experts through StepExperts."""
+
+    name = "cuda-graph-table"
+
+    def __init__(self, steps: StepExperts, moe):
+        self.steps, self.moe = steps, moe
+
+    def __call__(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        return self.steps(self.moe, h_TI, ids_TK, w_TK)
+
+    def in_torch(self, h_TI, w_TK) -> bool:
+        return False
+
+
 class StepExperts:
-    """The routed experts of a MoE block through its DeviceTable (`MoE.step_experts` while a graphed step
-    runs its forward), and what happens at each layer's routing: `mode` "capture" ends the segment being
+    """The routed experts of a MoE block through its DeviceTable (GraphTableExecutor's work while a graphed
+    step runs its forward), and what happens at each layer's routing: `mode` "capture" ends the segment being
     captured and begins the next, "eager" does the host's work now, "warmup" nothing (a throwaway step)."""
 
     def __init__(self, decode: GraphedDecode):
@@ -326,8 +343,9 @@ class GraphedDecode:
         whole = ModelState([MLACache(st.latent_BSX, st.lengths_B, whole=True) if isinstance(st, MLACache) else st
                             for st in state.layers])
         blocks = self.model.moe_blocks()
+        own = [moe.executor for moe in blocks]
         for moe in blocks:
-            moe.step_experts = self._experts
+            moe.executor = GraphTableExecutor(self._experts, moe)
         if self.lookahead is not None:
             self.model.expert_lookahead = self._experts.guess
         self._experts.guesses = []
@@ -335,8 +353,8 @@ class GraphedDecode:
             with self.compiled.swapped() if self.compiled is not None else nullcontext():
                 return self.model(tokens_BT, whole)
         finally:
-            for moe in blocks:
-                moe.step_experts = None
+            for moe, executor in zip(blocks, own):
+                moe.executor = executor
             self.model.expert_lookahead = self.lookahead
 
     def _eager(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> torch.Tensor:
@@ -351,7 +369,7 @@ class GraphedDecode:
         store makes the routed experts resident (its fetch: hits, misses, the policy's evictions; the step's
         experts are pinned; a prefetched one's copy is waited for on the stream) and the table goes up. With
         hybrid experts (experts/hybrid.py) those the fast tier lacks are read into host memory instead and
-        computed by the CPU's kernels (moe.py OnHost), their weighted sum copied into `stop.host_TI`."""
+        computed by the CPU's kernels (experts/executors.py OnHost), their weighted sum copied into `stop.host_TI`."""
         for at, guess_TK in stop.guesses:
             self.lookahead.guessed(at, guess_TK)
         layer = stop.moe.layer_idx

@@ -3,9 +3,9 @@
 Inference and LoRA read routed experts from the expert store, frozen. Full training makes them weights
 again: `make_experts_trainable` decodes every expert of every MoE block once (through its format object,
 so MXFP4 / MXFP8 / float bases all work) into three fp32 parameters per block, `w1` / `w3` [E, F, I] and
-`w2` [E, I, F], held by a `TrainableExperts` module the MoE block consults before its store
-(models/layers/moe.py `run_experts`). The checkpoint's names stay per expert (`experts.{e}.w1.weight`);
-`expert_tensors` gives them back in that form for export.
+`w2` [E, I, F], held by a `TrainableExperts` module (the block's `experts`), which the block's executor
+then runs (experts/executors.py ParameterExecutor, chosen when it is set). The checkpoint's names stay
+per expert (`experts.{e}.w1.weight`); `expert_tensors` gives them back in that form for export.
 
 Balancing is DeepSeek-V3's auxiliary-loss-free rule, which K3 inherits: the router's
 `e_score_correction_bias` only steers which experts are chosen (never their weights), and after each
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeswap.experts.pairs import combine_pairs, pairs_by_expert
 from moeswap.ops.activation import glu
 from moeswap.ops.expert_format import PROJS
 
@@ -37,8 +38,6 @@ class TrainableExperts(nn.Module):
         self.register_buffer("load", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        from moeswap.models.layers.moe import combine_pairs, pairs_by_expert
-
         if self.training:  # balancing counts training steps only, not evals
             self.load += torch.bincount(ids_TK.detach().flatten(), minlength=self.num_experts).to(self.load.device)
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
