@@ -369,6 +369,15 @@ def kernel_executor(block) -> KernelExecutor:
     return GroupedExecutor(block)
 
 
+def executor_names(blocks) -> str:
+    """The blocks' executors' names, distinct ones in layer order joined by "+" (`generate --json`)."""
+    names: list[str] = []
+    for block in blocks:
+        if block.executor.name not in names:
+            names.append(block.executor.name)
+    return "+".join(names)
+
+
 def runs_apart(device: torch.device) -> bool:
     """Whether hybrid experts read into host memory run apart from a block on `device` (OnHost): on an
     accelerator; on the CPU they join the step's one group, the same calls as resident experts."""
