@@ -337,3 +337,19 @@ def test_the_step_runs_the_experts_through_its_own_executor_and_gives_the_blocks
         assert [moe.executor for moe in model.moe_blocks()] == own and own[0].name == "resident-table"
     finally:
         store.close()
+
+
+def test_blocks_whose_executor_is_not_the_kernels_are_not_graphed(tiny_k3_dir):
+    """The device table stands in for the inference kernels only: a block running an attached expert LoRA (or
+    trainable experts, or expert parallelism) leaves the step to the model's forward, naming its executor."""
+    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 1.0))
+    try:
+        model.moe_blocks()[2].attach_expert_lora(4, 8.0)
+        step = GraphedDecode(model, capture=False)
+        with torch.inference_mode():
+            why = step.unsupported(torch.tensor([[3]]), model.make_state(1))
+        assert why == (
+            f"layer {model.moe_blocks()[2].layer_idx}: its experts carry adapters, train or are split across ranks "
+            f"(executor torch-autograd)")
+    finally:
+        store.close()

@@ -37,7 +37,7 @@ from contextlib import nullcontext
 
 import torch
 
-from moeswap.experts.executors import ExpertExecutor, OnHost
+from moeswap.experts.executors import ExpertExecutor, KernelExecutor, OnHost
 from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.keys import Key
 from moeswap.experts.pairs import pairs_by_expert
@@ -315,8 +315,8 @@ class GraphedDecode:
         return None
 
     def _table_for(self, moe, device: torch.device) -> str | None:
-        if any(name in moe._modules for name in ("expert_lora", "experts", "served_lora")):
-            return "its experts carry adapters or train"
+        if not isinstance(moe.executor, KernelExecutor):  # the table stands in for the inference kernels only
+            return f"its experts carry adapters, train or are split across ranks (executor {moe.executor.name})"
         s = moe.store
         if not hasattr(s, "mirror") or s.fast.device != device:
             return f"its expert store's fast tier is not on {device}"
