@@ -6,8 +6,8 @@ memory (a host tier or the checkpoint, `ExpertStore.read_host`) and computed on 
 never copied up; the fast tier still fills its free room with the first experts used, then keeps what it
 holds (KTransformers and llama.cpp's --n-cpu-moe place experts statically too). auto: cpu for layer steps of
 fewer than `min_tokens` tokens, gpu from there (options.EXPERT_GPU_MIN_TOKENS says why).
-Owns the per-step choice and the fetch that mixes tiers (counted in the store's `stats.hybrid`); the MoE
-block (models/layers/moe.py) and the native decode step compute what `fetch` hands them. Knows nothing of
+Owns the per-step choice and the fetch that mixes tiers (counted in the store's `stats.hybrid`); the expert
+executors (experts/executors.py) and the native decode step compute what `fetch` hands them. Knows nothing of
 models. Entry points: `HybridExperts.fetch`, built by experts/build.py as the store's `hybrid`; `fetch_step`,
 which callers use in place of `store.fetch` for a layer step.
 """

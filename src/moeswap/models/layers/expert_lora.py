@@ -229,8 +229,9 @@ def load_model_peft_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor])
 class ExpertLoRASlots(nn.Module):
     """Routed-expert LoRA of several adapters served at once (moeswap.lora.serving): an ExpertLoRA per adapter
     slot (`loras`, keyed by the slot's number) and the model's row -> slot context (`rows`, lora.multi.
-    AdapterRows). The MoE block runs the rows whose adapter has expert LoRA here as torch ops with these
-    deltas, each (token, expert) pair with its row's adapter, and the other rows on its fast paths."""
+    AdapterRows). The block's executor (experts/executors.py ServedLoRAExecutor) runs the rows whose adapter
+    has expert LoRA here as torch ops with these deltas, each (token, expert) pair with its row's adapter, and
+    the other rows on the inference kernels."""
 
     def __init__(self, rows):
         super().__init__()
@@ -257,7 +258,7 @@ class ExpertLoRASlots(nn.Module):
     def adapters(self, expert_ids: Sequence[int], counts: Sequence[int], token_of: torch.Tensor,
                  row_slots: Sequence[int]) -> list:
         """One adapter per expert of a step (as ExpertLoRA.adapters), each pair with the adapter of its row:
-        token_of [P] the pairs' rows, grouped by expert (MoE's pairs_by_expert), row_slots each row's slot."""
+        token_of [P] the pairs' rows, grouped by expert (experts.pairs.pairs_by_expert), row_slots each row's slot."""
         pair_slots = [row_slots[t] for t in token_of.tolist()]
         out, start = [], 0
         for e, n in zip(expert_ids, counts):
