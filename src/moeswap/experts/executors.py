@@ -109,6 +109,7 @@ class TorchExecutor(ExpertExecutor):
     def __init__(self, block):
         self.block, self.store = block, block.store
         self.lora = block._modules.get("expert_lora")  # None where a kernel executor falls back to this one
+        self.hold = getattr(self.store, "hold", None)  # (test stores without the autograd protocol keep the expert)
 
     def __call__(self, h_TI, ids_TK, w_TK):
         return self.run(h_TI, ids_TK, w_TK)
@@ -124,7 +125,7 @@ class TorchExecutor(ExpertExecutor):
         else:
             adapters = self.lora.adapters(unique_ids) if self.lora is not None else [None] * len(unique_ids)
         experts = self.store.fetch(b.layer_idx, unique_ids)
-        hold = getattr(self.store, "hold", None)  # (test stores without the autograd protocol keep the expert)
+        hold = self.hold
         ys, helds, x_PI = [], [], None
         for i, e in enumerate(unique_ids):
             expert = experts[i]
