@@ -84,7 +84,7 @@ def test_every_executor_gives_the_reference_output(kind, T, tiny_k3_dir, all_byt
         want = ReferenceExecutor(block)(h_TI, ids_TK, w_TK)  # after: its fetches would make every expert resident
     for attempt, got in enumerate(gots):
         torch.testing.assert_close(got, want, rtol=0, atol=BOUND * want.abs().max().item(),
-                                   msg=lambda m: f"{executor.name}, call {attempt}: {m}")
+                                   msg=lambda m, attempt=attempt: f"{executor.name}, call {attempt}: {m}")
 
 
 def test_the_resident_table_and_the_host_split_really_run(tiny_k3_dir, all_bytes, monkeypatch):

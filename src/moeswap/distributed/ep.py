@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ import torch.distributed as dist
 from moeswap.distributed.placement import Placement
 from moeswap.experts.executors import ExpertExecutor, NoStoreExecutor, ParameterExecutor, ServedLoRAExecutor
 from moeswap.experts.pairs import combine_pairs, pairs_by_expert
+
+if TYPE_CHECKING:
+    from moeswap.distributed.dispatch import TokenDispatch
 
 
 class PeerLost(RuntimeError):
@@ -74,7 +77,7 @@ class ExpertParallel:
         self.diagnose: Callable[[], str] | None = None
         self.heartbeat = None
         self.channel = None  # serve: rank 0's commands to the others (lockstep.py)
-        self.dispatch = None  # data-parallel attention: each rank's own tokens dispatched (dispatch.py)
+        self.dispatch: TokenDispatch | None = None  # data-parallel attention: each rank's own tokens dispatched
 
     def owns(self, layer: int, expert: int) -> bool:
         return self.placement.owner(layer, expert) == self.rank
@@ -238,9 +241,9 @@ class ExpertParallelExecutor(ExpertExecutor):
     def __init__(self, block, inner: ExpertExecutor, ep: ExpertParallel):
         self.inner, self.ep, self.layer = inner, ep, block.layer_idx
         self.lora = block._modules.get("expert_lora")
-        data_parallel = ep.dispatch is not None
-        self.run = ep.dispatch.run_experts if data_parallel else ep.run_experts
-        self.name = f"{'token-dispatch' if data_parallel else 'expert-parallel'}({inner.name})"
+        dispatch = ep.dispatch
+        self.run = ep.run_experts if dispatch is None else dispatch.run_experts
+        self.name = f"{'expert-parallel' if dispatch is None else 'token-dispatch'}({inner.name})"
         self.refusal: tuple[type[Exception], str] | None = None
         if isinstance(inner, NoStoreExecutor):
             self.refusal = RuntimeError, f"layer {self.layer}: MoE block has no expert store attached"

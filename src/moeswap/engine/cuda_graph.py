@@ -353,7 +353,7 @@ class GraphedDecode:
             with self.compiled.swapped() if self.compiled is not None else nullcontext():
                 return self.model(tokens_BT, whole)
         finally:
-            for moe, executor in zip(blocks, own):
+            for moe, executor in zip(blocks, own, strict=True):
                 moe.executor = executor
             self.model.expert_lookahead = self.lookahead
 

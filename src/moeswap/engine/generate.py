@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from moeswap.engine.sampling import SamplingParams
-from moeswap.experts.executors import executor_names
 from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, check_seed
+from moeswap.experts.executors import executor_names
 
 
 def _is_int(x) -> bool:

@@ -1,14 +1,15 @@
 """Expert executors: how a MoE block's routed experts run, one object per execution path, each with a `name`
-(`generate --json` / `--stats` report it) and one call, `executor(h_TI, ids_TK, w_TK) -> [T, I]`. `choose`
-picks one when what it depends on is set on the block (its store, expert LoRA, served LoRA, trainable
-experts); nothing is probed per call. Uses stores only through their public calls (fetch, hold, mirror,
-table_hits, ...) and knows no model. Entry points: `choose(block)`, `EXECUTORS` (the registry); expert
-parallelism (distributed/ep.py) and graphed decode steps (engine/cuda_graph.py) bring executors of their own.
+(reported by `generate --json` / `--stats`) and one call, `executor(h_TI, ids_TK, w_TK) -> [T, I]`. `choose`
+picks one when the block's store, expert LoRA, served LoRA or trainable experts are set; per call only the
+step itself decides (gradients wanted, a decode-size step for the table, which rows use served adapters).
+Uses stores through their public calls only; knows no model. Entry points: `choose(block)`, `EXECUTORS`;
+distributed/ep.py and engine/cuda_graph.py bring executors of their own.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -85,7 +86,8 @@ class ReferenceExecutor(ExpertExecutor):
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         token_of = token_of.to(h_TI.device)
         experts = self.store.fetch(b.layer_idx, unique_ids)
-        ys, start = [], 0
+        ys: list[torch.Tensor] = []
+        start = 0
         for i, n in enumerate(counts):
             w = experts[i]
             ys.append(w.fmt.reference(w, h_TI.index_select(0, token_of[start : start + n]), b.act, b.situ_betas))
@@ -109,7 +111,6 @@ class TorchExecutor(ExpertExecutor):
     def __init__(self, block):
         self.block, self.store = block, block.store
         self.lora = block._modules.get("expert_lora")  # None where a kernel executor falls back to this one
-        self.hold = getattr(self.store, "hold", None)  # (test stores without the autograd protocol keep the expert)
 
     def __call__(self, h_TI, ids_TK, w_TK):
         return self.run(h_TI, ids_TK, w_TK)
@@ -125,8 +126,10 @@ class TorchExecutor(ExpertExecutor):
         else:
             adapters = self.lora.adapters(unique_ids) if self.lora is not None else [None] * len(unique_ids)
         experts = self.store.fetch(b.layer_idx, unique_ids)
-        hold = self.hold
-        ys, helds, x_PI = [], [], None
+        hold = getattr(self.store, "hold", None)  # (test stores without the autograd protocol keep the expert)
+        ys: list[torch.Tensor] = []
+        helds: list = []
+        x_PI = None
         for i, e in enumerate(unique_ids):
             expert = experts[i]
             held = hold(b.layer_idx, e, expert) if hold is not None else expert_format.Held(expert)
@@ -184,13 +187,11 @@ class GroupedExecutor(KernelExecutor):
     run of experts of one kind; C on the CPU, triton on CUDA), or alone where one cannot join (the GEMM path
     from GEMM_MIN_TOKENS rows on the CPU, formats without a grouped kernel)."""
 
+    NAME = "{device}-grouped"
+
     def __init__(self, block):
         super().__init__(block)
-        self.device_type = block.gate.weight.device.type
-
-    @property
-    def name(self) -> str:
-        return f"{self.device_type}-grouped"
+        self.name = self.NAME.format(device=block.gate.weight.device.type)
 
     def kernels(self, h_TI, ids_TK, w_TK):
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
@@ -228,7 +229,7 @@ class HybridExecutor(GroupedExecutor):
     tier holds run as GroupedExecutor runs them, those read into host memory run on the CPU apart (OnHost).
     On the CPU the host experts join the step's one group instead: no executor of their own there."""
 
-    name = "hybrid"
+    NAME = "hybrid"
 
     def compute(self, experts, counts, h_TI, token_of, weights, out_TI, host=None):
         # a HybridFetched marks the experts it read into host memory; a plain fetch (all resident) has no marks
@@ -241,7 +242,7 @@ class ResidentTableExecutor(GroupedExecutor):
     whole latent routed part in one call (`latent`, cpu_kernels.latent_moe_resident). A step the table cannot
     take (GEMM_MIN_TOKENS tokens or more, gradients, an expert not resident) runs as GroupedExecutor."""
 
-    name = "resident-table"
+    NAME = "resident-table"
 
     def __init__(self, block):
         super().__init__(block)
@@ -401,7 +402,7 @@ class ResidentTable:
         with torch.inference_mode(False):  # made in a scheduler step, written to outside one too
             self.rows = torch.zeros(num_experts, 6, dtype=torch.int64)  # zeros: not resident
         # the same memory for the store's writes: a ctypes slice assignment is far cheaper than a tensor's
-        self._cells = (ctypes.c_int64 * (num_experts * 6)).from_address(self.rows.data_ptr())
+        self._cells: Any = (ctypes.c_int64 * (num_experts * 6)).from_address(self.rows.data_ptr())
         self.experts: dict[int, object] = {}  # what the rows point into, kept alive with them
         self.kind: str | None = None
         self.F = 0

@@ -31,9 +31,9 @@ def pairs_by_expert(ids_TK: torch.Tensor, w_TK: torch.Tensor) -> tuple[list[int]
         return (unique_ids, counts, torch.tensor([i // K for i in order], dtype=torch.int64),
                 torch.tensor([w[i] for i in order], dtype=w_TK.dtype))
     flat_ids = ids_TK.flatten()
-    order = flat_ids.argsort(stable=True)
-    unique_ids_t, counts_t = flat_ids[order].unique_consecutive(return_counts=True)
-    return unique_ids_t.tolist(), counts_t.tolist(), order // K, w_TK.flatten()[order]
+    order_P = flat_ids.argsort(stable=True)
+    unique_ids_t, counts_t = flat_ids[order_P].unique_consecutive(return_counts=True)
+    return unique_ids_t.tolist(), counts_t.tolist(), order_P // K, w_TK.flatten()[order_P]
 
 
 def combine_pairs(h_TI: torch.Tensor, y_PI: torch.Tensor, weights: torch.Tensor, token_of: torch.Tensor) -> torch.Tensor:
