@@ -73,8 +73,8 @@ class ParameterExecutor(ExpertExecutor):
 
 class ReferenceExecutor(ExpertExecutor):
     """Each expert's plain torch reference (its format's `reference`) on its rows, summed per token in fp32:
-    the oracle the other executors are checked against (tests/experts/test_executors.py). Not chosen by
-    `choose`; no autograd through the experts' bytes."""
+    the oracle every registered executor matches to fp32 rounding, 1e-5 of the output's largest magnitude
+    (tests/experts/test_executors.py). Not chosen by `choose`; no autograd through the experts' bytes."""
 
     name = "reference"
 
