@@ -3,7 +3,8 @@ step costs a few graph launches instead of hundreds of kernel launches from Pyth
 
 What makes the model's own forward capturable: the MLA caches attend over their whole buffer, masked by
 their device lengths, and write at those lengths (`MLACache.whole`); KDA, AttnRes and the router run their
-torch paths (no host reads); and each MoE block's routed experts go through `StepExperts`, which looks each
+torch paths (no host reads); and each MoE block's routed experts go through `StepExperts` (the block's
+executor for the step's forward: `GraphTableExecutor`, named cuda-graph-table), which looks each
 (token, expert) pair's bytes up in a table of addresses on the device (`DeviceTable`, one per layer, kept by
 the expert store as it loads and evicts: ExpertStore.mirror) in one Triton launch for gate and up and one for
 down (ops/triton_mxfp4.py: `pair_linears` a row per pair; `sorted_linears` where pairs share experts, sorted
