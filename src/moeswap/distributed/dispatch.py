@@ -1,11 +1,8 @@
 """Data-parallel attention with token dispatch (docs/distributed.md): each rank runs its own sequences, and
 at each MoE layer sends its (token, expert) pairs' input rows to the experts' owners, which compute them
-and send the outputs back; the source sums its tokens' pairs as one process does (`ep._combine`), so each
-sequence gets one process's bits. Under autograd (training: expert LoRA, gradients) the owner keeps the graph
-of the rows it computed, and backward runs the same exchange the other way: each pair's output gradient to
-its owner, which backpropagates its rows (expert-LoRA gradients land there) and sends each row's input
-gradient back to its source. Knows nothing of launching (runtime.py) or the commands.
-Entry point: `TokenDispatch` (`apply_expert_parallel(..., data_parallel=True)` makes it as `ep.dispatch`).
+through their blocks' own executors and send the outputs back; the source sums its tokens' pairs as one
+process does (`ep._combine`). Under autograd backward runs the same exchange the other way. Knows nothing of
+launching (runtime.py). Entry point: `TokenDispatch` (`apply_expert_parallel(..., data_parallel=True)`).
 Shapes: T tokens, I expert input width, K top-k, P pairs, E experts, S source ranks."""
 
 from __future__ import annotations

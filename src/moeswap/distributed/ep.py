@@ -1,17 +1,8 @@
-"""Expert parallelism applied from outside the model: each MoE block computes only the routed experts its
-rank owns (distributed/placement.py) and the ranks exchange the results, so that every rank ends the
-block with the same output a single process computes, bit for bit.
-
-Every rank runs the same tokens through the replicated parts (embeddings, attention, dense MLPs, shared
-experts, routers, latent projections); routing is therefore the same on every rank, and each rank knows
-every other rank's share without asking. A rank computes its (token, expert) pairs, sends those outputs to
-every other rank (all_to_all_single with uneven splits: a rank's pairs go to all the others, nothing
-to itself), and every rank sums each token's pairs in the single process's order: experts ascending,
-each `y += w * out` in fp32 from zero, as the expert executors and ops/csrc/moe.c do. Each block's executor
-is wrapped (ExpertParallelExecutor): the block's own executor computes the rank's pairs. Under autograd the
-owners run their pairs through it as torch ops and backward sends each pair's input gradient back the same
-way (_PairExchange). Knows nothing of launching or rendezvous (distributed/runtime.py).
-Entry point: `apply_expert_parallel(model, group, placement)`.
+"""Expert parallelism applied from outside the model: each MoE block's executor is wrapped
+(ExpertParallelExecutor) so that the block computes only the routed experts its rank owns
+(distributed/placement.py) and the ranks exchange the results; every rank ends the block with a single
+process's output, bit for bit (`_combine` sums in that process's order; under autograd `_PairExchange`).
+Knows nothing of launching or rendezvous (distributed/runtime.py). Entry point: `apply_expert_parallel`.
 Shapes: T tokens, I expert input width, P (token, expert) pairs, K top-k.
 """
 
@@ -61,7 +52,11 @@ class EPStats:
 
 
 class ExpertParallel:
-    """One rank's part of expert parallelism over `group` (None: the default group)."""
+    """One rank's part of expert parallelism over `group` (None: the default group). Every rank runs the same
+    tokens through the replicated parts (embeddings, attention, dense MLPs, shared experts, routers, latent
+    projections), so routing is the same on every rank and each knows the others' shares without asking; a
+    rank computes its (token, expert) pairs through the block's own executor and sends those outputs to every
+    other rank (all_to_all_single with uneven splits: nothing to itself)."""
 
     def __init__(self, group, placement: Placement):
         self.group = group

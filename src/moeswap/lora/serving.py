@@ -1,14 +1,9 @@
-"""Several LoRA adapters on one model at once, each request with its own (`moeswap serve --lora NAME=PATH`,
-`generate --lora`): adapter i of the list is slot i + 1, slot 0 the base model.
-
-Every adapter is read and checked before the model is touched: its recorded base fingerprint against the
-served model's directory (`read_adapters`, before the model loads), then its tensors against the model's
-modules (peft_io.plan_adapter), all of them before any is applied. The union of their target modules is
-wrapped in lora.multi.MultiLoRALinear (an adapter that does not target a module adds nothing there); the
-routed-expert LoRA of an adapter goes into its MoE blocks' ExpertLoRASlots (models/layers/expert_lora.py),
-per row as well. Projections are fused first (models.layers.basic.fuse_projections), so that the C decode
-step, which reads through the wrappers, finds the fused weights it needs for batches without adapter rows.
-Adapters apply as at inference: no dropout. Entry points: `read_adapters`, `load_adapters` -> ServedAdapters.
+"""Several LoRA adapters on one model at once, each request with its own (`serve --lora NAME=PATH`,
+`generate --lora`): adapter i is slot i + 1, slot 0 the base model. Every adapter is read and checked (base
+fingerprint, then its tensors against the modules) before any is applied; dense targets are wrapped in
+lora.multi.MultiLoRALinear, routed-expert LoRA goes into the blocks' ExpertLoRASlots, projections are fused
+first (the C decode step reads the fused weights through the wrappers). No dropout.
+Entry points: `read_adapters`, `load_adapters` -> ServedAdapters.
 """
 
 from __future__ import annotations
