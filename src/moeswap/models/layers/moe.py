@@ -122,6 +122,9 @@ class MoE(nn.Module):
         self.executor_wrap = wrap
         return self.choose_executor()
 
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, executor={self.executor.name}"  # print(model) says which path runs
+
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape
         x_TD = x_BTD.reshape(-1, shape[-1])
