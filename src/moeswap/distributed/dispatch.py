@@ -211,7 +211,7 @@ class TokenDispatch:
         fields = [sorted(set(table[active, i].tolist())) for i in (1, 3, 4, 5)]
         ours = None if mine is None else [mine.layer, None, kind, mine.ref]
         if any(len(f) != 1 for f in fields) or (ours is not None and any(
-                o is not None and f[0] != o for f, o in zip(fields, ours))):
+                o is not None and f[0] != o for f, o in zip(fields, ours, strict=True))):
             ranks = [r for r in range(self.ep.world) if bool(active[r])]
             raise RuntimeError(f"rank {self.ep.rank}: data-parallel ranks {ranks} reached different MoE layers "
                                f"{fields[0]}, activation dtypes, or forward and backward passes in one exchange "

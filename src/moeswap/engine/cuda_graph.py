@@ -403,7 +403,7 @@ class GraphedDecode:
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         run = OnHost(h_TI, token_of, weights, stop.moe)
         start = 0
-        for e, n in zip(unique, counts):
+        for e, n in zip(unique, counts, strict=True):
             if e in experts:
                 run.group.take(experts[e], start, n)
             start += n

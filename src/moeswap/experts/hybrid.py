@@ -66,12 +66,12 @@ class HybridExperts:
             return store.fetch(layer, ids, takes_all)
         fits = store.resident(layer, ids, fill=True)
         stats = store.stats.hybrid  # (the store's: reset with its other counters)
-        stats.filled += sum(f and not h for f, h in zip(fits, held))
+        stats.filled += sum(f and not h for f, h in zip(fits, held, strict=True))
         if all(fits):
             return store.fetch(layer, ids, takes_all)
         stats.cpu_steps += 1
         stats.cpu_experts += fits.count(False)
-        fast_ids = [e for e, f in zip(ids, fits) if f]
+        fast_ids = [e for e, f in zip(ids, fits, strict=True) if f]
         where, n = [], 0
         for f in fits:
             where.append(n if f else None)

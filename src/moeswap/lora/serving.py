@@ -75,7 +75,7 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
         except ValueError as err:
             raise ValueError(f"adapter {name!r}: {err}") from None
     blocks = moe_blocks(model)
-    for (name, adapter), plan in zip(named, plans):
+    for (name, adapter), plan in zip(named, plans, strict=True):
         lacking = [b for b in plan.experts if not hasattr(blocks[b], SERVE_HOOK)]
         if lacking:
             raise ValueError(f"adapter {name!r} ({adapter.directory}): its routed-expert LoRA needs the MoE block's "
@@ -83,7 +83,7 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
     experts = [{b: expert_lora_for(blocks[b], tensors, adapter.config, device=blocks[b].gate.weight.device,
                                    where=f"adapter {name!r} ({adapter.directory})")
                 for b, tensors in plan.experts.items()}
-               for (name, adapter), plan in zip(named, plans)]  # may refuse
+               for (name, adapter), plan in zip(named, plans, strict=True)]  # may refuse
     fuse_projections(model)
     rows = AdapterRows(len(named))
     wrappers: dict[str, MultiLoRALinear] = {}
@@ -92,7 +92,7 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
         parent = model.get_submodule(parent_name) if parent_name else model
         wrappers[name] = MultiLoRALinear(getattr(parent, attr), rows)
         setattr(parent, attr, wrappers[name])
-    for slot, ((_, adapter), plan) in enumerate(zip(named, plans), start=1):
+    for slot, ((_, adapter), plan) in enumerate(zip(named, plans, strict=True), start=1):
         cfg = adapter.config
         for name, pair in plan.linears.items():  # rank and alpha as load_adapter takes them
             r, alpha = pair["lora_A"].shape[0], cfg.rank_alpha(name)[1]
