@@ -195,6 +195,7 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
+        "decode_step": result.decode_step, "expert_executor": result.expert_executor,
         "graph_capture_s": round(result.graph_capture_s, 4),
         "state_bytes": result.state_bytes, "lora": None if lora is None else str(lora[1].directory),
         "threads": torch.get_num_threads(), "openmp": tuning.last_fit.summary() if tuning.last_fit else None,
@@ -216,6 +217,7 @@ def cmd_generate(args) -> int:
                   + (f" (otherwise: {result.native_off})" if result.native_off else "")
                   + (f", {result.graph_capture_s * 1e3:.0f} ms capturing" if result.graph_capture_s else ""))
         print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; "
+              f"expert executor {result.expert_executor}, last decode step {result.decode_step or 'none'}; "
               f"sequence state {human_bytes(result.state_bytes)}; torch threads {stats['threads']}"
               + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)
     return 0
@@ -262,6 +264,7 @@ def generate_many(args) -> int:
             return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
                     "finish_reason": r.finish_reason, "ttft_ms": round(r.ttft_s * 1e3, 2),
                     "decode_tokens_per_s": None if rate is None else round(rate, 2),
+                    "decode_step": r.decode_step, "expert_executor": r.expert_executor,
                     "rank": 0 if ep is None else ep.rank}
 
         outputs = data_parallel_map(ep, len(ids), one)

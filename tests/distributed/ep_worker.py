@@ -67,6 +67,7 @@ def main() -> None:
             gen = generate(model, job["prompt"][:12], GenerationConfig(max_tokens=job["max_tokens"], stop_ids=()))
             run["tokens"] = gen.tokens
             run["native_steps"] = gen.native_steps
+            run["executor"] = gen.expert_executor
             run["resident"] = sorted((k.layer, k.expert) for k in store.fast.keys())
             run["disk_reads"] = store.stats.disk_reads
             run["ep"] = model.expert_parallel.stats.as_dict()
@@ -107,7 +108,8 @@ def data_parallel_runs(job: dict, rank: int, out: str) -> None:
             if job.get("die") == rank:
                 os._exit(17)  # lost between its forward passes: the other rank is in an exchange or enters one
             gen = generate(model, prompts[i], GenerationConfig(max_tokens=job["max_tokens"][i], stop_ids=()))
-            return {"logits": logits, "tokens": gen.tokens, "rank": rank, "native_steps": gen.native_steps}
+            return {"logits": logits, "tokens": gen.tokens, "rank": rank, "native_steps": gen.native_steps,
+                    "executor": gen.expert_executor}
 
         run = {"results": data_parallel_map(model.expert_parallel, len(prompts), one)}
         run["resident"] = sorted((k.layer, k.expert) for k in store.fast.keys())

@@ -67,6 +67,7 @@ def test_each_rank_its_own_prompts_matches_one_process_bit_for_bit(arch_dir, tmp
                 assert torch.equal(got["logits"], want["logits"]), (rank, budget, i)
                 assert got["tokens"] == want["tokens"], (rank, budget, i)
                 assert got["native_steps"] > 0  # decode steps took the C call, leaving it at each MoE layer
+                assert got["executor"] == "token-dispatch(resident-table)"
             assert run["resident"] and all(owners[l][e] == rank for l, e in run["resident"])
         d0, d1 = results[0]["runs"][b]["dispatch"], results[1]["runs"][b]["dispatch"]
         # what a rank receives is what the other sent, both ways; the owners computed every pair once

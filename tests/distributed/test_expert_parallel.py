@@ -83,6 +83,7 @@ def test_two_ranks_match_one_process_bit_for_bit(arch_dir, tmp_path):
             assert torch.equal(run["logits"], ref["logits"]), (rank, budget)
             assert run["tokens"] == ref["tokens"], (rank, budget)
             assert run["native_steps"] > 0  # decode steps took the C call, stopping at each MoE layer's FFN
+            assert run["executor"] == "expert-parallel(resident-table)"  # the block's own executor, wrapped
             # the rank's store only ever held experts it owns
             assert run["resident"] and all(owners[l][e] == rank for l, e in run["resident"])
             ep = run["ep"]

@@ -319,3 +319,37 @@ def test_capture_and_replay_orchestration(tiny_k3_dir, fraction, hybrid, monkeyp
         assert not step._sets
     finally:
         store.close()
+
+
+def test_the_step_runs_the_experts_through_its_own_executor_and_gives_the_blocks_theirs_back(tiny_k3_dir,
+                                                                                             monkeypatch):
+    """The graphed step's forward runs each MoE block's experts through a GraphTableExecutor (named
+    cuda-graph-table) installed for that forward only: the blocks' own executors are back after it."""
+    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 1.0))
+    try:
+        ran = []
+        real = cuda_graph.GraphTableExecutor.__call__
+        monkeypatch.setattr(cuda_graph.GraphTableExecutor, "__call__",
+                            lambda self, *a: ran.append((self.moe.layer_idx, self.moe.executor.name)) or real(self, *a))
+        own = [moe.executor for moe in model.moe_blocks()]
+        _decode(model, GraphedDecode(model, capture=False), steps=1, torch_paths=True, monkeypatch=monkeypatch)
+        assert ran == [(moe.layer_idx, "cuda-graph-table") for moe in model.moe_blocks()]
+        assert [moe.executor for moe in model.moe_blocks()] == own and own[0].name == "resident-table"
+    finally:
+        store.close()
+
+
+def test_blocks_whose_executor_is_not_the_kernels_are_not_graphed(tiny_k3_dir):
+    """The device table stands in for the inference kernels only: a block running an attached expert LoRA (or
+    trainable experts, or expert parallelism) leaves the step to the model's forward, naming its executor."""
+    model, store = load_model(tiny_k3_dir, _options(tiny_k3_dir, 1.0))
+    try:
+        model.moe_blocks()[2].attach_expert_lora(4, 8.0)
+        step = GraphedDecode(model, capture=False)
+        with torch.inference_mode():
+            why = step.unsupported(torch.tensor([[3]]), model.make_state(1))
+        assert why == (
+            f"layer {model.moe_blocks()[2].layer_idx}: its experts carry adapters, train or are split across ranks "
+            f"(executor torch-autograd)")
+    finally:
+        store.close()

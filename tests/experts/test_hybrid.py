@@ -11,7 +11,7 @@ from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.scheduler import fuse_projections
 from moeswap.experts.hybrid import HybridExperts
-from moeswap.models.layers import moe as moe_module
+from moeswap.experts import executors
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
 from moeswap.ops.expert import MXFP4ExpertWeights
@@ -163,11 +163,11 @@ def test_the_accelerator_side_copies_rows_down_and_adds_outputs_back(tiny_k3_dir
     all_resident, _ = _load(tiny_k3_dir, expert_memory=1 << 30)
     want = _logits(all_resident, all_resident, prompt, 8)
     apart = []
-    monkeypatch.setattr(moe_module, "runs_apart", lambda device: apart.append(device) or True)
+    monkeypatch.setattr(executors, "runs_apart", lambda device: apart.append(device) or True)
     model, store = _load(tiny_k3_dir, expert_memory=quarter, expert_compute="cpu")
     ran = []
-    real = moe_module.OnHost.finish
-    monkeypatch.setattr(moe_module.OnHost, "finish", lambda self, out: ran.append(1) or real(self, out))
+    real = executors.OnHost.finish
+    monkeypatch.setattr(executors.OnHost, "finish", lambda self, out: ran.append(1) or real(self, out))
     got = _logits(model, model, prompt, 8)
     assert apart and len(ran) == store.stats.hybrid.cpu_steps > 0
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -235,7 +235,7 @@ def test_generate_takes_the_flags_to_the_store(tiny_k3_dir, capsys, strict_json)
 
 
 def test_a_group_takes_only_consecutive_pairs():
-    """moe.py _Group computes a run of consecutive (token, expert) pairs in one kernel call. Where hybrid experts
+    """executors.Group computes a run of consecutive (token, expert) pairs in one kernel call. Where hybrid experts
     split a step (on an accelerator the host experts go to their own group), a group's next expert may not
     follow its pairs: it starts a new call, and each expert's output lands on its own pairs' tokens with their
     own weights (before, the call took the pairs between, which belonged to the other group)."""
@@ -254,7 +254,7 @@ def test_a_group_takes_only_consecutive_pairs():
     weights = torch.rand(6, generator=gen)
     runs = [(0, 0, 2), (1, 2, 2), (2, 4, 1), (3, 5, 1)]  # (expert, first pair, pairs)
     out = torch.zeros(3, I)
-    group = moe_module._Group(h, token_of, weights, out, "silu", (4.0, 25.0))
+    group = executors.Group(h, token_of, weights, out, "silu", (4.0, 25.0))
     for e, start, n in runs:
         if e != 1:  # expert 1's pairs go elsewhere (another group)
             group.take(experts[e], start, n)

@@ -264,7 +264,7 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
     count; with a budget that evicts, the tables follow the fast tier and the store's books are the same."""
     import torch
 
-    from moeswap.models.layers import moe as moe_module
+    from moeswap.experts.executors import ResidentTableExecutor
     from moeswap.ops import cpu_kernels
 
     if cpu_kernels.kernel() is None:
@@ -295,7 +295,7 @@ def test_resident_expert_table_gives_the_fetch_paths_logits(tiny_k3_dir, monkeyp
     table_logits, store = decode_logits(LoadOptions(expert_memory=1 << 30))
     assert store.can_evict is False and len(calls) > 0 and any(latent_calls)
     hits = store.stats.fast.hits
-    monkeypatch.setattr(moe_module.MoE, "_resident_table", lambda self, h, ids: None)  # both table paths off
+    monkeypatch.setattr(ResidentTableExecutor, "step_table", lambda self, h, ids: None)  # both table paths off
     fetch_logits, fetch_store = decode_logits(LoadOptions(expert_memory=1 << 30))
     assert torch.equal(table_logits, fetch_logits) and fetch_store.stats.fast.hits == hits
     # a store that evicts: the tables mirror its fast tier, the same logits and the same books as the fetches

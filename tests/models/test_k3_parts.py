@@ -554,24 +554,24 @@ def test_latent_moe_bias_steers_selection_only():
 def test_pairs_grouped_by_expert_the_same_in_python_lists_and_torch(monkeypatch):
     """Decode-size steps group their (token, slot) pairs in Python lists, bigger ones with torch ops:
     the same groups (expert order, token order within), and weights stay in autograd's graph."""
-    from moeswap.models.layers import moe as moe_module
+    from moeswap.experts import pairs as pairs_module
 
     g = torch.Generator().manual_seed(40)
     ids = torch.stack([torch.randperm(12, generator=g)[:4] for _ in range(9)])  # [T 9, K 4]
     ids[3] = ids[1]  # two tokens on the same experts
     w = torch.rand(9, 4, generator=g)
-    small = moe_module.pairs_by_expert(ids, w)
-    monkeypatch.setattr(moe_module, "PAIRS_IN_PYTHON", 0)
-    big = moe_module.pairs_by_expert(ids, w)
+    small = pairs_module.pairs_by_expert(ids, w)
+    monkeypatch.setattr(pairs_module, "PAIRS_IN_PYTHON", 0)
+    big = pairs_module.pairs_by_expert(ids, w)
     assert small[:2] == big[:2] and sum(small[1]) == 36 and small[0] == sorted(set(ids.flatten().tolist()))
     assert torch.equal(small[2], big[2]) and torch.equal(small[3], big[3])
     starts = [sum(small[1][:i]) for i in range(len(small[1]))]
     for e, start, n in zip(small[0], starts, small[1]):
         tokens = small[2][start:start + n].tolist()
         assert tokens == sorted(tokens) and all(e in ids[t].tolist() for t in tokens)
-    monkeypatch.setattr(moe_module, "PAIRS_IN_PYTHON", 256)
+    monkeypatch.setattr(pairs_module, "PAIRS_IN_PYTHON", 256)
     wg = w.clone().requires_grad_()
-    moe_module.pairs_by_expert(ids, wg)[3].sum().backward()
+    pairs_module.pairs_by_expert(ids, wg)[3].sum().backward()
     assert torch.equal(wg.grad, torch.ones_like(w))
 
 

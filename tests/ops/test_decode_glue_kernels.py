@@ -184,7 +184,7 @@ def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
     grouped by expert, token order within; a chosen expert without a row computes nothing (None). Its
     latent form (latent_moe_resident) equals the calls it replaces."""
     from moeswap.formats import mxfp4
-    from moeswap.models.layers.moe import pairs_by_expert
+    from moeswap.experts.pairs import pairs_by_expert
     from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
     g = torch.Generator().manual_seed(5)

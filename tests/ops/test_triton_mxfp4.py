@@ -304,7 +304,9 @@ def test_moe_block_groups_experts_through_the_triton_step(tiny_k3_dir, monkeypat
     model, _ = load_model(tiny_k3_dir, LoadOptions(dtype="float32"))
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     gen = torch.Generator().manual_seed(5)
-    monkeypatch.setattr(MoE, "_resident_table", lambda self, h, ids: None)  # the table is the CPU kernel's
+    from moeswap.experts.executors import ResidentTableExecutor
+
+    monkeypatch.setattr(ResidentTableExecutor, "step_table", lambda self, h, ids: None)  # the CPU kernel's table
     with torch.no_grad():
         cases = []
         for m in moes[:2]:

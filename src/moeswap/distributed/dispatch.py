@@ -1,11 +1,8 @@
 """Data-parallel attention with token dispatch (docs/distributed.md): each rank runs its own sequences, and
 at each MoE layer sends its (token, expert) pairs' input rows to the experts' owners, which compute them
-and send the outputs back; the source sums its tokens' pairs as one process does (`ep._combine`), so each
-sequence gets one process's bits. Under autograd (training: expert LoRA, gradients) the owner keeps the graph
-of the rows it computed, and backward runs the same exchange the other way: each pair's output gradient to
-its owner, which backpropagates its rows (expert-LoRA gradients land there) and sends each row's input
-gradient back to its source. Knows nothing of launching (runtime.py) or the commands.
-Entry point: `TokenDispatch` (`apply_expert_parallel(..., data_parallel=True)` makes it as `ep.dispatch`).
+through their blocks' own executors and send the outputs back; the source sums its tokens' pairs as one
+process does (`ep._combine`). Under autograd backward runs the same exchange the other way. Knows nothing of
+launching (runtime.py). Entry point: `TokenDispatch` (`apply_expert_parallel(..., data_parallel=True)`).
 Shapes: T tokens, I expert input width, K top-k, P pairs, E experts, S source ranks."""
 
 from __future__ import annotations
@@ -16,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeswap.distributed.ep import _combine
-from moeswap.models.layers.moe import MoE, combine_pairs, pairs_by_expert
+from moeswap.distributed.ep import ExpertParallelExecutor, _combine
+from moeswap.experts.executors import ExpertExecutor
+from moeswap.experts.pairs import combine_pairs, pairs_by_expert
 from moeswap.ops.expert_mxfp4 import GEMM_MIN_TOKENS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # activation dtypes, by header code
@@ -95,7 +93,7 @@ class TokenDispatch:
 
     def __init__(self, ep, model):
         self.ep = ep
-        self.blocks = {b.layer_idx: b for b in model.moe_blocks()}
+        self.blocks = {b.layer_idx: b for b in model.moe_blocks()}  # their executors: ExpertParallelExecutor
         cfg = model.config
         self.E = cfg.moe.num_experts
         self.width = cfg.moe.latent_dim or cfg.hidden_size
@@ -106,25 +104,18 @@ class TokenDispatch:
         # graphs of the rows this rank computed under autograd, kept until backward runs through them
         self._graphs: dict[int, tuple[int, list]] = {}
 
-    def run_experts(self, block: MoE, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        """MoE.run_experts with this rank's own tokens (installed on each block by apply_expert_parallel)."""
-        if block.store is None:
-            raise RuntimeError(f"layer {block.layer_idx}: MoE block has no expert store attached")
-        if "served_lora" in block._modules:
-            raise NotImplementedError(f"layer {block.layer_idx}: served expert LoRA (serve --lora) is not supported "
-                                      f"under expert parallelism yet")
+    def run_experts(self, executor: ExpertParallelExecutor, h_TI: torch.Tensor, ids_TK: torch.Tensor,
+                    w_TK: torch.Tensor) -> torch.Tensor:
+        """A block's routed experts with this rank's own tokens (ExpertParallelExecutor's work)."""
         if h_TI.dtype not in DTYPES:
             raise ValueError(f"data-parallel expert parallelism: unsupported activation dtype {h_TI.dtype}")
-        if not block._experts_in_torch(h_TI, w_TK):
-            return self._fast(block.layer_idx, h_TI, ids_TK, w_TK)
-        lora = block._modules.get("expert_lora")
-        if lora is not None and lora.shared_a:
-            raise NotImplementedError(f"layer {block.layer_idx}: expert LoRA with a shared A sums every expert's "
-                                      f"gradient into one tensor; not supported under expert parallelism")
+        if not executor.in_torch(h_TI, w_TK):
+            return self._fast(executor.layer, h_TI, ids_TK, w_TK)
+        executor.check_lora()
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         token_of = token_of.to(h_TI.device)
-        y_PI = _Dispatched.apply(h_TI, self, block.layer_idx, unique, counts, token_of, torch.is_grad_enabled())
-        # as MoE._run_experts_torch combines its pairs: the routing weights' gradient stays on this rank
+        y_PI = _Dispatched.apply(h_TI, self, executor.layer, unique, counts, token_of, torch.is_grad_enabled())
+        # as the experts' torch path combines its pairs: the routing weights' gradient stays on this rank
         return combine_pairs(h_TI, y_PI, weights, token_of).to(h_TI.dtype)
 
     def finish(self) -> None:
@@ -162,7 +153,7 @@ class TokenDispatch:
         if not bool(active.any()):
             return None
         L, dtype, kind, ref = self._agree(table, active, mine, kind)
-        block = self.blocks[L]
+        inner = self._inner(L)
         owners = ep.owners[L]
         counts_SE = table[:, HEAD:]
         send_SQ = torch.stack([counts_SE[:, owners == q].sum(1) for q in range(ep.world)], dim=1)  # [S, S]
@@ -190,9 +181,9 @@ class TokenDispatch:
             self.forwards += 1
             forward = self.forwards
             if kind == FAST:
-                y_recv = self._compute(block, x_recv, expert_recv, per_source_SO)
+                y_recv = self._compute(inner, x_recv, expert_recv, per_source_SO)
             else:
-                y_recv = self._compute_torch(block, x_recv, expert_recv, per_source_SO, kind == GRAD, forward)
+                y_recv = self._compute_torch(inner, L, x_recv, expert_recv, per_source_SO, kind == GRAD, forward)
         t3 = time.perf_counter()
         y_back = self._all_to_all(y_recv, recv, send, L, "combine")
         t4 = time.perf_counter()
@@ -220,7 +211,7 @@ class TokenDispatch:
         fields = [sorted(set(table[active, i].tolist())) for i in (1, 3, 4, 5)]
         ours = None if mine is None else [mine.layer, None, kind, mine.ref]
         if any(len(f) != 1 for f in fields) or (ours is not None and any(
-                o is not None and f[0] != o for f, o in zip(fields, ours))):
+                o is not None and f[0] != o for f, o in zip(fields, ours, strict=True))):
             ranks = [r for r in range(self.ep.world) if bool(active[r])]
             raise RuntimeError(f"rank {self.ep.rank}: data-parallel ranks {ranks} reached different MoE layers "
                                f"{fields[0]}, activation dtypes, or forward and backward passes in one exchange "
@@ -228,32 +219,36 @@ class TokenDispatch:
         L, code, kind, ref = (f[0] for f in fields)
         return L, DTYPES[code], kind, ref
 
-    def _compute(self, block: MoE, h_PI: torch.Tensor, expert_of: torch.Tensor, per_source_SO: torch.Tensor):
+    def _inner(self, layer: int) -> ExpertExecutor:
+        """The block's own executor, which computes this rank's experts (inside its ExpertParallelExecutor)."""
+        return self.blocks[layer].executor.inner
+
+    def _compute(self, inner: ExpertExecutor, h_PI: torch.Tensor, expert_of: torch.Tensor,
+                 per_source_SO: torch.Tensor):
         """Each received row's expert output, exactly as the source rank's single process computes it. The
         grouped kernel computes each row on its own, but the GEMM path (GEMM_MIN_TOKENS rows of an expert or
         more) gives bits that depend on its row count: then each source's rows run in a call of their own,
         the rows and counts that source's single process runs."""
         if h_PI.shape[0] == 0:
             return h_PI.new_zeros(0, h_PI.shape[-1])
-        ep = self.ep
-        # one row per pair, weight 1: the block's fast path returns each pair's output exactly (0 + 1*y)
-        run = lambda h, e: MoE._run_experts_fast(  # noqa: E731
-            block, h, e[:, None].to(h.device), torch.ones(h.shape[0], 1, dtype=torch.float32, device=h.device))
-        ep._local = True  # the block's resident table (this rank's experts only) may serve these calls
-        try:
-            if int(per_source_SO.sum(0).max()) < GEMM_MIN_TOKENS:  # grouped kernel only: rows independent
-                return run(h_PI, expert_of)
-            self.stats.split_computes += 1
-            parts, at = [], 0
-            for n in per_source_SO.sum(1).tolist():  # an expert on the GEMM path: each source's rows alone
-                if n:
-                    parts.append(run(h_PI[at : at + n], expert_of[at : at + n]))
-                at += n
-            return torch.cat(parts)
-        finally:
-            ep._local = False
 
-    def _compute_torch(self, block: MoE, x_PI: torch.Tensor, expert_of: torch.Tensor, per_source_SO: torch.Tensor,
+        def run(h, e):
+            # one row per pair, weight 1: the block's own executor returns each pair's output exactly (0 + 1*y),
+            # on its inference kernels (received rows want no gradient); its resident table holds this rank's
+            # experts only
+            return inner(h, e[:, None].to(h.device), torch.ones(h.shape[0], 1, dtype=torch.float32, device=h.device))
+
+        if int(per_source_SO.sum(0).max()) < GEMM_MIN_TOKENS:  # grouped kernel only: rows independent
+            return run(h_PI, expert_of)
+        self.stats.split_computes += 1
+        parts, at = [], 0
+        for n in per_source_SO.sum(1).tolist():  # an expert on the GEMM path: each source's rows alone
+            if n:
+                parts.append(run(h_PI[at : at + n], expert_of[at : at + n]))
+            at += n
+        return torch.cat(parts)
+
+    def _compute_torch(self, inner: ExpertExecutor, layer: int, x_PI: torch.Tensor, expert_of: torch.Tensor, per_source_SO: torch.Tensor,
                        grad: bool, forward: int) -> torch.Tensor:
         """Each received row's expert output through the block's torch path (expert LoRA included), each
         source's rows in a call of their own: the rows and counts its single process runs, so the outputs
@@ -270,13 +265,14 @@ class TokenDispatch:
                 x = x_PI[at : at + n].detach().requires_grad_(grad)
                 ones = torch.ones(n, 1, dtype=torch.float32, device=x.device)
                 # K=1, weight 1: each row is its pair's expert output exactly (0 + 1*y), as in ep._PairExchange
-                y = MoE._run_experts_torch(block, x, expert_of[at : at + n][:, None].to(x.device), ones)
+                # (the block's executor takes its torch path: an expert LoRA is attached, or x wants gradients)
+                y = inner(x, expert_of[at : at + n][:, None].to(x.device), ones)
             parts.append(y.detach())
             if grad:
                 graph.append((s, x, y))
             at += n
         if graph:
-            self._graphs[forward] = (block.layer_idx, graph)
+            self._graphs[forward] = (layer, graph)
         return torch.cat(parts) if parts else x_PI.new_zeros(0, x_PI.shape[-1])
 
     def _backward(self, layer: int, forward: int, g_PI: torch.Tensor, per_source_SO: torch.Tensor) -> torch.Tensor:

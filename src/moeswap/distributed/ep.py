@@ -1,30 +1,27 @@
-"""Expert parallelism applied from outside the model: each MoE block computes only the routed experts its
-rank owns (distributed/placement.py) and the ranks exchange the results, so that every rank ends the
-block with the same output a single process computes, bit for bit.
-
-Every rank runs the same tokens through the replicated parts (embeddings, attention, dense MLPs, shared
-experts, routers, latent projections); routing is therefore the same on every rank, and each rank knows
-every other rank's share without asking. A rank computes its (token, expert) pairs, sends those outputs to
-every other rank (all_to_all_single with uneven splits: a rank's pairs go to all the others, nothing
-to itself), and every rank sums each token's pairs in the single process's order: experts ascending,
-each `y += w * out` in fp32 from zero, as models/layers/moe.py and ops/csrc/moe.c do. Under autograd the
-owners run their pairs through the block's torch path and backward sends each pair's input gradient back
-the same way (_PairExchange). Knows nothing of launching or rendezvous (distributed/runtime.py).
-Entry point: `apply_expert_parallel(model, group, placement)`.
+"""Expert parallelism applied from outside the model: each MoE block's executor is wrapped
+(ExpertParallelExecutor) so that the block computes only the routed experts its rank owns
+(distributed/placement.py) and the ranks exchange the results; every rank ends the block with a single
+process's output, bit for bit (`_combine` sums in that process's order; under autograd `_PairExchange`).
+Knows nothing of launching or rendezvous (distributed/runtime.py). Entry point: `apply_expert_parallel`.
 Shapes: T tokens, I expert input width, P (token, expert) pairs, K top-k.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from moeswap.distributed.placement import Placement
-from moeswap.models.layers.moe import MoE, combine_pairs, pairs_by_expert
+from moeswap.experts.executors import ExpertExecutor, NoStoreExecutor, ParameterExecutor, ServedLoRAExecutor
+from moeswap.experts.pairs import combine_pairs, pairs_by_expert
+
+if TYPE_CHECKING:
+    from moeswap.distributed.dispatch import TokenDispatch
 
 
 class PeerLost(RuntimeError):
@@ -55,7 +52,11 @@ class EPStats:
 
 
 class ExpertParallel:
-    """One rank's part of expert parallelism over `group` (None: the default group)."""
+    """One rank's part of expert parallelism over `group` (None: the default group). Every rank runs the same
+    tokens through the replicated parts (embeddings, attention, dense MLPs, shared experts, routers, latent
+    projections), so routing is the same on every rank and each knows the others' shares without asking; a
+    rank computes its (token, expert) pairs through the block's own executor and sends those outputs to every
+    other rank (all_to_all_single with uneven splits: nothing to itself)."""
 
     def __init__(self, group, placement: Placement):
         self.group = group
@@ -67,26 +68,23 @@ class ExpertParallel:
         self.stats = EPStats()
         self.entered = 0  # exchanges this rank has entered (the heartbeat publishes it: who is behind)
         self.failed: PeerLost | None = None  # set when an exchange failed: the group is unusable
-        self._local = False  # inside this rank's own expert compute (resident tables allowed)
         # set by runtime.init_expert_parallel: () -> a sentence naming the lost rank(s), and the heartbeat
         self.diagnose: Callable[[], str] | None = None
         self.heartbeat = None
         self.channel = None  # serve: rank 0's commands to the others (lockstep.py)
-        self.dispatch = None  # data-parallel attention: each rank's own tokens dispatched (dispatch.py)
+        self.dispatch: TokenDispatch | None = None  # data-parallel attention: each rank's own tokens dispatched
 
     def owns(self, layer: int, expert: int) -> bool:
         return self.placement.owner(layer, expert) == self.rank
 
-    def run_experts(self, block: MoE, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        """MoE.run_experts under expert parallelism (installed on each block by apply_expert_parallel)."""
-        if block.store is None:
-            raise RuntimeError(f"layer {block.layer_idx}: MoE block has no expert store attached")
-        if "served_lora" in block._modules:
-            raise NotImplementedError(f"layer {block.layer_idx}: served expert LoRA (serve --lora) is not supported "
-                                      f"under expert parallelism yet")
-        if block._experts_in_torch(h_TI, w_TK):
-            return self._run_experts_autograd(block, h_TI, ids_TK, w_TK)
-        L, T, I = block.layer_idx, h_TI.shape[0], h_TI.shape[-1]
+    def run_experts(self, executor: ExpertParallelExecutor, h_TI: torch.Tensor, ids_TK: torch.Tensor,
+                    w_TK: torch.Tensor) -> torch.Tensor:
+        """A block's routed experts with every rank on the same tokens: this rank's pairs through the block's
+        own executor, the others' by the exchange."""
+        inner, L = executor.inner, executor.layer
+        if inner.in_torch(h_TI, w_TK):
+            return self._run_experts_autograd(executor, h_TI, ids_TK, w_TK)
+        T, I = h_TI.shape[0], h_TI.shape[-1]
         st = self.stats
         t0 = time.perf_counter()
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
@@ -94,15 +92,12 @@ class ExpertParallel:
         token_of = token_of.to(h_TI.device)
         mine = sel[self.rank]
         if n[self.rank]:
-            # one row per pair, weight 1: the block's own fast path returns each pair's expert output exactly
-            # (0 + 1*y), computed by the same kernels on the same rows as in a single process
+            # one row per pair, weight 1: the block's own executor returns each pair's expert output exactly
+            # (0 + 1*y), computed by the same kernels on the same rows as in a single process (its resident
+            # table holds only this rank's experts: the store loads no others)
             h_PI = h_TI.index_select(0, token_of[mine.to(h_TI.device)])
             ones = torch.ones(n[self.rank], 1, dtype=w_TK.dtype, device=w_TK.device)
-            self._local = True  # the block's resident table (only this rank's experts) may serve this call
-            try:
-                y_mine = MoE._run_experts_fast(block, h_PI, expert_of[mine][:, None].to(ids_TK.device), ones)
-            finally:
-                self._local = False
+            y_mine = inner(h_PI, expert_of[mine][:, None].to(ids_TK.device), ones)
         else:
             y_mine = h_TI.new_zeros(0, I)
         t1 = time.perf_counter()
@@ -153,21 +148,20 @@ class ExpertParallel:
         self.stats.bytes_received += out.numel() * item
         return all_PI
 
-    def _run_experts_autograd(self, block: MoE, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor):
-        """MoE._run_experts_torch under expert parallelism, the same ops in the same order: each owner runs
-        its pairs through the block's torch path (autograd, expert LoRA), the outputs are exchanged, and
-        every rank combines them as that path does. Backward (_PairExchange) sends each pair's input
-        gradient from its owner to every rank, which sums them per token as index_select's backward does;
-        expert-LoRA gradients land on the owner only (`reduce_expert_lora_grads` gathers them)."""
-        lora = block._modules.get("expert_lora")
-        if lora is not None and lora.shared_a:
-            raise NotImplementedError(f"layer {block.layer_idx}: expert LoRA with a shared A sums every expert's "
-                                      f"gradient into one tensor; not supported under expert parallelism")
+    def _run_experts_autograd(self, executor: ExpertParallelExecutor, h_TI: torch.Tensor, ids_TK: torch.Tensor,
+                              w_TK: torch.Tensor):
+        """The experts' torch path (executors.TorchExecutor) under expert parallelism, the same ops in the same
+        order: each owner runs its pairs through the block's own executor as torch ops (autograd, expert LoRA),
+        the outputs are exchanged, and every rank combines them as that path does. Backward (_PairExchange)
+        sends each pair's input gradient from its owner to every rank, which sums them per token as
+        index_select's backward does; expert-LoRA gradients land on the owner only (`reduce_expert_lora_grads`
+        gathers them)."""
+        executor.check_lora()
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
-        expert_of, sel, n = self._split(block.layer_idx, unique, counts)
+        expert_of, sel, n = self._split(executor.layer, unique, counts)
         token_of = token_of.to(h_TI.device)
-        y_PI = _PairExchange.apply(h_TI, self, block, token_of, expert_of, sel, n, torch.is_grad_enabled())
-        out_TI = combine_pairs(h_TI, y_PI, weights, token_of)  # as MoE._run_experts_torch
+        y_PI = _PairExchange.apply(h_TI, self, executor, token_of, expert_of, sel, n, torch.is_grad_enabled())
+        out_TI = combine_pairs(h_TI, y_PI, weights, token_of)  # as the torch path combines
         self.stats.layer_steps += 1
         self.stats.tokens += h_TI.shape[0]
         self.stats.pairs_local += n[self.rank]
@@ -203,7 +197,7 @@ class _PairExchange(torch.autograd.Function):
     (what `h_TI.index_select(0, token_of)`'s backward, index_add_, does in a single process)."""
 
     @staticmethod
-    def forward(ctx, h_TI, ep, block, token_of, expert_of, sel, n, grad):
+    def forward(ctx, h_TI, ep, executor, token_of, expert_of, sel, n, grad):
         mine = sel[ep.rank]
         with torch.enable_grad() if grad else torch.no_grad():
             x_PI = h_TI.detach().index_select(0, token_of[mine.to(h_TI.device)])
@@ -211,11 +205,12 @@ class _PairExchange(torch.autograd.Function):
                 x_PI.requires_grad_()
             ones = torch.ones(n[ep.rank], 1, dtype=torch.float32, device=h_TI.device)
             # K=1, weight 1: each row is its pair's expert output exactly (0 + 1*y), computed per expert on
-            # the same rows as in one process; LoRA and autograd as there
-            y_PI = MoE._run_experts_torch(block, x_PI, expert_of[mine][:, None].to(h_TI.device), ones)
-        ctx.ep, ctx.layer, ctx.sel, ctx.n, ctx.T = ep, block.layer_idx, sel, n, h_TI.shape[0]
+            # the same rows as in one process; LoRA and autograd as there (the block's executor takes its torch
+            # path: an expert LoRA is attached, or these rows want gradients)
+            y_PI = executor.inner(x_PI, expert_of[mine][:, None].to(h_TI.device), ones)
+        ctx.ep, ctx.layer, ctx.sel, ctx.n, ctx.T = ep, executor.layer, sel, n, h_TI.shape[0]
         ctx.x_PI, ctx.y_PI, ctx.token_of = x_PI, y_PI, token_of
-        return ep.exchange(block.layer_idx, y_PI.detach(), sel, n, token_of.numel())
+        return ep.exchange(executor.layer, y_PI.detach(), sel, n, token_of.numel())
 
     @staticmethod
     def backward(ctx, grad_PI):
@@ -229,6 +224,44 @@ class _PairExchange(torch.autograd.Function):
         dh_TI = dx_all.new_zeros(ctx.T, dx_all.shape[-1]).index_add_(0, ctx.token_of, dx_all)
         ctx.x_PI = ctx.y_PI = None
         return dh_TI, None, None, None, None, None, None, None
+
+
+class ExpertParallelExecutor(ExpertExecutor):
+    """A MoE block's executor under expert parallelism: the block's own choice (`inner`) computes this rank's
+    pairs, and the exchange brings the others' (ExpertParallel.run_experts: every rank on the same tokens;
+    with data-parallel attention TokenDispatch.run_experts, distributed/dispatch.py). The native decode step
+    and K3's fused latent call would run every expert from the resident table: this executor offers neither.
+    Set by apply_expert_parallel through MoE.wrap_executor, so a later choice (LoRA attached) is wrapped too."""
+
+    def __init__(self, block, inner: ExpertExecutor, ep: ExpertParallel):
+        self.inner, self.ep, self.layer = inner, ep, block.layer_idx
+        self.lora = block._modules.get("expert_lora")
+        dispatch = ep.dispatch
+        self.run = ep.run_experts if dispatch is None else dispatch.run_experts
+        self.name = f"{'expert-parallel' if dispatch is None else 'token-dispatch'}({inner.name})"
+        self.refusal: tuple[type[Exception], str] | None = None
+        if isinstance(inner, NoStoreExecutor):
+            self.refusal = RuntimeError, f"layer {self.layer}: MoE block has no expert store attached"
+        elif isinstance(inner, ServedLoRAExecutor):
+            self.refusal = NotImplementedError, (f"layer {self.layer}: served expert LoRA (serve --lora) is not "
+                                                 f"supported under expert parallelism yet")
+        elif isinstance(inner, ParameterExecutor):
+            self.refusal = NotImplementedError, (f"layer {self.layer}: routed experts trained as parameters are "
+                                                 f"not split by expert parallelism yet")
+
+    def __call__(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        if self.refusal is not None:
+            raise self.refusal[0](self.refusal[1])
+        return self.run(self, h_TI, ids_TK, w_TK)
+
+    def in_torch(self, h_TI, w_TK) -> bool:
+        return self.inner.in_torch(h_TI, w_TK)
+
+    def check_lora(self) -> None:
+        """Refuses an expert LoRA whose gradients expert parallelism cannot split."""
+        if self.lora is not None and self.lora.shared_a:
+            raise NotImplementedError(f"layer {self.layer}: expert LoRA with a shared A sums every expert's "
+                                      f"gradient into one tensor; not supported under expert parallelism")
 
 
 def _combine(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, T: int, K: int) -> torch.Tensor:
@@ -252,9 +285,9 @@ def _combine(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, 
 def apply_expert_parallel(model, group=None, placement: Placement | None = None,
                           data_parallel: bool = False) -> ExpertParallel:
     """Makes every MoE block of `model` compute only its rank's routed experts and exchange the rest over
-    `group` (None: the default process group). The model's files and classes are untouched: each block gets
-    an instance-level `run_experts` and no resident table (whose C paths would compute every expert
-    locally) except inside the rank's own expert compute, and a next-layer prefetcher is limited to the
+    `group` (None: the default process group). The model's files and classes are untouched: each block's
+    executor is wrapped (ExpertParallelExecutor, which offers no resident table: its C paths would compute
+    every expert locally; the rank's own compute still uses it), and a next-layer prefetcher is limited to the
     rank's experts, so its store only ever loads experts this rank owns. data_parallel: every rank runs its
     own sequences or micro-batches and dispatches its tokens to the experts' owners (distributed/dispatch.py;
     backward too), instead of every rank running the same tokens. Returns the ExpertParallel (its `stats`)."""
@@ -270,11 +303,7 @@ def apply_expert_parallel(model, group=None, placement: Placement | None = None,
     for block in model.moe_blocks():
         if not placement.owners[block.layer_idx]:
             raise ValueError(f"the expert placement has no owners for MoE layer {block.layer_idx}")
-        run = ep.dispatch.run_experts if data_parallel else ep.run_experts
-        block.run_experts = lambda h, ids, w, block=block, run=run: run(block, h, ids, w)
-        # the native decode step and K3's latent C path would run every expert from the table: they see
-        # none; this rank's own compute (run_experts, on its pairs only) uses the table as one process does
-        block.resident_table = lambda block=block: MoE.resident_table(block) if ep._local else None
+        block.wrap_executor(functools.partial(ExpertParallelExecutor, block, ep=ep))
     stores = {id(b.store): b.store for b in model.moe_blocks() if b.store is not None}
     for store in stores.values():
         prefetcher = getattr(store, "prefetcher", None)

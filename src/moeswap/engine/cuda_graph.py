@@ -3,7 +3,8 @@ step costs a few graph launches instead of hundreds of kernel launches from Pyth
 
 What makes the model's own forward capturable: the MLA caches attend over their whole buffer, masked by
 their device lengths, and write at those lengths (`MLACache.whole`); KDA, AttnRes and the router run their
-torch paths (no host reads); and each MoE block's routed experts go through `StepExperts`, which looks each
+torch paths (no host reads); and each MoE block's routed experts go through `StepExperts` (the block's
+executor for the step's forward: `GraphTableExecutor`, named cuda-graph-table), which looks each
 (token, expert) pair's bytes up in a table of addresses on the device (`DeviceTable`, one per layer, kept by
 the expert store as it loads and evicts: ExpertStore.mirror) in one Triton launch for gate and up and one for
 down (ops/triton_mxfp4.py: `pair_linears` a row per pair; `sorted_linears` where pairs share experts, sorted
@@ -37,12 +38,13 @@ from contextlib import nullcontext
 
 import torch
 
+from moeswap.experts.executors import ExpertExecutor, KernelExecutor, OnHost
 from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.keys import Key
+from moeswap.experts.pairs import pairs_by_expert
 from moeswap.models.decoder import ModelState
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
-from moeswap.models.layers.moe import OnHost, pairs_by_expert
 from moeswap.ops import triton_mxfp4
 from moeswap.ops.activation import glu
 
@@ -116,9 +118,25 @@ class DeviceTable:
         return kind, [0 if t is None else t.data_ptr() for t in mats]
 
 
+class GraphTableExecutor(ExpertExecutor):
+    """A MoE block's expert executor while a graphed decode step runs its forward (installed by
+    `GraphedDecode._forward`, the block's own one restored after): its routed experts through StepExperts."""
+
+    name = "cuda-graph-table"
+
+    def __init__(self, steps: StepExperts, moe):
+        self.steps, self.moe = steps, moe
+
+    def __call__(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        return self.steps(self.moe, h_TI, ids_TK, w_TK)
+
+    def in_torch(self, h_TI, w_TK) -> bool:
+        return False
+
+
 class StepExperts:
-    """The routed experts of a MoE block through its DeviceTable (`MoE.step_experts` while a graphed step
-    runs its forward), and what happens at each layer's routing: `mode` "capture" ends the segment being
+    """The routed experts of a MoE block through its DeviceTable (GraphTableExecutor's work while a graphed
+    step runs its forward), and what happens at each layer's routing: `mode` "capture" ends the segment being
     captured and begins the next, "eager" does the host's work now, "warmup" nothing (a throwaway step)."""
 
     def __init__(self, decode: GraphedDecode):
@@ -298,8 +316,8 @@ class GraphedDecode:
         return None
 
     def _table_for(self, moe, device: torch.device) -> str | None:
-        if any(name in moe._modules for name in ("expert_lora", "experts", "served_lora")):
-            return "its experts carry adapters or train"
+        if not isinstance(moe.executor, KernelExecutor):  # the table stands in for the inference kernels only
+            return f"its experts carry adapters, train or are split across ranks (executor {moe.executor.name})"
         s = moe.store
         if not hasattr(s, "mirror") or s.fast.device != device:
             return f"its expert store's fast tier is not on {device}"
@@ -326,8 +344,9 @@ class GraphedDecode:
         whole = ModelState([MLACache(st.latent_BSX, st.lengths_B, whole=True) if isinstance(st, MLACache) else st
                             for st in state.layers])
         blocks = self.model.moe_blocks()
+        own = [moe.executor for moe in blocks]
         for moe in blocks:
-            moe.step_experts = self._experts
+            moe.executor = GraphTableExecutor(self._experts, moe)
         if self.lookahead is not None:
             self.model.expert_lookahead = self._experts.guess
         self._experts.guesses = []
@@ -335,8 +354,8 @@ class GraphedDecode:
             with self.compiled.swapped() if self.compiled is not None else nullcontext():
                 return self.model(tokens_BT, whole)
         finally:
-            for moe in blocks:
-                moe.step_experts = None
+            for moe, executor in zip(blocks, own, strict=True):
+                moe.executor = executor
             self.model.expert_lookahead = self.lookahead
 
     def _eager(self, tokens_BT: torch.Tensor, state: ModelState, split: bool) -> torch.Tensor:
@@ -351,7 +370,7 @@ class GraphedDecode:
         store makes the routed experts resident (its fetch: hits, misses, the policy's evictions; the step's
         experts are pinned; a prefetched one's copy is waited for on the stream) and the table goes up. With
         hybrid experts (experts/hybrid.py) those the fast tier lacks are read into host memory instead and
-        computed by the CPU's kernels (moe.py OnHost), their weighted sum copied into `stop.host_TI`."""
+        computed by the CPU's kernels (experts/executors.py OnHost), their weighted sum copied into `stop.host_TI`."""
         for at, guess_TK in stop.guesses:
             self.lookahead.guessed(at, guess_TK)
         layer = stop.moe.layer_idx
@@ -384,7 +403,7 @@ class GraphedDecode:
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         run = OnHost(h_TI, token_of, weights, stop.moe)
         start = 0
-        for e, n in zip(unique, counts):
+        for e, n in zip(unique, counts, strict=True):
             if e in experts:
                 run.group.take(experts[e], start, n)
             start += n

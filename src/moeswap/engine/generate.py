@@ -2,7 +2,8 @@
 the continuous-batching scheduler (engine.scheduler) with every request submitted at once.
 
 Tokenizer-free (token ids in, token ids out). Time to first token and per output token are measured
-inside the engine. Logits that are not finite raise NonFiniteError (engine.nonfinite). Entry points:
+inside the engine; a result names the paths that ran (its decode step, the MoE blocks' expert executor).
+Logits that are not finite raise NonFiniteError (engine.nonfinite). Entry points:
 `generate(model, prompt_ids, config, on_token)`, `generate_batch(...)`.
 """
 
@@ -14,6 +15,7 @@ from typing import Callable, Sequence
 
 from moeswap.engine.sampling import SamplingParams
 from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, check_seed
+from moeswap.experts.executors import executor_names
 
 
 def _is_int(x) -> bool:
@@ -52,6 +54,10 @@ class GenerationResult:
     native_off: str | None = None  # why the last decode step did not, if it did not
     state_bytes: int = 0  # the most sequence state the batch held at once (EngineStats.state_bytes_peak)
     graph_capture_s: float = 0.0  # of decode_s, capturing CUDA graphs (EngineStats.graph_capture_s)
+    decode_step: str | None = None  # the batch's last decode step: EngineStats.decode_step (None: none ran)
+    # the MoE blocks' expert executor (experts/executors.py names; distinct ones joined by "+"): prefill and eager
+    # decode steps; a "cuda-graph" decode step runs its experts through "cuda-graph-table"
+    expert_executor: str = ""
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -101,5 +107,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
     results = sched.run(requests, (lambda ev: on_token(ev.id, ev.token) if ev.token is not None else None)
                         if on_token else None)
     st = sched.stats
+    executor = executor_names(model.moe_blocks())
     return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded,
-                             st.native_steps, st.native_off, st.state_bytes_peak, st.graph_capture_s) for r in results]
+                             st.native_steps, st.native_off, st.state_bytes_peak, st.graph_capture_s, st.decode_step,
+                             executor) for r in results]

@@ -122,6 +122,9 @@ class EngineStats:
     decode_s: float = 0.0
     native_steps: int = 0  # decode steps that took the fast step (one C call on the CPU, CUDA graphs on CUDA)
     native_off: str | None = None  # why the last decode step did not, if it did not
+    # which decode step the last one took: "native-c" (engine/native_step.py), "cuda-graph" (engine/cuda_graph.py),
+    # "compiled" (engine/compile.py) or "reference" (the model's modules); None before any
+    decode_step: str | None = None
     # CUDA graphs captured for decode steps (a batch size's first step, and again after the state's buffers
     # moved: engine/cuda_graph.py) and the time that took, which decode_s includes
     graph_captures: int = 0
@@ -336,6 +339,15 @@ class Scheduler:
             if isinstance(self._decode, (NativeDecode, GraphedDecode)):
                 self._decode.forget_state()
 
+    def _step_name(self) -> str:
+        """The decode step the last step took (EngineStats.decode_step): the fast step unless it declined."""
+        d = self._decode
+        if isinstance(d, NativeDecode) and d.reason is None:
+            return "native-c"
+        if isinstance(d, GraphedDecode) and d.reason is None:
+            return "cuda-graph"
+        return "reference" if d is self.model or isinstance(d, (NativeDecode, GraphedDecode)) else "compiled"
+
     def _decode_step(self, n: int, events: list[TokenEvent]) -> None:
         self._reserve(0, n, 1)
         with self._adapters([seq.req.adapter for seq in self.live[:n]]):
@@ -345,6 +357,7 @@ class Scheduler:
             self.stats.native_steps += self._decode.reason is None
         if isinstance(self._decode, GraphedDecode):
             self.stats.graph_captures, self.stats.graph_capture_s = self._decode.captures, self._decode.capture_s
+        self.stats.decode_step = self._step_name()
         self.states.advance(0, n, 1)
         bad: set[int] = set()
         if not all_finite(logits):  # one reduction per step; rows only when it fails

@@ -1,15 +1,9 @@
-"""Hybrid experts (`--expert-compute gpu|cpu|auto`): where a routed expert the fast tier lacks is computed.
-
-gpu (the store without this): a miss is copied up into the fast tier, evicting by its policy, and computed
-there. cpu: the experts the fast tier holds are fetched as usual (hits), those it lacks are read into host
-memory (a host tier or the checkpoint, `ExpertStore.read_host`) and computed on the CPU by the C kernels,
-never copied up; the fast tier still fills its free room with the first experts used, then keeps what it
-holds (KTransformers and llama.cpp's --n-cpu-moe place experts statically too). auto: cpu for layer steps of
-fewer than `min_tokens` tokens, gpu from there (options.EXPERT_GPU_MIN_TOKENS says why).
-Owns the per-step choice and the fetch that mixes tiers (counted in the store's `stats.hybrid`); the MoE
-block (models/layers/moe.py) and the native decode step compute what `fetch` hands them. Knows nothing of
-models. Entry points: `HybridExperts.fetch`, built by experts/build.py as the store's `hybrid`; `fetch_step`,
-which callers use in place of `store.fetch` for a layer step.
+"""Hybrid experts (`--expert-compute gpu|cpu|auto`): where a routed expert the fast tier lacks is computed:
+copied up and computed there (gpu: the store without this); read into host memory and computed by the CPU's
+kernels, never copied up (cpu: the fast tier fills its free room first, then keeps what it holds); cpu below
+`min_tokens` tokens a step, gpu from there (auto, options.EXPERT_GPU_MIN_TOKENS). Owns the per-step choice and
+the mixed fetch (the store's `stats.hybrid`); the executors compute what it hands them. Knows no model. Entry
+points: `HybridExperts.fetch` (the store's `hybrid`, experts/build.py), `fetch_step` (for a layer step).
 """
 
 from __future__ import annotations
@@ -72,12 +66,12 @@ class HybridExperts:
             return store.fetch(layer, ids, takes_all)
         fits = store.resident(layer, ids, fill=True)
         stats = store.stats.hybrid  # (the store's: reset with its other counters)
-        stats.filled += sum(f and not h for f, h in zip(fits, held))
+        stats.filled += sum(f and not h for f, h in zip(fits, held, strict=True))
         if all(fits):
             return store.fetch(layer, ids, takes_all)
         stats.cpu_steps += 1
         stats.cpu_experts += fits.count(False)
-        fast_ids = [e for e, f in zip(ids, fits) if f]
+        fast_ids = [e for e, f in zip(ids, fits, strict=True) if f]
         where, n = [], 0
         for f in fits:
             where.append(n if f else None)

@@ -1,14 +1,9 @@
-"""Several LoRA adapters on one model at once, each request with its own (`moeswap serve --lora NAME=PATH`,
-`generate --lora`): adapter i of the list is slot i + 1, slot 0 the base model.
-
-Every adapter is read and checked before the model is touched: its recorded base fingerprint against the
-served model's directory (`read_adapters`, before the model loads), then its tensors against the model's
-modules (peft_io.plan_adapter), all of them before any is applied. The union of their target modules is
-wrapped in lora.multi.MultiLoRALinear (an adapter that does not target a module adds nothing there); the
-routed-expert LoRA of an adapter goes into its MoE blocks' ExpertLoRASlots (models/layers/expert_lora.py),
-per row as well. Projections are fused first (models.layers.basic.fuse_projections), so that the C decode
-step, which reads through the wrappers, finds the fused weights it needs for batches without adapter rows.
-Adapters apply as at inference: no dropout. Entry points: `read_adapters`, `load_adapters` -> ServedAdapters.
+"""Several LoRA adapters on one model at once, each request with its own (`serve --lora NAME=PATH`,
+`generate --lora`): adapter i is slot i + 1, slot 0 the base model. Every adapter is read and checked (base
+fingerprint, then its tensors against the modules) before any is applied; dense targets are wrapped in
+lora.multi.MultiLoRALinear, routed-expert LoRA goes into the blocks' ExpertLoRASlots, projections are fused
+first (the C decode step reads the fused weights through the wrappers). No dropout.
+Entry points: `read_adapters`, `load_adapters` -> ServedAdapters.
 """
 
 from __future__ import annotations
@@ -80,7 +75,7 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
         except ValueError as err:
             raise ValueError(f"adapter {name!r}: {err}") from None
     blocks = moe_blocks(model)
-    for (name, adapter), plan in zip(named, plans):
+    for (name, adapter), plan in zip(named, plans, strict=True):
         lacking = [b for b in plan.experts if not hasattr(blocks[b], SERVE_HOOK)]
         if lacking:
             raise ValueError(f"adapter {name!r} ({adapter.directory}): its routed-expert LoRA needs the MoE block's "
@@ -88,7 +83,7 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
     experts = [{b: expert_lora_for(blocks[b], tensors, adapter.config, device=blocks[b].gate.weight.device,
                                    where=f"adapter {name!r} ({adapter.directory})")
                 for b, tensors in plan.experts.items()}
-               for (name, adapter), plan in zip(named, plans)]  # may refuse
+               for (name, adapter), plan in zip(named, plans, strict=True)]  # may refuse
     fuse_projections(model)
     rows = AdapterRows(len(named))
     wrappers: dict[str, MultiLoRALinear] = {}
@@ -97,7 +92,7 @@ def load_adapters(model: nn.Module, named: Sequence[tuple[str, Adapter]]) -> Ser
         parent = model.get_submodule(parent_name) if parent_name else model
         wrappers[name] = MultiLoRALinear(getattr(parent, attr), rows)
         setattr(parent, attr, wrappers[name])
-    for slot, ((_, adapter), plan) in enumerate(zip(named, plans), start=1):
+    for slot, ((_, adapter), plan) in enumerate(zip(named, plans, strict=True), start=1):
         cfg = adapter.config
         for name, pair in plan.linears.items():  # rank and alpha as load_adapter takes them
             r, alpha = pair["lora_A"].shape[0], cfg.rank_alpha(name)[1]

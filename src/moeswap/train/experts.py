@@ -1,18 +1,8 @@
 """Routed experts as trainable parameters (full mode), and K3's load balancing by router-bias updates.
-
-Inference and LoRA read routed experts from the expert store, frozen. Full training makes them weights
-again: `make_experts_trainable` decodes every expert of every MoE block once (through its format object,
-so MXFP4 / MXFP8 / float bases all work) into three fp32 parameters per block, `w1` / `w3` [E, F, I] and
-`w2` [E, I, F], held by a `TrainableExperts` module the MoE block consults before its store
-(models/layers/moe.py `run_experts`). The checkpoint's names stay per expert (`experts.{e}.w1.weight`);
-`expert_tensors` gives them back in that form for export.
-
-Balancing is DeepSeek-V3's auxiliary-loss-free rule, which K3 inherits: the router's
-`e_score_correction_bias` only steers which experts are chosen (never their weights), and after each
-optimizer step every layer moves it by `rate` toward balance: up for experts that took fewer than the
-mean number of (token, expert) pairs, down for those that took more (`balance_routers`). The bias gets
-no gradient. `load_report` summarises the load (max / mean pairs per expert, per layer).
-Entry points: `make_experts_trainable(model)`, `balance_routers(model, rate)`, `load_report(model)`.
+`make_experts_trainable` decodes every MoE block's experts once (through their format objects) into fp32
+parameters w1 / w3 [E, F, I] and w2 [E, I, F] (a TrainableExperts, the block's `experts`, which its executor
+then runs); `balance_routers` steers routers toward balance (DeepSeek-V3's auxiliary-loss-free rule);
+`load_report` summarises the load; `expert_tensors` gives the weights back per expert for export.
 """
 
 from __future__ import annotations
@@ -20,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeswap.experts.pairs import combine_pairs, pairs_by_expert
 from moeswap.ops.activation import glu
 from moeswap.ops.expert_format import PROJS
 
@@ -37,8 +28,6 @@ class TrainableExperts(nn.Module):
         self.register_buffer("load", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, h_TI: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        from moeswap.models.layers.moe import combine_pairs, pairs_by_expert
-
         if self.training:  # balancing counts training steps only, not evals
             self.load += torch.bincount(ids_TK.detach().flatten(), minlength=self.num_experts).to(self.load.device)
         unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
@@ -90,7 +79,9 @@ def expert_tensors(block: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
 
 @torch.no_grad()
 def balance_routers(model: nn.Module, rate: float) -> None:
-    """One bias update per MoE block from the load counted since the last call, then the count restarts."""
+    """One bias update per MoE block from the load counted since the last call, then the count restarts:
+    `e_score_correction_bias` (which only steers selection, never the weights, and gets no gradient) moves by
+    `rate`: up for experts that took fewer than the mean number of (token, expert) pairs, down for more."""
     for block in moe_blocks(model):
         experts = block._modules.get("experts")
         if experts is None:

@@ -1,13 +1,9 @@
-"""Routed-expert LoRA: low-rank adapters on the w1 / w2 / w3 projections of every routed expert of one MoE
-block, with PEFT's math (y += B A dropout(x) * alpha / r; B starts at zero, A uniform in +-1/sqrt(in) as
-PEFT's kaiming_uniform(a=sqrt(5)) draws it) and one A per projection shared by all experts as an option.
-
-Holds only the adapter parameters (lora_A[proj] [E or 1, r, N], lora_B[proj] [E, O, r]; or some experts' rows
-only, `experts` / `keep_rows`, for expert parallelism); the MoE block adds
-`adapters(ids)` to its experts' projections (ops.expert_format.train_forward). `peft_state_dict` /
-`load_peft_state_dict` read and write PEFT's per-expert key names. `ExpertLoRASlots`: several adapters' expert
-LoRA served at once (lora.serving), each (token, expert) pair with its row's adapter. Shapes: E experts, r rank, O/N one
-projection's output/input width, P the (token, expert) pairs of a step.
+"""Routed-expert LoRA: adapters on the w1 / w2 / w3 projections of every routed expert of one MoE block, with
+PEFT's math (y += B A dropout(x) * alpha / r; B zero, A as PEFT's kaiming_uniform(a=sqrt(5)) draws it), one A
+per projection shared by all experts as an option, or some experts' rows only (expert parallelism).
+`ExpertLoRA.adapters(ids)` feeds the torch executor's projections (ops.expert_format.train_forward); PEFT key
+names in and out; `ExpertLoRASlots`: several adapters served at once (lora.serving), each pair with its row's.
+Shapes: E experts, r rank, O/N a projection's output/input width, P the (token, expert) pairs of a step.
 """
 
 from __future__ import annotations
@@ -231,8 +227,9 @@ def load_model_peft_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor])
 class ExpertLoRASlots(nn.Module):
     """Routed-expert LoRA of several adapters served at once (moeswap.lora.serving): an ExpertLoRA per adapter
     slot (`loras`, keyed by the slot's number) and the model's row -> slot context (`rows`, lora.multi.
-    AdapterRows). The MoE block runs the rows whose adapter has expert LoRA here as torch ops with these
-    deltas, each (token, expert) pair with its row's adapter, and the other rows on its fast paths."""
+    AdapterRows). The block's executor (experts/executors.py ServedLoRAExecutor) runs the rows whose adapter
+    has expert LoRA here as torch ops with these deltas, each (token, expert) pair with its row's adapter, and
+    the other rows on the inference kernels."""
 
     def __init__(self, rows):
         super().__init__()
@@ -259,7 +256,7 @@ class ExpertLoRASlots(nn.Module):
     def adapters(self, expert_ids: Sequence[int], counts: Sequence[int], token_of: torch.Tensor,
                  row_slots: Sequence[int]) -> list:
         """One adapter per expert of a step (as ExpertLoRA.adapters), each pair with the adapter of its row:
-        token_of [P] the pairs' rows, grouped by expert (MoE's pairs_by_expert), row_slots each row's slot."""
+        token_of [P] the pairs' rows, grouped by expert (experts.pairs.pairs_by_expert), row_slots each row's slot."""
         pair_slots = [row_slots[t] for t in token_of.tolist()]
         out, start = [], 0
         for e, n in zip(expert_ids, counts):
