@@ -15,7 +15,7 @@ from moeswap.models import deepseek_v3
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
 from moeswap.ops import cpu_kernels
-from moeswap.ops.linear import FP8BlockLinear
+from moeswap.weights.dense import kernel_of
 from moeswap.experts.keys import Key
 from moeswap.tiny import write_tiny_model
 
@@ -32,7 +32,7 @@ def _decoded(ckpt: Checkpoint, module: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("dense_weights", ["auto", "compute"])
 def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights):
-    """Dense block-FP8 Linears: kept as their stored codes and scales (FP8BlockLinear, whose values are the
+    """Dense block-FP8 Linears: kept as their stored codes and scales (weights.fp8_block's method, whose values are the
     decoded ones) on the CPU by default; decoded to fp32 parameters under --dense-weights compute."""
     model, store = load_model(fp8_tiny, LoadOptions(dtype="float32", dense_weights=dense_weights))
     params = dict(model.named_parameters())
@@ -46,10 +46,10 @@ def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights)
             if dense_weights == "compute" or cpu_kernels.kernel() is None:
                 assert type(linear) is torch.nn.Linear and torch.equal(params[target], _decoded(ckpt, module)), module
                 continue
-            assert isinstance(linear, FP8BlockLinear), module
+            assert kernel_of(linear) == "fp8", module
             assert torch.equal(params[target].view(torch.uint8), ckpt.read(module + ".weight").view(torch.uint8))
             assert torch.equal(params[target + "_scale_inv"], ckpt.read(module + ".weight_scale_inv"))
-            assert torch.equal(linear.dense_weight(), _decoded(ckpt, module)), module
+            assert torch.equal(linear.method.values(linear), _decoded(ckpt, module)), module
         assert ckpt.info("lm_head.weight").dtype == torch.bfloat16  # not quantised, as published
         layer = next(i for i, k in enumerate(model.config.mlp_kinds) if k == "moe")
         (expert,) = store.fetch(layer, [5])

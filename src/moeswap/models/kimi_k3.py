@@ -21,11 +21,12 @@ from torch.utils.checkpoint import checkpoint
 from moeswap.config import ModelConfig
 from moeswap.models import classify_name
 from moeswap.models.layers.attn_res import mix, score_vector
-from moeswap.models.layers.basic import FUSABLE, GatedMLP, RMSNorm, WeightOnly
+from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
 from moeswap.ops.linear import gemm_precision, linear
+from moeswap.weights.dense import plain_weight
 
 # Checkpoint tensor name (prefix stripped) -> what it is. First match wins.
 #   "expert": a routed-expert tensor, indexed for the expert store (groups: layer, expert, proj, kind)
@@ -141,7 +142,7 @@ class KimiModel(nn.Module):
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
             return linear(hidden, self.model.embed_tokens.weight)
-        if type(self.lm_head) in FUSABLE:
+        if plain_weight(self.lm_head):
             return linear(hidden, self.lm_head.weight)
         return self.lm_head(hidden)  # a wrapper (LoRA)
 

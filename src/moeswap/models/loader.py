@@ -22,7 +22,8 @@ from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
 from moeswap.ops import expert_format
-from moeswap.ops.linear import FP8BlockLinear, StoredWeightLinear, can_keep_fp8, can_keep_stored
+from moeswap.weights.dense import FLOAT_LINEAR, LinearMethod, WeightLinear
+from moeswap.weights.registry import choose_linear_method
 from moeswap.options import LoadOptions
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -127,8 +128,8 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
     filled: set[str] = set()
     index = ExpertIndex()
     prefix = config.weight_prefix
-    # block-FP8 dense weights (DeepSeek): `weight_scale_inv` beside a float8 weight, kept as stored (_fp8_kept)
-    # or decoded at load
+    # block-FP8 dense weights (DeepSeek): `weight_scale_inv` beside a float8 weight, kept as stored
+    # (weights.fp8_block) or decoded at load
     scales = {n for n in ckpt.names() if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in ckpt
               and not arch.classify(n[len(prefix):] if prefix and n.startswith(prefix) else n)[0] == "expert"}
     for name in ckpt.names():
@@ -148,16 +149,18 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         info = ckpt.info(name)
         if not info.dtype.is_floating_point:
             raise CheckpointError(f"{name} in {info.file.name}: expected a float tensor, found {info.dtype}")
-        kept = _fp8_kept(model, ckpt, name, target, config, dtype, device, dense_weights, scales)
-        tensor = arch.sanitize(target, kept[0] if kept else _read_dense(ckpt, name, config, scales), config)
+        method = _dense_method(model, ckpt, name, target, config, dtype, device, dense_weights, scales)
+        stored = ({"weight": _read_dense(ckpt, name, config, scales)} if method is FLOAT_LINEAR
+                  else _read_stored(ckpt, name, config, scales))
+        tensor = arch.sanitize(target, stored["weight"], config)
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name} in {info.file.name}: expected shape {list(param.shape)} from config.json, "
                 f"found {list(info.shape)}")
-        if kept:
-            _set_fp8(model, target, tensor, kept[1])
+        if method is FLOAT_LINEAR:
+            _set_param(model, target, tensor, dtype, device)
         else:
-            _set_param(model, target, tensor, dtype, device, dense_weights)
+            _install(model, target, method, {**stored, "weight": tensor}, device)
         filled.add(target)
     missing = sorted(set(params) - filled)
     if missing:
@@ -186,46 +189,51 @@ def _read_dense(ckpt: Checkpoint, name: str, config: ModelConfig, scales: set[st
         raise CheckpointError(f"{name} in {info.file.name}: cannot decode its block FP8 weight: {err}") from None
 
 
-def _fp8_kept(model: nn.Module, ckpt: Checkpoint, name: str, target: str, config: ModelConfig, dtype: torch.dtype,
-              device: str, dense_weights: str, scales: set[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A block-FP8 Linear weight's (codes, fp32 scales) as stored, where the model keeps them so
-    (ops.linear.FP8BlockLinear: a bias-free Linear, dense weights not converted, fp32 math on a CPU with the
-    kernel, 128 x 128 blocks); else None (decoded at load by `_read_dense`)."""
+def _dense_method(model: nn.Module, ckpt: Checkpoint, name: str, target: str, config: ModelConfig,
+                  dtype: torch.dtype, device: str, dense_weights: str, scales: set[str]) -> LinearMethod:
+    """The method the Linear owning `target` gets (weights.registry.choose_linear_method): its weight kept as
+    stored where it is a bias-free nn.Linear's and a kernel runs it, else decoded to `dtype` (FLOAT_LINEAR)."""
     owner_name, _, attr = target.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
+    keepable = attr == "weight" and type(owner) is nn.Linear and owner.bias is None
+    scale = name + "_scale_inv"
+    stored = "fp8_block" if scale in scales else "float"
+    dtypes = {"weight": ckpt.info(name).dtype} | ({"weight_scale_inv": ckpt.info(scale).dtype} if scale in scales else {})
     block = config.quant.fp8_block if config.quant is not None else None
-    if (name + "_scale_inv" not in scales or dense_weights == "compute" or attr != "weight"
-            or type(owner) is not nn.Linear or owner.bias is not None or not can_keep_fp8(block, dtype, device)):
-        return None
+    return choose_linear_method(stored, dtypes, block, dtype, device, dense_weights, keepable)
+
+
+def _read_stored(ckpt: Checkpoint, name: str, config: ModelConfig, scales: set[str]) -> dict[str, torch.Tensor]:
+    """A weight's stored tensors by suffix, as a method that keeps them takes them: a float weight, or a block-FP8
+    one's codes and scales, checked as decoding would check them."""
     info = ckpt.info(name)
+    if name + "_scale_inv" not in scales:
+        return {"weight": ckpt.read(name)}
     codes, scale = ckpt.read(name), ckpt.read(name + "_scale_inv")
-    if codes.dtype != torch.float8_e4m3fn:
-        return None  # another float8 (e5m2): decoded at load, as before
     try:
-        fp8_block.check(codes, scale, block)
+        fp8_block.check(codes, scale, config.quant.fp8_block)
     except ValueError as err:  # as _read_dense words it
         raise CheckpointError(f"{name} in {info.file.name}: cannot decode its block FP8 weight: {err}") from None
-    return codes, scale.float()
+    return {"weight": codes, "weight_scale_inv": scale}
 
 
-def _set_fp8(model: nn.Module, target: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """The Linear owning `target` becomes an FP8BlockLinear holding the stored codes and scales."""
-    owner = model.get_submodule(target.rpartition(".")[0])
-    owner.__class__ = FP8BlockLinear  # same names; state_dict gains the checkpoint's weight_scale_inv
-    owner._parameters["weight"] = nn.Parameter(codes.contiguous(), requires_grad=False)
-    owner._parameters["weight_scale_inv"] = nn.Parameter(scale.contiguous(), requires_grad=False)
+def _install(model: nn.Module, target: str, method: LinearMethod, tensors: dict[str, torch.Tensor],
+             device: str) -> None:
+    """The bias-free Linear owning `target` becomes a WeightLinear of `method` holding `tensors` as stored
+    (the checkpoint's names: state_dict unchanged but for a block-FP8 weight's weight_scale_inv)."""
+    owner_name = target.rpartition(".")[0]
+    parent_name, _, child = owner_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = parent._modules[child]
+    layer = WeightLinear(old.in_features, old.out_features, method).train(old.training)
+    method.load_weights(layer, tensors, device)
+    parent._modules[child] = layer
 
 
-def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str,
-               dense_weights: str = "compute") -> None:
+def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str) -> None:
     owner_name, _, attr = target.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     # Keep fp32 where the reference computes in fp32 (router bias, gate constants); the rest in `dtype`.
     keep_fp32 = attr in ("A_log", "dt_bias", "e_score_correction_bias")
-    target_dtype = torch.float32 if keep_fp32 else dtype
-    if (dense_weights != "compute" and type(owner) is nn.Linear and attr == "weight" and owner.bias is None
-            and can_keep_stored(tensor.dtype, dtype, device)):
-        target_dtype = tensor.dtype
-        owner.__class__ = StoredWeightLinear  # same parameters and state_dict; forward runs ops.linear
-    value = tensor.to(device=device, dtype=target_dtype)
+    value = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
     owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
