@@ -7,17 +7,18 @@ import shutil
 import pytest
 import torch
 
+from moeswap.experts.keys import Key
 from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.formats.files import read_json
 from moeswap.jsonio import dumps
 from moeswap.models import deepseek_v3
 from moeswap.models.loader import LoadOptions, load_model
-from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
 from moeswap.ops import cpu_kernels
-from moeswap.weights.dense import kernel_of
-from moeswap.experts.keys import Key
+from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
 from moeswap.tiny import write_tiny_model
+from moeswap.weights.dense import kernel_of
+from moeswap.weights.registry import format_of
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights)
             want = _decoded(ckpt, f"model.layers.{layer}.mlp.experts.5.{proj}")
             assert torch.equal(getattr(expert, f"{mat}_weight").view(torch.uint8),
                                ckpt.read(f"model.layers.{layer}.mlp.experts.5.{proj}.weight").view(torch.uint8))
-            assert torch.equal(expert.fmt.weight(expert, mat, torch.float32), want), proj
+            assert torch.equal(format_of(expert).weight(expert, mat, torch.float32), want), proj
 
 
 def test_block_fp8_model_decodes_incrementally_with_an_evicting_expert_cache(fp8_tiny):
@@ -188,7 +189,7 @@ def test_int4_experts_load_as_compressed_tensors_decodes_them(tmp_path):
         (expert,) = store.fetch(2, [9])
         assert isinstance(expert, Int4ExpertWeights)
         assert torch.equal(expert.w2_packed, stored["weight_packed"]) and torch.equal(expert.w2_scale, stored["weight_scale"])
-        assert torch.equal(expert.fmt.weight(expert, "w2", torch.float32), ct.decode_weight("int4", stored, torch.float32))
+        assert torch.equal(format_of(expert).weight(expert, "w2", torch.float32), ct.decode_weight("int4", stored, torch.float32))
         assert ckpt.info("model.layers.2.mlp.shared_experts.up_proj.weight").dtype == torch.bfloat16
     if cpu_kernels.kernel() is not None:
         fuse_projections(model)

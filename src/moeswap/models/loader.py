@@ -16,15 +16,17 @@ import torch
 from torch import nn
 
 from moeswap.config import ModelConfig, load_config
-from moeswap.experts.source import ExpertIndex
 from moeswap.experts.build import build_store
+from moeswap.experts.source import ExpertIndex
 from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import REGISTRY, build_model
-from moeswap.ops import expert_format
-from moeswap.weights.dense import FLOAT_LINEAR, LinearMethod, WeightLinear
-from moeswap.weights.registry import choose_linear_method
 from moeswap.options import LoadOptions
+from moeswap.weights.dense import FLOAT_LINEAR, LinearMethod, WeightLinear
+from moeswap.weights.format import FP8_DTYPES
+from moeswap.weights.fp8_block import FP8_BLOCK
+from moeswap.weights.registry import choose_linear_method
+
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
@@ -176,11 +178,11 @@ def _read_dense(ckpt: Checkpoint, name: str, config: ModelConfig, scales: set[st
     scale = name + "_scale_inv"
     info = ckpt.info(name)
     if scale not in scales:
-        if info.dtype in expert_format.FP8_DTYPES:
+        if info.dtype in FP8_DTYPES:
             raise CheckpointError(f"{name} in {info.file.name}: a float8 weight without a weight_scale_inv "
                                   f"(block FP8) beside it; expected a float weight or both tensors")
         return ckpt.read(name)
-    fmt = expert_format.FP8_BLOCK
+    fmt = FP8_BLOCK
     block = config.quant.fp8_block if config.quant is not None else None
     fmt.check_declared(f"{name} in {info.file.name}", None, block)
     try:

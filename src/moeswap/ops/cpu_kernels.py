@@ -23,7 +23,7 @@ import torch
 
 from moeswap.formats import mx
 from moeswap.ops import native_build
-from moeswap.ops.expert import tensors
+from moeswap.ops.expert import kernel_kind, kernel_mats, tensors
 
 CSRC = Path(__file__).with_name("csrc")
 HEADER = CSRC / "cpu_kernels.h"
@@ -200,7 +200,7 @@ class CpuKernels:
         T, I = x_TI.shape
         if grouped_kind(w) != "mxfp4":
             raise ValueError(f"mxfp4_expert: got a {type(w).__name__}, not an MXFP4 expert on the CPU")
-        mats = w.fmt.kernel_mats(w, I)
+        mats = kernel_mats(w, I)
         y = torch.empty(T, I, dtype=torch.float32)
         status = self.lib.moeswap_mxfp4_expert(
             x_TI.data_ptr(), T, I, mats[0].shape[0], *[m.data_ptr() for m in mats], _act(act),
@@ -672,9 +672,8 @@ FORMAT_CODES = {"mxfp4": 0, "bf16": 1, "fp8": 3, "int4": 4}  # moe.c's format co
 
 def grouped_kind(w) -> str | None:
     """"mxfp4", "bf16", "fp8" or "int4": which of the grouped kernels (`moe`, the *_resident tables) runs expert w, as its
-    format says (ops.expert_format); None: neither (another kind of expert, or not on the CPU)."""
-    fmt = getattr(w, "fmt", None)
-    return None if fmt is None else fmt.group_kind(w)
+    form's layout says (ops.expert.kernel_kind); None: neither (another kind of expert, or not on the CPU)."""
+    return kernel_kind(w)
 
 
 def _kernel_pointers(w, I: int, kind: str, held: list) -> tuple[int, tuple[int, ...]]:
@@ -689,7 +688,7 @@ def _kernel_pointers(w, I: int, kind: str, held: list) -> tuple[int, tuple[int, 
         raise ValueError(f"moe: experts of one call must be of one kind (MXFP4, bf16, FP8 or INT4, on the CPU), got "
                          f"a {type(w).__name__} ({grouped_kind(w) or 'none'}) among {kind} ones")
     originals = list(tensors(w).values())
-    mats = w.fmt.kernel_mats(w, I)
+    mats = kernel_mats(w, I)
     F, ptrs = mats[0].shape[0], tuple(t.data_ptr() for t in mats)
     if all(m is o for m, o in zip(mats, originals)):
         w.__dict__["_kernel_pointers"] = (I, kind, F, ptrs)

@@ -10,10 +10,10 @@ The Linear layers whose stored weights the loader keeps as they are run through 
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import partial
-import threading
 
 import torch
 import torch.nn.functional as F

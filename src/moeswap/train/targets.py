@@ -5,7 +5,7 @@ expert hook, on routed experts; the base stays frozen. Mode "full": the model's 
 every one, routed experts included (decoded from the store into parameters, train/experts.py; the
 router's selection bias follows K3's balancing rule instead of a gradient), or those under
 --target-modules (routed experts then stay frozen in the store, gradients flowing through them by
-ops.expert_format's autograd to the router and everything before). Target
+weights.autograd's to the router and everything before). Target
 patterns follow one rule in both modes, moeswap.lora's (`lora.targets.matches`, PEFT's). Both modes
 return the trainable parameters by name, in a fixed order: what checkpoints, the optimizer and the
 manifest use; and turns on the model's per-layer activation checkpointing when asked.

@@ -25,12 +25,20 @@ from torch import nn
 from moeswap.config import ModelConfig
 from moeswap.experts.hybrid import fetch_step
 from moeswap.models import routed_expert_shapes
-from moeswap.models.layers.basic import GatedMLP, RMSNorm, adapter_split, derived, unadapted
+from moeswap.models.layers.basic import (
+    GatedMLP,
+    RMSNorm,
+    adapter_split,
+    derived,
+    unadapted,
+)
 from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA, ExpertLoRASlots
-from moeswap.ops import cpu_kernels, expert_format, expert_mxfp4
+from moeswap.ops import cpu_kernels, expert_mxfp4
 from moeswap.ops.cpu_kernels import grouped_kind
 from moeswap.ops.linear import gemm_in_bf16
+from moeswap.weights import autograd as expert_autograd
 from moeswap.weights.dense import kernel_of
+from moeswap.weights.registry import format_of
 
 
 class ExpertProvider(Protocol):
@@ -245,8 +253,8 @@ class MoE(nn.Module):
         ys, helds, x_PI = [], [], None
         for i, e in enumerate(unique_ids):
             expert = experts[i]
-            held = hold(self.layer_idx, e, expert) if hold is not None else expert_format.Held(expert)
-            grouped = adapters[i] is None and expert_format.groupable(expert, h_TI)
+            held = hold(self.layer_idx, e, expert) if hold is not None else expert_autograd.Held(expert)
+            grouped = adapters[i] is None and expert_autograd.groupable(expert, h_TI)
             del expert  # the store may evict it while the next one loads; only `held` may keep it
             if grouped:
                 helds.append(held)
@@ -254,10 +262,10 @@ class MoE(nn.Module):
             if x_PI is None:
                 x_PI = h_TI.index_select(0, token_of).split(counts)  # one gather (and one scatter in backward)
             self._flush_frozen(ys, helds, x_PI, counts, i)
-            ys.append(expert_format.train_forward(held, x_PI[i], self.act, self.situ_betas, adapters[i]))
+            ys.append(expert_autograd.train_forward(held, x_PI[i], self.act, self.situ_betas, adapters[i]))
             del held
         if x_PI is None and helds:
-            return expert_format.frozen_moe(helds, h_TI, token_of, weights, counts, self.act,
+            return expert_autograd.frozen_moe(helds, h_TI, token_of, weights, counts, self.act,
                                             self.situ_betas).to(h_TI.dtype)
         self._flush_frozen(ys, helds, x_PI, counts, len(unique_ids))
         y_PI = torch.cat(ys) if len(ys) > 1 else ys[0] if ys else h_TI.new_zeros(0, h_TI.shape[-1])
@@ -270,7 +278,7 @@ class MoE(nn.Module):
             return
         first = end - len(helds)
         x = torch.cat(x_PI[first:end]) if end - first > 1 else x_PI[first]
-        ys.append(expert_format.frozen_group(helds, x, counts[first:end], self.act, self.situ_betas))
+        ys.append(expert_autograd.frozen_group(helds, x, counts[first:end], self.act, self.situ_betas))
         helds.clear()
 
     def _latent_resident(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor | None:
@@ -499,7 +507,7 @@ class _Group:
         self.experts.append(expert)
         self.offsets.append(self.offsets[-1] + n)
         self.nbytes += expert.nbytes
-        width = expert.fmt.width(expert)
+        width = format_of(expert).width(expert)
         pairs_bytes = self.offsets[-1] * 4 * 2 * (self.h_TI.shape[-1] + width)
         if self.nbytes >= self.GROUP_BYTES or pairs_bytes >= self.GROUP_SCRATCH:
             self.flush()
@@ -509,7 +517,7 @@ class _Group:
         """The expert's n pairs from `start`: into the group, or computed now on their own where it cannot join."""
         if not self.add(expert, start, n):
             rows = self.token_of[start : start + n]
-            y = expert(self.h_TI[rows], self.act, self.situ_betas)
+            y = format_of(expert).forward(expert, self.h_TI[rows], self.act, self.situ_betas)
             self.out_TI.index_add_(0, rows, y.float() * self.weights[start : start + n, None])
 
     def flush(self) -> None:
