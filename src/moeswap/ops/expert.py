@@ -67,7 +67,7 @@ class MXFP4ExpertWeights:
 
     @classmethod
     def unchecked(cls, parts: dict[str, torch.Tensor], nbytes: int | None = None) -> MXFP4ExpertWeights:
-        """Without __post_init__'s checks (~40 us): for tensors laid out exactly like ones that passed
+        """Without __post_init__'s checks (docs/benchmarks.md): for tensors laid out exactly like ones that passed
         them (the expert store's reads, whose layout it checked once). nbytes: theirs, if known."""
         w = cls.__new__(cls)
         w.__dict__.update(parts)
@@ -152,7 +152,7 @@ def _float_kind(w) -> str | None:
 
 
 def _mxfp4_kind(w) -> str | None:
-    return "mxfp4" if w.w1_packed.is_cpu else None  # (is_cpu: ~0.1 us, .device.type ~5 us)
+    return "mxfp4" if w.w1_packed.is_cpu else None  # is_cpu: no device object per call (docs/benchmarks.md)
 
 
 def _quant_kind(w) -> str | None:

@@ -30,7 +30,7 @@ from moeswap.ops.linear import gemm_in_bf16
 
 ENV_KERNEL = "MOESWAP_EXPERT_KERNEL"
 ROW_CHUNK_BYTES = 1 << 20  # decoded fp32 bytes per chunk in torch_rows: stays in L2
-GEMM_MIN_TOKENS = 32  # from here on an expert's tokens go to torch_rows (measured: 2.4x cpu_c at 85 tokens)
+GEMM_MIN_TOKENS = 32  # from here on an expert's tokens go to torch_rows, the faster there (docs/benchmarks.md)
 
 
 def reference(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:

@@ -24,9 +24,9 @@ from moeswap.options import GEMM_PRECISIONS
 KERNEL_MAX_ROWS = 32  # up to this many rows the kernel streams the weights once; above, GEMM wins
 
 # "bf16": CPU matmuls with bf16 weights round their inputs to bf16. More than KERNEL_MAX_ROWS rows
-# (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x fp32), outputs rounded to bf16
+# (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it), outputs rounded to bf16
 # and widened back; fewer (decode batches) run the kernel's AVX-512 BF16 dot products where the build has
-# them (fp32 sums; 1.6-2.4x the fp32 kernel at 16 rows, the same speed at one), else the fp32 kernel on
+# them (fp32 sums; faster than the fp32 kernel at many rows: docs/benchmarks.md), else the fp32 kernel on
 # the rounded inputs. llama.cpp's arithmetic class (it rounds the inputs of bf16 matmuls to bf16);
 # opt-in, the exact fp32 path is the default. Set per forward by the model. Compiled decode steps keep
 # the fp32 kernel: reading this ContextVar would break their graphs. The names: options.GEMM_PRECISIONS.
@@ -84,7 +84,7 @@ WIDEN_SCRATCH_MAX = 16 << 20  # elements (64 MiB fp32): the buffer stays, so a 1
 
 def _widened(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 copy of a bf16 CPU weight in a per-thread buffer reused by the next call: a fresh
-    allocation of that size costs page faults, ~15x the copy (6.4 against 0.4 ms for 4096 x 1024).
+    allocation of that size costs page faults, many times the copy (docs/benchmarks.md).
     The buffer is as large as the largest weight widened so far (at most WIDEN_SCRATCH_MAX elements);
     valid until the thread's next call, so only for products nothing keeps for backward."""
     buf = getattr(_scratch, "buf", None)

@@ -103,7 +103,7 @@ class WeightFormat:
         whose bytes cannot give finite weights, else None."""
         for proj in ("w1", "w3", "w2"):
             t = getattr(w, DENSE_FIELDS[proj])
-            # a NaN or Inf anywhere makes the fp32 sum non-finite, so a finite sum clears the matrix (~12x faster
+            # a NaN or Inf anywhere makes the fp32 sum non-finite, so a finite sum clears the matrix (faster
             # than isfinite on bf16, which torch does not vectorize); a sum that overflows gets the full check
             if math.isfinite(float(t.sum(dtype=torch.float32))):
                 continue
