@@ -83,6 +83,11 @@ class WeightFormat:
         """The weight as `dtype` from its stored tensors (by suffix)."""
         raise NotImplementedError
 
+    def check_stored(self, stored: Mapping[str, torch.Tensor], block: tuple[int, int] | None = None) -> None:
+        """Raises ValueError where a weight's stored tensors (by suffix) would not decode: the check for a
+        weight kept as stored (by decoding once, unless the format checks more cheaply)."""
+        self.decode(stored, torch.float32, block)
+
     def stored_specs(self, shape: tuple[int, int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         raise NotImplementedError(f"moeswap does not write {self.label} weights")
 

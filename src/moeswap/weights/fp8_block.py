@@ -110,6 +110,9 @@ class FP8BlockFormat(KeptBytesFormat):
             raise CheckpointError(f"{scale.name} in {scale.file.name} ({where}): weight_scale_inv must be a float "
                                   f"tensor, found {scale.dtype}")
 
+    def check_stored(self, stored, block=None):
+        fp8_block.check(stored["weight"], stored["weight_scale_inv"], block)
+
     def decode(self, stored, dtype, block=None):
         return fp8_block.decode(stored["weight"], stored["weight_scale_inv"], block or fp8_block.BLOCK, dtype)
 

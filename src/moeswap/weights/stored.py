@@ -20,7 +20,6 @@ from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.weights import registry
 
 
-
 @dataclass(frozen=True)
 class Declared:
     """The quantization a config.json declares: none, compressed-tensors MX, or block FP8."""
