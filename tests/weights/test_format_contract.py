@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.formats import fp8_block
@@ -21,7 +22,7 @@ from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions
 from moeswap.weights import autograd as ag
 from moeswap.weights import registry
-from moeswap.weights.dense import WeightLinear
+from moeswap.weights.dense import LinearMethod, WeightLinear, linear_method
 from moeswap.weights.floating import FloatFormat
 from moeswap.weights.format import PROJS, expect
 from moeswap.weights.registry import format_of
@@ -31,15 +32,34 @@ BETAS = (4.0, 25.0)
 SHAPES = {"w1": (F_, I), "w3": (F_, I), "w2": (I, F_)}
 
 
+class ToyLinear(LinearMethod):
+    """TOY's dense method: a Linear keeps the int16 bit patterns, multiplied as their bf16 values in fp32."""
+
+    name = "toy_bf16_bits"
+    weight_is_values = False
+
+    def keeps(self, stored, dtypes, block, compute, device):
+        return stored == self.name and compute == torch.float32
+
+    def apply(self, layer, x):
+        return F.linear(x, self.values(layer).to(x.dtype))
+
+    def values(self, layer):
+        return layer.weight_packed.view(torch.bfloat16).float()
+
+    def sources(self, layer):
+        return (layer.weight_packed,)
+
+
 class ToyFormat(FloatFormat):
-    """bf16 weights stored as their bit patterns in an int16 `weight_packed` (no scale): decoded at read,
-    its experts compute as FLOAT."""
+    """bf16 weights stored as their bit patterns in an int16 `weight_packed` (no scale): experts decoded at
+    read (computed as FLOAT), dense Linears kept as stored (ToyLinear)."""
 
     name, label = "toy_bf16_bits", "toy bf16 bits"
     suffixes = frozenset({"weight_packed"})
     main = "weight_packed"
     kept_form = None
-    linear_method = None
+    linear_method = ToyLinear()
 
     def dtypes_fit(self, dtypes):
         return dtypes["weight_packed"] == torch.int16
@@ -229,17 +249,20 @@ def test_the_dense_method_multiplies_the_decoded_weight(fmt):
 
 
 def test_a_toy_format_loads_like_the_built_in_ones(tiny_linear_dir, tmp_path, toy_registered):
-    """The tiny Kimi Linear with its bf16 routed experts rewritten in TOY: the loader takes them through the
-    registry (no other change anywhere), each expert decodes to the original values, and greedy tokens match."""
+    """The tiny Kimi Linear with its bf16 routed experts and dense Linear weights rewritten in TOY: the loader
+    takes them through the registry (no other change anywhere): each expert decodes to the original values,
+    each Linear gets TOY's method holding the checkpoint's tensor, and greedy tokens match."""
+    original, original_store = load_model(tiny_linear_dir, LoadOptions(dtype="float32"))
+    linears = {n for n, m in original.named_modules() if isinstance(m, nn.Linear) and m.bias is None}
     out = tmp_path / "toy"
     out.mkdir()
     with Checkpoint.open(tiny_linear_dir) as ckpt:
-        tensors = {}
+        tensors, rewritten = {}, set()
         for name in ckpt.names():
-            t = ckpt.read(name)
-            if ".experts." in name and name.endswith(".weight"):
-                for suffix, part in TOY.encode(t).items():
-                    tensors[name.removesuffix("weight") + suffix] = part
+            t, module = ckpt.read(name), name.removesuffix(".weight")
+            if name.endswith(".weight") and (".experts." in name or module in linears):
+                tensors.update({f"{module}.{s}": part for s, part in TOY.encode(t).items()})
+                rewritten.add(module)
             else:
                 tensors[name] = t
     specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
@@ -247,13 +270,16 @@ def test_a_toy_format_loads_like_the_built_in_ones(tiny_linear_dir, tmp_path, to
     for side in Path(tiny_linear_dir).iterdir():
         if side.suffix != ".safetensors" and side.name != "model.safetensors.index.json":
             (out / side.name).write_bytes(side.read_bytes())
-    original, original_store = load_model(tiny_linear_dir, LoadOptions(dtype="float32"))
     toy, toy_store = load_model(out, LoadOptions(dtype="float32"))
     assert toy_store.index.format is TOY
+    kept = [n for n in linears if linear_method(toy.get_submodule(n)) is TOY.linear_method]
+    assert kept and set(kept) == linears & rewritten
+    for n in kept:
+        got, want = toy.get_submodule(n), original.get_submodule(n)
+        assert torch.equal(linear_method(got).values(got), linear_method(want).values(want).float()), n
     layer = next(b.layer_idx for b in toy.moe_blocks())
     (a,), (b,) = original_store.fetch(layer, [0]), toy_store.fetch(layer, [0])
     for p in PROJS:
         assert torch.equal(format_of(a).weight(a, p, torch.float32), format_of(b).weight(b, p, torch.float32)), p
     cfg = GenerationConfig(max_tokens=6, stop_ids=())
     assert generate(toy, [5, 9, 2], cfg).tokens == generate(original, [5, 9, 2], cfg).tokens
-

@@ -160,15 +160,17 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         fmt, names = stored.get(module, (FLOAT, {"weight": name}))
         method = _dense_method(model, ckpt, fmt, names, target, config, dtype, device, dense_weights)
         tensors = _read_dense(ckpt, name, fmt, names, config, decode=method is FLOAT_LINEAR)
-        tensor = arch.sanitize(target, tensors["weight"], config)
-        if tuple(tensor.shape) != tuple(param.shape):
+        main = "weight" if method is FLOAT_LINEAR else fmt.main  # decoded, or as stored
+        tensor = arch.sanitize(target, tensors[main], config)
+        shape = tensor.shape if main == "weight" else fmt.logical_shape({s: ckpt.info(n) for s, n in names.items()})
+        if tuple(shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name} in {info.file.name}: expected shape {list(param.shape)} from config.json, "
                 f"found {list(info.shape)}")
         if method is FLOAT_LINEAR:
             _set_param(model, target, tensor, dtype, device)
         else:
-            _install(model, target, method, {**tensors, "weight": tensor}, device)
+            _install(model, target, method, {**tensors, main: tensor}, device)
         filled.add(target)
     missing = sorted(set(params) - filled)
     if missing:

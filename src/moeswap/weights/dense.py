@@ -41,7 +41,10 @@ class LinearMethod:
         return False
 
     def load_weights(self, layer: nn.Linear, tensors: Mapping[str, torch.Tensor], device: str) -> None:
-        """The layer's parameters from its stored tensors (by suffix, the checkpoint's own names)."""
+        """The layer's parameters from its stored tensors (by suffix, the checkpoint's own names; a format
+        without a `weight` tensor leaves the layer none)."""
+        if "weight" not in tensors:
+            del layer._parameters["weight"]
         for suffix, t in tensors.items():
             layer._parameters[suffix] = nn.Parameter(t.to(device).contiguous(), requires_grad=False)
 
@@ -61,8 +64,13 @@ class LinearMethod:
         return (layer.weight,)
 
     def with_values(self, layer: nn.Linear) -> nn.Linear:
-        """`layer` as a Linear whose `weight` holds values (what LoRA wrappers read and merge into)."""
-        return layer
+        """`layer` as a Linear whose `weight` holds values (what LoRA wrappers read and merge into): itself, or a
+        plain fp32 Linear of its decoded weight."""
+        if self.weight_is_values:
+            return layer
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+        plain.weight = nn.Parameter(self.values(layer), requires_grad=False)
+        return plain
 
 
 class FloatLinear(LinearMethod):

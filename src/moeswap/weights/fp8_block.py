@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import CheckpointError
@@ -53,11 +52,6 @@ class FP8BlockKeptLinear(LinearMethod):
 
     def sources(self, layer):
         return layer.weight, layer.weight_scale_inv
-
-    def with_values(self, layer):
-        plain = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
-        plain.weight = nn.Parameter(self.values(layer), requires_grad=False)
-        return plain
 
 
 FP8_BLOCK_KEPT = FP8BlockKeptLinear()
