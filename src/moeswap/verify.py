@@ -19,12 +19,7 @@ import torch
 
 from moeswap.config import load_config
 from moeswap.formats import compressed_tensors as ct
-from moeswap.formats.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    TensorInfo,
-    pread_into,
-)
+from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo, pread_into
 from moeswap.formats.files import escape_reason
 from moeswap.weights.stored import Declared, group_modules, storage_of
 

@@ -12,12 +12,7 @@ import torch
 from moeswap.formats import fp8_block, int4, mxfp4
 from moeswap.ops import cpu_kernels, expert_mxfp4
 from moeswap.ops.activation import glu_reference
-from moeswap.ops.expert import (
-    ExpertWeights,
-    FP8ExpertWeights,
-    Int4ExpertWeights,
-    MXFP4ExpertWeights,
-)
+from moeswap.ops.expert import ExpertWeights, FP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights
 from moeswap.weights.registry import format_of
 
 BUILDS = cpu_kernels.build_variants()

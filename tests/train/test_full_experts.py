@@ -11,12 +11,7 @@ import torch
 
 from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions
-from moeswap.train.experts import (
-    TrainableExperts,
-    balance_routers,
-    make_experts_trainable,
-    moe_blocks,
-)
+from moeswap.train.experts import TrainableExperts, balance_routers, make_experts_trainable, moe_blocks
 from moeswap.train.loop import train
 from moeswap.weights.registry import format_of
 

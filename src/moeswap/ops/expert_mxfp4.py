@@ -132,9 +132,7 @@ def triton(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> 
 
 
 def _triton_available() -> bool:
-    from moeswap.ops import (
-        triton_mxfp4,  # imports triton: only asked for where CUDA tensors are about
-    )
+    from moeswap.ops import triton_mxfp4  # imports triton: only asked for where CUDA tensors are about
 
     return triton_mxfp4.available()
 

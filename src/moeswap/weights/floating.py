@@ -14,14 +14,7 @@ from moeswap.ops.activation import glu
 from moeswap.ops.expert import ExpertWeights
 from moeswap.ops.linear import linear
 from moeswap.weights.dense import LinearMethod
-from moeswap.weights.format import (
-    DENSE_FIELDS,
-    FP8_DTYPES,
-    ROW_CHUNK_BYTES,
-    WeightFormat,
-    expect,
-    placed,
-)
+from moeswap.weights.format import DENSE_FIELDS, FP8_DTYPES, ROW_CHUNK_BYTES, WeightFormat, expect, placed
 
 
 def keeps_bf16(stored: torch.dtype, compute: torch.dtype, device) -> bool:

@@ -25,13 +25,7 @@ from torch import nn
 from moeswap.config import ModelConfig
 from moeswap.experts.hybrid import fetch_step
 from moeswap.models import routed_expert_shapes
-from moeswap.models.layers.basic import (
-    GatedMLP,
-    RMSNorm,
-    adapter_split,
-    derived,
-    unadapted,
-)
+from moeswap.models.layers.basic import GatedMLP, RMSNorm, adapter_split, derived, unadapted
 from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA, ExpertLoRASlots
 from moeswap.ops import cpu_kernels, expert_mxfp4
 from moeswap.ops.cpu_kernels import grouped_kind
