@@ -26,6 +26,9 @@ Adapter = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # (projection, i
 
 
 class WeightFormat:
+    """One way a checkpoint stores a linear weight. Subclass it in one file, make one object, and
+    `registry.register` it: the loader, the expert store, quantize and the contract tests then take it."""
+
     name = ""  # its key in registry.FORMATS (weights.stored.StoredWeight.kind)
     label = ""  # in messages
     suffixes: frozenset[str] = frozenset()  # the tensors one weight is stored as, by name suffix
@@ -37,7 +40,6 @@ class WeightFormat:
     byte_limit: tuple[str, int] | None = None
     kept_form: type | None = None  # the ops.expert form this format computes (registry.format_of), if any
     linear_method = None  # the weights.dense.LinearMethod that keeps a dense weight of this format as stored
-
 
     def __repr__(self) -> str:
         return f"<{self.label} weight format>"
