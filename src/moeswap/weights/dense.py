@@ -8,6 +8,7 @@ format's file; registry.choose_linear_method picks one at load.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -116,12 +117,12 @@ def kernel_of(module: nn.Module) -> str | None:
 
 def weight_values(module: nn.Module) -> torch.Tensor:
     """A Linear's weight as values (block-FP8 codes decoded), whatever its method; a wrapper's `weight` as it is."""
-    return (linear_method(module) or FLOAT_LINEAR).values(module)
+    return (linear_method(module) or FLOAT_LINEAR).values(cast(nn.Linear, module))
 
 
 def weight_sources(module: nn.Module) -> tuple[torch.Tensor, ...]:
     """The parameters a Linear's weight values come from (a wrapper's: its `weight`)."""
-    return (linear_method(module) or FLOAT_LINEAR).sources(module)
+    return (linear_method(module) or FLOAT_LINEAR).sources(cast(nn.Linear, module))
 
 
 def with_weight_values(module: nn.Linear) -> nn.Linear:

@@ -42,8 +42,8 @@ BF16_STORED = BF16StoredLinear()
 class FloatFormat(WeightFormat):
     name, label = "float", "float"
     suffixes = frozenset({"weight"})
-    kept_form = ExpertWeights  # every decoded expert computes as FLOAT
-    linear_method = BF16_STORED
+    kept_form: type | None = ExpertWeights  # every decoded expert computes as FLOAT
+    linear_method: LinearMethod | None = BF16_STORED
 
     def dtypes_fit(self, dtypes):
         return dtypes["weight"].is_floating_point and dtypes["weight"] not in FP8_DTYPES

@@ -15,6 +15,7 @@ import torch
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from moeswap.ops.activation import glu_reference
 from moeswap.ops.expert import ExpertWeights, tensors
+from moeswap.weights.dense import LinearMethod
 
 PROJS = ("w1", "w2", "w3")  # gate, down, up
 DENSE_FIELDS = {"w1": "w1_FI", "w3": "w3_FI", "w2": "w2_IF"}  # ExpertWeights' field of each projection
@@ -39,7 +40,7 @@ class WeightFormat:
     # above limit; that is all check_finite looks for, so a reader may check it on its own thread
     byte_limit: tuple[str, int] | None = None
     kept_form: type | None = None  # the ops.expert form this format computes (registry.format_of), if any
-    linear_method = None  # the weights.dense.LinearMethod that keeps a dense weight of this format as stored
+    linear_method: LinearMethod | None = None  # the dense method that keeps a weight of this format as stored
 
     def __repr__(self) -> str:
         return f"<{self.label} weight format>"

@@ -11,6 +11,7 @@ import torch
 
 from moeswap.ops import expert_quant
 from moeswap.ops.expert import ExpertWeights
+from moeswap.weights.dense import LinearMethod
 from moeswap.weights.floating import FloatFormat
 from moeswap.weights.format import PROJS, placed
 
@@ -20,8 +21,8 @@ class KeptBytesFormat(FloatFormat):
     unless decoded copies are asked for, computed from them by ops.expert_quant (csrc/quant.c)."""
 
     keeps_bytes = True
-    kept_form: type = object
-    linear_method = None
+    kept_form: type | None = object
+    linear_method: LinearMethod | None = None
     scale_suffix = ""
 
     def _kept(self, parts: Mapping[str, torch.Tensor]):

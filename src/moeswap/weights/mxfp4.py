@@ -56,7 +56,7 @@ class MXFP4Format(MXFormat):
         exactly like one that passed MXFP4ExpertWeights' checks, and then `nbytes` (their bytes, if the
         caller knows them) spares counting them."""
         if checked:
-            return MXFP4ExpertWeights.unchecked(views, nbytes)
+            return MXFP4ExpertWeights.unchecked(dict(views), nbytes)
         return MXFP4ExpertWeights(**views)
 
     def check_finite(self, w, names):

@@ -10,6 +10,7 @@ import torch
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mxfp8
 from moeswap.formats.checkpoint import CheckpointError
+from moeswap.weights.dense import LinearMethod
 from moeswap.weights.floating import FloatFormat
 from moeswap.weights.format import FP8_DTYPES, SCALE_DTYPES, expect
 
@@ -17,7 +18,7 @@ from moeswap.weights.format import FP8_DTYPES, SCALE_DTYPES, expect
 class MXFormat(FloatFormat):
     """The compressed-tensors MX formats: E8M0 scale bytes per 32 weights, declared in config.json."""
 
-    linear_method = None  # dense MX weights are decoded at load
+    linear_method: LinearMethod | None = None  # dense MX weights are decoded at load
 
     def check_dtypes(self, dtypes, where):
         if dtypes["weight_scale"] not in SCALE_DTYPES:

@@ -42,7 +42,7 @@ def unregister(name: str) -> None:
     """Removes a registered format (tests that register a toy one)."""
     fmt = FORMATS.pop(name)
     del BY_SUFFIXES[fmt.suffixes]
-    if BY_FORM.get(fmt.kept_form) is fmt:
+    if fmt.kept_form is not None and BY_FORM.get(fmt.kept_form) is fmt:
         del BY_FORM[fmt.kept_form]
     if fmt.linear_method is not None and LINEAR_METHODS.get(fmt.linear_method.name) is fmt.linear_method:
         del LINEAR_METHODS[fmt.linear_method.name]
