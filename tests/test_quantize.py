@@ -73,6 +73,7 @@ def test_bf16_to_mxfp4_writes_a_valid_checkpoint(tiny_linear_dir, linear_mxfp4):
 def test_output_loads_and_runs_in_moeswap(which, request):
     from moeswap.experts.source import ExpertIndex, load_expert
     from moeswap.ops.expert import ExpertWeights
+    from moeswap.weights.registry import run_expert
 
     report = request.getfixturevalue(which)
     fmt = "mxfp8" if which.endswith("8") else "mxfp4"
@@ -92,8 +93,8 @@ def test_output_loads_and_runs_in_moeswap(which, request):
         assert torch.equal(expert.w2_IF, decoded["w2"]) and torch.equal(expert.w1_FI, decoded["w1"])
     # Whatever form the store keeps it in, the expert computes what its decoded weights do.
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    fetched = store.fetch(1, [3])[0](x, "silu", (4.0, 25.0))
-    expected = ExpertWeights(decoded["w1"], decoded["w3"], decoded["w2"])(x, "silu", (4.0, 25.0))
+    fetched = run_expert(store.fetch(1, [3])[0], x, "silu", (4.0, 25.0))
+    expected = run_expert(ExpertWeights(decoded["w1"], decoded["w3"], decoded["w2"]), x, "silu", (4.0, 25.0))
     torch.testing.assert_close(fetched, expected, rtol=1e-5, atol=1e-6)
 
 

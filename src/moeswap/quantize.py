@@ -32,10 +32,12 @@ from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import mx
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.formats.files import confined, read_json
-from moeswap.formats.weights import Declared, StoredWeight, group_modules, storage_of
 from moeswap.formats.writer import layout, write_index, write_shard
-from moeswap.ops import expert_format
-from moeswap.ops.expert_format import ExpertFormat
+from moeswap.weights import registry
+from moeswap.weights.floating import FLOAT
+from moeswap.weights.format import WeightFormat
+from moeswap.weights.fp8_block import FP8_BLOCK
+from moeswap.weights.stored import Declared, StoredWeight, group_modules, storage_of
 
 # Routed experts (K3 / Kimi Linear w1-w3, DeepSeek gate/up/down_proj); `shared_experts.*` never matches.
 EXPERT_PATTERN = r"(?:.*\.)?experts\.\d+\.(?:w[123]|gate_proj|up_proj|down_proj)"
@@ -127,7 +129,7 @@ class _Plan:
             units = shards.setdefault(file.name, [])
             for name in sorted(by_file[file], key=lambda n: ckpt.info(n).offset):
                 module = owner.get(name)
-                if module is None or (module not in experts and weights[module].format is expert_format.FLOAT):
+                if module is None or (module not in experts and weights[module].format is FLOAT):
                     info = ckpt.info(name)
                     units.append(_Unit({name: (info.dtype, info.shape)}, "copy"))
                     continue
@@ -144,7 +146,7 @@ class _Plan:
         return cls(ckpt, declared, fmt, shards, ignore, len(experts))
 
     @staticmethod
-    def _module_unit(ckpt: Checkpoint, weight: StoredWeight, is_expert: bool, target: ExpertFormat) -> _Unit:
+    def _module_unit(ckpt: Checkpoint, weight: StoredWeight, is_expert: bool, target: WeightFormat) -> _Unit:
         if not is_expert and weight.format is target:  # block FP8 into block FP8: the config still declares it
             return _Unit({n: (ckpt.info(n).dtype, ckpt.info(n).shape) for n in weight.tensors.values()}, "keep", weight)
         if not is_expert:  # a quantised dense weight: written dequantised (the new config leaves it unquantised)
@@ -214,7 +216,7 @@ class _Plan:
             return {f"{weight.module}.weight": w}
         # Float sources are encoded in their own dtype (bit-identical to compressed-tensors for bf16 inputs);
         # quantised ones from their exact fp32 decoding.
-        if weight.format is expert_format.FLOAT:
+        if weight.format is FLOAT:
             w = self.ckpt.read(weight.tensors["weight"])
             self._check_finite(w, repr(weight.tensors["weight"]))
         else:
@@ -245,13 +247,13 @@ class _Plan:
                               f"source checkpoint is damaged: re-download or re-convert it (nothing was written)")
 
 
-def _target(fmt: str) -> ExpertFormat:
-    return expert_format.FP8_BLOCK if fmt == FP8 else expert_format.FORMATS[fmt]
+def _target(fmt: str) -> WeightFormat:
+    return FP8_BLOCK if fmt == FP8 else registry.FORMATS[fmt]
 
 
-def _check_expert_shape(ckpt: Checkpoint, weight: StoredWeight, target: ExpertFormat) -> None:
+def _check_expert_shape(ckpt: Checkpoint, weight: StoredWeight, target: WeightFormat) -> None:
     shape = weight.shape(ckpt)
-    if target is expert_format.FP8_BLOCK and len(shape) == 2:  # any shape: edge blocks are partial
+    if target is FP8_BLOCK and len(shape) == 2:  # any shape: edge blocks are partial
         return
     if len(shape) != 2 or shape[1] % mx.BLOCK:
         raise ValueError(f"routed expert {weight.module}: shape {list(shape)} cannot be stored as "

@@ -21,7 +21,7 @@ from moeswap.config import load_config
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError, TensorInfo, pread_into
 from moeswap.formats.files import escape_reason
-from moeswap.formats.weights import Declared, group_modules, storage_of
+from moeswap.weights.stored import Declared, group_modules, storage_of
 
 # A block's E8M0 scale is 2^(floor(log2 amax) - emax), emax 2 for FP4 and 8 for E4M3 elements. Trained
 # weights have block maxima of about 2^-20 to 2^10, so their scales lie within 2^-28..2^8; the window

@@ -15,6 +15,7 @@ from moeswap.experts import executors
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
 from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.weights.registry import format_of
 
 CFG = GenerationConfig(max_tokens=10, stop_ids=())
 
@@ -264,5 +265,5 @@ def test_a_group_takes_only_consecutive_pairs():
         if e != 1:
             for p in range(start, start + n):
                 t = int(token_of[p])
-                want[t] += weights[p] * experts[e].fmt.reference(experts[e], h[t:t + 1], "silu", (4.0, 25.0))[0]
+                want[t] += weights[p] * format_of(experts[e]).reference(experts[e], h[t:t + 1], "silu", (4.0, 25.0))[0]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

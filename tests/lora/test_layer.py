@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from moeswap.lora import LoRALinear
-from moeswap.ops.linear import StoredWeightLinear
+from moeswap.weights.dense import WeightLinear
+from moeswap.weights.floating import BF16_STORED
 
 
 def make(base_cls=nn.Linear, dtype=torch.float32, r=4, alpha=8.0, **kw) -> LoRALinear:
@@ -52,8 +53,8 @@ def test_forward_is_the_definition(use_rslora):
 
 
 def test_bf16_stored_weight_runs_as_ops_linear():
-    """A bf16 weight kept as stored (StoredWeightLinear) under fp32 math: the base part is ops.linear's."""
-    lora = make(StoredWeightLinear, torch.bfloat16)
+    """A bf16 weight kept as stored (weights.floating.BF16_STORED) under fp32 math: the base part is ops.linear's."""
+    lora = make(lambda i, o, bias: WeightLinear(i, o, BF16_STORED), torch.bfloat16)
     assert lora.lora_A.weight.dtype == torch.float32  # LoRA tensors stay fp32, as PEFT keeps them
     for rows in (1, 40):  # the decode kernel and the GEMM path
         x = torch.randn(rows, 24)

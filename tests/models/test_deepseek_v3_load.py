@@ -15,7 +15,8 @@ from moeswap import archs
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
 from moeswap.ops import cpu_kernels
-from moeswap.ops.linear import FP8BlockLinear
+from moeswap.weights.dense import kernel_of
+from moeswap.weights.registry import format_of
 from moeswap.experts.keys import Key
 from moeswap.tiny import write_tiny_model
 
@@ -32,7 +33,7 @@ def _decoded(ckpt: Checkpoint, module: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("dense_weights", ["auto", "compute"])
 def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights):
-    """Dense block-FP8 Linears: kept as their stored codes and scales (FP8BlockLinear, whose values are the
+    """Dense block-FP8 Linears: kept as their stored codes and scales (weights.fp8_block's method, whose values are the
     decoded ones) on the CPU by default; decoded to fp32 parameters under --dense-weights compute."""
     model, store = load_model(fp8_tiny, LoadOptions(dtype="float32", dense_weights=dense_weights))
     params = dict(model.named_parameters())
@@ -46,10 +47,10 @@ def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights)
             if dense_weights == "compute" or cpu_kernels.kernel() is None:
                 assert type(linear) is torch.nn.Linear and torch.equal(params[target], _decoded(ckpt, module)), module
                 continue
-            assert isinstance(linear, FP8BlockLinear), module
+            assert kernel_of(linear) == "fp8", module
             assert torch.equal(params[target].view(torch.uint8), ckpt.read(module + ".weight").view(torch.uint8))
             assert torch.equal(params[target + "_scale_inv"], ckpt.read(module + ".weight_scale_inv"))
-            assert torch.equal(linear.dense_weight(), _decoded(ckpt, module)), module
+            assert torch.equal(linear.method.values(linear), _decoded(ckpt, module)), module
         assert ckpt.info("lm_head.weight").dtype == torch.bfloat16  # not quantised, as published
         layer = next(i for i, k in enumerate(model.config.mlp_kinds) if k == "moe")
         (expert,) = store.fetch(layer, [5])
@@ -59,7 +60,7 @@ def test_block_fp8_weights_load_as_their_decoded_values(fp8_tiny, dense_weights)
             want = _decoded(ckpt, f"model.layers.{layer}.mlp.experts.5.{proj}")
             assert torch.equal(getattr(expert, f"{mat}_weight").view(torch.uint8),
                                ckpt.read(f"model.layers.{layer}.mlp.experts.5.{proj}.weight").view(torch.uint8))
-            assert torch.equal(expert.fmt.weight(expert, mat, torch.float32), want), proj
+            assert torch.equal(format_of(expert).weight(expert, mat, torch.float32), want), proj
 
 
 def test_block_fp8_model_decodes_incrementally_with_an_evicting_expert_cache(fp8_tiny):
@@ -188,7 +189,7 @@ def test_int4_experts_load_as_compressed_tensors_decodes_them(tmp_path):
         (expert,) = store.fetch(2, [9])
         assert isinstance(expert, Int4ExpertWeights)
         assert torch.equal(expert.w2_packed, stored["weight_packed"]) and torch.equal(expert.w2_scale, stored["weight_scale"])
-        assert torch.equal(expert.fmt.weight(expert, "w2", torch.float32), ct.decode_weight("int4", stored, torch.float32))
+        assert torch.equal(format_of(expert).weight(expert, "w2", torch.float32), ct.decode_weight("int4", stored, torch.float32))
         assert ckpt.info("model.layers.2.mlp.shared_experts.up_proj.weight").dtype == torch.bfloat16
     if cpu_kernels.kernel() is not None:
         fuse_projections(model)

@@ -26,6 +26,7 @@ from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
 from moeswap.ops.activation import glu
 from moeswap.ops.expert import ExpertWeights
+from moeswap.weights.registry import run_expert
 from moeswap.tiny import tiny_config, write_tiny_model
 
 EPS = 1e-5  # rms_norm_eps, o_norm eps and the attn-res rmsnorm eps of the spec
@@ -142,7 +143,7 @@ def test_expert_weights_compute_w2_act_w1_times_w3():
     for t in range(5):
         hid = ref_situ_glu(w1.double() @ x[t].double(), w3.double() @ x[t].double())
         want[t] = w2.double() @ hid
-    assert_close(ExpertWeights(w1, w3, w2)(x, "situ", (4.0, 25.0)), want)
+    assert_close(run_expert(ExpertWeights(w1, w3, w2), x, "situ", (4.0, 25.0)), want)
 
 
 # ----------------------------------------------------------------------------- 2. KDA

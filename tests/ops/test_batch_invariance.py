@@ -13,6 +13,7 @@ from moeswap.formats import fp8_block, int4, mxfp4
 from moeswap.ops import cpu_kernels, expert_mxfp4, kernel_experts
 from moeswap.ops.activation import glu_reference
 from moeswap.ops.expert import ExpertWeights, FP8ExpertWeights, Int4ExpertWeights, MXFP4ExpertWeights
+from moeswap.weights.registry import format_of
 
 BUILDS = cpu_kernels.build_variants()
 BUILD_IDS = ["native" if f is None else " ".join(f) for f in BUILDS]
@@ -92,7 +93,7 @@ def _expert_reference(kind: str, w, x_TI: torch.Tensor) -> torch.Tensor:
     if kind == "mxfp4":
         return expert_mxfp4.reference(w, x_TI, "situ", BETAS)
     if kind in ("fp8", "int4"):
-        return w.fmt.reference(w, x_TI, "situ", BETAS)
+        return format_of(w).reference(w, x_TI, "situ", BETAS)
     return glu_reference("situ", x_TI @ w.w1_FI.float().T, x_TI @ w.w3_FI.float().T, BETAS) @ w.w2_IF.float().T
 
 

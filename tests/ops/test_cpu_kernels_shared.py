@@ -12,7 +12,8 @@ import pytest
 
 from moeswap.engine import native_step
 from moeswap.experts import incall, reads
-from moeswap.ops import cpu_kernels, expert_format, expert_mxfp4, expert_quant, kernel_abi, linear, native_build
+from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant, kernel_abi, linear, native_build
+from moeswap.weights import format as weight_format
 from moeswap.ops.kernel_library import MXFP4_Q8, resident_format_code
 from moeswap.planner import roofline
 
@@ -166,12 +167,12 @@ def test_constants_have_one_source():
     assert dict(kernel_abi.abi().layer_fields)["load_row"] == ctypes.c_int64 * c["TABLE_ROW"]
     assert linear.KERNEL_MAX_ROWS == roofline.NATIVE_MAX_TOKENS == c["DENSE_KERNEL_MAX_ROWS"]
     assert expert_mxfp4.GEMM_MIN_TOKENS == c["EXPERT_GEMM_MIN_ROWS"]
-    assert (expert_format.ROW_CHUNK_BYTES == expert_mxfp4.ROW_CHUNK_BYTES == expert_quant.ROW_CHUNK_BYTES
+    assert (weight_format.ROW_CHUNK_BYTES == expert_mxfp4.ROW_CHUNK_BYTES == expert_quant.ROW_CHUNK_BYTES
             == c["ROW_CHUNK_BYTES"])
     from moeswap.lora.targets import EXPERT_PROJECTIONS
     from moeswap.models.layers.expert_lora import PROJS
 
-    assert expert_format.PROJS == PROJS == EXPERT_PROJECTIONS == kernel_abi.EXPERT_PROJS == ("w1", "w2", "w3")
+    assert weight_format.PROJS == PROJS == EXPERT_PROJECTIONS == kernel_abi.EXPERT_PROJS == ("w1", "w2", "w3")
     assert kernel_abi.KERNEL_PROJS == ("w1", "w3", "w2")
 
 

@@ -244,13 +244,14 @@ def test_gated_mlp_in_one_call_gives_the_three_calls_outputs(act, monkeypatch):
     bf16_linear, glu, bf16_linear for SiTU (its C glu either way); SiLU's three-call path uses torch's silu."""
     from moeswap.models.layers import basic
     from moeswap.models.layers.basic import GatedMLP
-    from moeswap.ops.linear import StoredWeightLinear
+    from moeswap.weights.dense import WeightLinear
+    from moeswap.weights.floating import BF16_STORED
 
     g = torch.Generator().manual_seed(9)
     mlp = GatedMLP(64, 96, act, (4.0, 25.0))
     for name in ("gate_proj", "up_proj", "down_proj"):
         old = getattr(mlp, name)
-        new = StoredWeightLinear(old.in_features, old.out_features, bias=False)
+        new = WeightLinear(old.in_features, old.out_features, BF16_STORED)
         new.weight = nn.Parameter(torch.randn(old.weight.shape, generator=g).bfloat16(), requires_grad=False)
         setattr(mlp, name, new)
     mlp.fuse_projections()

@@ -12,6 +12,7 @@ from moeswap.formats import mxfp4
 from moeswap.ops import cpu_kernels, kernel_experts, native_build
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
+from moeswap.weights.registry import run_expert
 
 BETAS = (4.0, 25.0)
 
@@ -115,13 +116,13 @@ def test_select_and_overrides(monkeypatch):
     assert em.select("reference") is em.reference
     monkeypatch.setenv(em.ENV_KERNEL, "reference")
     assert em.select() is em.reference
-    assert torch.equal(w(x, "silu", BETAS), em.reference(w, x, "silu", BETAS))  # MXFP4ExpertWeights uses select()
+    assert torch.equal(run_expert(w, x, "silu", BETAS), em.reference(w, x, "silu", BETAS))  # the MXFP4 format runs select()
     monkeypatch.setenv(em.ENV_KERNEL, "fastest")
     with pytest.raises(ValueError, match="unknown expert kernel 'fastest'.*reference, torch_rows, cpu_c"):
-        w(x, "silu", BETAS)
+        run_expert(w, x, "silu", BETAS)
     monkeypatch.delenv(em.ENV_KERNEL)
     assert em.best_name() == ("cpu_c" if em.available()["cpu_c"] else "torch_rows")
-    assert_matches(w(x, "situ", BETAS), em.reference(w, x, "situ", BETAS), torch.float32)
+    assert_matches(run_expert(w, x, "situ", BETAS), em.reference(w, x, "situ", BETAS), torch.float32)
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
@@ -132,7 +133,7 @@ def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path):
     w = random_expert(64, 64)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
     with pytest.warns(RuntimeWarning, match="CPU kernels unavailable, using the plain torch paths"):
-        out = w(x, "situ", BETAS)
+        out = run_expert(w, x, "situ", BETAS)
     assert_matches(out, em.reference(w, x, "situ", BETAS), torch.float32)
     assert em.best_name() == "torch_rows"
     with pytest.raises(RuntimeError, match="'cpu_c' was asked for but is not available here"):

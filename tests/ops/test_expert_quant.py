@@ -13,8 +13,12 @@ import pytest
 import torch
 
 from moeswap.formats import fp8_block, int4
-from moeswap.ops import cpu_kernels, expert_format, expert_quant
+from moeswap.ops import cpu_kernels, expert_quant
 from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
+from moeswap.weights.autograd import Held, train_forward
+from moeswap.weights.fp8_block import FP8_BLOCK
+from moeswap.weights.int4 import INT4
+from moeswap.weights.registry import format_of, run_expert
 
 BUILDS = cpu_kernels.build_variants(without_vbmi=True)
 BUILD_IDS = ["native" if f is None else " ".join(f) for f in BUILDS]
@@ -143,24 +147,24 @@ def test_experts_and_projections_match_decode_then_matmul(kind):
     gen = torch.Generator().manual_seed(5)
     F, I = 160, 288  # partial 128 x 128 blocks both ways
     w = _random_fp8_expert(F, I, gen) if kind == "fp8-random" else _expert(kind, F, I, gen)
-    assert w.fmt is (expert_format.FP8_BLOCK if kind.startswith("fp8") else expert_format.INT4)
+    assert format_of(w) is (FP8_BLOCK if kind.startswith("fp8") else INT4)
     if kind.startswith("fp8"):
         assert w.nbytes == 3 * F * I + 4 * 3 * 2 * 3  # the codes, and 2 x 3 fp32 scales per matrix
     else:
         assert w.nbytes == 3 * F * I // 2 + 2 * 3 * F * I // 32
     for T in (1, 5, 40):  # 40: the GEMM path
         x = torch.randn(T, I, generator=gen)
-        want = w.fmt.reference(w, x, "situ", BETAS)
-        got = w(x, "situ", BETAS)
+        want = format_of(w).reference(w, x, "situ", BETAS)
+        got = run_expert(w, x, "situ", BETAS)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())  # summation order
         for proj, inp in (("w1", x), ("w2", torch.randn(T, F, generator=gen))):
-            W = w.fmt.weight(w, proj, torch.float64)
-            y = w.fmt.project_forward(w, proj, inp)
+            W = format_of(w).weight(w, proj, torch.float64)
+            y = format_of(w).project_forward(w, proj, inp)
             torch.testing.assert_close(y.double(), inp.double() @ W.T, rtol=1e-5, atol=1e-5 * y.abs().max().item())
             dy = torch.randn(T, W.shape[0], dtype=torch.float64, generator=gen)
-            torch.testing.assert_close(w.fmt.project_backward(w, proj, dy), dy @ W)  # float64: exact decoding
+            torch.testing.assert_close(format_of(w).project_backward(w, proj, dy), dy @ W)  # float64: exact decoding
     bf = torch.randn(3, I, generator=gen).bfloat16()  # bf16 inputs: computed in fp32, close to the bf16 reference
-    torch.testing.assert_close(w(bf, "silu", BETAS).float(), w.fmt.reference(w, bf.float(), "silu", BETAS),
+    torch.testing.assert_close(run_expert(w, bf, "silu", BETAS).float(), format_of(w).reference(w, bf.float(), "silu", BETAS),
                                rtol=2e-2, atol=2e-2)
 
 
@@ -168,10 +172,10 @@ def test_expert_under_autograd_gives_the_input_gradient_of_its_decoded_weights()
     gen = torch.Generator().manual_seed(6)
     w = _expert("int4", 64, 96, gen)
     x = torch.randn(3, 96, dtype=torch.float64, generator=gen, requires_grad=True)
-    y = expert_format.train_forward(expert_format.Held(w), x, "silu", BETAS)
+    y = train_forward(Held(w), x, "silu", BETAS)
     y.sum().backward()
     x2 = x.detach().clone().requires_grad_()
-    mats = {p: w.fmt.weight(w, p, torch.float64) for p in ("w1", "w3", "w2")}
+    mats = {p: format_of(w).weight(w, p, torch.float64) for p in ("w1", "w3", "w2")}
     from moeswap.ops.activation import glu_reference
     (glu_reference("silu", x2 @ mats["w1"].T, x2 @ mats["w3"].T, BETAS) @ mats["w2"].T).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
@@ -182,17 +186,17 @@ def test_kept_bytes_that_cannot_give_finite_weights_are_named():
     names = {p: {"weight": f"{p}.weight", "weight_scale_inv": f"{p}.weight_scale_inv", "weight_packed": f"{p}.packed",
                  "weight_scale": f"{p}.weight_scale"} for p in ("w1", "w2", "w3")}
     w = _expert("fp8", 64, 64, gen)
-    assert expert_format.FP8_BLOCK.check_finite(w, names) is None
+    assert FP8_BLOCK.check_finite(w, names) is None
     w.w3_weight.view(torch.uint8)[5, 7] = 0xFF
-    name, proj, what = expert_format.FP8_BLOCK.check_finite(w, names)
+    name, proj, what = FP8_BLOCK.check_finite(w, names)
     assert (name, proj) == ("w3.weight", "w3") and "NaN codes" in what and "[5, 7]" in what
     w = _expert("fp8", 64, 64, gen)
     w.w2_scale_inv[0, 0] = 1e36  # 448 * 1e36 overflows fp32
-    assert expert_format.FP8_BLOCK.check_finite(w, names)[:2] == ("w2.weight_scale_inv", "w2")
+    assert FP8_BLOCK.check_finite(w, names)[:2] == ("w2.weight_scale_inv", "w2")
     v = _expert("int4", 64, 64, gen)
-    assert expert_format.INT4.check_finite(v, names) is None
+    assert INT4.check_finite(v, names) is None
     v.w1_scale[3, 1] = float("inf")
-    name, proj, what = expert_format.INT4.check_finite(v, names)
+    name, proj, what = INT4.check_finite(v, names)
     assert (name, proj) == ("w1.weight_scale", "w1") and "[3, 1]" in what
 
 
@@ -203,9 +207,9 @@ def test_kernel_is_not_used_where_it_does_not_apply():
     w = _expert("fp8", 48, 80, gen)
     assert expert_quant.group_kind(w) is None
     x = torch.randn(2, 80, generator=gen)
-    torch.testing.assert_close(w(x, "silu", BETAS), w.fmt.reference(w, x, "silu", BETAS))
+    torch.testing.assert_close(run_expert(w, x, "silu", BETAS), format_of(w).reference(w, x, "silu", BETAS))
     q, s = int4.encode(torch.randn(64, 64, generator=gen), scale_dtype=torch.float16)
     v = Int4ExpertWeights(q, s, q.clone(), s.clone(), q.clone(), s.clone())
     assert expert_quant.group_kind(v) is None
     x = torch.randn(2, 64, generator=gen)
-    torch.testing.assert_close(v(x, "silu", BETAS), v.fmt.reference(v, x, "silu", BETAS))
+    torch.testing.assert_close(run_expert(v, x, "silu", BETAS), format_of(v).reference(v, x, "silu", BETAS))

@@ -13,7 +13,8 @@ from torch import nn
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
-from moeswap.ops.linear import KERNEL_MAX_ROWS, StoredWeightLinear, linear
+from moeswap.ops.linear import KERNEL_MAX_ROWS, linear
+from moeswap.weights.dense import WeightLinear, kernel_of
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 100])
@@ -42,7 +43,7 @@ def test_loader_keeps_bf16_linear_weights_and_tokens_do_not_change(tiny_k3_dir):
     stored, _ = load_model(tiny_k3_dir)
     converted, _ = load_model(tiny_k3_dir, LoadOptions(dense_weights="compute"))
     linears = [m for m in stored.modules() if isinstance(m, nn.Linear)]
-    kept = [m for m in linears if type(m) is StoredWeightLinear]
+    kept = [m for m in linears if kernel_of(m) == "bf16"]
     if cpu_kernels.kernel() is None:
         assert not kept
     else:
@@ -97,26 +98,24 @@ def test_many_rows_widen_into_a_reused_buffer_in_and_out_of_inference_mode(monke
 
 
 def _fp8_linear(out_features: int, in_features: int, seed: int = 0):
-    """An FP8BlockLinear holding fp8_block.encode of a random weight (rows not a multiple of 128: a partial block)."""
+    """A block-FP8 kept Linear holding fp8_block.encode of a random weight (rows not a multiple of 128: a partial block)."""
     from moeswap.formats import fp8_block
-    from moeswap.ops.linear import FP8BlockLinear
+    from moeswap.weights.fp8_block import FP8_BLOCK_KEPT
 
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
     codes, scale = fp8_block.encode(w)
-    layer = nn.Linear(in_features, out_features, bias=False)
-    layer.__class__ = FP8BlockLinear
-    layer._parameters["weight"] = nn.Parameter(codes, requires_grad=False)
-    layer._parameters["weight_scale_inv"] = nn.Parameter(scale, requires_grad=False)
+    layer = WeightLinear(in_features, out_features, FP8_BLOCK_KEPT)
+    FP8_BLOCK_KEPT.load_weights(layer, {"weight": codes, "weight_scale_inv": scale}, "cpu")
     return layer, fp8_block.decode(codes, scale, dtype=torch.float32)
 
 
 @pytest.mark.skipif(cpu_kernels.kernel() is None, reason="no CPU kernel")
 @pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
 def test_block_fp8_linear_computes_from_its_codes_as_the_decoded_weight(rows):
-    """FP8BlockLinear: decode-sized inputs run the quant kernel from the codes (its bits, the decoded weight's
+    """A block-FP8 kept Linear: decode-sized inputs run the quant kernel from the codes (its bits, the decoded weight's
     values to fp32 rounding), more rows (prefill) and autograd the decoded weight (formats/fp8_block.decode)."""
     layer, decoded = _fp8_linear(200, 256)
-    assert torch.equal(layer.dense_weight(), decoded)
+    assert torch.equal(layer.method.values(layer), decoded)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
         y = layer(x.view(rows, 1, 256)).view(rows, 200)

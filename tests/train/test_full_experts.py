@@ -13,6 +13,7 @@ from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions
 from moeswap.train.experts import TrainableExperts, balance_routers, make_experts_trainable, moe_blocks
 from moeswap.train.loop import train
+from moeswap.weights.registry import format_of
 
 
 def test_trainable_experts_compute_what_the_store_computes(tiny_k3_dir):
@@ -98,9 +99,9 @@ def test_full_run_writes_a_model_that_loads_with_the_trained_weights(small_run, 
             got = block.store.fetch(block.layer_idx, [0, 1])
             was = base_block.store.fetch(base_block.layer_idx, [0, 1])
             for i in range(2):
-                a = got[i].fmt.weight(got[i], "w2", torch.float32)
-                assert got[i].fmt.weight(got[i], "w2", torch.bfloat16).dtype == torch.bfloat16
-                changed_experts += not torch.equal(a, was[i].fmt.weight(was[i], "w2", torch.float32))
+                a = format_of(got[i]).weight(got[i], "w2", torch.float32)
+                assert format_of(got[i]).weight(got[i], "w2", torch.bfloat16).dtype == torch.bfloat16
+                changed_experts += not torch.equal(a, format_of(was[i]).weight(was[i], "w2", torch.float32))
         assert changed_experts > 0
         biases = [(b.gate.e_score_correction_bias, bb.gate.e_score_correction_bias)
                   for b, bb in zip(moe_blocks(trained), moe_blocks(base))]
@@ -147,7 +148,7 @@ def test_written_model_holds_exactly_the_weights_rounded_to_the_stored_dtypes(fi
             for e in range(block.num_experts):
                 for proj in ("w1", "w2", "w3"):
                     want = getattr(mine.experts, proj)[e].detach().bfloat16()
-                    assert torch.equal(got[e].fmt.weight(got[e], proj, torch.bfloat16), want), (block.layer_idx, e)
+                    assert torch.equal(format_of(got[e]).weight(got[e], proj, torch.bfloat16), want), (block.layer_idx, e)
     finally:
         store.close()
         loaded_store.close()

@@ -48,6 +48,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
     from moeswap.formats import mxfp4
     from moeswap.ops import expert_mxfp4, triton_mxfp4
     from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
+    from moeswap.weights.registry import run_expert
 
     dev = torch.device(device)
     betas = (4.0, 25.0)
@@ -78,7 +79,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
         variants = {"triton grouped": (grouped, packed_bytes),
                     "triton per expert": (lambda: per_expert(triton_mxfp4.expert, experts), packed_bytes),
                     "torch_rows per expert": (lambda: per_expert(expert_mxfp4.torch_rows, experts), packed_bytes),
-                    "bf16 resident": (lambda: per_expert(lambda w, x, a, b: w(x, a, b), resident), bf16_bytes)}
+                    "bf16 resident": (lambda: per_expert(run_expert, resident), bf16_bytes)}
         outputs = {name: fn().float() for name, (fn, _) in variants.items()}  # warm-up: compiles each shape
         ref = outputs["torch_rows per expert"]
         scale = ref.abs().max().item() or 1.0

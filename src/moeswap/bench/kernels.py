@@ -115,6 +115,7 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
     their bytes come from DRAM, not cache; the read bandwidth is a large fp32 sum. Variants are interleaved
     round by round and the median is reported."""
     from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant
+    from moeswap.weights.registry import run_expert
 
     betas = (4.0, 25.0)
     experts = random_experts(n_experts, in_dim, expert_dim)
@@ -141,12 +142,12 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
     for kind in (k for k in ("fp8", "int4") if k in formats):
         quant = random_quant_experts(kind, n_experts, in_dim, expert_dim)
         stored[kind] = quant[0].nbytes
-        variants[f"{kind} direct (cpu_c)"] = (lambda i, x, xb, q=quant: q[i](x, act, betas), stored[kind])
+        variants[f"{kind} direct (cpu_c)"] = (lambda i, x, xb, q=quant: run_expert(q[i], x, act, betas), stored[kind])
         if slow_variants:
             variants[f"{kind} dequantise then matmul"] = (
                 lambda i, x, xb, q=quant: expert_quant.reference(q[i], x, act, betas), stored[kind])
     resident = [_bf16_resident(w) for w in experts]
-    variants["bf16 resident"] = (lambda i, x, xb: resident[i](xb, act, betas), resident[0].nbytes)
+    variants["bf16 resident"] = (lambda i, x, xb: run_expert(resident[i], xb, act, betas), resident[0].nbytes)
 
     bandwidth = measure_bandwidth()
     rows = []

@@ -47,6 +47,8 @@ from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLACache
 from moeswap.ops import triton_mxfp4
 from moeswap.ops.activation import glu
+from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.weights import registry
 
 GRAPH_SETS = 8  # batch sizes whose captured steps are kept (each holds its own memory pool)
 
@@ -100,14 +102,15 @@ class DeviceTable:
             self.dirty = False
 
     def _row(self, w) -> tuple[object, list[int]] | None:
-        if getattr(getattr(w, "fmt", None), "name", None) == "mxfp4":
+        if isinstance(w, MXFP4ExpertWeights):
             mats = [w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale, w.w2_packed, w.w2_scale]
             kind = "mxfp4"
         elif hasattr(w, "w1_FI") and w.w1_FI.dtype in (torch.bfloat16, torch.float32):
             mats = [w.w1_FI, None, w.w3_FI, None, w.w2_IF, None]
             kind = w.w1_FI.dtype
         else:
-            self.unfit = f"experts of format {getattr(getattr(w, 'fmt', None), 'name', type(w).__name__)}"
+            fmt = registry.BY_FORM.get(type(w))
+            self.unfit = f"experts of format {fmt.name if fmt is not None else type(w).__name__}"
             return None
         if self.weights not in (None, kind):
             self.unfit = f"experts of two kinds in one layer ({self.weights} and {kind})"

@@ -9,7 +9,7 @@ whenever this does not apply:
 - eager CPU inference without gradients, fp32 activations, at most KERNEL_MAX_ROWS sequences (either GEMM precision:
   under bf16, every bf16-weight product rounds its input as ops/linear.py does);
 - dense weights kept bf16 (the loader's default on the CPU), or block FP8 kept as their codes and scales
-  (ops.linear.FP8BlockLinear, DeepSeek-V3's published layout; MLA and MLPs), with each attention's input
+  (weights.fp8_block, DeepSeek-V3's published layout; MLA and MLPs), with each attention's input
   projections and each gated MLP's gate/up fused (EngineConfig.fuse).
 
 Routed experts run in the call from the layers' resident tables (models/layers/moe.py), which mirror what
@@ -58,7 +58,8 @@ from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
 from moeswap.ops.kda import L2_EPS
-from moeswap.ops.linear import KERNEL_MAX_ROWS, FP8BlockLinear, StoredWeightLinear, gemm_precision, weight_sources
+from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_precision
+from moeswap.weights.dense import kernel_of, weight_sources
 
 _i64 = ctypes.c_int64
 
@@ -120,7 +121,7 @@ class _Plan:
         # the final norm and lm_head in the call too, where the head is a bf16 stored weight
         self._norm_eps(m.norm)
         self.final_norm, self.head, self.V = self._f32(m.norm.weight), None, model.config.vocab_size
-        if not model.config.tie_word_embeddings and type(unadapted(model.lm_head)) is StoredWeightLinear:
+        if not model.config.tie_word_embeddings and kernel_of(unadapted(model.lm_head)) == "bf16":
             self.head = self._bf16(model.lm_head)
         self._scratch: dict[int, tuple] = {}
         self._blocks = list(model.moe_blocks())
@@ -155,15 +156,15 @@ class _Plan:
     def _bf16(self, linear_module) -> int:
         linear_module = unadapted(linear_module)  # the step runs only while no row uses an adapter
         w = linear_module.weight
-        if type(linear_module) is not StoredWeightLinear or w.dtype != torch.bfloat16 or not w.is_contiguous():
+        if kernel_of(linear_module) != "bf16" or w.dtype != torch.bfloat16 or not w.is_contiguous():
             raise Unsupported(f"{type(linear_module).__name__} with {w.dtype} weights (expected bf16 kept as stored)")
         return self._ptr(w)
 
     def _weight(self, linear_module) -> tuple[int, int | None]:
         """A Linear's (weight pointer, scales pointer): bf16 kept as stored (no scales), or block FP8 kept as
-        its codes (ops.linear.FP8BlockLinear), which the call multiplies from them as the module does."""
+        its codes (weights.fp8_block), which the call multiplies from them as the module does."""
         m = unadapted(linear_module)
-        if type(m) is FP8BlockLinear and m.weight.is_contiguous() and m.in_features % 32 == 0:
+        if kernel_of(m) == "fp8" and m.weight.is_contiguous() and m.in_features % 32 == 0:
             return self._ptr(m.weight), self._ptr(m.weight_scale_inv)
         return self._bf16(linear_module), None
 

@@ -18,7 +18,7 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.experts.store import ExpertStore
 from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, convert
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.ops.linear import can_keep_stored
+from moeswap.weights.floating import keeps_bf16
 from moeswap.options import LoadOptions
 from moeswap.units import human_bytes
 
@@ -59,7 +59,7 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     first = min(index.entries)  # every expert has the same shapes and format (ExpertIndex.validate)
     packed = index.format.keeps_bytes  # kept as the stored bytes (else decoded when read)
     # bf16-stored float experts stay bf16 where a CPU kernel runs them under fp32 math (as dense weights do)
-    expert_dtype = torch.bfloat16 if options.keep_bf16 and _stored_bf16(ckpt, index, first) and can_keep_stored(
+    expert_dtype = torch.bfloat16 if options.keep_bf16 and _stored_bf16(ckpt, index, first) and keeps_bf16(
         torch.bfloat16, dtype, device) else dtype
 
     def size(key: Key) -> tuple[int, int]:

@@ -15,7 +15,9 @@ import torch
 
 from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.pairs import combine_pairs, pairs_by_expert
-from moeswap.ops import cpu_kernels, expert_format, expert_mxfp4
+from moeswap.ops import cpu_kernels, expert_mxfp4
+from moeswap.weights import autograd as expert_autograd
+from moeswap.weights.registry import format_of
 from moeswap.ops.kernel_experts import grouped_kind, resident_row
 
 # Shapes: T tokens, I expert input width, K top-k, P (token, expert) pairs, E experts.
@@ -90,7 +92,7 @@ class ReferenceExecutor(ExpertExecutor):
         start = 0
         for i, n in enumerate(counts):
             w = experts[i]
-            ys.append(w.fmt.reference(w, h_TI.index_select(0, token_of[start : start + n]), b.act, b.situ_betas))
+            ys.append(format_of(w).reference(w, h_TI.index_select(0, token_of[start : start + n]), b.act, b.situ_betas))
             del w
             start += n
         y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
@@ -98,10 +100,10 @@ class ReferenceExecutor(ExpertExecutor):
 
 
 class TorchExecutor(ExpertExecutor):
-    """The experts as torch ops autograd follows: each expert's three projections (ops.expert_format.project:
+    """The experts as torch ops autograd follows: each expert's three projections (weights.autograd.project:
     the fast kernel forward, backward from the same bytes), the activation and the LoRA deltas, then the
     weighted sum, all out of place. Float experts without adapters instead run as one autograd node:
-    `expert_format.frozen_moe` when every expert of the step is one, else `frozen_group` per run of them (the
+    `weights.autograd.frozen_moe` when every expert of the step is one, else `frozen_group` per run of them (the
     same math, far fewer calls). Experts come from the store one at a time; what the graph keeps of them for
     backward the store hands out and counts (`store.hold`). Chosen with an expert LoRA attached (its `lora`);
     the kernel executors fall back to it for calls that want gradients."""
@@ -132,8 +134,8 @@ class TorchExecutor(ExpertExecutor):
         x_PI = None
         for i, e in enumerate(unique_ids):
             expert = experts[i]
-            held = hold(b.layer_idx, e, expert) if hold is not None else expert_format.Held(expert)
-            grouped = adapters[i] is None and expert_format.groupable(expert, h_TI)
+            held = hold(b.layer_idx, e, expert) if hold is not None else expert_autograd.Held(expert)
+            grouped = adapters[i] is None and expert_autograd.groupable(expert, h_TI)
             del expert  # the store may evict it while the next one loads; only `held` may keep it
             if grouped:
                 helds.append(held)
@@ -141,10 +143,10 @@ class TorchExecutor(ExpertExecutor):
             if x_PI is None:
                 x_PI = h_TI.index_select(0, token_of).split(counts)  # one gather (and one scatter in backward)
             self._flush_frozen(ys, helds, x_PI, counts, i)
-            ys.append(expert_format.train_forward(held, x_PI[i], b.act, b.situ_betas, adapters[i]))
+            ys.append(expert_autograd.train_forward(held, x_PI[i], b.act, b.situ_betas, adapters[i]))
             del held
         if x_PI is None and helds:
-            return expert_format.frozen_moe(helds, h_TI, token_of, weights, counts, b.act,
+            return expert_autograd.frozen_moe(helds, h_TI, token_of, weights, counts, b.act,
                                             b.situ_betas).to(h_TI.dtype)
         self._flush_frozen(ys, helds, x_PI, counts, len(unique_ids))
         y_PI = torch.cat(ys) if len(ys) > 1 else ys[0] if ys else h_TI.new_zeros(0, h_TI.shape[-1])
@@ -157,7 +159,7 @@ class TorchExecutor(ExpertExecutor):
             return
         first = end - len(helds)
         x = torch.cat(x_PI[first:end]) if end - first > 1 else x_PI[first]
-        ys.append(expert_format.frozen_group(helds, x, counts[first:end], self.block.act, self.block.situ_betas))
+        ys.append(expert_autograd.frozen_group(helds, x, counts[first:end], self.block.act, self.block.situ_betas))
         helds.clear()
 
 
@@ -511,7 +513,7 @@ class Group:
         self.experts.append(expert)
         self.offsets.append(self.offsets[-1] + n)
         self.nbytes += expert.nbytes
-        width = expert.fmt.width(expert)
+        width = format_of(expert).width(expert)
         pairs_bytes = self.offsets[-1] * 4 * 2 * (self.h_TI.shape[-1] + width)
         if self.nbytes >= self.GROUP_BYTES or pairs_bytes >= self.GROUP_SCRATCH:
             self.flush()
@@ -521,7 +523,7 @@ class Group:
         """The expert's n pairs from `start`: into the group, or computed now on their own where it cannot join."""
         if not self.add(expert, start, n):
             rows = self.token_of[start : start + n]
-            y = expert(self.h_TI[rows], self.act, self.situ_betas)
+            y = format_of(expert).forward(expert, self.h_TI[rows], self.act, self.situ_betas)
             self.out_TI.index_add_(0, rows, y.float() * self.weights[start : start + n, None])
 
     def flush(self) -> None:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class Held:
-    """An expert kept by an autograd graph for its backward (what ops.expert_format.Held is for a store):
+    """An expert kept by an autograd graph for its backward (what weights.autograd.Held is for a store):
     `w` while the fast tier holds the same expert, None once the store has evicted it; `get()` fetches it
     again then."""
 

@@ -2,7 +2,7 @@
 
 `ExpertIndex` is built by the loader from the architecture's checkpoint_map matches and validated against the config
 (every expert of every MoE layer present, with the right shapes and dtypes, all in one format: its
-`format`, an ops.expert_format object chosen here once). `load_expert` reads one expert's tensors through
+`format`, a weights format object chosen here once). `load_expert` reads one expert's tensors through
 that format (MXFP4 kept as bytes if asked, else decoded); nothing else is read. `check_expert` refuses
 bytes that cannot decode to finite weights, naming the tensor.
 """
@@ -16,9 +16,9 @@ import torch
 from moeswap.config import ModelConfig
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import routed_expert_shapes
-from moeswap.ops import expert_format
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
-from moeswap.ops.expert_format import PROJS, ExpertFormat
+from moeswap.weights import registry
+from moeswap.weights.format import PROJS, WeightFormat
 
 
 @dataclass
@@ -26,18 +26,18 @@ class ExpertIndex:
     """(layer, expert) -> {proj: {kind: checkpoint tensor name}}, kind in weight / weight_packed / weight_scale."""
 
     entries: dict[tuple[int, int], dict[str, dict[str, str]]] = field(default_factory=dict)
-    _format: ExpertFormat | None = field(default=None, repr=False)
+    _format: WeightFormat | None = field(default=None, repr=False)
 
     def add(self, layer: int, expert: int, proj: str, kind: str, name: str) -> None:
         self.entries.setdefault((layer, expert), {}).setdefault(proj, {})[kind] = name
 
     @property
-    def format(self) -> ExpertFormat:
+    def format(self) -> WeightFormat:
         """The format every routed expert is stored in (validate checks they agree; before that, the
         first expert's)."""
         if self._format is None:
             first = self.entries[min(self.entries)]
-            fmt = expert_format.for_suffixes(next(iter(first.values())))
+            fmt = registry.for_suffixes(next(iter(first.values())))
             if fmt is None:
                 raise CheckpointError(f"routed expert {min(self.entries)}: tensors {sorted(first)} fit no expert format")
             self._format = fmt
@@ -69,7 +69,7 @@ class ExpertIndex:
 
     def _check_proj(self, ckpt, cfg, layer, e, proj, kinds, shape) -> None:
         base = f"layer {layer} expert {e} {proj}"
-        fmt = expert_format.for_suffixes(kinds)
+        fmt = registry.for_suffixes(kinds)
         if fmt is None:
             raise CheckpointError(f"missing tensor for {base}: need weight, or weight_packed + weight_scale (MXFP4), "
                                   f"or weight + weight_scale (MXFP8), or weight + weight_scale_inv (block FP8)")
@@ -94,7 +94,7 @@ class ExpertIndex:
 def check_expert(ckpt: Checkpoint, index: ExpertIndex, layer: int, expert: int,
                  w: ExpertWeights | MXFP4ExpertWeights) -> None:
     """Fails naming the tensor when an expert's bytes cannot decode to finite weights (what that means is
-    the format's: ExpertFormat.check_finite)."""
+    the format's: WeightFormat.check_finite)."""
     problem = index.format.check_finite(w, index.names(layer, expert))
     if problem is not None:
         name, proj, what = problem

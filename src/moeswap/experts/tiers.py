@@ -24,6 +24,7 @@ from moeswap.experts.reads import Checks, Pending, Reads, read_now
 from moeswap.experts.source import ExpertIndex, check_expert, load_expert
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
+from moeswap.weights.registry import format_of
 
 Weights = ExpertWeights | MXFP4ExpertWeights
 
@@ -100,8 +101,8 @@ class _Span(NamedTuple):
 
 def convert(w: Weights, decoded: bool, dtype: torch.dtype, device: torch.device, pin: bool = False) -> Weights:
     """`w` in a tier's form: its stored MXFP4 bytes or decoded `dtype` weights, on `device` (pinned if asked);
-    the format of its form does it (ops.expert_format)."""
-    return w.fmt.convert(w, decoded, dtype, device, pin)
+    the format of its form does it (weights.registry.format_of)."""
+    return format_of(w).convert(w, decoded, dtype, device, pin)
 
 
 class MemoryTier(Tier):

@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moeswap.ops.linear import StoredWeightLinear, linear, with_weight_values
+from moeswap.weights.dense import linear_method, with_weight_values
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
@@ -71,9 +70,7 @@ class LoRALinear(nn.Module):
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """What the wrapped Linear computes (ops.linear for a weight kept in its stored dtype)."""
-        if type(self.base) is StoredWeightLinear:
-            return linear(x, self.weight)
-        return F.linear(x, self.weight, self.bias)
+        return linear_method(self.base).apply_values(x, self.weight, self.bias)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """s · B A dropout(x), in the LoRA dtype."""

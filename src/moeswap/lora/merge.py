@@ -2,7 +2,7 @@
 
 Each targeted dense weight becomes W + s · B A, computed in fp32 and stored in W's own dtype (the rounding
 that storing adds is reported per tensor). Each adapted routed-expert projection is decoded from its stored
-format (ops.expert_format: MXFP4, MXFP8 or float), gets its expert's update (ExpertLoRA.merged_delta) added
+format (weights.registry: MXFP4, MXFP8 or float), gets its expert's update (ExpertLoRA.merged_delta) added
 in fp32 and is stored again in the same format with the project's codec (compressed-tensors' MX encoding,
 `even` block exponents, as `moeswap quantize` writes); the error against the exact W + s · B A is reported
 per layer and projection, also relative to the update's size (quantisation to 4 bits can swallow most of a
@@ -37,8 +37,12 @@ from moeswap.lora.layer import lora_scaling
 from moeswap.lora.peft_io import expert_lora_for, plan_adapter, read_adapter
 from moeswap.lora.targets import moe_blocks
 from moeswap.models.layers.expert_lora import ExpertLoRA
-from moeswap.ops import expert_format
 from moeswap.quantize import copy_side_files, side_files
+from moeswap.weights import registry
+from moeswap.weights.floating import FLOAT
+from moeswap.weights.format import WeightFormat
+from moeswap.weights.mxfp4 import MXFP4
+from moeswap.weights.mxfp8 import MXFP8
 
 REPORT_NAME = "merge_report.json"
 MERGEABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -132,7 +136,7 @@ class _ExpertJob:
     key: tuple[int, int, str]  # layer, expert, projection
     module: str  # e.g. model.layers.1.block_sparse_moe.experts.7.w1
     names: dict[str, str]
-    fmt: expert_format.ExpertFormat
+    fmt: WeightFormat
     lora: ExpertLoRA
 
 
@@ -151,8 +155,8 @@ def _expert_jobs(model, plan, adapter, expert_tensors) -> dict[str, _ExpertJob]:
                 module = f"{block_name}.experts.{e}.{proj}"
                 if names is None:
                     raise ValueError(f"{module}: the base checkpoint has no tensors for this routed expert")
-                fmt = expert_format.for_suffixes(names)
-                if fmt not in (expert_format.FLOAT, expert_format.MXFP4, expert_format.MXFP8):
+                fmt = registry.for_suffixes(names)
+                if fmt not in (FLOAT, MXFP4, MXFP8):
                     raise ValueError(f"{module}: stored as {sorted(names)}; merging into routed experts of this "
                                      f"format is not supported (float, MXFP4 and MXFP8 are)")
                 job = _ExpertJob(key, module, dict(names), fmt, lora)
@@ -160,14 +164,14 @@ def _expert_jobs(model, plan, adapter, expert_tensors) -> dict[str, _ExpertJob]:
     return jobs
 
 
-def merge_expert(stored: dict[str, torch.Tensor], fmt: expert_format.ExpertFormat, delta: torch.Tensor
+def merge_expert(stored: dict[str, torch.Tensor], fmt: WeightFormat, delta: torch.Tensor
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One expert projection's stored tensors with `delta` [O, N] added: decoded, W + delta in fp32, encoded in
     `fmt` again (float: rounded to the stored dtype). Returns the new tensors (the stored dtypes) and the
     error of what they decode to against the exact W + delta, elementwise (fp64)."""
     w = fmt.decode(stored, torch.float32)
     merged = w + delta.float()
-    if fmt is expert_format.FLOAT:
+    if fmt is FLOAT:
         new = {"weight": merged.to(stored["weight"].dtype)}
     else:
         new = {s: t.view(stored[s].dtype) if t.dtype != stored[s].dtype else t

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeswap.ops.linear import StoredWeightLinear, linear, with_weight_values
+from moeswap.weights.dense import linear_method, with_weight_values
 
 
 class AdapterRows:
@@ -159,9 +159,7 @@ class MultiLoRALinear(nn.Module):
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """What the wrapped Linear computes (ops.linear for a weight kept in its stored dtype), as LoRALinear."""
-        if type(self.base) is StoredWeightLinear:
-            return linear(x, self.weight)
-        return F.linear(x, self.weight, self.bias)
+        return linear_method(self.base).apply_values(x, self.weight, self.bias)
 
     def delta(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """s · B A x for adapter `slot`, in the LoRA dtype (LoRALinear.delta's operations, without dropout)."""

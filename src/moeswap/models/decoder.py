@@ -16,11 +16,12 @@ from torch.utils.checkpoint import checkpoint
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.attn_res import mix, score_vector
-from moeswap.models.layers.basic import FUSABLE, GatedMLP, RMSNorm, WeightOnly
+from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
 from moeswap.ops.linear import gemm_precision, linear
+from moeswap.weights.dense import plain_weight
 
 
 @dataclass
@@ -109,7 +110,7 @@ class DecoderModel(nn.Module):
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
             return linear(hidden, self.model.embed_tokens.weight)
-        if type(self.lm_head) in FUSABLE:
+        if plain_weight(self.lm_head):
             return linear(hidden, self.lm_head.weight)
         return self.lm_head(hidden)  # a wrapper (LoRA)
 

@@ -16,14 +16,17 @@ from torch import nn
 
 from moeswap import archs
 from moeswap.config import ModelConfig, load_config
-from moeswap.experts.source import ExpertIndex
 from moeswap.experts.build import build_store
-from moeswap.formats import fp8_block
+from moeswap.experts.source import ExpertIndex
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import build_model
-from moeswap.ops import expert_format
-from moeswap.ops.linear import FP8BlockLinear, StoredWeightLinear, can_keep_fp8, can_keep_stored
 from moeswap.options import LoadOptions
+from moeswap.weights import registry
+from moeswap.weights.dense import FLOAT_LINEAR, LinearMethod, WeightLinear
+from moeswap.weights.floating import FLOAT
+from moeswap.weights.format import FP8_DTYPES, WeightFormat
+from moeswap.weights.registry import choose_linear_method
+
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
@@ -116,14 +119,20 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
     filled: set[str] = set()
     index = ExpertIndex()
     prefix = config.weight_prefix
-    # block-FP8 dense weights (DeepSeek): `weight_scale_inv` beside a float8 weight, kept as stored (_fp8_kept)
-    # or decoded at load
-    scales = {n for n in ckpt.names() if n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in ckpt
-              and not arch.classify(n[len(prefix):] if prefix and n.startswith(prefix) else n)[0] == "expert"}
+
+    def local_name(name: str) -> str:
+        return name[len(prefix):] if prefix and name.startswith(prefix) else name
+
+    # dense weights stored as several tensors (block FP8: `weight_scale_inv` beside a float8 weight), kept as
+    # stored by their format's dense method or decoded at load
+    stored = _stored_dense(ckpt, lambda n: arch.classify(local_name(n))[0] == "expert")
     for name in ckpt.names():
-        local = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        module, _, suffix = name.rpartition(".")
+        if module in stored and suffix != stored[module][0].main:
+            continue  # the weight's other tensors, read with its main one
+        local = local_name(module + ".weight" if module in stored else name)
         target, match = arch.classify(local)
-        if target == "skip" or is_mtp_tensor(local, config) or name in scales:
+        if target == "skip" or is_mtp_tensor(local, config):
             continue
         if target == "expert":
             index.add(*arch.expert_key(match), name)
@@ -135,18 +144,22 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
                 f"has no parameter {target!r} (does config.json match this checkpoint?)")
         param = params[target]
         info = ckpt.info(name)
-        if not info.dtype.is_floating_point:
+        if not info.dtype.is_floating_point and module not in stored:
             raise CheckpointError(f"{name} in {info.file.name}: expected a float tensor, found {info.dtype}")
-        kept = _fp8_kept(model, ckpt, name, target, config, dtype, device, dense_weights, scales)
-        tensor = arch.sanitize(target, kept[0] if kept else _read_dense(ckpt, name, config, scales), config)
-        if tuple(tensor.shape) != tuple(param.shape):
+        fmt, names = stored.get(module, (FLOAT, {"weight": name}))
+        method = _dense_method(model, ckpt, fmt, names, target, config, dtype, device, dense_weights)
+        tensors = _read_dense(ckpt, name, fmt, names, config, decode=method is FLOAT_LINEAR)
+        main = "weight" if method is FLOAT_LINEAR else fmt.main  # decoded, or as stored
+        tensor = arch.sanitize(target, tensors[main], config)
+        shape = tensor.shape if main == "weight" else fmt.logical_shape({s: ckpt.info(n) for s, n in names.items()})
+        if tuple(shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{name} in {info.file.name}: expected shape {list(param.shape)} from config.json, "
                 f"found {list(info.shape)}")
-        if kept:
-            _set_fp8(model, target, tensor, kept[1])
+        if method is FLOAT_LINEAR:
+            _set_param(model, target, tensor, dtype, device)
         else:
-            _set_param(model, target, tensor, dtype, device, dense_weights)
+            _install(model, target, method, {**tensors, main: tensor}, device)
         filled.add(target)
     missing = sorted(set(params) - filled)
     if missing:
@@ -156,65 +169,81 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
     return index
 
 
-def _read_dense(ckpt: Checkpoint, name: str, config: ModelConfig, scales: set[str]) -> torch.Tensor:
-    """A dense tensor as stored, or a block-FP8 weight decoded to fp32 with its weight_scale_inv (the
-    format object owns the decoding; config.json must declare the block size)."""
-    scale = name + "_scale_inv"
-    info = ckpt.info(name)
-    if scale not in scales:
-        if info.dtype in expert_format.FP8_DTYPES:
-            raise CheckpointError(f"{name} in {info.file.name}: a float8 weight without a weight_scale_inv "
-                                  f"(block FP8) beside it; expected a float weight or both tensors")
-        return ckpt.read(name)
-    fmt = expert_format.FP8_BLOCK
-    block = config.quant.fp8_block if config.quant is not None else None
-    fmt.check_declared(f"{name} in {info.file.name}", None, block)
-    try:
-        return fmt.decode({"weight": ckpt.read(name), "weight_scale_inv": ckpt.read(scale)}, torch.float32, block)
-    except ValueError as err:
-        raise CheckpointError(f"{name} in {info.file.name}: cannot decode its block FP8 weight: {err}") from None
+def _stored_dense(ckpt: Checkpoint, is_expert) -> dict[str, tuple[WeightFormat, dict[str, str]]]:
+    """module -> (format, suffix -> tensor name) of the dense weights stored as more tensors than a float
+    `weight`, in a registered format the loader takes for dense Linears (one with a dense method:
+    weights.registry); routed experts' tensors are the store's."""
+    suffixes = set().union(*(f.suffixes for f in registry.FORMATS.values() if f.linear_method is not None)) - {"weight"}
+    modules: dict[str, dict[str, str]] = {}
+    for name in ckpt.names():
+        module, _, suffix = name.rpartition(".")
+        if suffix in suffixes and not is_expert(name):
+            modules.setdefault(module, {})[suffix] = name
+    found = {}
+    for module, names in modules.items():
+        if module + ".weight" in ckpt:
+            names["weight"] = module + ".weight"
+        fmt = registry.for_suffixes(names)
+        if fmt is not None and fmt.linear_method is not None:
+            found[module] = fmt, names
+    return found
 
 
-def _fp8_kept(model: nn.Module, ckpt: Checkpoint, name: str, target: str, config: ModelConfig, dtype: torch.dtype,
-              device: str, dense_weights: str, scales: set[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A block-FP8 Linear weight's (codes, fp32 scales) as stored, where the model keeps them so
-    (ops.linear.FP8BlockLinear: a bias-free Linear, dense weights not converted, fp32 math on a CPU with the
-    kernel, 128 x 128 blocks); else None (decoded at load by `_read_dense`)."""
+def _dense_method(model: nn.Module, ckpt: Checkpoint, fmt: WeightFormat, names: dict[str, str], target: str,
+                  config: ModelConfig, dtype: torch.dtype, device: str, dense_weights: str) -> LinearMethod:
+    """The method the Linear owning `target` gets (weights.registry.choose_linear_method): its weight kept as
+    stored where it is a bias-free nn.Linear's and a kernel runs it, else decoded to `dtype` (FLOAT_LINEAR)."""
     owner_name, _, attr = target.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
+    keepable = attr == "weight" and type(owner) is nn.Linear and owner.bias is None
+    dtypes = {suffix: ckpt.info(n).dtype for suffix, n in names.items()}
     block = config.quant.fp8_block if config.quant is not None else None
-    if (name + "_scale_inv" not in scales or dense_weights == "compute" or attr != "weight"
-            or type(owner) is not nn.Linear or owner.bias is not None or not can_keep_fp8(block, dtype, device)):
-        return None
+    return choose_linear_method(fmt.name, dtypes, block, dtype, device, dense_weights, keepable)
+
+
+def _read_dense(ckpt: Checkpoint, name: str, fmt: WeightFormat, names: dict[str, str], config: ModelConfig,
+                decode: bool) -> dict[str, torch.Tensor]:
+    """A dense weight's tensors by suffix: as stored (a float tensor, or a format's tensors for its dense
+    method, checked as decoding would check them), or decoded to fp32 `weight` (`decode`; config.json must
+    declare the format, e.g. its FP8 block size)."""
     info = ckpt.info(name)
-    codes, scale = ckpt.read(name), ckpt.read(name + "_scale_inv")
-    if codes.dtype != torch.float8_e4m3fn:
-        return None  # another float8 (e5m2): decoded at load, as before
+    if fmt is FLOAT:
+        if info.dtype in FP8_DTYPES:
+            raise CheckpointError(f"{name} in {info.file.name}: a float8 weight without a weight_scale_inv "
+                                  f"(block FP8) beside it; expected a float weight or both tensors")
+        return {"weight": ckpt.read(name)}
+    where = f"{name} in {info.file.name}"
+    declared = config.quant.format if config.quant is not None else None
+    block = config.quant.fp8_block if config.quant is not None else None
+    if decode:
+        fmt.check_declared(where, declared, block)
+    tensors = {suffix: ckpt.read(n) for suffix, n in names.items()}
     try:
-        fp8_block.check(codes, scale, block)
-    except ValueError as err:  # as _read_dense words it
-        raise CheckpointError(f"{name} in {info.file.name}: cannot decode its block FP8 weight: {err}") from None
-    return codes, scale.float()
+        if decode:
+            return {"weight": fmt.decode(tensors, torch.float32, block)}
+        fmt.check_stored(tensors, block)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: cannot decode its {fmt.label} weight: {err}") from None
+    return tensors
 
 
-def _set_fp8(model: nn.Module, target: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """The Linear owning `target` becomes an FP8BlockLinear holding the stored codes and scales."""
-    owner = model.get_submodule(target.rpartition(".")[0])
-    owner.__class__ = FP8BlockLinear  # same names; state_dict gains the checkpoint's weight_scale_inv
-    owner._parameters["weight"] = nn.Parameter(codes.contiguous(), requires_grad=False)
-    owner._parameters["weight_scale_inv"] = nn.Parameter(scale.contiguous(), requires_grad=False)
+def _install(model: nn.Module, target: str, method: LinearMethod, tensors: dict[str, torch.Tensor],
+             device: str) -> None:
+    """The bias-free Linear owning `target` becomes a WeightLinear of `method` holding `tensors` as stored
+    (the checkpoint's names: state_dict unchanged but for a block-FP8 weight's weight_scale_inv)."""
+    owner_name = target.rpartition(".")[0]
+    parent_name, _, child = owner_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = parent._modules[child]
+    layer = WeightLinear(old.in_features, old.out_features, method).train(old.training)
+    method.load_weights(layer, tensors, device)
+    parent._modules[child] = layer
 
 
-def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str,
-               dense_weights: str = "compute") -> None:
+def _set_param(model: nn.Module, target: str, tensor: torch.Tensor, dtype: torch.dtype, device: str) -> None:
     owner_name, _, attr = target.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     # Keep fp32 where the reference computes in fp32 (router bias, gate constants); the rest in `dtype`.
     keep_fp32 = attr in ("A_log", "dt_bias", "e_score_correction_bias")
-    target_dtype = torch.float32 if keep_fp32 else dtype
-    if (dense_weights != "compute" and type(owner) is nn.Linear and attr == "weight" and owner.bias is None
-            and can_keep_stored(tensor.dtype, dtype, device)):
-        target_dtype = tensor.dtype
-        owner.__class__ = StoredWeightLinear  # same parameters and state_dict; forward runs ops.linear
-    value = tensor.to(device=device, dtype=target_dtype)
+    value = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
     owner._parameters[attr] = nn.Parameter(value, requires_grad=False)

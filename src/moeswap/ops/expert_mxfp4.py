@@ -26,6 +26,7 @@ from moeswap.formats import mxfp4
 from moeswap.ops import cpu_kernels, kernel_experts
 from moeswap.ops.kernel_abi import constant
 from moeswap.ops.activation import glu, glu_reference
+from moeswap.ops.expert import MXFP4ExpertWeights
 from moeswap.ops.linear import gemm_in_bf16
 
 ENV_KERNEL = "MOESWAP_EXPERT_KERNEL"
@@ -224,8 +225,6 @@ def group_kind(w, device_type: str) -> str | None:
     "mxfp4" for MXFP4 experts on CUDA (triton); None: it runs on its own."""
     if device_type == "cpu":
         return kernel_experts.grouped_kind(w)
-    packed = getattr(w, "w1_packed", None)
-    fmt = getattr(w, "fmt", None)
-    if device_type == "cuda" and packed is not None and packed.is_cuda and getattr(fmt, "name", None) == "mxfp4":
+    if device_type == "cuda" and isinstance(w, MXFP4ExpertWeights) and w.w1_packed.is_cuda:
         return "mxfp4"
     return None

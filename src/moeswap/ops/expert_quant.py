@@ -21,26 +21,18 @@ import torch
 from moeswap.formats import fp8_block, int4
 from moeswap.ops import cpu_kernels, kernel_experts
 from moeswap.ops.activation import glu, glu_reference
+from moeswap.ops.expert import is_fp8, kernel_kind
+from moeswap.ops.expert import quant_parts as parts
+from moeswap.ops.expert import quant_shape as shape
 from moeswap.ops.expert_mxfp4 import ENV_KERNEL, GEMM_MIN_TOKENS
-from moeswap.ops.kernel_abi import KERNEL_PROJS, constant
+from moeswap.ops.kernel_abi import constant
 
 ROW_CHUNK_BYTES = constant("ROW_CHUNK_BYTES")  # decoded fp32 bytes per chunk of rows_linear / project_backward
 
 
-def is_fp8(w) -> bool:
-    return hasattr(w, "w1_scale_inv")
-
-
-def parts(w, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of one matrix: FP8 float8_e4m3fn [O, N] + fp32 per 128 x 128; INT4 int32 [O, N/8] + scales."""
-    if is_fp8(w):
-        return getattr(w, f"{proj}_weight"), getattr(w, f"{proj}_scale_inv")
-    return getattr(w, f"{proj}_packed"), getattr(w, f"{proj}_scale")
-
-
-def shape(w, proj: str) -> tuple[int, int]:
-    q, s = parts(w, proj)
-    return (q.shape[0], q.shape[1]) if is_fp8(w) else (q.shape[0], s.shape[1] * int4.GROUP)
+def group_kind(w) -> str | None:
+    """"fp8" or "int4" where csrc/quant.c runs this expert (ops.expert.kernel_kind), else None."""
+    return kernel_kind(w)
 
 
 def kind(w) -> str:
@@ -99,30 +91,11 @@ def project_backward(w, proj: str, dy: torch.Tensor) -> torch.Tensor:
     return dx.reshape(*dy.shape[:-1], N)
 
 
-def group_kind(w) -> str | None:
-    """"fp8" or "int4" where csrc/quant.c runs this expert: CPU tensors, widths a multiple of 32, and the
-    scale dtype the kernel reads (fp32 for FP8; bf16 for INT4, whose products round to the scale's dtype)."""
-    F, I = shape(w, "w1")
-    if F % 32 or I % 32 or not all(t.is_cpu for t in parts(w, "w1")):
-        return None
-    scale_dtype = torch.float32 if is_fp8(w) else torch.bfloat16
-    if any(parts(w, p)[1].dtype != scale_dtype for p in KERNEL_PROJS):
-        return None
-    return kind(w)
-
-
-def kernel_mats(w, I: int) -> list[torch.Tensor]:
-    if shape(w, "w1")[1] != I:
-        raise ValueError(f"{kind(w)} expert of input width {shape(w, 'w1')[1]} given inputs of width {I}")
-    mats = [t for p in KERNEL_PROJS for t in parts(w, p)]
-    return [t if t.is_contiguous() else t.contiguous() for t in mats]
-
-
 def _kernel(w, x: torch.Tensor):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (0 < rows < GEMM_MIN_TOKENS and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)):
         return None
-    if group_kind(w) is None or os.environ.get(ENV_KERNEL) not in (None, "", "cpu_c"):
+    if kernel_kind(w) is None or os.environ.get(ENV_KERNEL) not in (None, "", "cpu_c"):
         return None  # MOESWAP_EXPERT_KERNEL=torch_rows or reference: the decoding path, as for MXFP4
     return cpu_kernels.kernel()
 

@@ -10,14 +10,14 @@ from typing import Sequence
 
 import torch
 
-from moeswap.ops.expert import tensors
+from moeswap.ops.expert import kernel_kind, kernel_mats, tensors
 
 
 def grouped_kind(w) -> str | None:
     """"mxfp4", "bf16", "fp8" or "int4": which of the grouped kernels (`moe`, the *_resident tables) runs expert
-    w, as its format says (ops.expert_format); None: neither (another kind of expert, or not on the CPU)."""
-    fmt = getattr(w, "fmt", None)
-    return None if fmt is None else fmt.group_kind(w)
+    w, as its form's layout says (ops.expert.kernel_kind); None: neither (another kind of expert, or not on the
+    CPU)."""
+    return kernel_kind(w)
 
 
 def moe(kernel, x_TI: torch.Tensor, experts: Sequence, tokens: torch.Tensor, offsets: Sequence[int],
@@ -39,7 +39,7 @@ def expert(kernel, x_TI: torch.Tensor, w, act: str, situ_betas: tuple[float, flo
     """`kernel.mxfp4_expert` for an MXFP4 expert object: x fp32 contiguous [T, I] -> w2 · act(w1 x, w3 x)."""
     if grouped_kind(w) != "mxfp4":
         raise ValueError(f"mxfp4_expert: got a {type(w).__name__}, not an MXFP4 expert on the CPU")
-    mats = w.fmt.kernel_mats(w, x_TI.shape[1])  # (held until the call returns)
+    mats = kernel_mats(w, x_TI.shape[1])  # (held until the call returns)
     return kernel.mxfp4_expert(x_TI, mats[0].shape[0], [m.data_ptr() for m in mats], act, situ_betas)
 
 
@@ -65,7 +65,7 @@ def _kernel_pointers(w, I: int, kind: str | None, held: list) -> tuple[int, tupl
         raise ValueError(f"moe: experts of one call must be of one kind (MXFP4, bf16, FP8 or INT4, on the CPU), got "
                          f"a {type(w).__name__} ({grouped_kind(w) or 'none'}) among {kind} ones")
     originals = list(tensors(w).values())
-    mats = w.fmt.kernel_mats(w, I)
+    mats = kernel_mats(w, I)
     F, ptrs = mats[0].shape[0], tuple(t.data_ptr() for t in mats)
     if all(m is o for m, o in zip(mats, originals)):
         w.__dict__["_kernel_pointers"] = (I, kind, F, ptrs)

@@ -4,23 +4,20 @@ On a CPU a decode step is bound by the bytes of weights it streams, and torch's 
 runs far below memory bandwidth, so moeswap keeps bf16-stored dense weights in bf16 and computes in
 fp32 (csrc/linear_bf16.c's bf16_linear: every weight widened exactly, fp32 sums; the same values as an fp32
 copy of the weights, at half the bytes). Many rows (prefill) go to torch's GEMM on a widened copy.
-`StoredWeightLinear` is nn.Linear with this forward; the loader gives it to Linear layers whose stored
-weights it keeps as they are (models/loader.py, `dense_weights`). `FP8BlockLinear` does the same for block-FP8
-weights (DeepSeek-V3's published dense Linears): their codes and scales, run by csrc/quant.c at one byte a weight.
+The Linear layers whose stored weights the loader keeps as they are run through weights/ (their method's
+`apply`: weights.floating for bf16, weights.fp8_block for block FP8), which calls this.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import partial
-import threading
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from moeswap.formats import fp8_block
 from moeswap.ops import cpu_kernels
 from moeswap.ops.kernel_abi import constant
 from moeswap.options import GEMM_PRECISIONS
@@ -28,9 +25,9 @@ from moeswap.options import GEMM_PRECISIONS
 KERNEL_MAX_ROWS = constant("DENSE_KERNEL_MAX_ROWS")  # up to this many rows the kernel; above, GEMM (cpu_kernels.h)
 
 # "bf16": CPU matmuls with bf16 weights round their inputs to bf16. More than KERNEL_MAX_ROWS rows
-# (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it: ~2x fp32), outputs rounded to bf16
+# (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it), outputs rounded to bf16
 # and widened back; fewer (decode batches) run the kernel's AVX-512 BF16 dot products where the build has
-# them (fp32 sums; 1.6-2.4x the fp32 kernel at 16 rows, the same speed at one), else the fp32 kernel on
+# them (fp32 sums; faster than the fp32 kernel at many rows: docs/benchmarks.md), else the fp32 kernel on
 # the rounded inputs. llama.cpp's arithmetic class (it rounds the inputs of bf16 matmuls to bf16);
 # opt-in, the exact fp32 path is the default. Set per forward by the model. Compiled decode steps keep
 # the fp32 kernel: reading this ContextVar would break their graphs. The names: options.GEMM_PRECISIONS.
@@ -88,7 +85,7 @@ WIDEN_SCRATCH_MAX = 16 << 20  # elements (64 MiB fp32): the buffer stays, so a 1
 
 def _widened(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 copy of a bf16 CPU weight in a per-thread buffer reused by the next call: a fresh
-    allocation of that size costs page faults, ~15x the copy (6.4 against 0.4 ms for 4096 x 1024).
+    allocation of that size costs page faults, many times the copy (docs/benchmarks.md).
     The buffer is as large as the largest weight widened so far (at most WIDEN_SCRATCH_MAX elements);
     valid until the thread's next call, so only for products nothing keeps for backward."""
     buf = getattr(_scratch, "buf", None)
@@ -96,67 +93,3 @@ def _widened(weight: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
             buf = _scratch.buf = torch.empty(weight.numel(), dtype=torch.float32)
     return buf[:weight.numel()].view(weight.shape).copy_(weight)
-
-
-class StoredWeightLinear(nn.Linear):
-    """A bias-free nn.Linear whose weight stays in its stored dtype (see `linear`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
-def can_keep_stored(stored: torch.dtype, compute: torch.dtype, device: str) -> bool:
-    """Whether a Linear weight stored as `stored` can stay so under `compute` math on `device` at speed."""
-    return (stored == torch.bfloat16 and compute == torch.float32 and torch.device(device).type == "cpu"
-            and cpu_kernels.kernel() is not None)
-
-
-class FP8BlockLinear(nn.Linear):
-    """A bias-free nn.Linear whose weight stays block FP8 as published (DeepSeek-V3, Kimi K2): `weight`
-    float8_e4m3fn [out, in] and `weight_scale_inv` fp32 per 128 x 128 block, the checkpoint's own tensors
-    under its own names. Decode-sized fp32 CPU inputs are multiplied from the codes (csrc/quant.c: each weight
-    decoded in registers as code * scale, one fp32 product, the published formula's value; one byte read per
-    weight, half of bf16's: decode steps stream the weights); other inputs (prefill, autograd, compiling) by
-    the decoded weight (formats/fp8_block.decode, the same values), made per call and not kept."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        kernel = (cpu_kernels.for_inference(x) if 0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32
-                  and x.shape[-1] % 32 == 0 else None)
-        if kernel is not None:
-            y = kernel.quant_linear("fp8", x.reshape(rows, x.shape[-1]).contiguous(), self.weight, self.weight_scale_inv)
-            return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.dense_weight(x.dtype))
-
-    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The decoded weight [out, in] in `dtype` (products in fp32)."""
-        return fp8_block.decode(self.weight, self.weight_scale_inv, fp8_block.BLOCK, dtype)
-
-
-def with_weight_values(module: nn.Linear) -> nn.Linear:
-    """`module` as a Linear whose `weight` holds values: an FP8BlockLinear's decoded into a plain fp32 Linear
-    (what --dense-weights compute loads; LoRA wrappers read and merge into `weight`), anything else as it is."""
-    if not isinstance(module, FP8BlockLinear):
-        return module
-    plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
-    plain.weight = nn.Parameter(module.dense_weight(), requires_grad=False)
-    return plain
-
-
-def weight_value(module: nn.Module) -> torch.Tensor:
-    """A Linear's weight as values: the decoded one of an FP8BlockLinear, else its `weight` as it is."""
-    return module.dense_weight() if isinstance(module, FP8BlockLinear) else module.weight
-
-
-def weight_sources(module: nn.Module) -> tuple[torch.Tensor, ...]:
-    """The parameters a Linear's weight values come from (for copies kept while they are unchanged)."""
-    if isinstance(module, FP8BlockLinear):
-        return module.weight, module.weight_scale_inv
-    return (module.weight,)
-
-
-def can_keep_fp8(block: tuple[int, int] | None, compute: torch.dtype, device: str) -> bool:
-    """Whether a block-FP8 Linear weight can stay as its codes and scales (FP8BlockLinear) under `compute` math
-    on `device` at speed: csrc/quant.c's blocks are 128 x 128, its math fp32, on the CPU."""
-    return (tuple(block or ()) == fp8_block.BLOCK and compute == torch.float32 and torch.device(device).type == "cpu"
-            and cpu_kernels.kernel() is not None)

@@ -12,7 +12,8 @@ from torch import nn
 
 from moeswap.experts.pairs import combine_pairs, pairs_by_expert
 from moeswap.ops.activation import glu
-from moeswap.ops.expert_format import PROJS
+from moeswap.weights.format import PROJS
+from moeswap.weights.registry import format_of
 
 
 class TrainableExperts(nn.Module):
@@ -63,7 +64,7 @@ def make_experts_trainable(model: nn.Module, dtype: torch.dtype = torch.float32)
         for i in ids:
             w = fetched[i]
             for proj in PROJS:
-                mats[proj].append(w.fmt.weight(w, proj, dtype).to(block.gate.weight.device))
+                mats[proj].append(format_of(w).weight(w, proj, dtype).to(block.gate.weight.device))
             del w
         trainable = TrainableExperts({p: torch.stack(m) for p, m in mats.items()}, block.act, block.situ_betas)
         block.experts = trainable

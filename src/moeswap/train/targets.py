@@ -34,7 +34,7 @@ def prepare_model(model: nn.Module, cfg, owned: Callable[[int], Sequence[int]] |
     routed experts. Mode "full": every parameter, routed experts included (decoded from the store into
     parameters, train/experts.py; the router's selection bias follows K3's balancing rule instead of a
     gradient), or those under --target-modules (routed experts then stay frozen in the store, gradients
-    flowing through them by ops.expert_format's autograd to the router and everything before). Target patterns
+    flowing through them by weights.autograd to the router and everything before). Target patterns
     follow one rule in both modes, moeswap.lora's (`lora.targets.matches`, PEFT's). The order returned is what
     checkpoints, the optimizer and the manifest use; per-layer activation checkpointing is turned on when asked.
     """

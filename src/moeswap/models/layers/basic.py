@@ -10,7 +10,8 @@ from torch import nn
 
 from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu
-from moeswap.ops.linear import KERNEL_MAX_ROWS, FP8BlockLinear, StoredWeightLinear, gemm_in_bf16, linear
+from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_in_bf16, linear
+from moeswap.weights.dense import WeightLinear, kernel_of, plain_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -56,19 +57,16 @@ def records_graph(module: nn.Module, *tensors: torch.Tensor) -> bool:
     return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in module.parameters())
 
 
-FUSABLE = (nn.Linear, StoredWeightLinear)
-
-
 def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
     """Speed only: the weights of the named bias-free nn.Linear children become views into one
     [sum of outputs, in] tensor, so `project` reads the input once in one matmul instead of 3-6
     (fewer kernel launches; on a 2-core CPU it measured neutral end to end). Values, names and
     state_dict are unchanged; memory is not duplicated. No-op unless all are plain (or stored-weight) Linears of one dtype."""
     mods = [getattr(module, n) for n in names]
-    if all(type(m) is FP8BlockLinear for m in mods):
+    if all(kernel_of(m) == "fp8" for m in mods):
         _fuse_fp8(module, names, mods)
         return
-    if not all(type(m) in FUSABLE and m.bias is None for m in mods) or len({m.weight.dtype for m in mods}) > 1:
+    if not all(plain_weight(m) and m.bias is None for m in mods) or len({m.weight.dtype for m in mods}) > 1:
         return
     fused = torch.cat([m.weight.detach() for m in mods])
     start = 0
@@ -80,7 +78,7 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
                                        [m.weight.shape[0] for m in mods])
 
 
-def _fuse_fp8(module: nn.Module, names: Sequence[str], mods: list[FP8BlockLinear]) -> None:
+def _fuse_fp8(module: nn.Module, names: Sequence[str], mods: list[WeightLinear]) -> None:
     """fuse_linears for block-FP8 Linears: codes and scales each become views into one tensor, for the C decode
     step's one product (the modules still run one product each: csrc/quant.c sums a row alike either way).
     Scales concatenate only where every part but the last fills whole 128-row blocks; else no fusion."""
@@ -105,7 +103,7 @@ def fused_fp8(module: nn.Module, names: Sequence[str], unadapted_rows: bool = Fa
     if fused is None or len(fused) < 6 or fused[1] != tuple(names):
         return None
     mods = [unadapted(getattr(module, n)) if unadapted_rows else getattr(module, n) for n in names]
-    if (all(type(m) is FP8BlockLinear for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]
+    if (all(kernel_of(m) == "fp8" for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]
             and [m.weight_scale_inv.data_ptr() for m in mods] == fused[5]):
         return fused[0], fused[4]
     return None
@@ -140,7 +138,7 @@ def fused_weight(module: nn.Module, names: Sequence[str], unadapted_rows: bool =
     if torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods):
         return None  # the fused tensor is a detached copy: weights being trained go through their own modules
     # data pointers cannot be compared while compiling: the compiled decode is made after fusion
-    if all(type(m) in FUSABLE for m in mods) and (
+    if all(plain_weight(m) for m in mods) and (
             torch.compiler.is_compiling() or [m.weight.data_ptr() for m in mods] == fused[2]):
         return fused[0]
     return None
@@ -202,7 +200,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32
-                and type(unadapted(self.down_proj)) is StoredWeightLinear
+                and kernel_of(unadapted(self.down_proj)) == "bf16"
                 and self.down_proj.weight.dtype == torch.bfloat16 and not gemm_in_bf16()):
             # a decode step: the three products in one C call (cpu_kernels.bf16_mlp), the same bits
             w_gu = fused_weight(self, ("gate_proj", "up_proj"), unadapted_rows=True)
@@ -223,7 +221,7 @@ class GatedMLP(nn.Module):
                         y[adapted] = self._modules_forward(x_RD[adapted])
                 return y.view(*x.shape[:-1], y.shape[-1])
         if (0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.shape[-1] % 32 == 0
-                and all(type(m) is FP8BlockLinear for m in (self.gate_proj, self.up_proj, self.down_proj))):
+                and all(kernel_of(m) == "fp8" for m in (self.gate_proj, self.up_proj, self.down_proj))):
             # block-FP8 weights (a decode step): each product from the codes, the activation in C, as the
             # native decode step runs them (csrc/decode_step.c layer_mlp), the same bits
             kernel = cpu_kernels.for_inference(x)

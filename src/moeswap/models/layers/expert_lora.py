@@ -1,7 +1,7 @@
 """Routed-expert LoRA: adapters on the w1 / w2 / w3 projections of every routed expert of one MoE block, with
 PEFT's math (y += B A dropout(x) * alpha / r; B zero, A as PEFT's kaiming_uniform(a=sqrt(5)) draws it), one A
 per projection shared by all experts as an option, or some experts' rows only (expert parallelism).
-`ExpertLoRA.adapters(ids)` feeds the torch executor's projections (ops.expert_format.train_forward); PEFT key
+`ExpertLoRA.adapters(ids)` feeds the torch executor's projections (weights.autograd.train_forward); PEFT key
 names in and out; `ExpertLoRASlots`: several adapters served at once (lora.serving), each pair with its row's.
 Shapes: E experts, r rank, O/N a projection's output/input width, P the (token, expert) pairs of a step.
 """
@@ -109,7 +109,7 @@ class ExpertLoRA(nn.Module):
         return expert if self._row is None else self._row[expert]
 
     def adapters(self, expert_ids: Sequence[int]) -> list:
-        """One adapter per expert of a step, `adapter(proj, x) -> delta or None` (ops.expert_format.Adapter).
+        """One adapter per expert of a step, `adapter(proj, x) -> delta or None` (weights.format.Adapter).
         The experts' A and B are taken with one gather and split per parameter, so backward scatters their
         gradients once per step instead of once per expert."""
         if not len(expert_ids):

@@ -19,7 +19,7 @@ from moeswap.config import ModelConfig
 from moeswap.models.layers.basic import RMSNorm, derived, fuse_linears, project, records_graph
 from moeswap.models.layers.rope import Rotary
 from moeswap.ops import cpu_kernels
-from moeswap.ops.linear import weight_sources, weight_value
+from moeswap.weights.dense import weight_sources, weight_values
 
 
 @dataclass
@@ -132,7 +132,7 @@ class MLA(nn.Module):
         elif hasattr(kv_b, "folded_weight"):  # a LoRA wrapper (moeswap.lora): its update folded into the matrix
             weight, sources = kv_b.folded_weight, kv_b.fold_sources()
         else:
-            weight, sources = (lambda: weight_value(kv_b)), weight_sources(kv_b)  # block FP8: decoded
+            weight, sources = (lambda: weight_values(kv_b)), weight_sources(kv_b)  # block FP8: decoded
 
         def split():
             w_HXL = weight().to(dtype).unflatten(0, (self.H, self.N + self.V))

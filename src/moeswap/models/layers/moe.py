@@ -21,7 +21,8 @@ from moeswap.models import routed_expert_shapes
 from moeswap.models.layers.basic import GatedMLP, RMSNorm, adapter_split, derived, unadapted
 from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA, ExpertLoRASlots
 from moeswap.ops import cpu_kernels
-from moeswap.ops.linear import StoredWeightLinear, gemm_in_bf16
+from moeswap.ops.linear import gemm_in_bf16
+from moeswap.weights.dense import kernel_of
 
 # what the block's expert executor is chosen from: setting (or deleting) one of these chooses it again
 EXECUTOR_INPUTS = frozenset({"store", "experts", "expert_lora", "served_lora"})
@@ -200,7 +201,7 @@ class MoE(nn.Module):
         if adapter_split((down, up), x_TD.shape[0])[1] is not False:  # served adapters on them, in use
             return None
         down, up = unadapted(down), unadapted(up)
-        if (type(down) is not StoredWeightLinear or type(up) is not StoredWeightLinear or gemm_in_bf16()
+        if (kernel_of(down) != "bf16" or kernel_of(up) != "bf16" or gemm_in_bf16()
                 or down.weight.dtype != torch.bfloat16 or up.weight.dtype != torch.bfloat16
                 or x_TD.dtype != torch.float32):
             return None

@@ -1,4 +1,4 @@
-"""ops.expert_format: the format objects classify stored tensors and decode as the codecs do; one projection
+"""weights: the format objects classify stored tensors and decode as the codecs do; one projection
 x W^T through autograd (`project`) gives the decoded product forward and dy W backward for MXFP4 bytes
 (both kernel paths) and dense fp32 / bf16 weights, passes gradcheck in float64, and leaves the frozen
 weights without gradients; `train_forward` with an adapter is the plain-torch expert plus the adapter."""
@@ -10,10 +10,14 @@ import torch
 
 from moeswap.formats import fp8_block, mxfp4, mxfp8
 from moeswap.ops import cpu_kernels
-from moeswap.ops import expert_format as ef
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.activation import glu_reference
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
+from moeswap.weights import autograd as ag
+from moeswap.weights.format import PROJS
+from moeswap.weights.registry import FORMATS, for_suffixes, format_of, run_expert
+
+FLOAT, MXFP4, MXFP8, FP8_BLOCK, INT4 = (FORMATS[n] for n in ("float", "mxfp4", "mxfp8", "fp8_block", "int4"))
 
 BETAS = (4.0, 25.0)
 
@@ -43,29 +47,29 @@ EXPERTS = {
 
 
 def test_formats_are_classified_by_their_tensors_once():
-    assert ef.for_suffixes({"weight"}) is ef.FLOAT
-    assert ef.for_suffixes(["weight_packed", "weight_scale"]) is ef.MXFP4
-    assert ef.for_suffixes({"weight": 0, "weight_scale": 0}) is ef.MXFP8
-    assert ef.for_suffixes({"weight", "weight_scale_inv"}) is ef.FP8_BLOCK
-    assert ef.for_suffixes({"weight_packed"}) is None and ef.for_suffixes({"weight", "weight_packed"}) is None
-    assert MXFP4ExpertWeights.fmt is not None and mxfp4_expert(64, 32).fmt is ef.MXFP4
-    assert dense_expert(32, 32, torch.float32).fmt is ef.FLOAT  # every decoded expert computes as FLOAT
-    assert [f.keeps_bytes for f in (ef.FLOAT, ef.MXFP4, ef.MXFP8, ef.FP8_BLOCK, ef.INT4)] == [False, True, False, True, True]
+    assert for_suffixes({"weight"}) is FLOAT
+    assert for_suffixes(["weight_packed", "weight_scale"]) is MXFP4
+    assert for_suffixes({"weight": 0, "weight_scale": 0}) is MXFP8
+    assert for_suffixes({"weight", "weight_scale_inv"}) is FP8_BLOCK
+    assert for_suffixes({"weight_packed"}) is None and for_suffixes({"weight", "weight_packed"}) is None
+    assert format_of(mxfp4_expert(64, 32)) is MXFP4
+    assert format_of(dense_expert(32, 32, torch.float32)) is FLOAT  # every decoded expert computes as FLOAT
+    assert [f.keeps_bytes for f in (FLOAT, MXFP4, MXFP8, FP8_BLOCK, INT4)] == [False, True, False, True, True]
 
 
 def test_each_format_decodes_as_its_codec():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(8, 64, generator=gen)
     packed, scale = mxfp4.encode(w)
-    assert torch.equal(ef.MXFP4.decode({"weight_packed": packed, "weight_scale": scale}, torch.bfloat16),
+    assert torch.equal(MXFP4.decode({"weight_packed": packed, "weight_scale": scale}, torch.bfloat16),
                        mxfp4.decode(packed, scale, torch.bfloat16))
     data, scale8 = mxfp8.encode(w)
-    assert torch.equal(ef.MXFP8.decode({"weight": data, "weight_scale": scale8}, torch.float32),
+    assert torch.equal(MXFP8.decode({"weight": data, "weight_scale": scale8}, torch.float32),
                        mxfp8.decode(data, scale8, torch.float32))
     q, inv = fp8_block.encode(w)
-    assert torch.equal(ef.FP8_BLOCK.decode({"weight": q, "weight_scale_inv": inv}, torch.float32),
+    assert torch.equal(FP8_BLOCK.decode({"weight": q, "weight_scale_inv": inv}, torch.float32),
                        fp8_block.decode(q, inv, fp8_block.BLOCK, torch.float32))
-    for fmt in (ef.MXFP4, ef.MXFP8):  # what quantize writes reads back through the same object
+    for fmt in (MXFP4, MXFP8):  # what quantize writes reads back through the same object
         stored = fmt.encode(w)
         assert {s: (t.dtype, tuple(t.shape)) for s, t in stored.items()} == fmt.stored_specs((8, 64))
         assert torch.equal(fmt.decode(stored, torch.float32), fmt.decode(stored, torch.float64).float())
@@ -77,9 +81,9 @@ def test_project_forward_and_backward_match_the_decoded_matrix(kind, tokens):
     w = EXPERTS[kind]()
     gen = torch.Generator().manual_seed(tokens)
     for proj in ("w1", "w3", "w2"):
-        W = w.fmt.weight(w, proj, torch.float64)
+        W = format_of(w).weight(w, proj, torch.float64)
         x = torch.randn(tokens, W.shape[1], generator=gen, requires_grad=True)
-        y = ef.project(ef.Held(w), proj, x)
+        y = ag.project(ag.Held(w), proj, x)
         want = x.detach().double() @ W.T
         assert y.dtype == torch.float32 and y.shape == want.shape
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -95,23 +99,23 @@ def test_project_passes_gradcheck_in_float64(kind):
     w = mxfp4_expert(32, 32, seed=2) if kind == "mxfp4" else dense_expert(32, 32, torch.float64, seed=2)
     x = torch.randn(3, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
     for proj in ("w1", "w2"):
-        assert torch.autograd.gradcheck(lambda x: ef.project(ef.Held(w), proj, x), (x,))
+        assert torch.autograd.gradcheck(lambda x: ag.project(ag.Held(w), proj, x), (x,))
 
 
 def test_backward_uses_the_held_weights_not_a_saved_copy():
     """The graph keeps the expert only through its Held: whatever get() returns at backward is used."""
     w, other = mxfp4_expert(64, 32, seed=4), mxfp4_expert(64, 32, seed=5)
 
-    class Swapping(ef.Held):
+    class Swapping(ag.Held):
         def get(self):
             return self.w
 
     held = Swapping(w)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6), requires_grad=True)
-    y = ef.project(held, "w1", x)
+    y = ag.project(held, "w1", x)
     held.w = other  # as a store's hold fetches the same bytes again after an eviction
     y.backward(torch.ones_like(y))
-    torch.testing.assert_close(x.grad, torch.ones(2, 32) @ other.fmt.weight(other, "w1", torch.float32))
+    torch.testing.assert_close(x.grad, torch.ones(2, 32) @ format_of(other).weight(other, "w1", torch.float32))
 
 
 @pytest.mark.parametrize("kind", list(EXPERTS))
@@ -121,15 +125,15 @@ def test_train_forward_is_the_expert_plus_its_adapter(kind):
     x = torch.randn(6, 64, generator=gen)
     assert_close = lambda got, want: torch.testing.assert_close(got.double(), want, rtol=2e-5,
                                                                 atol=2e-5 * want.abs().max().item())
-    want = w.fmt.reference(w, x.double(), "situ", BETAS)
-    assert_close(ef.train_forward(ef.Held(w), x, "situ", BETAS), want)
-    assert_close(w(x, "situ", BETAS), want)  # the inference kernels agree
-    lora = {p: torch.randn(*w.fmt.shape(w, p)[:1], w.fmt.shape(w, p)[1], generator=gen) * 0.01 for p in ef.PROJS}
+    want = format_of(w).reference(w, x.double(), "situ", BETAS)
+    assert_close(ag.train_forward(ag.Held(w), x, "situ", BETAS), want)
+    assert_close(run_expert(w, x, "situ", BETAS), want)  # the inference kernels agree
+    lora = {p: torch.randn(*format_of(w).shape(w, p)[:1], format_of(w).shape(w, p)[1], generator=gen) * 0.01 for p in PROJS}
     adapter = lambda proj, inp: inp @ lora[proj].T if proj != "w3" else None
-    W = {p: w.fmt.weight(w, p, torch.float64) for p in ef.PROJS}
+    W = {p: format_of(w).weight(w, p, torch.float64) for p in PROJS}
     x64 = x.double()
     h = glu_reference("situ", x64 @ (W["w1"] + lora["w1"].double()).T, x64 @ W["w3"].T, BETAS)
-    assert_close(ef.train_forward(ef.Held(w), x, "situ", BETAS, adapter), h @ (W["w2"] + lora["w2"].double()).T)
+    assert_close(ag.train_forward(ag.Held(w), x, "situ", BETAS, adapter), h @ (W["w2"] + lora["w2"].double()).T)
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
@@ -139,14 +143,14 @@ def test_frozen_group_matches_the_float64_experts_forward_and_backward(act, dtyp
     input gradients, with uneven counts (one of a single pair)."""
     experts = [dense_expert(64, 96, dtype, seed=s) for s in range(5)]
     counts = [7, 1, 12, 3, 9]
-    assert all(ef.groupable(w, torch.zeros(1, 64)) for w in experts)
+    assert all(ag.groupable(w, torch.zeros(1, 64)) for w in experts)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(sum(counts), 64, generator=gen, requires_grad=True)
     dy = torch.randn(sum(counts), 64, generator=gen)
-    y = ef.frozen_group([ef.Held(w) for w in experts], x, counts, act, BETAS)
+    y = ag.frozen_group([ag.Held(w) for w in experts], x, counts, act, BETAS)
     y.backward(dy)
     x64 = x.detach().double().requires_grad_()
-    want = torch.cat([w.fmt.reference(w, part, act, BETAS) for w, part in zip(experts, x64.split(counts))])
+    want = torch.cat([format_of(w).reference(w, part, act, BETAS) for w, part in zip(experts, x64.split(counts))])
     want.backward(dy.double())
     for got, ref in ((y, want), (x.grad, x64.grad)):
         assert got.dtype == torch.float32 and got.shape == ref.shape
@@ -157,29 +161,29 @@ def test_frozen_group_matches_the_float64_experts_forward_and_backward(act, dtyp
 def test_frozen_group_passes_gradcheck_in_float64():
     experts = [dense_expert(32, 32, torch.float64, seed=s) for s in (9, 10)]
     x = torch.randn(5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(11), requires_grad=True)
-    helds = [ef.Held(w) for w in experts]
-    assert torch.autograd.gradcheck(lambda x: ef.frozen_group(helds, x, [2, 3], "situ", BETAS), (x,))
+    helds = [ag.Held(w) for w in experts]
+    assert torch.autograd.gradcheck(lambda x: ag.frozen_group(helds, x, [2, 3], "situ", BETAS), (x,))
 
 
 def test_frozen_group_backward_uses_the_held_weights():
     """As `project`: the group keeps its experts only through their Held objects (its own copy of the list)."""
     w, other = dense_expert(64, 32, torch.bfloat16, seed=12), dense_expert(64, 32, torch.bfloat16, seed=13)
 
-    class Swapping(ef.Held):
+    class Swapping(ag.Held):
         def get(self):
             return self.w
 
     held = Swapping(w)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(14), requires_grad=True)
     helds, counts = [held], [3]
-    y = ef.frozen_group(helds, x, counts, "silu", BETAS)
+    y = ag.frozen_group(helds, x, counts, "silu", BETAS)
     helds.clear(), counts.clear()  # the caller's lists are its own again (the MoE block reuses them)
     held.w = other
     y.backward(torch.ones_like(y))
     x64 = x.detach().double().requires_grad_()
-    W = {p: other.fmt.weight(other, p, torch.float64) for p in ef.PROJS}
+    W = {p: format_of(other).weight(other, p, torch.float64) for p in PROJS}
     # the forward's saved gate/up came from w; backward's products from `other`
-    g, u = x64 @ w.fmt.weight(w, "w1", torch.float64).T, x64 @ w.fmt.weight(w, "w3", torch.float64).T
+    g, u = x64 @ format_of(w).weight(w, "w1", torch.float64).T, x64 @ format_of(w).weight(w, "w3", torch.float64).T
     g.retain_grad(), u.retain_grad()
     dh = torch.ones(3, 64, dtype=torch.float64) @ W["w2"]
     dg, du = torch.autograd.grad(glu_reference("silu", g, u), (g, u), dh)
@@ -187,10 +191,10 @@ def test_frozen_group_backward_uses_the_held_weights():
 
 
 def test_float_check_finite_finds_nan_and_inf_and_passes_sums_that_overflow():
-    names = {p: {"weight": f"e.{p}.weight"} for p in ef.PROJS}
+    names = {p: {"weight": f"e.{p}.weight"} for p in PROJS}
     big = torch.full((4, 4), 3.0e38).bfloat16()  # finite, but its fp32 sum overflows: the full check runs
     w = ExpertWeights(big, big.clone(), big.clone())
-    assert w.fmt.check_finite(w, names) is None
+    assert format_of(w).check_finite(w, names) is None
     for bad, at in ((float("nan"), [1, 2]), (float("inf"), [3, 0])):
         up = torch.zeros(4, 4, dtype=torch.bfloat16)
         up[tuple(at)] = bad
@@ -198,7 +202,7 @@ def test_float_check_finite_finds_nan_and_inf_and_passes_sums_that_overflow():
             up[0, 0] = -bad  # +Inf and -Inf sum to NaN: still caught, first at [0, 0]
             at = [0, 0]
         w = ExpertWeights(torch.zeros(4, 4, dtype=torch.bfloat16), up, torch.zeros(4, 4, dtype=torch.bfloat16))
-        name, proj, what = w.fmt.check_finite(w, names)
+        name, proj, what = format_of(w).check_finite(w, names)
         assert (name, proj) == ("e.w3.weight", "w3") and f"first at {at}" in what
 
 
@@ -212,11 +216,11 @@ def test_frozen_moe_is_the_weighted_sum_of_the_experts(dtype):
     token_of = torch.cat([torch.randperm(T, generator=gen)[:n].sort().values for n in counts])
     h = torch.randn(T, 64, generator=gen, requires_grad=True)
     wts = torch.rand(sum(counts), generator=gen, requires_grad=True)
-    out = ef.frozen_moe([ef.Held(w) for w in experts], h, token_of, wts, counts, "situ", BETAS)
+    out = ag.frozen_moe([ag.Held(w) for w in experts], h, token_of, wts, counts, "situ", BETAS)
     dout = torch.randn(T, 64, generator=gen)
     out.backward(dout)
     h64, w64 = h.detach().double().requires_grad_(), wts.detach().double().requires_grad_()
-    ys = torch.cat([w.fmt.reference(w, h64[rows], "situ", BETAS)
+    ys = torch.cat([format_of(w).reference(w, h64[rows], "situ", BETAS)
                     for w, rows in zip(experts, token_of.split(counts))])
     want = torch.zeros(T, 64, dtype=torch.float64).index_add(0, token_of, ys * w64[:, None])
     want.backward(dout.double())
@@ -231,8 +235,8 @@ def test_frozen_moe_passes_gradcheck_in_float64():
     h = torch.randn(3, 32, dtype=torch.float64, generator=gen, requires_grad=True)
     wts = torch.rand(4, dtype=torch.float64, generator=gen, requires_grad=True)
     token_of = torch.tensor([0, 2, 0, 1])
-    helds = [ef.Held(w) for w in experts]
-    assert torch.autograd.gradcheck(lambda h, w: ef.frozen_moe(helds, h, token_of, w, [2, 2], "situ", BETAS), (h, wts))
+    helds = [ag.Held(w) for w in experts]
+    assert torch.autograd.gradcheck(lambda h, w: ag.frozen_moe(helds, h, token_of, w, [2, 2], "situ", BETAS), (h, wts))
 
 
 def test_frozen_nodes_take_bf16_weights_as_stored_and_widen_the_rest():
@@ -240,10 +244,10 @@ def test_frozen_nodes_take_bf16_weights_as_stored_and_widen_the_rest():
     ones are widened into the reused buffers, fp32 ones taken as they are."""
     if cpu_kernels.kernel() is None:
         pytest.skip(f"the kernel does not build here: {cpu_kernels.build_error()}")
-    wide = ef._Widened(torch.float32, torch.device("cpu"))
+    wide = ag._Widened(torch.float32, torch.device("cpu"))
     bf16, fp16, fp32 = (dense_expert(64, 32, t, seed=30) for t in (torch.bfloat16, torch.float16, torch.float32))
-    assert all(m is getattr(bf16, f) for m, f in zip(wide.get(bf16), ef._Widened.FIELDS))
-    assert all(m is getattr(fp32, f) for m, f in zip(wide.get(fp32), ef._Widened.FIELDS))
+    assert all(m is getattr(bf16, f) for m, f in zip(wide.get(bf16), ag._Widened.FIELDS))
+    assert all(m is getattr(fp32, f) for m, f in zip(wide.get(fp32), ag._Widened.FIELDS))
     mats = wide.get(fp16)
     assert all(m.dtype == torch.float32 and torch.equal(m, getattr(fp16, f).float()) and m is wide.bufs[f]
-               for m, f in zip(mats, ef._Widened.FIELDS))
+               for m, f in zip(mats, ag._Widened.FIELDS))

@@ -2,7 +2,7 @@
 MXFP4 / MXFP8 / INT4 pack-quantized, or DeepSeek block FP8 (`weight_scale_inv`).
 
 `group_modules` sorts checkpoint names into modules and their weight tensors; `storage_of` finds the
-storage's format object (ops.expert_format, which owns what each storage looks like, its shapes and
+storage's format object (weights.registry, whose formats own what each storage looks like, its shapes and
 decoding) from which tensors exist and their dtypes, checked against what config.json declares;
 `read_float` decodes. Knows module names only as strings. Entry point: `StoredWeight`.
 """
@@ -17,16 +17,7 @@ import torch
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
-
-WEIGHT_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape")
-
-
-def _formats():
-    """ops.expert_format, imported when first needed: ops builds on formats, and `moeswap.formats` must stay
-    importable on its own."""
-    from moeswap.ops import expert_format
-
-    return expert_format
+from moeswap.weights import registry
 
 
 @dataclass(frozen=True)
@@ -49,13 +40,13 @@ class Declared:
 @dataclass(frozen=True)
 class StoredWeight:
     module: str
-    kind: str  # "float" | "mxfp4" | "mxfp8" | "fp8_block": the name of its format object
+    kind: str  # the name of its format object (weights.registry.FORMATS)
     tensors: dict[str, str]  # suffix -> checkpoint name
 
     @property
     def format(self):
-        """The ops.expert_format object of this storage."""
-        return _formats().FORMATS[self.kind]
+        """The weights format object of this storage."""
+        return registry.FORMATS[self.kind]
 
     def shape(self, ckpt: Checkpoint) -> tuple[int, int]:
         """Logical [out, in] of the weight."""
@@ -73,11 +64,12 @@ class StoredWeight:
 
 def group_modules(names: Iterable[str]) -> tuple[dict[str, dict[str, str]], list[str]]:
     """-> ({module: {suffix: name}} for weight tensors, [other names]) in first-seen order."""
+    weight_suffixes = set().union(*registry.BY_SUFFIXES)  # every registered format's tensors
     modules: dict[str, dict[str, str]] = {}
     others = []
     for name in names:
         module, _, suffix = name.rpartition(".")
-        if suffix in WEIGHT_SUFFIXES and module:
+        if suffix in weight_suffixes and module:
             modules.setdefault(module, {})[suffix] = name
         else:
             others.append(name)
@@ -88,7 +80,7 @@ def storage_of(ckpt: Checkpoint, module: str, tensors: dict[str, str], declared:
     """Which storage a module's tensors are in; fails naming the module when they fit none."""
     dtypes = {suffix: ckpt.info(name).dtype for suffix, name in tensors.items()}
     where = f"{module} in {ckpt.info(next(iter(tensors.values()))).file.name}"
-    fmt = _formats().for_suffixes(tensors)
+    fmt = registry.for_suffixes(tensors)
     if fmt is None or not fmt.dtypes_fit(dtypes):
         found = ", ".join(f"{s} ({d})" for s, d in sorted(dtypes.items()))
         raise CheckpointError(
