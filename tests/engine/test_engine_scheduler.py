@@ -130,9 +130,9 @@ def test_int8_expert_activations_batch_like_single_sequences(tmp_path, monkeypat
     assert all(block.int8_activations for block in model.moe_blocks())
     calls, real_moe = [], type(kernel).moe
 
-    def moe(self, *args, int8_activations=False):
-        calls.append(int8_activations if len(args) == 8 else args[8])
-        return real_moe(self, *args[:8], int8_activations=calls[-1])
+    def moe(self, *args, int8_activations=False):  # the binding's (x, kind, F, table, tokens, ..., y[, int8])
+        calls.append(int8_activations if len(args) == 10 else args[10])
+        return real_moe(self, *args[:10], int8_activations=calls[-1])
 
     monkeypatch.setattr(type(kernel), "moe", moe)
     prompts = [_tokens(n, 30 + n) for n in (4, 23, 9)]
