@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from moeswap.atomic_dir import OutOfSpaceError, UnwritableError, Owner, atomic_directory, atomic_file, remove_stale, writing
+from moeswap.atomic_dir import (
+    OutOfSpaceError,
+    Owner,
+    UnwritableError,
+    atomic_directory,
+    atomic_file,
+    remove_stale,
+    writing,
+)
 from moeswap.cli import USER_ERRORS
 
 

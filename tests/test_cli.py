@@ -14,12 +14,11 @@ from safetensors import safe_open
 
 from moeswap.cli import main
 from moeswap.config import ConfigError
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.experts.trace import read_trace
 from moeswap.formats.checkpoint import INDEX_NAME
 from moeswap.models.loader import LoadOptions, load_model
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.units import parse_bytes
-
 
 PROMPT = "the quick brown fox"
 

@@ -15,7 +15,18 @@ import warnings
 import pytest
 
 from moeswap.cli import main
-from moeswap.config import MAX_EXPERTS, MAX_LAYERS, MAX_SIZE, ConfigError, KDAConfig, MLAConfig, ModelConfig, MoEConfig, load_config, parse_config
+from moeswap.config import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_SIZE,
+    ConfigError,
+    KDAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    load_config,
+    parse_config,
+)
 from moeswap.formats.files import show
 from moeswap.tiny import tiny_config
 

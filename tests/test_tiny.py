@@ -15,12 +15,11 @@ from safetensors import safe_open
 
 from moeswap.config import load_config
 from moeswap.engine.generate import GenerationConfig, generate
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.formats.checkpoint import INDEX_NAME
 from moeswap.models.loader import load_model
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.tiny import write_tiny_model
 from moeswap.tiny.tokenizer import build_tiny_tiktoken, build_tiny_tokenizer, corpus_text
-
 
 EXPERT = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(\w+)")
 

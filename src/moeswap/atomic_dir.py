@@ -126,7 +126,7 @@ def remove_stale_in(parent: str | os.PathLike) -> list[Path]:
     """`remove_stale` for every destination in `parent` that has staging directories (a run killed while
     it wrote any of them leaves nothing that blocks the next one)."""
     try:
-        names = {e.name for e in os.scandir(parent) if e.name.startswith(".") and ".staging-" in e.name}
+        names = {e.name for e in os.scandir(os.fspath(parent)) if e.name.startswith(".") and ".staging-" in e.name}
     except (FileNotFoundError, NotADirectoryError):
         return []
     dsts = {name[1:name.index(".staging-")] for name in names}

@@ -9,8 +9,8 @@ with exit code 1.
 from __future__ import annotations
 
 import argparse
-import errno
 import dataclasses
+import errno
 import importlib
 import os
 import select
@@ -134,10 +134,10 @@ def cmd_generate(args) -> int:
     import torch
 
     from moeswap.engine.generate import GenerationConfig, generate
-    from moeswap.engine.scheduler import EngineConfig
     from moeswap.engine.sampling import SamplingParams
-    from moeswap.text.tokenizer import StreamDecoder, load_tokenizer
+    from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
+    from moeswap.text.tokenizer import StreamDecoder, load_tokenizer
 
     for text in args.prompt:
         check_text("--prompt", text)
@@ -148,7 +148,7 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     lora = read_lora_flag(args.lora, args.model)
-    from moeswap.distributed.cli import bind_local_device, from_lead, finish, join_if_launched
+    from moeswap.distributed.cli import bind_local_device, finish, from_lead, join_if_launched
 
     bind_local_device(args)  # under torchrun on CUDA: cuda:LOCAL_RANK
     t0 = time.perf_counter()
@@ -229,12 +229,12 @@ def generate_many(args) -> int:
     output in the prompts' order. Sampling uses seed + i for prompt i. No streaming: whole outputs."""
     import torch
 
-    from moeswap.distributed.cli import bind_local_device, data_parallel_map, from_lead, finish, join_if_launched
+    from moeswap.distributed.cli import bind_local_device, data_parallel_map, finish, from_lead, join_if_launched
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.scheduler import EngineConfig
-    from moeswap.text.tokenizer import load_tokenizer
     from moeswap.models.loader import load_model
+    from moeswap.text.tokenizer import load_tokenizer
 
     if args.lora:
         raise ValueError("--lora takes a single --prompt")

@@ -4,8 +4,8 @@ every architecture in moeswap.archs.REGISTRY: registering one is all it takes to
 from __future__ import annotations
 
 import pytest
-from archs.contract import CHECKS, Tiny, check_id, variants
 
+from archs.contract import CHECKS, Tiny, check_id, variants
 from moeswap.archs import REGISTRY
 from moeswap.tiny import write_tiny_model
 

@@ -10,8 +10,8 @@ from types import MappingProxyType
 
 import pytest
 import torch
-from archs.contract import CHECKS, Tiny, check_id
 
+from archs.contract import CHECKS, Tiny, check_id
 from moeswap import archs
 from moeswap.archs.base import IDENTITY
 from moeswap.archs.kimi_linear import KimiLinear

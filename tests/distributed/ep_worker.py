@@ -102,7 +102,7 @@ def data_parallel_runs(job: dict, rank: int, out: str) -> None:
             fresh = apply_expert_parallel(model, None, ep.placement, data_parallel=True)
             fresh.diagnose, fresh.heartbeat = ep.diagnose, ep.heartbeat
 
-        def one(i):
+        def one(i, model=model):
             with torch.no_grad():
                 logits = model(torch.tensor([prompts[i]]))[0]
             if job.get("die") == rank:

@@ -210,11 +210,11 @@ def test_the_calls_own_guess_hints_what_the_lookahead_hook_would(tiny_k3_dir):
     for hook_routes in (False, True):
         model, store = _load(tiny_k3_dir, expert_memory=total // 10, expert_policy="lru", prefetch="next-layer")
         hook, routed = model.expert_lookahead, []
-        hook.routes = {i: (t, lambda h, fn=fn: routed.append(1) or fn(h)) for i, (t, fn) in hook.routes.items()}
+        hook.routes = {i: (t, lambda h, fn=fn, routed=routed: routed.append(1) or fn(h)) for i, (t, fn) in hook.routes.items()}
         if hook_routes:  # a plain callable: the step cannot hand it a guess and calls it
-            model.expert_lookahead = lambda i, x: hook(i, x)
+            model.expert_lookahead = lambda i, x, hook=hook: hook(i, x)
         hints, real_hint = [], store.prefetcher.hint
-        store.prefetcher.hint = lambda layer, ids: hints.append((layer, list(ids))) or real_hint(layer, ids)
+        store.prefetcher.hint = lambda layer, ids, hints=hints, real_hint=real_hint: hints.append((layer, list(ids))) or real_hint(layer, ids)
         native = NativeDecode(model)
         try:
             state = model.make_state(2)

@@ -59,7 +59,7 @@ def float64_step(block, store, h, ids, w, G):
                 cache[e] = load_expert(store.ckpt, store.index, block.layer_idx, e, torch.float64)
             W = {"w1": cache[e].w1_FI, "w3": cache[e].w3_FI, "w2": cache[e].w2_IF}
 
-            def proj(p, x):
+            def proj(p, x, e=e, W=W):
                 a = A[p][0 if lora.shared_a else e]
                 return x @ W[p].T + (x @ a.T @ B[p][e].T) * lora.scaling
 

@@ -10,8 +10,8 @@ import torch
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.scheduler import fuse_projections
-from moeswap.experts.hybrid import HybridExperts
 from moeswap.experts import executors
+from moeswap.experts.hybrid import HybridExperts
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
 from moeswap.ops.expert import MXFP4ExpertWeights

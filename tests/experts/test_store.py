@@ -251,7 +251,7 @@ def test_a_caller_that_takes_every_expert_reads_its_first_miss_itself():
         store.prefetcher = Prefetcher(store)
         started = []
         real = store.start_background_many
-        store.start_background_many = lambda keys, urgent: started.append(list(keys)) or real(keys, urgent)
+        store.start_background_many = lambda keys, urgent, started=started, real=real: started.append(list(keys)) or real(keys, urgent)
         try:
             keys, wanted = [], []
             for layer, ids in ((1, [0, 1]), (2, [0, 2]), (1, [0, 3]), (1, [1, 0]), (3, [5]), (4, [0, 1, 2])):

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from open_spy import opened_paths
 from moeswap.cli import main
 from moeswap.config import ConfigError, load_config
 from moeswap.formats import mxfp4
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.models.loader import load_model
+from open_spy import opened_paths
 
 SECRET = b"secret-token-4242 (not a checkpoint)\n"  # what must never appear in an error
 

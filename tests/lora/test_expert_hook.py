@@ -11,8 +11,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moeswap.lora import (CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, attach_lora, detach_lora, load_adapter, lora_modules,
-                          save_adapter, trainable_parameters)
+from moeswap.lora import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    LoRAConfig,
+    attach_lora,
+    detach_lora,
+    load_adapter,
+    lora_modules,
+    save_adapter,
+    trainable_parameters,
+)
 
 KEY = "base_model.model.language_model.model.layers.{layer}.block_sparse_moe.experts.{e}.{p}.lora_{x}.weight"
 

@@ -7,18 +7,18 @@ import shutil
 import pytest
 import torch
 
+from moeswap import archs
+from moeswap.experts.keys import Key
 from moeswap.formats import fp8_block
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.formats.files import read_json
 from moeswap.jsonio import dumps
-from moeswap import archs
 from moeswap.models.loader import LoadOptions, load_model
-from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
 from moeswap.ops import cpu_kernels
+from moeswap.ops.expert import FP8ExpertWeights, Int4ExpertWeights
+from moeswap.tiny import write_tiny_model
 from moeswap.weights.dense import kernel_of
 from moeswap.weights.registry import format_of
-from moeswap.experts.keys import Key
-from moeswap.tiny import write_tiny_model
 
 
 @pytest.fixture(scope="module")

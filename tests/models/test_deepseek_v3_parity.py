@@ -11,8 +11,8 @@ transformers = pytest.importorskip("transformers")
 from moeswap.config import load_config  # noqa: E402
 from moeswap.engine.generate import GenerationConfig, generate  # noqa: E402
 from moeswap.formats import fp8_block  # noqa: E402
-from moeswap.formats.writer import layout, write_index, write_shard  # noqa: E402
 from moeswap.formats.files import read_json  # noqa: E402
+from moeswap.formats.writer import layout, write_index, write_shard  # noqa: E402
 from moeswap.jsonio import dumps  # noqa: E402
 from moeswap.models.loader import LoadOptions, load_model  # noqa: E402
 

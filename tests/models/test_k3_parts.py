@@ -26,8 +26,8 @@ from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
 from moeswap.ops.activation import glu
 from moeswap.ops.expert import ExpertWeights
-from moeswap.weights.registry import run_expert
 from moeswap.tiny import tiny_config, write_tiny_model
+from moeswap.weights.registry import run_expert
 
 EPS = 1e-5  # rms_norm_eps, o_norm eps and the attn-res rmsnorm eps of the spec
 

@@ -16,7 +16,6 @@ from moeswap.config import ConfigError
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.models.loader import load_model
 
-
 P = "language_model.model.layers"  # K3 text tensors carry the language_model. prefix
 
 

@@ -39,7 +39,7 @@ def test_the_c_definitions_take_the_parameters_the_header_declares():
     for path in sorted(cpu_kernels.CSRC.glob("*.c")):
         text = path.read_text()
         assert '#include "internal.h"' in text, path.name
-        for ret, name, params in re.findall(r"^(int) (moeswap_\w+)\(([^)]*)\) *\{", text, re.M):
+        for _ret, name, params in re.findall(r"^(int) (moeswap_\w+)\(([^)]*)\) *\{", text, re.M):
             args = [] if params.strip() == "void" else [cpu_kernels.ctype_of(re.sub(r"\w+$", "", p.strip()))
                                                          for p in params.split(",")]
             assert defined.setdefault(name, args) == args, f"{name} is defined twice with different parameters"

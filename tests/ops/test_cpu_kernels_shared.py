@@ -13,9 +13,9 @@ import pytest
 from moeswap.engine import native_step
 from moeswap.experts import incall, reads
 from moeswap.ops import cpu_kernels, expert_mxfp4, expert_quant, kernel_abi, linear, native_build
-from moeswap.weights import format as weight_format
 from moeswap.ops.kernel_library import MXFP4_Q8, resident_format_code
 from moeswap.planner import roofline
+from moeswap.weights import format as weight_format
 
 HEADER_TEXT = kernel_abi.HEADER.read_text()
 JOB_TEXT = kernel_abi.JOB_HEADER.read_text()

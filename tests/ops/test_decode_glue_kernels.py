@@ -183,8 +183,8 @@ def test_moe_resident_groups_the_routers_choice_as_the_caller_would(kind):
     """moe_resident (router output + a pointer table) adds exactly what `moe` adds for the same pairs
     grouped by expert, token order within; a chosen expert without a row computes nothing (None). Its
     latent form (latent_moe_resident) equals the calls it replaces."""
-    from moeswap.formats import mxfp4
     from moeswap.experts.pairs import pairs_by_expert
+    from moeswap.formats import mxfp4
     from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 
     g = torch.Generator().manual_seed(5)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from moeswap.formats import mxfp4
 from moeswap.models.loader import LoadOptions, load_model
-from moeswap.ops import cpu_kernels, expert_mxfp4 as em
+from moeswap.ops import cpu_kernels
+from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.expert import MXFP4ExpertWeights
 from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_in_bf16, gemm_precision, linear
 

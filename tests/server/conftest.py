@@ -15,18 +15,17 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 import openai
+import pytest
 
 from live_server import serve_in_thread
 from moeswap.config import load_config
 from moeswap.engine.scheduler import Scheduler
-from moeswap.text.tokenizer import load_tokenizer
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
 from moeswap.server.tool_calls import KIMI_K2
+from moeswap.text.tokenizer import load_tokenizer
 from moeswap.tiny.tokenizer import build_tiny_tokenizer
 
 MODEL = "tiny-k3"

@@ -99,7 +99,7 @@ def test_project_passes_gradcheck_in_float64(kind):
     w = mxfp4_expert(32, 32, seed=2) if kind == "mxfp4" else dense_expert(32, 32, torch.float64, seed=2)
     x = torch.randn(3, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
     for proj in ("w1", "w2"):
-        assert torch.autograd.gradcheck(lambda x: ag.project(ag.Held(w), proj, x), (x,))
+        assert torch.autograd.gradcheck(lambda x, proj=proj: ag.project(ag.Held(w), proj, x), (x,))
 
 
 def test_backward_uses_the_held_weights_not_a_saved_copy():

@@ -18,9 +18,9 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.experts.store import ExpertStore
 from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, convert
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.weights.floating import keeps_bf16
 from moeswap.options import LoadOptions
 from moeswap.units import human_bytes
+from moeswap.weights.floating import keeps_bf16
 
 
 def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int]:

@@ -16,9 +16,9 @@ import torch
 from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.pairs import combine_pairs, pairs_by_expert
 from moeswap.ops import cpu_kernels, expert_mxfp4
+from moeswap.ops.kernel_experts import grouped_kind, resident_row
 from moeswap.weights import autograd as expert_autograd
 from moeswap.weights.registry import format_of
-from moeswap.ops.kernel_experts import grouped_kind, resident_row
 
 # Shapes: T tokens, I expert input width, K top-k, P (token, expert) pairs, E experts.
 

@@ -13,7 +13,6 @@ import torch
 from moeswap.formats import int4, mx
 from moeswap.ops.kernel_abi import KERNEL_PROJS
 
-
 _TENSOR_FIELDS: dict[type, tuple[str, ...]] = {}  # class -> its init fields (dataclasses.fields is slow per call)
 
 

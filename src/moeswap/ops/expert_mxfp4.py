@@ -24,9 +24,9 @@ import torch
 
 from moeswap.formats import mxfp4
 from moeswap.ops import cpu_kernels, kernel_experts
-from moeswap.ops.kernel_abi import constant
 from moeswap.ops.activation import glu, glu_reference
 from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.ops.kernel_abi import constant
 from moeswap.ops.linear import gemm_in_bf16
 
 ENV_KERNEL = "MOESWAP_EXPERT_KERNEL"

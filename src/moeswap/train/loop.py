@@ -27,11 +27,11 @@ from torch.utils.checkpoint import checkpoint
 from moeswap.atomic_dir import remove_stale_in
 from moeswap.procfs import peak_rss_bytes
 from moeswap.train import manifest as record
+from moeswap.train.budget import check_fits
 from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import IGNORE, Data, RowStream, batch, eval_rows, load_data
 from moeswap.train.experts import balance_routers, balanced_biases, load_report
-from moeswap.train.budget import check_fits
 from moeswap.train.targets import lora_config, prepare_model, save_trained
 
 # Settings a resumed run may change: when and what it writes, where experts are kept. Anything else
