@@ -104,7 +104,7 @@ def run(args) -> int:
         try:
             config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level)
             uvicorn.Server(config).run(sockets=[sock])  # host and port: what its startup line says
-        except _Stopped:
+        except (_Stopped, KeyboardInterrupt):  # Ctrl-C: a graceful stop (uvicorn re-raises it once shut down)
             pass
     finally:
         if sock is not None:
@@ -151,6 +151,7 @@ def _listen_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind: TIME_WAIT is no conflict
     try:
         sock.bind(address)
+        sock.listen(2048)  # clients that connect before uvicorn starts wait in the backlog (uvicorn's own size)
     except OSError as e:
         sock.close()
         why = "is already in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
