@@ -9,8 +9,6 @@ cli.py) is a package of its own. Imports anywhere in a module count, function bo
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 import moeswap
 from import_graph import Import, cycles, imports
 
@@ -105,17 +103,6 @@ def test_the_walker_reads_moeswap():
     assert any(i.type_checking and i.module == "moeswap.models" for i in found)  # TYPE_CHECKING ModelConfig
 
 
-# Found on the tooling branch (5f02c79 plus its own fixes); other branches of issue 31 remove them. The lead
-# makes these strict once merged: delete the marks.
-CYCLE_EDGES_TODAY = (
-    "one cycle among config, experts, formats, models, ops, options: config->formats, config->models, "
-    "experts->{config, formats, models, ops, options}, formats->ops (formats/weights.py), models->{config, experts, "
-    "formats, ops, options}, ops->{formats, options}, options->experts (options.py:_policy_choices)"
-)
-PRIVATE_TODAY = "distributed/dispatch.py:19 (ep._combine), bench/serve.py:646 (sidebyside._git_revision)"
-
-
-@pytest.mark.xfail(strict=False, reason=f"issue 31, being fixed on other branches: {CYCLE_EDGES_TODAY}")
 def test_no_import_cycle_between_packages():
     lines = package_cycles(imports("moeswap", ROOT), ROOT)
     assert not lines, "import cycles between moeswap's packages:\n" + "\n".join(lines)
@@ -126,8 +113,7 @@ def test_no_private_name_imported_from_another_package():
     assert not lines, "private names imported from another package:\n" + "\n".join(lines)
 
 
-@pytest.mark.xfail(strict=False, reason=f"issue 31, being fixed on other branches: {PRIVATE_TODAY}")
 def test_no_private_name_imported_from_another_module():
-    """Stricter than the package rule: a private name stays in its module (issue 31 names these two)."""
+    """Stricter than the package rule: a private name stays in its module."""
     lines = private_imports(imports("moeswap", ROOT), ROOT, across="module")
     assert not lines, "private names imported from another module:\n" + "\n".join(lines)

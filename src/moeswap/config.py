@@ -521,3 +521,10 @@ class _Getter:
     def first_bool(self, keys: tuple[str, ...], default: bool) -> bool:
         k = self._first_key(keys, default)
         return default if k is None else self.bool(k, default)
+
+
+def routed_expert_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """One routed expert's weight shapes [out, in] by checkpoint projection name: w1 (gate) and w3 (up)
+    [F, I], w2 (down) [I, F], where I is the latent width when the MoE has one (K3), else the model width."""
+    width, f = config.moe.latent_dim or config.hidden_size, config.moe.expert_dim
+    return {"w1": (f, width), "w3": (f, width), "w2": (width, f)}

@@ -15,22 +15,14 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from moeswap.experts.hybrid import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS  # torch-free, as is everything here
+from moeswap.ops.gemm_precision import GEMM_PRECISIONS
 from moeswap.units import human_bytes, parse_bytes
 
 NO_CACHE = "none"  # --expert-policy none: no cache tier, every expert read from disk every time
 PREFETCH_MODES = ("none", "next-layer")
 DENSE_WEIGHTS = ("auto", "compute")
 EXPERT_ACTIVATIONS = ("fp32", "int8")
-GEMM_PRECISIONS = ("fp32", "bf16")
-# --expert-compute (experts/hybrid.py): where a routed expert the fast tier lacks is computed. The planner's
-# `plan --offload-compute` models the same choice under its own names: gpu = swap, cpu = host, auto = auto.
-EXPERT_COMPUTE = ("gpu", "cpu", "auto")
-# auto: a layer step of at least this many tokens copies its missing experts up and computes there; fewer
-# compute them on the CPU. A missed expert costs one copy of its bytes up whatever the tokens, while its CPU
-# time grows with its rows: decode (a few tokens, most experts touched by one) is far cheaper on the CPU,
-# a long prefill (many rows per expert) on the accelerator. 32 is llama.cpp's switch for the same choice
-# (ggml's op offload of host-weight ops to the GPU from a batch of 32) and the planner's `auto` uses it too.
-EXPERT_GPU_MIN_TOKENS = 32
 
 
 def _policy_choices() -> tuple[str, ...]:

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from moeswap import archs
-from moeswap.config import load_config, parse_config
+from moeswap.config import load_config, parse_config, routed_expert_shapes
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.models import build_model, routed_expert_shapes
+from moeswap.models import build_model
 from moeswap.models.loader import LoadOptions, load_model
 from moeswap.tiny import tiny_config, write_tiny_model
 

@@ -13,7 +13,8 @@ from moeswap.models.loader import LoadOptions, load_model
 from moeswap.ops import cpu_kernels
 from moeswap.ops import expert_mxfp4 as em
 from moeswap.ops.expert import MXFP4ExpertWeights
-from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_in_bf16, gemm_precision, linear
+from moeswap.ops.gemm_precision import gemm_in_bf16, gemm_precision
+from moeswap.ops.linear import KERNEL_MAX_ROWS, linear
 
 
 def test_inputs_are_rounded_to_bf16_for_many_rows_and_few():

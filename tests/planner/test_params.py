@@ -98,7 +98,8 @@ def test_counts_equal_the_model_built_on_meta(cfg):
     vector) and routed_expert_shapes; not the planner's KINDS table."""
     from torch import nn
 
-    from moeswap.models import build_model, routed_expert_shapes
+    from moeswap.config import routed_expert_shapes
+    from moeswap.models import build_model
     from moeswap.models.layers.moe import Router
 
     model = build_model(cfg, device="meta")

@@ -1,7 +1,7 @@
 """Data-parallel attention with token dispatch (docs/distributed.md): each rank runs its own sequences, and
 at each MoE layer sends its (token, expert) pairs' input rows to the experts' owners, which compute them
 through their blocks' own executors and send the outputs back; the source sums its tokens' pairs as one
-process does (`ep._combine`). Under autograd backward runs the same exchange the other way. Knows nothing of
+process does (`ep.combine_in_order`). Under autograd backward runs the same exchange the other way. Knows nothing of
 launching (runtime.py). Entry point: `TokenDispatch` (`apply_expert_parallel(..., data_parallel=True)`).
 Shapes: T tokens, I expert input width, K top-k, P pairs, E experts, S source ranks."""
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeswap.distributed.ep import ExpertParallelExecutor, _combine
+from moeswap.distributed.ep import ExpertParallelExecutor, combine_in_order
 from moeswap.experts.executors import ExpertExecutor
 from moeswap.experts.pairs import combine_pairs, pairs_by_expert
 from moeswap.ops.expert_mxfp4 import GEMM_MIN_TOKENS
@@ -127,12 +127,12 @@ class TokenDispatch:
         self._graphs.clear()  # forward exchanges that no backward came back through (a rank stopped by an error)
 
     def _fast(self, layer: int, h_TI, ids_TK, w_TK) -> torch.Tensor:
-        """Inference: this rank's pairs on the owners' inference kernels, summed per token (ep._combine)."""
+        """Inference: this rank's pairs on the owners' inference kernels, summed per token (ep.combine_in_order)."""
         T, K = ids_TK.shape
         unique, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
         y_PI, _ = self._exchange(_Mine(layer, T, unique, counts, token_of, h_TI, True), FAST)
         t = time.perf_counter()
-        out_TI = _combine(y_PI, token_of.to(h_TI.device), weights.to(h_TI.device), T, K)
+        out_TI = combine_in_order(y_PI, token_of.to(h_TI.device), weights.to(h_TI.device), T, K)
         self.stats.combine_s += time.perf_counter() - t
         return out_TI.to(h_TI.dtype)
 

@@ -1,7 +1,7 @@
 """Expert parallelism applied from outside the model: each MoE block's executor is wrapped
 (ExpertParallelExecutor) so that the block computes only the routed experts its rank owns
 (distributed/placement.py) and the ranks exchange the results; every rank ends the block with a single
-process's output, bit for bit (`_combine` sums in that process's order; under autograd `_PairExchange`).
+process's output, bit for bit (`combine_in_order` sums in that process's order; under autograd `_PairExchange`).
 Knows nothing of launching or rendezvous (distributed/runtime.py). Entry point: `apply_expert_parallel`.
 Shapes: T tokens, I expert input width, P (token, expert) pairs, K top-k.
 """
@@ -103,7 +103,7 @@ class ExpertParallel:
         t1 = time.perf_counter()
         y_PI = self.exchange(L, y_mine, sel, n, token_of.numel())
         t2 = time.perf_counter()
-        out_TI = _combine(y_PI, token_of, weights.to(h_TI.device), T, ids_TK.shape[1])
+        out_TI = combine_in_order(y_PI, token_of, weights.to(h_TI.device), T, ids_TK.shape[1])
         t3 = time.perf_counter()
         st.layer_steps += 1
         st.tokens += T
@@ -264,7 +264,7 @@ class ExpertParallelExecutor(ExpertExecutor):
                                       f"gradient into one tensor; not supported under expert parallelism")
 
 
-def _combine(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, T: int, K: int) -> torch.Tensor:
+def combine_in_order(y_PI: torch.Tensor, token_of: torch.Tensor, weights: torch.Tensor, T: int, K: int) -> torch.Tensor:
     """Each token's pairs summed as a single process sums them: in fp32 from zero, experts ascending,
     one rounded product then one rounded sum per pair (ops/csrc/moe.c: y[t] += w * out, no contraction;
     moe.py: index_add_ of y * w)."""

@@ -57,8 +57,9 @@ from moeswap.models.layers.basic import fused_fp8, fused_weight, unadapted
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
+from moeswap.ops.gemm_precision import gemm_precision
 from moeswap.ops.kda import L2_EPS
-from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_precision
+from moeswap.ops.linear import KERNEL_MAX_ROWS
 from moeswap.weights.dense import kernel_of, weight_sources
 
 _i64 = ctypes.c_int64

@@ -8,6 +8,7 @@ top-k. Entry point: `build_store(ckpt, index, config, dtype, device, options)`.
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +19,11 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.experts.store import ExpertStore
 from moeswap.experts.tiers import CheckpointTier, MemoryTier, Tier, convert
 from moeswap.formats.checkpoint import Checkpoint
-from moeswap.options import LoadOptions
 from moeswap.units import human_bytes
 from moeswap.weights.floating import keeps_bf16
+
+if TYPE_CHECKING:  # the options are read, never built here: experts sit below the flags layer
+    from moeswap.options import LoadOptions
 
 
 def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int]:
@@ -48,7 +51,7 @@ def _timed_form(form, store: ExpertStore, w):
 
 
 def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
-                device: str | torch.device = "cpu", options: LoadOptions = LoadOptions()) -> ExpertStore:
+                device: str | torch.device, options: LoadOptions) -> ExpertStore:
     """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" is the current device: named as its tensors say

@@ -1,7 +1,7 @@
 """Hybrid experts (`--expert-compute gpu|cpu|auto`): where a routed expert the fast tier lacks is computed:
 copied up and computed there (gpu: the store without this); read into host memory and computed by the CPU's
 kernels, never copied up (cpu: the fast tier fills its free room first, then keeps what it holds); cpu below
-`min_tokens` tokens a step, gpu from there (auto, options.EXPERT_GPU_MIN_TOKENS). Owns the per-step choice and
+`min_tokens` tokens a step, gpu from there (auto, EXPERT_GPU_MIN_TOKENS). Owns the per-step choice and
 the mixed fetch (the store's `stats.hybrid`); the executors compute what it hands them. Knows no model. Entry
 points: `HybridExperts.fetch` (the store's `hybrid`, experts/build.py), `fetch_step` (for a layer step).
 """
@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moeswap.options import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS
+# --expert-compute: where a routed expert the fast tier lacks is computed. The planner's
+# `plan --offload-compute` models the same choice under its own names: gpu = swap, cpu = host, auto = auto.
+EXPERT_COMPUTE = ("gpu", "cpu", "auto")
+# auto: a layer step of at least this many tokens copies its missing experts up and computes there; fewer
+# compute them on the CPU. A missed expert costs one copy of its bytes up whatever the tokens, while its CPU
+# time grows with its rows: decode (a few tokens, most experts touched by one) is far cheaper on the CPU,
+# a long prefill (many rows per expert) on the accelerator. 32 is llama.cpp's switch for the same choice
+# (ggml's op offload of host-weight ops to the GPU from a batch of 32) and the planner's `auto` uses it too.
+EXPERT_GPU_MIN_TOKENS = 32
 
 
 def fetch_step(store, layer: int, expert_ids: Sequence[int], tokens: int, **kw) -> Sequence:

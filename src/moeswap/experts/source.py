@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moeswap.config import ModelConfig
+from moeswap.config import ModelConfig, routed_expert_shapes
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
-from moeswap.models import routed_expert_shapes
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights
 from moeswap.weights import registry
 from moeswap.weights.format import PROJS, WeightFormat

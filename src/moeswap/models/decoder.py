@@ -20,7 +20,8 @@ from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
-from moeswap.ops.linear import gemm_precision, linear
+from moeswap.ops.gemm_precision import gemm_precision
+from moeswap.ops.linear import linear
 from moeswap.weights.dense import plain_weight
 
 

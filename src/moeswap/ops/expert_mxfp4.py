@@ -26,8 +26,8 @@ from moeswap.formats import mxfp4
 from moeswap.ops import cpu_kernels, kernel_experts
 from moeswap.ops.activation import glu, glu_reference
 from moeswap.ops.expert import MXFP4ExpertWeights
+from moeswap.ops.gemm_precision import gemm_in_bf16
 from moeswap.ops.kernel_abi import constant
-from moeswap.ops.linear import gemm_in_bf16
 
 ENV_KERNEL = "MOESWAP_EXPERT_KERNEL"
 ROW_CHUNK_BYTES = constant("ROW_CHUNK_BYTES")  # decoded fp32 bytes per chunk in torch_rows (cpu_kernels.h)

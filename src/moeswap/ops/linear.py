@@ -11,44 +11,16 @@ The Linear layers whose stored weights the loader keeps as they are run through 
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from contextvars import ContextVar
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from moeswap.ops import cpu_kernels
+from moeswap.ops.gemm_precision import gemm_in_bf16
 from moeswap.ops.kernel_abi import constant
-from moeswap.options import GEMM_PRECISIONS
 
 KERNEL_MAX_ROWS = constant("DENSE_KERNEL_MAX_ROWS")  # up to this many rows the kernel; above, GEMM (cpu_kernels.h)
-
-# "bf16": CPU matmuls with bf16 weights round their inputs to bf16. More than KERNEL_MAX_ROWS rows
-# (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it), outputs rounded to bf16
-# and widened back; fewer (decode batches) run the kernel's AVX-512 BF16 dot products where the build has
-# them (fp32 sums; faster than the fp32 kernel at many rows: docs/benchmarks.md), else the fp32 kernel on
-# the rounded inputs. llama.cpp's arithmetic class (it rounds the inputs of bf16 matmuls to bf16);
-# opt-in, the exact fp32 path is the default. Set per forward by the model. Compiled decode steps keep
-# the fp32 kernel: reading this ContextVar would break their graphs. The names: options.GEMM_PRECISIONS.
-_gemm_precision: ContextVar[str] = ContextVar("moeswap_gemm_precision", default="fp32")
-
-
-@contextmanager
-def gemm_precision(precision: str):
-    """Within this block, many-row CPU matmuls with bf16 weights run in `precision` (see above)."""
-    if precision not in GEMM_PRECISIONS:
-        raise ValueError(f"GEMM precision {precision!r}: expected one of {', '.join(GEMM_PRECISIONS)}")
-    token = _gemm_precision.set(precision)
-    try:
-        yield
-    finally:
-        _gemm_precision.reset(token)
-
-
-def gemm_in_bf16() -> bool:
-    return _gemm_precision.get() == "bf16"
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in x's dtype, for a weight in x's dtype or (on the CPU) bf16 under fp32 x."""

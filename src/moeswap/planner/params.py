@@ -128,7 +128,7 @@ def model_params(cfg: ModelConfig) -> ModelParams:
     """The model of `cfg.arch` built on `meta` (shapes, no memory) with its weights sorted by KINDS, plus
     one routed expert. Kept per config: planning the same model again does not build it again."""
     from moeswap.archs import REGISTRY
-    from moeswap.models import routed_expert_shapes
+    from moeswap.config import routed_expert_shapes
 
     if cfg.arch not in REGISTRY:
         raise PlanError(f"architecture {cfg.arch!r} has no model in moeswap.models (known: {', '.join(sorted(REGISTRY))})")

@@ -19,10 +19,10 @@ from tqdm import tqdm
 
 from moeswap import archs, jsonio
 from moeswap.atomic_dir import atomic_directory, library_write
-from moeswap.config import parse_config
+from moeswap.config import parse_config, routed_expert_shapes
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import fp8_block, mxfp4
-from moeswap.models import build_model, routed_expert_shapes
+from moeswap.models import build_model
 from moeswap.text.tokenizer import load_tokenizer
 from moeswap.tiny.sizes import SIZES
 from moeswap.tiny.tokenizer import build_tiny_tokenizer

@@ -10,7 +10,8 @@ from torch import nn
 
 from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu
-from moeswap.ops.linear import KERNEL_MAX_ROWS, gemm_in_bf16, linear
+from moeswap.ops.gemm_precision import gemm_in_bf16
+from moeswap.ops.linear import KERNEL_MAX_ROWS, linear
 from moeswap.weights.dense import WeightLinear, kernel_of, plain_weight
 
 

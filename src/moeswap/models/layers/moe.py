@@ -14,14 +14,13 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from moeswap.config import ModelConfig
+from moeswap.config import ModelConfig, routed_expert_shapes
 from moeswap.experts import executors
 from moeswap.experts.executors import ExpertExecutor, ResidentTable
-from moeswap.models import routed_expert_shapes
 from moeswap.models.layers.basic import GatedMLP, RMSNorm, adapter_split, derived, unadapted
 from moeswap.models.layers.expert_lora import PROJS, ExpertLoRA, ExpertLoRASlots
 from moeswap.ops import cpu_kernels
-from moeswap.ops.linear import gemm_in_bf16
+from moeswap.ops.gemm_precision import gemm_in_bf16
 from moeswap.weights.dense import kernel_of
 
 # what the block's expert executor is chosen from: setting (or deleting) one of these chooses it again
