@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeswap.lora import lora_modules
+from moeswap.lora import LoRAConfig, attach_lora, lora_modules, trainable_parameters
 from moeswap.models.loader import LoadOptions, load_model
 
 
@@ -41,3 +41,21 @@ def load():
 @pytest.fixture
 def tokens():
     return torch.randint(3, 500, (2, 21), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture
+def float64_twin():
+    """float64_twin(path, model, config) -> `path` loaded in float64 with `model`'s LoRA adapter (`config`, its
+    values copied): the exact function the fp32 model computes, to measure rounding against (tests/numerics.py)."""
+
+    def make(path, model, config: LoRAConfig):
+        twin = load_model(path, LoadOptions(dtype="float64"))[0]
+        attach_lora(twin, config)
+        with torch.no_grad():
+            theirs = trainable_parameters(model)
+            for name, p in trainable_parameters(twin).items():
+                p.copy_(theirs[name])
+        return twin
+
+    return make
+

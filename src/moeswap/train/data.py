@@ -193,7 +193,7 @@ def load_data(cfg, tok) -> Data:
     """The training and eval samples of a TrainConfig, with what the manifest says about them.
 
     A line is `{"text": ...}` (tokens + EOS, every token but the first a target) or `{"messages": [...]}`
-    (optionally with "tools"), rendered with the model's chat template (engine/tokenizer.py, the same ids
+    (optionally with "tools"), rendered with the model's chat template (text/tokenizer.py, the same ids
     inference sees) and trained on the assistant turns only: each assistant turn's tokens are the ones its
     rendering adds after the conversation so far plus the generation prompt, found by diffing token ids.
     """

@@ -1,6 +1,6 @@
 /* decode_step.c: a decode step's decoder layers in one call (moeswap_decode_layers; engine/native_step.py
- * builds the table of decode_layer rows, cpu_kernels.h lists their fields). models/kimi_k3.py
- * KimiModel.forward is the reference: this runs the kernels its eager CPU path calls, in the same order on
+ * builds the table of decode_layer rows, cpu_kernels.h lists their fields). models/decoder.py
+ * DecoderModel.forward is the reference: this runs the kernels its eager CPU path calls, in the same order on
  * the same values (so the same bits), in one call instead of ~12 Python-driven kernel calls per layer.
  * One token per sequence, N rows.
  */
@@ -16,7 +16,7 @@ static void take_columns(const float *src, int64_t N, int64_t stride, int64_t fr
 }
 
 /* y [T, O] = x [T, I] @ W^T for one of a layer's weights: block-FP8 codes with their scales s (csrc/quant.c; fp32
- * inputs under either GEMM precision, as ops/linear.py's FP8BlockLinear computes them), else bf16. */
+ * inputs under either GEMM precision, as weights/fp8_block.py's kept method computes them), else bf16. */
 static int weight_linear(int bf16_in, const float *x, int64_t T, int64_t I, const uint16_t *W, const float *s,
                          int64_t O, float *y, int nt) {
     if (s) return moeswap_quant_linear(FORMAT_FP8, x, T, I, W, s, O, y, nt);
@@ -397,7 +397,7 @@ static int ffn_block(int bf16_in, const decode_layer *layers, int64_t n_layers, 
 }
 
 /* The router of MoE layer `next` on h [N, D] normalised by next's ln_post (xn: scratch [N, D]), into next->chosen:
- * what KimiModel's expert lookahead computes from the same h. */
+ * what DecoderModel's expert lookahead computes from the same h. */
 static int next_guess(const decode_layer *next, const float *h, int64_t N, int64_t D, float eps, float *xn, int nt) {
     float *w = (float *)malloc((size_t)(N * next->topk) * sizeof(float) + 64);
     if (!w) return 2;
@@ -422,7 +422,7 @@ static int mixed(const float *score, const float *bank, int64_t n_bank, const fl
     return moeswap_res_mix(src, (int)n_bank + 1, N, D, score, eps, out, nt);
 }
 
-/* Layers [first, n_layers) of a decode step (KimiModel._forward's loop, then its final AttnRes mix when
+/* Layers [first, n_layers) of a decode step (DecoderModel._forward's loop, then its final AttnRes mix when
  * score_out is given) on the running sum partial [N, D] (in place), for N sequences of one token each.
  * state [n_layers, 3]: KDA (conv, S, 0) or MLA (latent, lengths, capacity) base pointers of rows 0..N-1.
  * bank [max_bank, N, D] with *n_bank of its rows in use (in and out). used[i]: the distinct experts layer i

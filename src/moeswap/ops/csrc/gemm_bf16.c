@@ -1,4 +1,4 @@
-/* gemm_bf16.c: moeswap_bf16_gemm, the GEMM of training on frozen bf16 weights (ops/expert_format.py's
+/* gemm_bf16.c: moeswap_bf16_gemm, the GEMM of training on frozen bf16 weights (weights/autograd.py's
  * frozen-experts node): c[M, N] (+)= a[M, K] @ op(W), a fp32 rows, W bf16 as stored, in either direction:
  * trans 1, W [N, K] (a Linear's [out, in]: the forward x W^T); trans 0, W [K, N] (the backward dy W). Each bf16
  * weight is widened exactly to fp32 and every product and sum is fp32, so no fp32 copy of W is ever made.
