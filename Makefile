@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 MOESWAP := $(VENV)/bin/moeswap
 DEMO_MODEL ?= models/stdlib-k3
 
-.PHONY: demo lint test test-fast install install-test clean
+.PHONY: demo lint test test-fast numerics install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,25 @@ lint: install-test
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m mypy
 
+# The suites whose claims depend on the CPU's arithmetic (bit-exact batches and ranks, kernel = reference
+# within a bound), again at each instruction-set level this CPU runs below its own (MOESWAP_KERNEL_ISA), the
+# AVX2 level with MKL's AVX2 GEMM too (what AMD CPUs get): docs/numerics.md
+NUMERICS = tests/ops/test_batch_invariance.py tests/lora/test_serving.py tests/lora/test_grad.py \
+           tests/lora/test_targets.py tests/experts/test_hybrid.py tests/engine/test_native_step.py \
+           tests/distributed/test_data_parallel.py
+
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(MAKE) --no-print-directory numerics
+
+numerics: install-test
+	@for level in $$($(PY) -c "from moeswap.ops.cpu_kernels import supported_levels as s; \
+	    print(' '.join(l for l in s() if l in ('x86-64-v4', 'x86-64-v3', 'x86-64')))"); do \
+	  mkl=$$( [ $$level = x86-64-v3 ] && echo AVX2 || echo "" ); \
+	  echo "numerics: MOESWAP_KERNEL_ISA=$$level $${mkl:+MKL_ENABLE_INSTRUCTIONS=$$mkl}"; \
+	  env MOESWAP_KERNEL_ISA=$$level $${mkl:+MKL_ENABLE_INSTRUCTIONS=$$mkl} $(PY) -m pytest -q -n 2 --dist loadfile \
+	    $(NUMERICS) || exit 1; \
+	done
 
 test-fast: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"

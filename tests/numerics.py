@@ -55,3 +55,18 @@ def assert_within_rounding(result: torch.Tensor, reference: torch.Tensor, exact:
     diff = (result.double() - reference.double()).abs().max().item()
     assert diff <= ROUNDING_UNITS * unit, (f"the result differs from the reference by {diff:.3g}, more than "
                                            f"{ROUNDING_UNITS} x the reference's fp32 rounding error {unit:.3g}")
+
+
+def mkl_takes_avx512() -> bool:
+    """Whether torch's fp32 GEMM (MKL) runs its AVX-512 kernels here: an Intel CPU with AVX-512 and no
+    MKL_ENABLE_INSTRUCTIONS below it. Elsewhere (AMD CPUs, older Intel ones) MKL takes its AVX2 kernels, whose
+    bits for a row change with the rows around it (docs/numerics.md)."""
+    import os
+
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = next((line for line in info.splitlines() if line.startswith("flags")), "").split()
+    capped = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "AVX512").upper()
+    return "GenuineIntel" in info and "avx512f" in flags and capped.startswith("AVX512")
