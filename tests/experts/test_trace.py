@@ -153,6 +153,12 @@ def test_output_is_checked_before_the_model_loads(tmp_path, prompts, capsys):
     bad.write_bytes(b"caf\xe9\n")
     assert main(["trace", nothing, "--prompts", str(bad), "-o", str(tmp_path / "t.bin")]) == 2
     assert one_line(capsys) == f"--prompts {bad}: not UTF-8 text (byte 0xe9 at offset 3)"
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    for endless in ("/dev/zero", str(tmp_path / "fifo")):  # /dev/zero grew the process to 8.5 GB; a FIFO blocks
+        assert main(["trace", nothing, "--prompts", endless, "-o", str(tmp_path / "t.bin")]) == 2
+        assert one_line(capsys) == f"--prompts {endless}: expected a regular text file, found a device, FIFO or socket"
 
 
 def test_force_overwrites_atomically(tiny_k3_dir, tmp_path, prompts, capsys):
@@ -171,3 +177,13 @@ def test_write_trace_never_replaces_without_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="already exists"):
         write_trace(recorded(), path, overwrite=False)
     assert path.read_bytes() == b"keep" and [p.name for p in tmp_path.iterdir()] == ["t.bin"]
+
+
+def test_a_prompts_file_past_the_cap_is_refused_unread(tmp_path, monkeypatch, capsys):
+    from moeswap.commands import trace as trace_command
+
+    monkeypatch.setattr(trace_command, "MAX_PROMPTS_BYTES", 1 << 20)
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a prompt\n" * ((1 << 20) // 9 + 1))
+    assert main(["trace", str(tmp_path / "no-model"), "--prompts", str(big), "-o", str(tmp_path / "t.bin")]) == 2
+    assert one_line(capsys) == f"--prompts {big}: more than 1 MiB of prompts; trace a smaller file"

@@ -29,12 +29,21 @@ def add_parser(sub) -> None:
     add_load_flags(p)
 
 
+MAX_PROMPTS_BYTES = 256 << 20  # a prompts file past this is refused, not read (a device would never end)
+
+
 def read_prompts(path: Path) -> list[str]:
     if path.is_dir() or not path.exists():
         found = "a directory" if path.is_dir() else "nothing"
         raise FileNotFoundError(f"--prompts {path}: expected a text file with one prompt per line, found {found}")
+    if not path.is_file():  # /dev/zero, a FIFO: endless or blocking
+        raise ValueError(f"--prompts {path}: expected a regular text file, found a device, FIFO or socket")
+    with path.open("rb") as f:
+        data = f.read(MAX_PROMPTS_BYTES + 1)
+    if len(data) > MAX_PROMPTS_BYTES:
+        raise ValueError(f"--prompts {path}: more than {MAX_PROMPTS_BYTES >> 20} MiB of prompts; trace a smaller file")
     try:
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [line for line in data.decode("utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError as err:
         raise ValueError(f"--prompts {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
                          f"{err.start})") from None
