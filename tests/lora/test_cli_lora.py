@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -146,6 +148,18 @@ def test_merge_bad_input(capsys, tiny_k3_dir, k3_adapter, tmp_path):
     (tmp_path / "bad" / "adapter_model.safetensors").write_bytes(b"")
     code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(tmp_path / "bad"), str(out))
     assert_one_line_error(code, err, "adapter_config.json")
+    assert not out.exists()
+    # a NaN in the adapter is named, tensor and file, before anything is merged (it used to reach the JSON writer)
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(k3_adapter, nan)
+    tensors = load_file(nan / "adapter_model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
+    code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(nan), str(out))
+    assert_one_line_error(code, err, f"{nan / 'adapter_model.safetensors'}: {name} holds NaN or Inf values")
     assert not out.exists()
 
 

@@ -96,6 +96,9 @@ def read_adapter(directory: str | os.PathLike) -> Adapter:
         tensors = {name: ckpt.read(name) for name in ckpt.names()}
     if not tensors:
         raise ValueError(f"{directory / WEIGHTS_NAME}: holds no tensors")
+    for name, t in tensors.items():  # before anything is applied or merged: a NaN would spread into every output
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{directory / WEIGHTS_NAME}: {name} holds NaN or Inf values; the adapter is damaged")
     return Adapter(config, raw, tensors, directory)
 
 
