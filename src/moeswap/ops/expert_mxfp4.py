@@ -70,8 +70,9 @@ def reference_int8(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, flo
 
 def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float]) -> torch.Tensor:
     """reference, decoding ~1 MB of rows at a time into the output's columns. Under
-    `ops.linear.gemm_precision("bf16")` on the CPU, from GEMM_MIN_TOKENS tokens on, inputs and decoded
-    rows (exact in bf16: E2M1 times a power of two) multiply in bf16, as the dense layers' GEMMs then do."""
+    `gemm_precision("bf16")` on the CPU, from GEMM_MIN_TOKENS tokens on, the inputs are rounded to bf16 and
+    multiply the decoded rows (exact in bf16: E2M1 times a power of two) with fp32 sums and outputs, as the
+    dense layers' GEMMs then do."""
     rows = x_TI.numel() // x_TI.shape[-1] if x_TI.shape[-1] else 0
     bf16 = rows >= GEMM_MIN_TOKENS and x_TI.dtype == torch.float32 and x_TI.device.type == "cpu" and gemm_in_bf16()
     h_TF = glu(act, rows_linear(x_TI, w.w1_packed, w.w1_scale, bf16), rows_linear(x_TI, w.w3_packed, w.w3_scale, bf16),
@@ -81,16 +82,14 @@ def torch_rows(w, x_TI: torch.Tensor, act: str, situ_betas: tuple[float, float])
 
 def rows_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """x @ W^T for one MXFP4 matrix, decoding ~1 MB of W's rows at a time into the output's columns (x fp32
-    or bf16; bf16: an fp32 x multiplies in bf16, see torch_rows)."""
+    or bf16; bf16: an fp32 x is rounded to bf16 first, see torch_rows)."""
     out = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype, device=x.device)
-    rows = max(1, ROW_CHUNK_BYTES // (packed.shape[1] * (4 if bf16 else 8)))
-    xb = x.to(torch.bfloat16) if bf16 else x
+    rows = max(1, ROW_CHUNK_BYTES // (packed.shape[1] * 8))
+    if bf16:
+        x = x.to(torch.bfloat16).to(x.dtype)
     for r in range(0, packed.shape[0], rows):
-        chunk = decode_rows(packed[r : r + rows], scale[r : r + rows], rows, xb.dtype)
-        if bf16:
-            out[..., r : r + rows] = torch.matmul(xb, chunk.T)
-        else:
-            torch.matmul(x, chunk.T, out=out[..., r : r + rows])
+        chunk = decode_rows(packed[r : r + rows], scale[r : r + rows], rows, x.dtype)
+        torch.matmul(x, chunk.T, out=out[..., r : r + rows])
     return out
 
 

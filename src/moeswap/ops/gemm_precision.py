@@ -10,11 +10,11 @@ from contextvars import ContextVar
 
 GEMM_PRECISIONS = ("fp32", "bf16")
 
-# "bf16": CPU matmuls with bf16 weights round their inputs to bf16. More than ops.linear.KERNEL_MAX_ROWS rows
-# (prefill) run torch's bf16 GEMM (AVX512-BF16 where the CPU has it), outputs rounded to bf16
-# and widened back; fewer (decode batches) run the kernel's AVX-512 BF16 dot products where the build has
-# them (fp32 sums; faster than the fp32 kernel at many rows: docs/benchmarks.md), else the fp32 kernel on
-# the rounded inputs. llama.cpp's arithmetic class (it rounds the inputs of bf16 matmuls to bf16);
+# "bf16": CPU matmuls with bf16 weights round their inputs to bf16 and keep fp32 sums and outputs. More than
+# ops.linear.KERNEL_MAX_ROWS rows (prefill) run torch's fp32 GEMM on the rounded inputs (each product of two
+# bf16 values is exact in fp32; torch's bf16 GEMM would round the outputs to bf16, which llama.cpp does not);
+# fewer (decode batches) run the kernel's AVX-512 BF16 dot products where the build has them (fp32 sums;
+# faster than the fp32 kernel at many rows: docs/benchmarks.md), else the fp32 kernel on the rounded inputs. llama.cpp's arithmetic class (it rounds the inputs of bf16 matmuls to bf16);
 # opt-in, the exact fp32 path is the default. Set per forward by the model. Compiled decode steps keep
 # the fp32 kernel: reading this ContextVar would break their graphs.
 _gemm_precision: ContextVar[str] = ContextVar("moeswap_gemm_precision", default="fp32")

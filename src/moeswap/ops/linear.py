@@ -43,8 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if run is not None:
             y = run(x.reshape(rows, x.shape[-1]), weight)
             return y.reshape(*x.shape[:-1], weight.shape[0])
-    if gemm_in_bf16():
-        return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
+    if gemm_in_bf16():  # llama.cpp's arithmetic: inputs rounded to bf16, products exact, fp32 sums and outputs
+        x = x.to(torch.bfloat16).to(x.dtype)
     if (weight.numel() <= WIDEN_SCRATCH_MAX and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, _widened(weight))
