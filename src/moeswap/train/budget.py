@@ -1,6 +1,6 @@
 """The memory a training run certainly needs, checked before anything is allocated: a lower bound from the
 model's shapes and the run's rank, targets and batch (trainable weights with their gradient and AdamW's two
-moments, each layer's input kept for backward, the logits). Entry point: `check_fits(model, cfg)`."""
+moments, each layer's input kept for backward, a loss chunk's logits). Entry point: `check_fits(model, cfg)`."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ def trainable_values(model: nn.Module, cfg, lora_config: LoRAConfig, experts: bo
 
 
 def activation_values(model: nn.Module, cfg) -> int:
-    """The values one micro-batch's forward keeps at the least: each layer's input and the fp32 logits."""
+    """The values one micro-batch's forward keeps at the least: each layer's input, and the fp32 logits of
+    one loss chunk (--loss-chunk tokens at a time, else all of the micro-batch's)."""
     c = model.config
     tokens = cfg.micro_batch * cfg.seq_len
-    return tokens * (c.hidden_size * c.num_layers + c.vocab_size)
+    logit_tokens = min(tokens, cfg.loss_chunk) if cfg.loss_chunk else tokens
+    return tokens * c.hidden_size * c.num_layers + logit_tokens * c.vocab_size
 
 
 def check_fits(model: nn.Module, cfg, lora_config: LoRAConfig, experts: bool = True, total: int | None = None
