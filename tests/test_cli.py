@@ -139,6 +139,26 @@ def test_generate_streams_text(capsys, tiny_k3_dir):
     assert "[3 tokens, finish: length" in err and "misses" in err
 
 
+def test_generate_reads_the_prompt_from_stdin_with_a_dash(tiny_k3_dir, tmp_path):
+    """`--prompt -` is the prompt piped in (it was the text "-"), the same tokens as the prompt given inline."""
+    import json
+    import subprocess
+    import sys
+
+    def tokens(prompt: str, stdin: bytes | None) -> list[int]:
+        done = subprocess.run([sys.executable, "-m", "moeswap", "generate", str(tiny_k3_dir), "--prompt", prompt,
+                               "--max-tokens", "3", "--ignore-eos", "--json"], input=stdin, capture_output=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return json.loads(done.stdout)["tokens"]
+
+    assert tokens("-", PROMPT.encode()) == tokens(PROMPT, None)
+    done = subprocess.run([sys.executable, "-m", "moeswap", "generate", str(tiny_k3_dir), "--prompt", "-"],
+                          input=b"caf\xe9", capture_output=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.decode().strip() == (
+        "moeswap: error: --prompt -: standard input is not UTF-8 text (byte 0xe9 at offset 3)")
+
+
 def test_generate_reference_step_gives_the_native_steps_tokens(generate_json, tiny_k3_dir):
     native = generate_json(tiny_k3_dir, "--max-tokens", "6", "--ignore-eos")
     reference = generate_json(tiny_k3_dir, "--max-tokens", "6", "--ignore-eos", "--reference-step")

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from a model directory")
     add_model_argument(p)
     p.add_argument("--prompt", required=True, action="append",
-                   help="the prompt; give it several times for several sequences, generated one after another "
-                        "(under torchrun: split over the ranks, data-parallel attention; docs/distributed.md)")
+                   help="the prompt ('-': read it from standard input); give it several times for several "
+                        "sequences, generated one after another (under torchrun: split over the ranks, "
+                        "data-parallel attention; docs/distributed.md)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--special-tokens", action="store_true",
                    help="read special-token strings in --prompt (e.g. <|im_end|>) as those tokens; by default "
@@ -139,6 +140,9 @@ def cmd_generate(args) -> int:
     from moeswap.models.loader import load_model
     from moeswap.text.tokenizer import StreamDecoder, load_tokenizer
 
+    if args.prompt.count("-") > 1:
+        raise ValueError("--prompt -: standard input can be read once; give '-' one time")
+    args.prompt = [_stdin_prompt() if text == "-" else text for text in args.prompt]
     for text in args.prompt:
         check_text("--prompt", text)
     if len(args.prompt) > 1:
@@ -342,6 +346,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moeswap: error: {err}", file=sys.stderr)
         return err.exit_code
+
+
+MAX_STDIN_PROMPT = 64 << 20  # bytes: a prompt piped in is held whole, so it is read with a bound
+
+
+def _stdin_prompt() -> str:
+    """`--prompt -`: the prompt from standard input (a pipe or a file; a terminal until end of file)."""
+    data = sys.stdin.buffer.read(MAX_STDIN_PROMPT + 1)
+    if len(data) > MAX_STDIN_PROMPT:
+        raise ValueError(f"--prompt -: more than {MAX_STDIN_PROMPT >> 20} MiB on standard input")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt -: standard input is not UTF-8 text (byte {data[err.start]:#04x} at offset "
+                         f"{err.start})") from None
 
 
 def _reader_gone(stream) -> bool | None:

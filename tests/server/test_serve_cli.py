@@ -93,6 +93,9 @@ def test_serve_process(tiny_k3_dir):
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         r = client.completions.create(model=str(tiny_k3_dir), prompt="hello", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens >= 1
+        # served as the directory's name (the path as given is accepted too), as clients name models
+        assert [m.id for m in client.models.list()] == [tiny_k3_dir.name] == [r.model]
+        assert client.completions.create(model=tiny_k3_dir.name, prompt="hi", max_tokens=1).usage.completion_tokens
         assert httpx.get(url + "/v1/models").status_code == 401
     finally:
         proc.send_signal(signal.SIGINT)

@@ -55,6 +55,7 @@ class _Server:
     tool_format: ToolCallFormat | None = None  # how the checkpoint writes tool calls (None: not parsed)
     layout: Layout | None = None  # how it lays out an assistant turn: reasoning, content (None: all content)
     created: int = field(default_factory=P.now)
+    aliases: tuple[str, ...] = ()  # other names clients may give the base model as (ServeOptions.model_aliases)
     body_limit: int = MAX_BODY_BYTES  # body_limit(max_context, the tokenizer's max_token_chars), set by build_app
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
@@ -84,6 +85,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
                   {} if adapters is None else {n: adapters.slot(n) for n in adapters.names},
                   find_format(tokenizer), find_layout(tokenizer))
     srv.body_limit = body_limit(max_context, tokenizer.max_token_chars)
+    srv.aliases = tuple(a for a in options.model_aliases if a != options.model_name)
     if options.model_name in srv.adapters:
         raise ValueError(f"the adapter name {options.model_name!r} is the served model's name; give it another")
 
@@ -220,7 +222,7 @@ def _template_variables(req: P.ChatCompletionRequest) -> dict:
 def _check_model(srv: _Server, name: str | None) -> tuple[str, int]:
     """(the served model's name, its adapter slot: 0 for the base model) for a request's `model`; 404 for a
     name not served. No name: the base model."""
-    if name is None or name == srv.name:
+    if name is None or name == srv.name or name in srv.aliases:
         return srv.name, 0
     slot = srv.adapters.get(name)
     if slot is None:

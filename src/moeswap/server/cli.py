@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 
@@ -29,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on /v1 requests (default: ${API_KEY_ENV} if set)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the name clients give as `model` (default: MODEL as given)")
+                   help="the name clients give as `model` (default: the model directory's name, e.g. stdlib-k3; "
+                        "MODEL as given is accepted too)")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"sequences decoded together (default {d.max_batch})")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help=f"requests waiting for a slot; more get HTTP 429 (default {d.max_queue})")
@@ -60,7 +62,9 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    options = ServeOptions(model_name=args.served_model_name or args.model, api_key=api_key,
+    default_name = Path(args.model).resolve().name or args.model
+    options = ServeOptions(model_name=args.served_model_name or default_name,
+                           model_aliases=() if args.served_model_name else (args.model,), api_key=api_key,
                            max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
                            native=not args.reference_step, lora=tuple(_lora_flag(v) for v in args.lora))
     options.resolve_max_context(load_config(args.model).max_position_embeddings)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ServeOptions:
-    model_name: str = "model"  # the name clients send as `model` (the CLI: MODEL as given)
+    model_name: str = "model"  # the name clients send as `model` (the CLI: the model directory's name)
+    model_aliases: tuple[str, ...] = ()  # other names of the base model (the CLI: MODEL as given, its path)
     api_key: str | None = None  # Bearer token every /v1 request must carry; None: no check
     max_batch: int = 16  # sequences decoded together
     max_queue: int = 64  # accepted requests waiting for a slot beyond max_batch; more get 429
