@@ -48,7 +48,8 @@ class TrainConfig:
                              "state do run across them", choices=PACKING)
     # what trains
     mode: str = _f("lora", "lora: low-rank adapters on a frozen base (routed experts included); full: the model's "
-                           "own parameters (routed experts stay frozen)", choices=MODES)
+                           "own parameters, routed experts included (with --target-modules: only those, the "
+                           "routed experts then stay frozen in the store)", choices=MODES)
     target_modules: tuple[str, ...] | None = _f(
         None, "modules to adapt (lora) or train (full), comma-separated names or suffixes (q_proj,o_proj; w1,w2,w3: "
               "the routed experts') or one regex; default: lora q_proj,k_proj,v_proj,o_proj, full every parameter",
