@@ -30,6 +30,7 @@ def test_a_run_that_cannot_fit_is_refused_with_its_estimate(small_run, tiny_k3_d
     for huge in (dict(rank=1_000_000_000, mode="lora"), dict(micro_batch=1_000_000_000)):
         with pytest.raises(ValueError, match=r"this run needs at least .* more than this machine's"):
             train(small_run(**huge), progress=False)
+        assert not (tmp_path / "out").exists()  # a refused run leaves no output directory behind
     cfg = small_run()
     model, _ = load_model(tiny_k3_dir, cfg.load)
     check_fits(model, cfg, lora_config(cfg), total=1 << 40)  # a small run fits a large machine

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import shutil
 import sys
 import time
 import warnings
@@ -254,8 +255,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     just the curve and the evals so far (a prefix for `reproduce`)."""
     from moeswap import tuning
 
-    with tuning.heap_for_training():  # a step's large buffers reused from the heap, not page-faulted afresh
-        return _train(cfg, resume, progress, on_checkpoint, stop_after)
+    out = Path(cfg.output)
+    made = not out.exists()
+    try:
+        with tuning.heap_for_training():  # a step's large buffers reused from the heap, not page-faulted afresh
+            return _train(cfg, resume, progress, on_checkpoint, stop_after)
+    except BaseException:
+        if made and out.is_dir() and _holds_no_run(out):  # refused or failed before its first checkpoint
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint, stop_after: int | None) -> TrainResult:
