@@ -12,8 +12,8 @@ whenever this does not apply:
   (weights.fp8_block, DeepSeek-V3's published layout; MLA and MLPs), with each attention's input
   projections and each gated MLP's gate/up fused (EngineConfig.fuse).
 
-Routed experts run in the call from the layers' resident tables (models/layers/moe.py), which mirror what
-the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
+Routed experts run in the call from the layers' resident tables (experts/executors.py ResidentTable), which
+mirror what the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
 call (`ExpertStore.table_hits`: the policy's recency, as a fetch books them). A chosen expert not in its
 layer's table is read by the call itself where the store allows (experts/incall.py: evicting from victims the
 store offered before the call, its books kept after it). Where it cannot be (the store keeps experts another
