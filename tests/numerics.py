@@ -63,10 +63,11 @@ def mkl_takes_avx512() -> bool:
     bits for a row change with the rows around it (docs/numerics.md)."""
     import os
 
+    from moeswap.ops.cpu_kernels import cpu_flags
+
     try:
-        info = open("/proc/cpuinfo").read()
+        intel = "GenuineIntel" in open("/proc/cpuinfo").read()
     except OSError:
         return False
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "").split()
     capped = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "AVX512").upper()
-    return "GenuineIntel" in info and "avx512f" in flags and capped.startswith("AVX512")
+    return intel and "avx512f" in cpu_flags() and capped.startswith("AVX512")

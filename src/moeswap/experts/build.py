@@ -1,14 +1,14 @@
 """Building an expert store for a loaded model: each expert's sizes from the checkpoint header, the
 tiers and their budgets (checked at start-up), the cache policy per tier, and the prefetcher.
 
-Reads the store's settings from LoadOptions (options.py). Knows nothing of models beyond the config's
-top-k. Entry point: `build_store(ckpt, index, config, dtype, device, options)`.
+Reads its settings from the load options (`StoreSettings`: the fields of options.LoadOptions it uses). Knows
+nothing of models beyond the config's top-k. Entry point: `build_store(ckpt, index, config, dtype, device, options)`.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,8 +22,33 @@ from moeswap.formats.checkpoint import Checkpoint
 from moeswap.units import human_bytes
 from moeswap.weights.floating import keeps_bf16
 
-if TYPE_CHECKING:  # the options are read, never built here: experts sit below the flags layer
-    from moeswap.options import LoadOptions
+
+class StoreSettings(Protocol):
+    """What the builder reads of the load options (options.LoadOptions has every one): the store sits below the
+    flags layer and names no type of it."""
+
+    @property
+    def caching(self) -> bool: ...
+    @property
+    def keep_bf16(self) -> bool: ...
+    @property
+    def decoded_experts(self) -> bool: ...
+    @property
+    def drop_page_cache(self) -> bool: ...
+    @property
+    def expert_memory(self) -> int: ...
+    @property
+    def host_memory(self) -> int: ...
+    @property
+    def expert_policy(self) -> str: ...
+    @property
+    def expert_profile(self) -> str | None: ...
+    @property
+    def expert_compute(self) -> str: ...
+    @property
+    def expert_gpu_min_tokens(self) -> int: ...
+    @property
+    def prefetch(self) -> str: ...
 
 
 def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int]:
@@ -51,7 +76,7 @@ def _timed_form(form, store: ExpertStore, w):
 
 
 def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype: torch.dtype,
-                device: str | torch.device, options: LoadOptions) -> ExpertStore:
+                device: str | torch.device, options: StoreSettings) -> ExpertStore:
     """The tiered store for a loaded model; fails at start-up on budgets that cannot work."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" is the current device: named as its tensors say

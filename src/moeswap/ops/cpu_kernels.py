@@ -7,6 +7,7 @@ from the headers (kernel_abi); expert objects become pointers in kernel_experts;
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
@@ -53,7 +54,11 @@ ISA_LEVELS = {
 
 def isa_flags() -> tuple[str, ...] | None:
     """The build flags MOESWAP_KERNEL_ISA names (None: this CPU's best); ValueError for a level this CPU lacks."""
-    level = os.environ.get(ISA_ENV, "native") or "native"
+    return _level_flags(os.environ.get(ISA_ENV, "native") or "native")
+
+
+@functools.cache  # kernel() asks on every call (for_inference sits on per-step paths): resolved once per level
+def _level_flags(level: str) -> tuple[str, ...] | None:
     if level not in ISA_LEVELS:
         raise ValueError(f"{ISA_ENV}={level!r}: expected one of {', '.join(ISA_LEVELS)}")
     if level == "native":
@@ -65,7 +70,9 @@ def isa_flags() -> tuple[str, ...] | None:
     return (f"-march={level}",)
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -119,10 +126,10 @@ def build_variants(without_vbmi: bool = False) -> list[tuple[str, ...] | None]:
     (quant.c's other FP8 tile, as on Skylake-X) where the CPU has them."""
     builds: list[tuple[str, ...] | None] = [None]
     if platform.machine() in ("x86_64", "AMD64") and (shutil.which("cc") or shutil.which("gcc")):
-        cpu = Path("/proc/cpuinfo").read_text() if platform.system() == "Linux" else ""
-        if without_vbmi and " avx512vbmi " in cpu and " avx512bw " in cpu:
+        cpu = cpu_flags()
+        if without_vbmi and {"avx512vbmi", "avx512bw"} <= cpu:
             builds.append(("-march=native", "-mno-avx512vbmi"))
-        if " avx2 " in cpu and " fma " in cpu:
+        if {"avx2", "fma"} <= cpu:
             builds.append(("-march=native", "-mno-avx512f"))
         builds.append(("-march=x86-64",))
     return builds
