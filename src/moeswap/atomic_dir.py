@@ -42,34 +42,6 @@ class UnwritableError(OSError):
         return self.strerror or super().__str__()
 
 
-@contextmanager
-def library_write(path: str | os.PathLike) -> Iterator[None]:
-    """A write by a library that words a failed write its own way (safetensors, torch.save): inside, such a
-    failure is raised as the OSError it stands for, naming `path`, so a full disk is said as one."""
-    try:
-        yield
-    except Exception as err:
-        mapped = _io_error(err, path)
-        if mapped is err:
-            raise
-        raise mapped from None
-
-
-def _io_error(err: BaseException, path: str | os.PathLike) -> BaseException:
-    """safetensors names the OS error's code in its message ("(os error 28)", or "IoError(Os { code: 28"
-    in older versions); torch.save says only "unexpected pos" (a short
-    write: the disk filled up). Anything else comes back as it is."""
-    text = str(err)
-    found = re.search(r"\(os error (\d+)\)|IoError\(Os \{ code: (\d+)", text)
-    if found is not None:
-        number = int(found[1] or found[2])
-    elif "unexpected pos" in text:
-        number = errno.ENOSPC
-    else:
-        return err
-    return OSError(number, os.strerror(number), os.fspath(path))
-
-
 @dataclass(frozen=True)
 class Owner:
     """The process that owns a staging directory. `host` hashes the host name and the pid namespace: a
@@ -227,13 +199,34 @@ def atomic_file(path: str | os.PathLike, overwrite: bool = True) -> Iterator[Bin
 
 @contextmanager
 def writing(path: str | os.PathLike) -> Iterator[None]:
-    """Names `path` in a disk-full error raised inside (a failed write() does not say which file it was)."""
+    """Names `path` in a disk-full error raised inside (a failed write() does not say which file it was), and
+    raises a library's own wording of a failed write (safetensors, torch.save) as the OSError it stands for."""
     try:
         yield
     except OSError as err:
         if err.errno in _FULL and not isinstance(err, OutOfSpaceError):
             err.filename = os.fspath(path)
         raise
+    except Exception as err:
+        mapped = _io_error(err, path)
+        if mapped is err:
+            raise
+        raise mapped from None
+
+
+def _io_error(err: BaseException, path: str | os.PathLike) -> BaseException:
+    """The OSError a library's failed write stands for: safetensors names its code ("(os error 28)", or
+    "IoError(Os { code: 28" in older versions); torch.save says only "unexpected pos" (a short write: the disk
+    filled up). Anything else comes back as it is."""
+    text = str(err)
+    found = re.search(r"\(os error (\d+)\)|IoError\(Os \{ code: (\d+)", text)
+    if found is not None:
+        number = int(found[1] or found[2])
+    elif "unexpected pos" in text:
+        number = errno.ENOSPC
+    else:
+        return err
+    return OSError(number, os.strerror(number), os.fspath(path))
 
 
 def _out_of_space(err: BaseException, tmp: Path | None, dst: Path) -> OSError | None:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from moeswap import archs, jsonio
-from moeswap.atomic_dir import atomic_directory, library_write
+from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.config import parse_config, routed_expert_shapes
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import fp8_block, mxfp4
@@ -188,7 +188,7 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
     weight_map, total_size = {}, 0
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        with library_write(out / file):
+        with writing(out / file):
             save_file(shard, str(out / file), metadata={"format": "pt"})
         for name, t in shard.items():
             weight_map[name] = file

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moeswap import jsonio
-from moeswap.atomic_dir import atomic_directory, library_write
+from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.formats.files import show
 
 FORMAT = 1
@@ -57,9 +57,9 @@ def save_checkpoint(out_dir: Path, step: int, params: list[tuple[str, torch.nn.P
 
     dst = checkpoint_dir(out_dir, step)
     with atomic_directory(dst) as tmp:
-        with library_write(tmp / PARAMS):
+        with writing(tmp / PARAMS):
             save_file({name: p.detach().contiguous() for name, p in params}, str(tmp / PARAMS))
-        with library_write(tmp / OPTIMIZER):
+        with writing(tmp / OPTIMIZER):
             torch.save({"optimizer": optimizer.state_dict(), "torch_rng": _torch_rng()}, tmp / OPTIMIZER)
         files = {name: file_sha256(tmp / name) for name in (PARAMS, OPTIMIZER)}
         record = {"format": FORMAT, "step": step, **state, "rng": rng_state(), "files": files}
