@@ -306,3 +306,23 @@ def test_int8_activations_keep_nan_and_refuse_bf16_experts():
     with pytest.raises(ValueError, match="int8 activations are for MXFP4 experts"):
         kernel_experts.moe(kernel, x, [bf16], torch.tensor([0]), [0, 1], torch.ones(1), "silu", BETAS, y,
                            int8_activations=True)
+
+
+def test_a_kernel_level_is_named_and_checked_against_the_cpu(monkeypatch):
+    """MOESWAP_KERNEL_ISA: a known level this CPU runs gives its -march; an unknown one, or one whose flags
+    this CPU lacks, is a ValueError naming the levels (kernel() raises it, the CLI says it in one line)."""
+    if "x86-64" in cpu_kernels.supported_levels():
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "x86-64")
+        assert cpu_kernels.isa_flags() == ("-march=x86-64",)
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "pentium")
+    with pytest.raises(ValueError, match=r"MOESWAP_KERNEL_ISA='pentium': expected one of native, x86-64-v4"):
+        cpu_kernels.kernel()
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    cpu_kernels._level_flags.cache_clear()
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "x86-64-v3")
+    try:
+        with pytest.raises(ValueError, match=r"MOESWAP_KERNEL_ISA=x86-64-v3: this CPU lacks avx2, fma"):
+            cpu_kernels.isa_flags()
+    finally:
+        cpu_kernels._level_flags.cache_clear()

@@ -63,10 +63,10 @@ def _level_flags(level: str) -> tuple[str, ...] | None:
         raise ValueError(f"{ISA_ENV}={level!r}: expected one of {', '.join(ISA_LEVELS)}")
     if level == "native":
         return None
-    missing = [f for f in ISA_LEVELS[level] if f not in cpu_flags()]
-    if missing:
-        raise ValueError(f"{ISA_ENV}={level}: this CPU lacks {', '.join(missing)}; levels it runs: "
-                         f"{', '.join(supported_levels())}")
+    if level not in supported_levels():
+        missing = [f for f in ISA_LEVELS[level] if f not in cpu_flags()]
+        why = f"this CPU lacks {', '.join(missing)}" if missing else "this CPU is not x86-64"
+        raise ValueError(f"{ISA_ENV}={level}: {why}; levels it runs: {', '.join(supported_levels())}")
     return (f"-march={level}",)
 
 
