@@ -15,7 +15,7 @@ from moeswap import jsonio
 from moeswap.options import EXPERT_GPU_MIN_TOKENS
 
 from .errors import PlanError
-from .workload import COMPUTE, LORA_TARGETS, OFFLOAD_COMPUTE, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
+from .workload import COMPUTE, DENSE_FORMATS, LORA_TARGETS, OFFLOAD_COMPUTE, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -34,6 +34,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("what and where")
     g.add_argument("--model", default="kimi-k3", help="preset (kimi-k3, kimi-linear-48b), model dir or config.json")
     g.add_argument("--hardware", help="system name, accelerator name, a .toml file, or 'local' (measures this machine)")
+    g.add_argument("--box", help="instead of --hardware, one machine in a line: cores=16,ram=256GB,drive=7GB/s"
+                   "[,mem_bw=80GB/s][,disk=4TB][,gpu=h100], or a TOML file with those keys (docs/planner.md)")
     g.add_argument("--devices", type=int, help="number of accelerators (default: one server's worth)")
     g.add_argument("--workload", choices=("serve", "lora"), default="serve")
     g.add_argument("--layout", help="check one layout, e.g. tp8, pp4xtp8, tp16/ep16, r2,tp8,dcp (default: all)")
@@ -61,7 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     pr = p.add_argument_group("precision and parallelism")
     pr.add_argument("--experts", choices=WEIGHT_FORMATS, help="routed expert weights (default: as the checkpoint stores them)")
-    pr.add_argument("--dense", choices=WEIGHT_FORMATS, default="bf16", help="all other weights")
+    pr.add_argument("--dense", choices=DENSE_FORMATS, default="bf16",
+                    help="all other weights as moeswap runs them: bf16, int8 (a scale per row), int4 (a scale per 32); "
+                         "fp8 only as a block-FP8 checkpoint (DeepSeek-V3, Kimi K2) stores them")
     pr.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16")
     pr.add_argument("--expert-matmul", choices=COMPUTE, default="bf16", help="dtype the expert matmuls run in (where they run: --offload-compute)")
     pr.add_argument("--expert-kernel", choices=("fused", "materialize"), default="fused",
@@ -120,7 +124,8 @@ def request_from_args(args: argparse.Namespace, catalog):
     from .plan import PlanRequest
 
     if not args.hardware:
-        raise PlanError("--hardware is required (a system name, a .toml file or 'local'; --list-hardware lists them)")
+        raise PlanError("--hardware or --box is required (a system name, a .toml file or 'local'; --list-hardware "
+                        "lists them; --box cores=16,ram=256GB,drive=7GB/s describes one machine)")
     devices = args.devices
     if devices is None:  # one server's worth
         devices = resolve_hardware(args.hardware, catalog, args.engine).system.node_devices
@@ -150,6 +155,12 @@ def _catalog(args: argparse.Namespace):
         from .local import load_or_measure
 
         load_or_measure(cat, args.hardware_file, args.remeasure, args.local_device)
+    if getattr(args, "box", None):
+        from .box import add_box, parse_box
+
+        if args.hardware:
+            raise PlanError(f"give --hardware or --box, not both (--hardware {args.hardware}, --box {args.box})")
+        args.hardware = add_box(cat, parse_box(args.box), args.engine)
     return cat
 
 

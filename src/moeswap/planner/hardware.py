@@ -90,6 +90,10 @@ class Catalog:
             raise PlanError(f"hardware file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise PlanError(f"hardware file {path} is not valid TOML ({e})") from None
+        return self.add_entries(raw, path)
+
+    def add_entries(self, raw: dict[str, Any], path: str) -> list[Entry]:
+        """Validate and add {kind: {id: fields + source table}} (a catalog file's tables), from `path`."""
         added = []
         for kind, table in raw.items():
             if kind not in _SCHEMA:
@@ -210,9 +214,13 @@ class Hardware:
         return max(1, min(self.system.node_devices, devices))
 
     def host_bytes_per_device(self, devices: int) -> float:
+        """Host RAM one device may fill with experts: the server's RAM less what the OS and the runtime
+        keep (the engine profile's reserve, as on the device), shared by the server's devices."""
         if self.host is None:
             return 0.0
-        return self.host.memory_gb * 1e9 / self.on_node(devices)
+        ram = self.host.memory_gb * 1e9
+        free = ram - self.engine.reserve_gb * 1e9 - self.engine.reserve_fraction * ram
+        return max(0.0, free) / self.on_node(devices)
 
     def storage_bytes_per_device(self, devices: int) -> float:
         return self.storage.capacity_tb * 1e12 * self.system.drives_per_node / self.on_node(devices)

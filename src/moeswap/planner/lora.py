@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from .hardware import Hardware
 from .layouts import Layout
-from .memory import DeviceMemory, lora_params_per_device
+from .memory import DeviceMemory, expert_bytes, lora_params_per_device
 from .params import ModelParams
 from .roofline import Cost, Pass, Placement, all_reduce, stage_cost, touched_fraction
-from .workload import Lora, Precision, bytes_per_param
+from .workload import Lora, Precision
 
 # Backward / forward time by category for a frozen base (activation gradients only).
 _BACKWARD = {"gemm": 1.0, "experts": 1.0, "attention": 2.0, "elementwise": 2.0, "comm": 1.0,
@@ -72,7 +72,7 @@ def lora_point(mp: ModelParams, lay: Layout, stages: list[range], hw: Hardware, 
 def _miss_bytes(mp: ModelParams, layers: range, lay: Layout, prec: Precision, pl: Placement, tokens: float) -> float:
     """Expert bytes one forward pass pulls into one device (misses over the stage's MoE layers)."""
     moe = mp.cfg.moe
-    eb = mp.expert_params * bytes_per_param(prec.expert_format(mp.cfg)) / lay.expert_tp
+    eb = expert_bytes(mp, prec) / lay.expert_tp
     out = 0.0
     for i in layers:
         if mp.layers[i].num_experts:

@@ -41,15 +41,21 @@ class DeviceMemory:
         return 1.0 if self.expert_need == 0 else self.expert_resident / self.expert_need
 
 
+def linear_bytes(l: Linear, fmt: str) -> float:
+    """Stored bytes of one matrix in `fmt`, its scales included (formats.py)."""
+    return l.params * bytes_per_param(fmt, l.in_dim)
+
+
 def expert_bytes(mp: ModelParams, prec: Precision) -> float:
-    return mp.expert_params * bytes_per_param(prec.expert_format(mp.cfg))
+    """Stored bytes of one routed expert in the experts' format."""
+    fmt = prec.expert_format(mp.cfg)
+    return sum(linear_bytes(l, fmt) for l in mp.expert)
 
 
 def model_bytes(mp: ModelParams, prec: Precision) -> dict[str, float]:
     """Whole-model weight bytes by component at the given precision."""
-    dense = bytes_per_param(prec.dense)
-    attn = sum(l.attn_params for l in mp.layers) * dense
-    mlp = sum(l.mlp_params for l in mp.layers) * dense
+    attn = sum(linear_bytes(l, prec.dense) for lp in mp.layers for l in lp.attn)
+    mlp = sum(linear_bytes(l, prec.dense) for lp in mp.layers for l in lp.mlp)
     vec = sum(l.vectors * 2 + l.vectors_fp32 * 2 for l in mp.layers) + mp.final_vectors * 2
     return {
         "attention": attn,
@@ -111,14 +117,13 @@ def device_memory(mp: ModelParams, lay: Layout, stage: int, layers: range, hw: H
     """
     cfg, eng = mp.cfg, hw.engine
     last = stage == lay.pp - 1
-    dense_b = bytes_per_param(prec.dense)
     mem = DeviceMemory(stage, hw.hbm_bytes)
     parts = mem.parts
 
     w = 0.0
     for i in layers:
         lp = mp.layers[i]
-        w += sum(l.params * _linear_share(l, lay.tp) for l in lp.attn + lp.mlp) * dense_b
+        w += sum(linear_bytes(l, prec.dense) * _linear_share(l, lay.tp) for l in lp.attn + lp.mlp)
         w += lp.vectors * 2 + lp.vectors_fp32 * 2  # fp32 vectors take 4 bytes: 2 counted here, 2 above
     parts["dense weights"] = w
     emb = (mp.embed if stage == 0 else 0) + (mp.lm_head + mp.final_vectors if last else 0)

@@ -111,6 +111,7 @@ def plan(req: PlanRequest, catalog: Catalog | None = None) -> PlanResult:
         cfg, label = resolve_model(req.model)
     mp = model_params(cfg)
     req = replace(req, precision=req.precision.for_model(cfg))
+    req.precision.check_model(cfg)
     _check_trace(req.offload.trace_counts, cfg)
     cat = catalog or builtin_catalog()
     for f in req.catalogs:
@@ -120,6 +121,9 @@ def plan(req: PlanRequest, catalog: Catalog | None = None) -> PlanResult:
 
         load_or_measure(cat, req.local_path, req.remeasure)
     hw = resolve_hardware(req.hardware, cat, req.engine)
+    if req.offload.compute != "swap" and req.offload.spill != "none" and hw.host is None:
+        raise PlanError(f"--offload-compute {req.offload.compute}: hardware {hw.name!r} has no host CPU beside its "
+                        "device (on a CPU-only machine the experts already run on the CPU: use swap)")
     if req.objective == "cost" and not req.price_per_hour:
         raise PlanError("the cost objective needs a device price: pass --price-per-hour (per device)")
 

@@ -17,9 +17,10 @@ from moeswap.options import EXPERT_GPU_MIN_TOKENS
 from .hardware import Hardware
 from .layouts import Layout
 from .params import Linear, ModelParams
-from .workload import BYTES, Precision, bytes_per_param
+from .memory import expert_bytes, linear_bytes
+from .workload import BYTES, Precision
 
-CATEGORIES = ("gemm", "experts", "attention", "elementwise", "comm", "overhead", "swap", "host")
+CATEGORIES = ("gemm", "experts", "attention", "elementwise", "comm", "overhead", "swap", "host", "drive")
 
 
 @dataclass
@@ -139,9 +140,9 @@ class _Ctx:
         self.op_us = eng.kernel_us  # fixed time per kernel; stage_cost may choose the cached one
         self.native = False  # whether the pass runs in the engine's native decode step (stage_cost sets it)
         self.f16 = hw.flops("bf16")
-        self.dense_b = bytes_per_param(prec.dense)
+        # int8/int4 dense weights are widened in the kernel and multiplied in bf16/fp32
         self.f_dense = hw.flops("fp8") if prec.dense in ("fp8", "mxfp8") else self.f16
-        self.exp_b = mp.expert_params * bytes_per_param(prec.expert_format(mp.cfg))
+        self.exp_b = expert_bytes(mp, prec)
 
 
 def _linear(cx: _Ctx, cost: Cost, l: Linear, tokens: float) -> float:
@@ -151,7 +152,8 @@ def _linear(cx: _Ctx, cost: Cost, l: Linear, tokens: float) -> float:
     params = l.params * share
     eff = gemm_efficiency(cx.hw, tokens, n)
     act = tokens * (l.in_dim * (share if l.split == "row" else 1) + n) * 2
-    return _roof(cost, "gemm", 2 * tokens * params, cx.f_dense * eff, params * cx.dense_b + act, cx.bw)
+    weights = linear_bytes(l, cx.prec.dense) * share
+    return _roof(cost, "gemm", 2 * tokens * params, cx.f_dense * eff, weights + act, cx.bw)
 
 
 def _attention_core(cx: _Ctx, cost: Cost, kind: str, tokens: float, p: Pass) -> None:
@@ -216,12 +218,15 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     misses = touched * (1 - hit) * cx.exp_b / lay.expert_tp
     if misses <= 0:
         return
+    # Misses held on the drive are read from it at its rate, whichever processor then runs them. A layer's
+    # misses are known only once its router has run, so the read waits for the layer before it and the
+    # layer waits for the read: no overlap unless --swap-overlap says how much prefetch hides.
+    from_drive = misses * (1 - pl.host_fraction)
+    t_drive = from_drive / hw.storage_bw_per_device(lay.devices) if from_drive > 0 else 0.0
     if compute == "swap":
         t = misses * pl.host_fraction / max(hw.host_bw_per_device(lay.devices), 1e-9)
-        if pl.host_fraction < 1:
-            t += misses * (1 - pl.host_fraction) / hw.storage_bw_per_device(lay.devices)
-        hidden = pl.swap_overlap * min(t, t_dev)
-        cost.add("swap", t - hidden)
+        cost.add("swap", t - pl.swap_overlap * min(t, t_dev))
+        cost.add("drive", t_drive - pl.swap_overlap * min(t_drive, t_dev))
         return
     # Computing misses on the host: its DRAM and cores are shared by the server's devices.
     host = hw.host
@@ -233,6 +238,7 @@ def _experts(cx: _Ctx, cost: Cost, layer: int, p: Pass) -> None:
     link = hw.host_link.gbs * 1e9 * eng.host_link_efficiency if hw.host_link else float("inf")
     t_host += assignments * (1 - hit) / lay.stage_devices * width * 2 * 2 / link
     cost.add("host", max(0.0, t_host - t_dev))  # runs beside the device's share of the layer
+    cost.add("drive", t_drive - pl.swap_overlap * min(t_drive, max(t_host, t_dev)))
 
 
 def layer_cost(cx: _Ctx, layer: int, p: Pass) -> Cost:
@@ -298,7 +304,7 @@ def _step_weight_bytes(cx: _Ctx, layers: range, p: Pass) -> float:
     total = 0.0
     for i in layers:
         lp = cx.mp.layers[i]
-        total += sum(l.params for l in (*lp.attn, *lp.mlp)) * cx.dense_b / cx.lay.tp
+        total += sum(linear_bytes(l, cx.prec.dense) for l in (*lp.attn, *lp.mlp)) / cx.lay.tp
         if lp.num_experts:
             moe = cx.cfg.moe
             touched = moe.num_experts / cx.lay.ep * touched_fraction(p.tokens, moe.top_k, moe.num_experts)

@@ -1,6 +1,6 @@
 """Workload and precision knobs for a plan: one small frozen dataclass each, mirrored by CLI flags.
 
-Knows nothing of hardware. `bytes_per_param` is the one place storage formats become bytes.
+Knows nothing of hardware. Storage formats become bytes in formats.py (`bytes_per_param` here reads it).
 """
 
 from __future__ import annotations
@@ -8,24 +8,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .errors import PlanError
+from .formats import FORMATS, ROW, bytes_per_weight
 
 # --offload-compute; the runtime's --expert-compute (options.EXPERT_COMPUTE) names the same choices gpu
 # (swap), cpu (host) and auto
 OFFLOAD_COMPUTE = ("swap", "host", "auto")
 
-# Bytes per weight: MXFP4 = 4-bit codes + one E8M0 byte per 32; block FP8 = fp32 scale per 128x128.
-BYTES = {"mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32, "fp8": 1 + 4 / (128 * 128), "int4": 0.5 + 2 / 32, "bf16": 2.0,
-         "fp32": 4.0}  # int4: compressed-tensors pack-quantized, a bf16 scale per 32
-WEIGHT_FORMATS = ("mxfp4", "mxfp8", "fp8", "int4", "bf16")
+# Bytes per weight of the formats whose scales do not depend on a matrix's shape (formats.FORMATS is the
+# one table; per-row scaled int8 needs a matrix: bytes_per_param(fmt, in_features)). Also the KV cache's.
+BYTES = {name: f.bytes_per_weight() for name, f in FORMATS.items() if f.group != ROW}
+WEIGHT_FORMATS = ("mxfp4", "mxfp8", "fp8", "int4", "bf16")  # routed experts
+# Dense (non-expert) weights as moeswap runs them: bf16, or quantised on load to int8 / int4; fp8 only where
+# the checkpoint ships block-FP8 dense weights (DeepSeek-V3, Kimi K2), which moeswap keeps as stored.
+DENSE_FORMATS = ("bf16", "int8", "int4", "fp8")
+DENSE_AS_STORED = {"fp8": "fp8_block"}  # dense format -> the checkpoint quantization format it needs
 CACHE_FORMATS = ("bf16", "fp8")
 COMPUTE = ("bf16", "fp8", "fp4")
 
 
-def bytes_per_param(fmt: str) -> float:
-    try:
-        return BYTES[fmt]
-    except KeyError:
-        raise PlanError(f"unknown weight format {fmt!r}; expected one of {', '.join(BYTES)}") from None
+def bytes_per_param(fmt: str, in_features: int | None = None) -> float:
+    """Stored bytes per weight (formats.py); `in_features`: the matrix's row length, for per-row scales."""
+    return bytes_per_weight(fmt, in_features)
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,19 @@ class Precision:
         assert fmt is not None  # for_model always fills it
         return fmt
 
+    def check_model(self, cfg) -> None:
+        """Dense formats moeswap keeps only as stored need a checkpoint that stores them."""
+        need = DENSE_AS_STORED.get(self.dense)
+        # compressed-tensors checkpoints (K3's MXFP4) quantise routed experts only: their dense weights are bf16
+        have = cfg.quant.format if cfg.quant is not None else "bf16"
+        if need is not None and have != need:
+            others = ", ".join(f for f in DENSE_FORMATS if f not in DENSE_AS_STORED)
+            raise PlanError(f"--dense {self.dense}: moeswap keeps {self.dense} dense weights only as a {need} "
+                            f"checkpoint stores them, and this checkpoint's dense weights are bf16 (choose {others})")
+
     def check(self) -> None:
         for name, val, allowed in (("experts", self.experts or "mxfp4", WEIGHT_FORMATS),
-                                   ("dense", self.dense, WEIGHT_FORMATS),
+                                   ("dense", self.dense, DENSE_FORMATS),
                                    ("kv_cache", self.kv_cache, CACHE_FORMATS),
                                    ("expert_matmul", self.expert_matmul, COMPUTE),
                                    ("expert_kernel", self.expert_kernel, ("fused", "materialize"))):
