@@ -40,6 +40,18 @@ def _header(r: PlanResult) -> list[str]:
     return lines
 
 
+def _sig(x: float) -> str:
+    """Three significant digits: output rates run from a fraction of a token/s (a drive-bound box) to 10^5."""
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+def decode_rate(c: Candidate) -> tuple[int, float, float]:
+    """(concurrency, seconds per decode step, output tokens/s while decoding = concurrency / step) at the
+    largest concurrency that fits: every sequence gains one token per step."""
+    p = max((p for p in c.points if p.fits), key=lambda p: p.concurrency)
+    return p.concurrency, p.step, p.concurrency / p.step
+
+
 def _mem_cell(c: Candidate) -> str:
     m = c.worst_memory
     cell = f"{m.used / GB:.0f}/{m.capacity / GB:.0f}"
@@ -52,13 +64,14 @@ def rows(r: PlanResult, top: int) -> tuple[list[str], list[list[str]]]:
     if r.request.workload == "serve":
         head = ["#", "layout", "stages", "GB/device", "max conc"]
         for conc in r.request.serve.concurrency:
-            head += [f"c={conc} TTFT s", "TPOT ms", "tok/s/dev"]
+            head += [f"c={conc} TTFT s", "TPOT ms", "tok/s/dev", "out tok/s"]
         body = []
         for i, c in enumerate(r.candidates[:top], 1):
             row = [str(i), c.layout.name, "/".join(str(len(s)) for s in c.stages), _mem_cell(c), str(c.max_concurrency)]
             for p in c.points:
                 mark = "" if p.fits else "*"
-                row += [f"{p.ttft:.2f}{mark}", f"{p.tpot * 1e3:.1f}{mark}", f"{p.tok_s_device:.0f}{mark}"]
+                row += [f"{p.ttft:.2f}{mark}", f"{p.tpot * 1e3:.1f}{mark}", f"{p.tok_s_device:.0f}{mark}",
+                        f"{_sig(p.out_tok_s)}{mark}"]
             body.append(row)
         return head, body
     head = ["#", "layout", "stages", "GB/device", "hit rate", "step s", "tok/s", "tok/s/dev", "swap GB/step/dev"]
@@ -83,8 +96,11 @@ def _breakdown(c: Candidate) -> list[str]:
     for m in c.memory:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in m.parts.items() if v >= 0.05 * GB)
         where = ""
-        if m.expert_host or m.expert_nvme:
+        if m.expert_host and m.expert_nvme:
             where = f"; experts also in host {m.expert_host / GB:.0f} GB, NVMe {m.expert_nvme / GB:.0f} GB per device"
+        elif m.expert_host or m.expert_nvme:
+            where = (f"; experts also in host {m.expert_host / GB:.0f} GB per device" if m.expert_host else
+                     f"; experts also on the drive {m.expert_nvme / GB:.0f} GB per device")
         out.append(f"  stage {m.stage} (layers {c.stages[m.stage].start}-{c.stages[m.stage].stop - 1}): "
                    f"{m.used / GB:.1f} of {m.capacity / GB:.0f} GB: {parts}{where}")
     return out
@@ -101,7 +117,10 @@ def terminal(r: PlanResult, top: int = 10, show_rejected: bool = False) -> str:
     lines += _breakdown(best)
     if best.decode_cost is not None:
         parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in best.decode_cost.parts.items() if v > 0)
-        lines.append(f"  decode step at c={max(p.concurrency for p in best.points if p.fits)} (ms, bottleneck stage): {parts}")
+        conc, step, rate = decode_rate(best)
+        lines.append(f"  decode step at c={conc} (ms, bottleneck stage): {parts}")
+        lines.append(f"  decoding: {step:.4g} s per step of {conc} sequence{'s' if conc > 1 else ''} = "
+                     f"{_sig(rate)} output tok/s")
     if best.lora is not None:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in best.lora.micro_batch_cost.parts.items() if v > 0)
         lines.append(f"  one micro-batch fwd+recompute+bwd (s, bottleneck stage): {parts}")
