@@ -15,7 +15,17 @@ from moeswap import jsonio
 from moeswap.options import EXPERT_GPU_MIN_TOKENS
 
 from .errors import PlanError
-from .workload import COMPUTE, DENSE_FORMATS, LORA_TARGETS, OFFLOAD_COMPUTE, WEIGHT_FORMATS, Lora, Offload, Precision, Serve
+from .workload import (
+    COMPUTE,
+    DENSE_FORMATS,
+    LORA_TARGETS,
+    OFFLOAD_COMPUTE,
+    WEIGHT_FORMATS,
+    Lora,
+    Offload,
+    Precision,
+    Serve,
+)
 
 
 def _ints(text: str) -> tuple[int, ...]:

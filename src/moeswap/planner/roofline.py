@@ -16,8 +16,8 @@ from moeswap.options import EXPERT_GPU_MIN_TOKENS
 
 from .hardware import Hardware
 from .layouts import Layout
-from .params import Linear, ModelParams
 from .memory import expert_bytes, linear_bytes
+from .params import Linear, ModelParams
 from .workload import BYTES, Precision
 
 CATEGORIES = ("gemm", "experts", "attention", "elementwise", "comm", "overhead", "swap", "host", "drive")
