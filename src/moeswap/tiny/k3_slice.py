@@ -122,7 +122,7 @@ def _produce(ordered, by_name: dict[str, Planned], desc, cfg, seed: int, bar):
         if t.expert is not None:
             if name not in pending:
                 base = name.rsplit(".", 1)[0]
-                packed, scale = random_mxfp4(shapes[t.expert[2]], generator(seed, base))
+                packed, scale = random_mxfp4(shapes[t.expert[2]], generator(seed, base), wide=True)
                 pending.update({base + ".weight_packed": packed, base + ".weight_scale": scale})
             value = pending.pop(name)
         else:

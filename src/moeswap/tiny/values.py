@@ -78,11 +78,16 @@ def init_dense_as(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype
     return out
 
 
-def random_mxfp4(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_mxfp4(shape: tuple[int, int], gen: torch.Generator, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Random E2M1 codes with block scales giving weights of std ~ 1/sqrt(fan_in). Codes are drawn
-    directly, not encoded from random floats, so large sizes write fast (docs/benchmarks.md)."""
+    directly, not encoded from random floats, so large sizes write fast (docs/benchmarks.md). wide: draw the
+    code bytes eight at a time as int64 words, 3-6x faster (GBs of experts: k3-slice); other values."""
     out_dim, in_dim = shape
-    packed = torch.randint(0, 256, (out_dim, in_dim // 2), dtype=torch.uint8, generator=gen)
+    if wide and (out_dim * in_dim // 2) % 8 == 0:
+        words = torch.randint(-(1 << 63), (1 << 63) - 1, (out_dim * in_dim // 16,), dtype=torch.int64, generator=gen)
+        packed = words.view(torch.uint8).reshape(out_dim, in_dim // 2)
+    else:
+        packed = torch.randint(0, 256, (out_dim, in_dim // 2), dtype=torch.uint8, generator=gen)
     code_rms = math.sqrt(sum(v * v for v in mxfp4.E2M1_VALUES) / len(mxfp4.E2M1_VALUES))
     exponent = round(math.log2(1.0 / (math.sqrt(in_dim) * code_rms)))
     jitter = torch.randint(-1, 2, (out_dim, in_dim // 32), generator=gen)
