@@ -27,6 +27,7 @@ from moeswap.text.tokenizer import load_tokenizer
 from moeswap.tiny import SIZES, tiny_config, write_tiny_model
 from moeswap.tiny.k3_slice import k3_specials, plan, shards
 from moeswap.tiny.tokenizer import build_tiny_tokenizer
+from moeswap.tiny.values import random_bf16
 
 PUBLISHED = json.loads((Path(__file__).parent / "data" / "kimi_k3_config.json").read_text())
 
@@ -194,3 +195,14 @@ def test_slice_is_deterministic(shrunk_slice, tmp_path, monkeypatch):
     again = write_tiny_model(tmp_path / "again", "kimi_k3", "k3-slice", 0, shard_bytes=100_000, layers=4)
     for f in sorted(shrunk_slice.iterdir()):
         assert f.read_bytes() == (again / f.name).read_bytes(), f.name
+
+
+@pytest.mark.parametrize("std", [0.5 / math.sqrt(7168), 0.5 / math.sqrt(33792), 0.003, 0.1, 1.0])
+def test_random_bf16_has_the_std_within_a_factor_2(std):
+    """k3-slice's dense projections, drawn as bits: rms within a factor 2 of the asked std (the exponent is one
+    of two neighbours), finite, half negative."""
+    x = random_bf16((512, 1024), torch.Generator().manual_seed(0), std)
+    exponents = set(((x.view(torch.int16) >> 7) & 0xFF).unique().tolist())
+    assert x.dtype == torch.bfloat16 and len(exponents) == 2 and torch.isfinite(x).all()
+    assert std / 2 <= x.float().pow(2).mean().sqrt().item() <= 2 * std
+    assert abs((x < 0).float().mean().item() - 0.5) < 0.01  # 512K signs: 0.01 is 14 standard deviations
