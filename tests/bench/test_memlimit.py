@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_page_cache_is_charged(cgroups, tmp_path):
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # not cached (charged elsewhere) before
-    got = run_limited(["cat", str(path)], LIMIT, stdout=open(os.devnull, "wb"))
+    got = run_limited(["cat", str(path)], LIMIT, stdout=subprocess.DEVNULL)
     assert (got.returncode, got.oom_killed) == (0, False)
     if got.peak_bytes is None:
         pytest.skip("this kernel keeps no cgroup high-water mark (cgroup v2 memory.peak needs Linux 5.19)")

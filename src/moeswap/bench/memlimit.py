@@ -184,7 +184,7 @@ def call_limited(fn: Callable[[], Any], limit_bytes: int, root: Path = CGROUP_RO
     ctx = multiprocessing.get_context("fork")
     with memory_cgroup(limit_bytes, root) as cg:
         receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(cg, fn, send), daemon=True)
+        proc = ctx.Process(target=_child, args=(cg, fn, send), daemon=False)
         proc.start()
         send.close()
         try:
