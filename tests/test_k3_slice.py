@@ -123,7 +123,7 @@ def sparse_checkpoint(directory: Path, groups) -> Checkpoint:
 
 
 def test_full_width_plan_passes_the_loaders_checks(tmp_path):
-    """The default slice (4 layers x 304 experts, 22 GB) as the loader sees it: every dense tensor maps to a
+    """The default slice (4 layers x 304 experts, 26.4 GB) as the loader sees it: every dense tensor maps to a
     parameter of the model built on `meta` for its config and has its shape; every expert of every MoE layer
     is there with K3's MXFP4 shapes (ExpertIndex.validate, the loader's expert check)."""
     raw = tiny_config("kimi_k3", "k3-slice")
@@ -148,6 +148,9 @@ def test_full_width_plan_passes_the_loaders_checks(tmp_path):
     assert len(experts) == 3 * 304
     # K3's expert: 3 x (3072 x 3584 codes at 4 bits + a scale byte per 32), 17.55 MB
     assert {sum(t.nbytes for t in u) for u in experts} == {3 * (3072 * 3584 // 2 + 3072 * 3584 // 32)} == {17_547_264}
+    # what --size k3-slice's help says: 16.0 GB of experts, 10.4 GB of dense weights
+    assert sum(t.nbytes for u in experts for t in u) == 912 * 17_547_264 == 16_003_104_768
+    assert sum(t.nbytes for u in units for t in u) == 26_396_336_960
     by_name = {t.name: t for u in units for t in u}
     assert by_name["language_model.model.embed_tokens.weight"].shape == (163840, 7168)
     assert by_name["language_model.model.layers.1.self_attn.A_log"].shape == (128,)  # K3's zero-padded [128]

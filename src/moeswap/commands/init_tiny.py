@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--size", default="tiny", choices=tuple(SIZES),
                    help="tiny: tests; small: demo (~30 MB); bench: ~0.96 B parameters, 0.45 GB of MXFP4 experts; "
                         "k3-slice: Kimi K3's real widths, its first 4 layers with 304 experts each (16 GB of MXFP4 "
-                        "experts, 22 GB in all)")
+                        "experts and 10.4 GB of bf16 weights, 26.4 GB in all)")
     p.add_argument("--layers", type=int, default=None, help="layers instead of the size's (first dense, last MLA)")
     p.add_argument("--experts", type=int, default=None, help="routed experts a layer instead of the size's")
     p.add_argument("--seed", type=int, default=0)
