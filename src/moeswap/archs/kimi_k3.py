@@ -42,11 +42,12 @@ class KimiK3(KimiLinear):
             hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0, num_shared_experts=2,
             q_lora_rank=dims["q_lora"], mla_use_output_gate=True, routed_expert_hidden_size=dims["latent"],
             latent_moe_use_norm=True, routed_scaling_factor=1.0, attn_res_block_size=dims["res_block"],
-            quantization_config=_mxfp4_experts(),
+            quantization_config=_mxfp4_experts(), use_grouped_topk=True, num_nextn_predict_layers=0,
+            initializer_range=0.02, use_cache=True,
         )
         text["linear_attn_config"].update(gate_lower_bound=-5.0, use_full_rank_gate=True)
         return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-                "tie_word_embeddings": False}
+                "tie_word_embeddings": False, "dtype": "bfloat16"}
 
 
 def _mxfp4_experts() -> dict:

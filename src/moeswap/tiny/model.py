@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -21,81 +20,64 @@ from moeswap import archs, jsonio
 from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.config import parse_config, routed_expert_shapes
 from moeswap.formats import compressed_tensors as ct
-from moeswap.formats import fp8_block, mxfp4
+from moeswap.formats import fp8_block
 from moeswap.models import build_model
 from moeswap.text.tokenizer import load_tokenizer
-from moeswap.tiny.sizes import SIZES
+from moeswap.tiny import k3_slice
+from moeswap.tiny.sizes import SIZES, dims_for
 from moeswap.tiny.tokenizer import build_tiny_tokenizer
+from moeswap.tiny.values import generator, init_dense, random_mxfp4, stored_dtype
 
 QUANTS = ("fp8", "int4")  # the --quant variants this file draws; an architecture lists those it publishes
 
 
-def tiny_config(arch: str, size: str, quant: str = "") -> dict:
+def tiny_config(arch: str, size: str, quant: str = "", layers: int | None = None, experts: int | None = None) -> dict:
     """config.json content in the layout the real model ships, for every architecture in the registry
-    (its description's `tiny_config`; tests/archs run each one through init-tiny)."""
+    (its description's `tiny_config`; tests/archs run each one through init-tiny). layers, experts: the
+    size's layer count and routed experts a layer, changed."""
     if arch not in archs.REGISTRY:
         raise ValueError(f"--arch {arch!r}: expected one of {', '.join(archs.REGISTRY)}")
     description = archs.REGISTRY[arch]
     if quant and quant not in description.tiny_quants:
         raise ValueError(f"--quant {quant}: the quantised variants ({', '.join(QUANTS)}) are DeepSeek-V3 / Kimi K2 "
                          f"layouts, not {arch}'s")
-    config = description.tiny_config(SIZES[size], size, quant)
+    if size == "k3-slice" and (arch != "kimi_k3" or quant):
+        raise ValueError(f"--size k3-slice is Kimi K3's own layout (--arch kimi_k3, no --quant), not {arch}"
+                         + (f" with --quant {quant}" if quant else ""))
+    config = description.tiny_config(dims_for(size, layers, experts), size, quant)
     if config is None:
         raise ValueError(f"init-tiny has no config layout for architecture {arch!r} yet (its Arch.tiny_config)")
     return config
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-
-
-def _init_dense(name: str, shape: tuple[int, ...], gen: torch.Generator, num_heads: int) -> torch.Tensor:
-    """Initial values that keep a random model numerically tame (norms 1, small projections)."""
-    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
-    if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
-    if name.endswith("dt_bias"):
-        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
-        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-    if name.endswith("e_score_correction_bias"):
-        return torch.randn(shape, generator=gen) * 0.01
-    if "norm" in leaf or leaf.endswith("res_proj"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-    if name.endswith("block_sparse_moe.gate.weight"):  # decisive routing: few near-ties between experts
-        return torch.randn(shape, generator=gen) * (4.0 / math.sqrt(shape[-1]))
-    if "conv1d" in leaf:
-        return torch.randn(shape, generator=gen) * 0.3
-    return torch.randn(shape, generator=gen) * (0.5 / math.sqrt(shape[-1]))
-
-
-def tensors_for(arch: str, size: str, seed: int, quant: str = ""):
+def tensors_for(arch: str, size: str, seed: int, quant: str = "", layers: int | None = None,
+                experts: int | None = None):
     """Yields (checkpoint name, tensor) in layer order, the routed experts of a layer together."""
-    raw = tiny_config(arch, size, quant)
+    raw = tiny_config(arch, size, quant, layers, experts)
     cfg = parse_config(raw)
     prefix = cfg.weight_prefix
     model = build_model(cfg, device="meta")
     desc = archs.get(arch)  # the architecture's published names and tensor layouts
     for name, param in model.named_parameters():
-        gen = _generator(seed, name)
-        value = desc.publish(name, _init_dense(name, tuple(param.shape), gen, cfg.kda.num_heads), cfg)
-        keep_fp32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight"))
+        gen = generator(seed, name)
+        value = desc.publish(name, init_dense(name, tuple(param.shape), gen, cfg.kda.num_heads), cfg)
         if quant == "fp8" and _fp8_quantised(name, value):
             yield from _fp8_block(prefix + desc.published_name(name).removesuffix(".weight"), value)
             continue
-        yield prefix + desc.published_name(name), value.to(torch.float32 if keep_fp32 else torch.bfloat16)
+        yield prefix + desc.published_name(name), value.to(stored_dtype(name))
     shapes = routed_expert_shapes(cfg)
     for layer in (i for i, k in enumerate(cfg.mlp_kinds) if k == "moe"):
         for e in range(cfg.moe.num_experts):
             for proj, shape in shapes.items():
                 name = prefix + desc.expert_name(layer, e, proj)
-                gen = _generator(seed, name)
+                gen = generator(seed, name)
                 if quant == "fp8":
                     yield from _fp8_block(name, torch.randn(shape, generator=gen) / math.sqrt(shape[1]))
                 elif quant == "int4":
                     w = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
                     yield from ((f"{name}.{suffix}", t) for suffix, t in ct.encode_weight("int4", w).items())
                 elif cfg.quant is not None:
-                    packed, scale = _random_mxfp4(shape, gen)
+                    packed, scale = random_mxfp4(shape, gen)
                     yield name + ".weight_packed", packed
                     yield name + ".weight_scale", scale
                 else:
@@ -115,48 +97,44 @@ def _fp8_block(module: str, value: torch.Tensor):
     yield module + ".weight_scale_inv", scale_inv
 
 
-def _random_mxfp4(shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random E2M1 codes with block scales giving weights of std ~ 1/sqrt(fan_in). Codes are drawn
-    directly, not encoded from random floats, so large sizes write fast (docs/benchmarks.md)."""
-    out_dim, in_dim = shape
-    packed = torch.randint(0, 256, (out_dim, in_dim // 2), dtype=torch.uint8, generator=gen)
-    code_rms = math.sqrt(sum(v * v for v in mxfp4.E2M1_VALUES) / len(mxfp4.E2M1_VALUES))
-    exponent = round(math.log2(1.0 / (math.sqrt(in_dim) * code_rms)))
-    jitter = torch.randint(-1, 2, (out_dim, in_dim // 32), generator=gen)
-    return packed, (127 + exponent + jitter).to(torch.uint8)
-
-
 def write_tiny_model(out_dir: str | Path, arch: str = "kimi_k3", size: str = "tiny", seed: int = 0,
                      shard_bytes: int | None = None, progress: bool = False, quant: str = "",
-                     tokenizer_lines: Iterable[str] | None = None) -> Path:
+                     tokenizer_lines: Iterable[str] | None = None, layers: int | None = None,
+                     experts: int | None = None) -> Path:
     """Writes the model atomically: into a temporary sibling directory, renamed at the end. quant: DeepSeek-V3
     with block-FP8 weights ("fp8") or INT4 routed experts ("int4"), as published. tokenizer_lines: the text
-    its BPE is trained on (default: the built-in corpus)."""
+    its BPE is trained on (default: the built-in corpus). layers, experts: change the size's layer count and
+    routed experts a layer. Size k3-slice (Kimi K3's widths) is written a tensor at a time by k3_slice.py."""
     if size not in SIZES:
         raise ValueError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
-    tiny_config(arch, size, quant)  # checks the architecture before anything is written
+    tiny_config(arch, size, quant, layers, experts)  # checks the architecture before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; choose another directory")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose another directory or remove it")
     with atomic_directory(out) as tmp:
-        _write(tmp, arch, size, seed, shard_bytes, progress, quant, tokenizer_lines)
+        _write(tmp, arch, size, seed, shard_bytes, progress, quant, tokenizer_lines, layers, experts)
     return out
 
 
 def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, progress: bool,
-           quant: str = "", tokenizer_lines: Iterable[str] | None = None) -> None:
-    config = tiny_config(arch, size, quant)
+           quant: str = "", tokenizer_lines: Iterable[str] | None = None, layers: int | None = None,
+           experts: int | None = None) -> None:
+    config = tiny_config(arch, size, quant, layers, experts)
     text = config.get("text_config", config)
-    build_tiny_tokenizer(out, text["vocab_size"], lines=tokenizer_lines)
+    specials = k3_slice.k3_specials(text["vocab_size"]) if size == "k3-slice" else None
+    build_tiny_tokenizer(out, text["vocab_size"], specials=specials, lines=tokenizer_lines)
     eos, bos, pad = _special_ids(out)
     for c in (config, text):
         c.update(eos_token_id=eos, bos_token_id=bos, pad_token_id=pad)
     (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(jsonio.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
+    if size == "k3-slice":
+        k3_slice.write_tensors(out, config, seed, shard_bytes, progress)
+        return
 
-    items = list(tqdm(tensors_for(arch, size, seed, quant), desc="making tensors", unit=" tensors",
+    items = list(tqdm(tensors_for(arch, size, seed, quant, layers, experts), desc="making tensors", unit=" tensors",
                       disable=not progress))
     total = sum(t.numel() * t.element_size() for _, t in items)
     shard_bytes = shard_bytes or max(1, total // 3)
