@@ -28,9 +28,10 @@ from moeswap.server import protocol as P
 from moeswap.server.engine_loop import EngineLoop, Handle, QueueFull
 from moeswap.server.metrics import CONTENT_TYPE, ServerMetrics
 from moeswap.server.options import ServeOptions
-from moeswap.server.output import ChatOutput, TextOutput, prompt_tail
+from moeswap.server.output import ChatOutput, prompt_tail
 from moeswap.server.reasoning import Layout, find_layout, start_state
 from moeswap.server.tool_calls import ToolCallFormat, find_format
+from moeswap.text.output import TextOutput
 from moeswap.text.tokenizer import NORMALIZER_SLACK, PromptTooLong
 
 log = logging.getLogger("moeswap.server")

@@ -1,0 +1,386 @@
+"""The Python API in the shape vllm.LLM and llama_cpp.Llama users reach for: `moeswap.load(path, **options)`
+returns an `LLM` with `generate`, `stream`, `chat` and `chat_stream`.
+
+Owns: load options as keyword arguments (options.LoadOptions' fields; byte counts also as "2GiB"), the
+tokenization around the tokenizer-free engine (as the server does it: text.tokenizer for prompts and chat
+templates, text.output.TextOutput for streamed text and stop strings), and one continuous-batching Scheduler
+per LLM (engine.scheduler) that every call's requests share, so a call's prompts are decoded together and
+open streams advance together. Process tuning on first use (tuning.tune_process). Importing this module
+imports no torch: `load` tunes the process first, then loads. Not thread-safe: one thread drives an LLM
+(`moeswap serve` serves concurrent clients). Entry points: `load`, `LLM`, `Completion`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from moeswap import tuning
+from moeswap.options import LoadOptions
+from moeswap.units import parse_bytes
+
+if TYPE_CHECKING:
+    from moeswap.engine.scheduler import Request, Scheduler, TokenEvent
+    from moeswap.text.output import TextOutput
+    from moeswap.text.tokenizer import Tokenizer
+
+LORA_NAME = "adapter"  # the name of the one adapter `load(lora=PATH)` gives (generate --lora's too)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<the LLM's adapter>"
+
+
+_UNSET: Any = _Unset()  # `adapter` left out: the LLM's own (`LLM.adapter`)
+
+
+def load(path: str | os.PathLike, *, lora: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
+         max_batch: int = 16, max_len: int | None = None, native: bool = True, tune: bool = True,
+         **options: Any) -> LLM:
+    """Loads the model directory `path` (config.json + safetensors + tokenizer) for generation.
+
+    options: LoadOptions' fields, as the CLI's load flags name them (expert_memory="2GiB", host_memory,
+    expert_policy, prefetch, device, dtype, ...); an unknown name is a TypeError, a bad value a ValueError.
+    lora: one LoRA adapter directory (PEFT format), used by every call unless it says `adapter=None`; or
+    {name: directory}, served side by side, each call choosing with `adapter=name` (base model by default).
+    max_batch: sequences decoded together (more prompts wait for a slot); results are the same as each prompt
+    alone up to 32. max_len: prompt + generated tokens per sequence (default: the model's context, at most
+    EngineConfig's 4096). native=False decodes through the model's modules (the reference), not the fast step.
+
+    tune=True (the default) runs `moeswap.tuning.tune_process()` once per process, as the `moeswap` command
+    does: large frees go back to the OS (the expert store's buffers come and go) and, on a machine whose
+    cores other processes keep busy, fewer OpenMP threads. Before torch is imported (call `moeswap.load` first,
+    or `tune_process()` at the top of the program) that is OMP_NUM_THREADS plus a passive wait and
+    transparent huge pages, which is what keeps decode on a busy machine from running ~15x slower
+    (docs/benchmarks.md); after torch is imported only the thread count can still be lowered. tune=False
+    leaves the process as it is (and MOESWAP_THREADS=spin or OMP_NUM_THREADS keep the threads your own)."""
+    known = {f.name: f for f in fields(LoadOptions)}
+    values = {}
+    for name, value in options.items():
+        f = known.get(name)
+        if f is None:
+            raise TypeError(f"moeswap.load() got an unexpected keyword argument {name!r}; load options: "
+                            f"{', '.join(known)}")
+        if f.metadata["kind"] == "bytes" and isinstance(value, str):
+            try:
+                value = parse_bytes(value)
+            except Exception as err:  # argparse.ArgumentTypeError: the flag's wording
+                raise ValueError(f"{name}: {err}") from None
+        values[name] = value
+    load_options = LoadOptions(**values)
+    adapters = _lora_argument(lora)
+    if tune:
+        tuning.tune_process()  # before torch is imported below, where it still can be
+    from moeswap.engine.scheduler import EngineConfig
+    from moeswap.models.loader import load_model
+    from moeswap.text.tokenizer import load_tokenizer
+
+    read = None
+    if adapters:  # read and checked against the base before the model loads
+        from moeswap.lora.serving import read_adapters
+
+        read = read_adapters(adapters, path)
+    tokenizer = load_tokenizer(path)
+    model, store = load_model(path, load_options)
+    try:
+        names: tuple[str, ...] = ()
+        if read is not None:
+            from moeswap.lora.serving import load_adapters
+
+            names = load_adapters(model, read).names
+        limit = model.config.max_position_embeddings
+        engine = EngineConfig(max_batch=max_batch, max_len=min(limit, EngineConfig.max_len) if max_len is None
+                              else max_len, native=native)
+        if engine.max_len > limit:
+            raise ValueError(f"max_len {engine.max_len} is more than the model's max_position_embeddings {limit}")
+        llm = LLM(model, tokenizer, store, engine, names)
+    except BaseException:
+        store.close()
+        raise
+    if isinstance(lora, (str, os.PathLike)):
+        llm.adapter = LORA_NAME
+    return llm
+
+
+def _lora_argument(lora) -> list[tuple[str, str | os.PathLike]]:
+    if lora is None:
+        return []
+    if isinstance(lora, (str, os.PathLike)):
+        return [(LORA_NAME, lora)]
+    if isinstance(lora, Mapping):
+        return [(str(name), directory) for name, directory in lora.items()]
+    raise TypeError(f"lora: expected an adapter directory or {{name: directory}}, got {type(lora).__name__}")
+
+
+@dataclass
+class Completion:
+    """One prompt's answer: its text (stop strings and the end-of-sequence token left out), every generated
+    token id, and why it ended: "stop" (an end-of-sequence / stop token or stop string), "length"
+    (max_tokens)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int]
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """Token counts as OpenAI's API reports them."""
+        prompt, completion = len(self.prompt_token_ids), len(self.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class _Job:
+    """A submitted request and the text it has given so far; fed the scheduler's events for its id."""
+
+    request: Request
+    out: TextOutput
+    tokens: list[int] = field(default_factory=list)
+    pending: str = ""  # text not yet taken (stream) or all of it (generate)
+    finish_reason: str | None = None
+    error: BaseException | str | None = None
+
+
+class TextStream:
+    """An iterator of text pieces (LLM.stream); `close()` aborts the request. `completion`: the Completion
+    once the stream has ended (its text: every piece given), None before; an aborted one's reason is "abort"."""
+
+    def __init__(self, llm: LLM, job: _Job) -> None:
+        self._job = job
+        self._given = ""
+        self._pieces = llm._pieces(job)  # (LLM's own generator: it owns the stepping)
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        piece = next(self._pieces)
+        self._given += piece
+        return piece
+
+    def close(self) -> None:
+        self._pieces.close()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def completion(self) -> Completion | None:
+        job = self._job
+        if job.finish_reason is None:
+            return None
+        return Completion(self._given, job.tokens, job.finish_reason, list(job.request.prompt))
+
+
+class LLM:
+    """A loaded model with its tokenizer and a scheduler (made by `moeswap.load`). Close it (or use it as a
+    context manager) to stop the expert store's reader threads."""
+
+    def __init__(self, model, tokenizer: Tokenizer, store, engine, adapters: Sequence[str] = ()) -> None:
+        self.model, self.tokenizer, self.store, self.engine = model, tokenizer, store, engine
+        self.adapters = tuple(adapters)  # served LoRA adapters, slot i + 1 each
+        self.adapter: str | None = None  # the adapter a call uses when it names none (load(lora=PATH): it)
+        self._scheduler: Scheduler | None = None
+        self._jobs: dict[int | str, _Job] = {}
+
+    # -- generation ---------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
+                 max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False, skip_special_tokens: bool = True,
+                 adapter: str | None = _UNSET) -> Completion | list[Completion]:
+        """Completes a prompt (a string, or a list of token ids) -> Completion, or a list of prompts -> a
+        list of Completion, all submitted at once and decoded together (continuous batching: max_batch at a
+        time). temperature 0 is greedy; sampling with `seed` gives prompt i the seed seed + i, as
+        `moeswap generate` does, so a prompt's answer does not depend on its batch. stop: strings that end
+        the text (left out of it); generation also stops at the tokenizer's end-of-sequence tokens unless
+        ignore_eos, and at `stop_token_ids`. adapter: a served LoRA adapter's name, None for the base model."""
+        single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and bool(prompts)
+                                              and all(_is_id(t) for t in prompts))
+        batch = [prompts] if single else list(prompts)
+        ids = [self._encode(p, f"prompts[{i}]" if not single else "prompt") for i, p in enumerate(batch)]
+        jobs = [self._submit(p, max_tokens, temperature, top_p, top_k, None if seed is None else seed + i, stop,
+                             stop_token_ids, ignore_eos, skip_special_tokens, adapter) for i, p in enumerate(ids)]
+        try:
+            while any(job.finish_reason is None for job in jobs):
+                self._step()
+        finally:
+            self._abandon(jobs)
+        out = [self._completion(job) for job in jobs]
+        return out[0] if single else out
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, skip_special_tokens: bool = True,
+               adapter: str | None = _UNSET) -> TextStream:
+        """generate's text for one prompt as it is made, in pieces that join to it (a character split across
+        tokens comes whole in a later piece; text that may begin a stop string is held back until it cannot).
+        Closing the stream (or leaving a `for` loop over it with break) aborts the request; once it has ended,
+        its `completion` is what generate would have returned."""
+        job = self._submit(self._encode(prompt, "prompt"), max_tokens, temperature, top_p, top_k, seed, stop,
+                           stop_token_ids, ignore_eos, skip_special_tokens, adapter)
+        return TextStream(self, job)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, chat_template_kwargs: Mapping[str, Any] | None = None,
+             max_tokens: int = 256, **sampling: Any) -> Completion:
+        """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...]), rendered with the
+        checkpoint's chat template (the server's path: only the template's own markup becomes special tokens;
+        chat_template_kwargs are the template's switches). Stops at the tokenizer's end-of-sequence tokens,
+        which include the end of a turn for chat checkpoints. Other keywords: as generate's."""
+        return self.generate(self.chat_prompt(messages, chat_template_kwargs), max_tokens=max_tokens, **sampling)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], *,
+                    chat_template_kwargs: Mapping[str, Any] | None = None, max_tokens: int = 256,
+                    **sampling: Any) -> TextStream:
+        """chat's answer as stream gives text."""
+        return self.stream(self.chat_prompt(messages, chat_template_kwargs), max_tokens=max_tokens, **sampling)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The token ids chat sends: the messages rendered with an open assistant turn at the end."""
+        segments = self.tokenizer.chat_segments([dict(m) for m in messages], **dict(chat_template_kwargs or {}))
+        return self.tokenizer.encode_segments(segments)
+
+    # -- lifetime -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Ends what still runs and stops the expert store's reader threads."""
+        self._abandon(list(self._jobs.values()))
+        self.store.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            from moeswap.engine.scheduler import Scheduler
+
+            self._scheduler = Scheduler(self.model, self.engine)
+        return self._scheduler
+
+    def _encode(self, prompt, where: str) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) or not all(_is_id(t) for t in prompt):
+            raise TypeError(f"{where}: expected a string or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{where}: token id {bad} is outside the vocabulary 0..{vocab - 1}")
+        return list(prompt)
+
+    def _slot(self, adapter) -> int:
+        name = self.adapter if adapter is _UNSET else adapter
+        if name is None:
+            return 0
+        if name not in self.adapters:
+            served = ", ".join(repr(n) for n in self.adapters) or "none"
+            raise ValueError(f"adapter {name!r} is not loaded (adapters: {served}; None is the base model)")
+        return self.adapters.index(name) + 1
+
+    def _submit(self, ids: list[int], max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+                ignore_eos, skip_special_tokens, adapter) -> _Job:
+        from moeswap.engine.sampling import SamplingParams
+        from moeswap.engine.scheduler import Request
+        from moeswap.text.output import TextOutput
+
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop: expected non-empty strings (an empty one would stop before any text)")
+        eos = () if ignore_eos else tuple(self.tokenizer.eos_ids) or tuple(self.model.config.eos_token_ids)
+        request = Request(ids, max_tokens, SamplingParams(temperature, top_k, top_p),
+                          tuple(dict.fromkeys([*stop_token_ids, *eos])), seed, adapter=self._slot(adapter))
+        rid = self.scheduler.submit(request)  # checks lengths, max_tokens, the seed
+        job = self._jobs[rid] = _Job(request, TextOutput(self.tokenizer, stops, skip_special_tokens))
+        return job
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        try:
+            events = sched.step()
+        except BaseException as err:  # Ctrl-C included: this scheduler's state may be half-updated
+            self._scheduler = None  # (the server's engine loop does the same)
+            failed = RuntimeError(f"the engine step failed: {type(err).__name__}: {err}")
+            for job in self._jobs.values():
+                if job.finish_reason is None:
+                    job.finish_reason, job.error = "error", failed
+            self._jobs.clear()
+            raise
+        for ev in events:
+            job = self._jobs.get(ev.id)
+            result = None
+            if ev.finish_reason is not None:
+                result = sched.finished.pop(ev.id, None)
+                self._jobs.pop(ev.id, None)
+            if job is None or job.finish_reason is not None:
+                continue  # ended here already (a stop string, an abort)
+            self._feed(job, ev)
+            if job.finish_reason == "error":
+                job.error = result.error if result is not None and result.error is not None else ev.error
+
+    def _feed(self, job: _Job, ev: TokenEvent) -> None:
+        """As the server's: the token that ends a sequence by its id (end of sequence, stop_token_ids) is
+        not text; a stop string ends the text at once and the sequence at the next step."""
+        if ev.token is not None:
+            job.tokens.append(ev.token)
+            if ev.finish_reason != "stop":
+                text, stopped = job.out.push(ev.token)
+                job.pending += text
+                if stopped:
+                    job.finish_reason = "stop"
+                    self.scheduler.abort(ev.id)
+                    return
+        if ev.finish_reason is not None:
+            job.pending += job.out.finish()
+            job.finish_reason = "stop" if job.out.stopped and ev.finish_reason == "length" else ev.finish_reason
+
+    def _abandon(self, jobs: Sequence[_Job]) -> None:
+        """Ends a call's requests that still run (it stopped early: an error, a closed stream), and when no
+        request is left that waits for tokens, takes the step that frees the ended ones' slots."""
+        for job in jobs:
+            if job.finish_reason is None:
+                job.finish_reason = "abort"
+                if self._scheduler is not None:
+                    self._scheduler.abort(job.request.id)
+        if (self._scheduler is not None and self._scheduler.busy
+                and all(j.finish_reason is not None for j in self._jobs.values())):
+            self._step()  # only ended sequences are left: no prefill, no decode
+
+    def _pieces(self, job: _Job) -> Iterator[str]:
+        try:
+            while True:
+                if job.pending:
+                    text, job.pending = job.pending, ""
+                    yield text
+                if job.finish_reason is not None:
+                    break
+                self._step()
+            self._raise(job)
+        finally:
+            self._abandon([job])
+
+    def _completion(self, job: _Job) -> Completion:
+        self._raise(job)
+        return Completion(job.pending, job.tokens, job.finish_reason or "abort", list(job.request.prompt))
+
+    @staticmethod
+    def _raise(job: _Job) -> None:
+        if job.finish_reason == "error":
+            if isinstance(job.error, BaseException):
+                raise job.error
+            raise RuntimeError(f"generation failed: {job.error}")
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
