@@ -13,16 +13,16 @@ imports no torch: `load` tunes the process first, then loads. Not thread-safe: o
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from moeswap import tuning
 from moeswap.options import LoadOptions
 from moeswap.units import parse_bytes
 
 if TYPE_CHECKING:
-    from moeswap.engine.scheduler import Request, Scheduler, TokenEvent
+    from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, TokenEvent
     from moeswap.text.output import TextOutput
     from moeswap.text.tokenizer import Tokenizer
 
@@ -71,6 +71,7 @@ def load(path: str | os.PathLike, *, lora: str | os.PathLike | Mapping[str, str 
                 raise ValueError(f"{name}: {err}") from None
         values[name] = value
     load_options = LoadOptions(**values)
+    path = os.fspath(path)
     adapters = _lora_argument(lora)
     if tune:
         tuning.tune_process()  # before torch is imported below, where it still can be
@@ -96,7 +97,7 @@ def load(path: str | os.PathLike, *, lora: str | os.PathLike | Mapping[str, str 
                               else max_len, native=native)
         if engine.max_len > limit:
             raise ValueError(f"max_len {engine.max_len} is more than the model's max_position_embeddings {limit}")
-        llm = LLM(model, tokenizer, store, engine, names)
+        llm = LLM(model, tokenizer, store, engine, names, load_options)
     except BaseException:
         store.close()
         raise
@@ -183,8 +184,9 @@ class LLM:
     """A loaded model with its tokenizer and a scheduler (made by `moeswap.load`). Close it (or use it as a
     context manager) to stop the expert store's reader threads."""
 
-    def __init__(self, model, tokenizer: Tokenizer, store, engine, adapters: Sequence[str] = ()) -> None:
-        self.model, self.tokenizer, self.store, self.engine = model, tokenizer, store, engine
+    def __init__(self, model, tokenizer: Tokenizer, store, engine: EngineConfig, adapters: Sequence[str] = (),
+                 options: LoadOptions = LoadOptions()) -> None:
+        self.model, self.tokenizer, self.store, self.engine, self.options = model, tokenizer, store, engine, options
         self.adapters = tuple(adapters)  # served LoRA adapters, slot i + 1 each
         self.adapter: str | None = None  # the adapter a call uses when it names none (load(lora=PATH): it)
         self._scheduler: Scheduler | None = None
@@ -234,7 +236,8 @@ class LLM:
         checkpoint's chat template (the server's path: only the template's own markup becomes special tokens;
         chat_template_kwargs are the template's switches). Stops at the tokenizer's end-of-sequence tokens,
         which include the end of a turn for chat checkpoints. Other keywords: as generate's."""
-        return self.generate(self.chat_prompt(messages, chat_template_kwargs), max_tokens=max_tokens, **sampling)
+        return cast(Completion, self.generate(self.chat_prompt(messages, chat_template_kwargs), max_tokens=max_tokens,
+                                              **sampling))  # one prompt: one Completion
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *,
                     chat_template_kwargs: Mapping[str, Any] | None = None, max_tokens: int = 256,
@@ -312,9 +315,9 @@ class LLM:
         except BaseException as err:  # Ctrl-C included: this scheduler's state may be half-updated
             self._scheduler = None  # (the server's engine loop does the same)
             failed = RuntimeError(f"the engine step failed: {type(err).__name__}: {err}")
-            for job in self._jobs.values():
-                if job.finish_reason is None:
-                    job.finish_reason, job.error = "error", failed
+            for running in self._jobs.values():
+                if running.finish_reason is None:
+                    running.finish_reason, running.error = "error", failed
             self._jobs.clear()
             raise
         for ev in events:
@@ -357,7 +360,7 @@ class LLM:
                 and all(j.finish_reason is not None for j in self._jobs.values())):
             self._step()  # only ended sequences are left: no prefill, no decode
 
-    def _pieces(self, job: _Job) -> Iterator[str]:
+    def _pieces(self, job: _Job) -> Generator[str, None, None]:
         try:
             while True:
                 if job.pending:
