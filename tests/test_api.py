@@ -70,6 +70,29 @@ def test_stream_pieces_join_to_generates_text(llm):
         assert stream.completion == whole
 
 
+def test_open_streams_advance_together(llm):
+    """Two streams read in turns share the scheduler's steps; each gives generate's text."""
+    alone = [llm.generate(p, max_tokens=N, ignore_eos=True).text for p in PROMPTS[:2]]
+    streams = [llm.stream(p, max_tokens=N, ignore_eos=True) for p in PROMPTS[:2]]
+    texts = ["", ""]
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            piece = next(streams[i], None)
+            if piece is None:
+                live.remove(i)
+            else:
+                texts[i] += piece
+    assert texts == alone and not llm.scheduler.busy
+
+
+def test_a_refused_prompt_leaves_nothing_running(llm):
+    too_long = list(range(1, 10)) * 500  # 4,500 tokens: more than the engine's 4,096
+    with pytest.raises(ValueError, match="exceeds the engine's max_len 4096"):
+        llm.generate([PROMPTS[0], too_long])
+    assert not llm.scheduler.busy and not llm._jobs
+
+
 def test_stop_strings_end_the_text_before_them(llm):
     whole = llm.generate(PROMPTS[2], max_tokens=24, ignore_eos=True).text
     stop = next(whole[i:i + 2] for i in range(3, len(whole)) if whole[i:i + 2].isprintable()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, cast
 
 from moeswap import tuning
-from moeswap.options import LoadOptions
+from moeswap.options import LoadOptions, default_model_dir
 from moeswap.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -37,10 +37,11 @@ class _Unset:
 _UNSET: Any = _Unset()  # `adapter` left out: the LLM's own (`LLM.adapter`)
 
 
-def load(path: str | os.PathLike, *, lora: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
+def load(path: str | os.PathLike | None = None, *, lora: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
          max_batch: int = 16, max_len: int | None = None, native: bool = True, tune: bool = True,
          **options: Any) -> LLM:
-    """Loads the model directory `path` (config.json + safetensors + tokenizer) for generation.
+    """Loads the model directory `path` (config.json + safetensors + tokenizer; None: the shipped
+    models/stdlib-k3, as the commands default to) for generation.
 
     options: LoadOptions' fields, as the CLI's load flags name them (expert_memory="2GiB", host_memory,
     expert_policy, prefetch, device, dtype, ...); an unknown name is a TypeError, a bad value a ValueError.
@@ -71,7 +72,7 @@ def load(path: str | os.PathLike, *, lora: str | os.PathLike | Mapping[str, str 
                 raise ValueError(f"{name}: {err}") from None
         values[name] = value
     load_options = LoadOptions(**values)
-    path = os.fspath(path)
+    path = default_model_dir() if path is None else os.fspath(path)
     adapters = _lora_argument(lora)
     if tune:
         tuning.tune_process()  # before torch is imported below, where it still can be
@@ -208,9 +209,11 @@ class LLM:
                                               and all(_is_id(t) for t in prompts))
         batch = [prompts] if single else list(prompts)
         ids = [self._encode(p, f"prompts[{i}]" if not single else "prompt") for i, p in enumerate(batch)]
-        jobs = [self._submit(p, max_tokens, temperature, top_p, top_k, None if seed is None else seed + i, stop,
-                             stop_token_ids, ignore_eos, skip_special_tokens, adapter) for i, p in enumerate(ids)]
+        jobs: list[_Job] = []
         try:
+            for i, p in enumerate(ids):  # a request the scheduler refuses ends the ones submitted before it
+                jobs.append(self._submit(p, max_tokens, temperature, top_p, top_k, None if seed is None else seed + i,
+                                         stop, stop_token_ids, ignore_eos, skip_special_tokens, adapter))
             while any(job.finish_reason is None for job in jobs):
                 self._step()
         finally:
@@ -248,7 +251,8 @@ class LLM:
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The token ids chat sends: the messages rendered with an open assistant turn at the end."""
-        segments = self.tokenizer.chat_segments([dict(m) for m in messages], **dict(chat_template_kwargs or {}))
+        listed = [dict(m) if isinstance(m, Mapping) else m for m in messages]  # (the template's checks name a bad one)
+        segments = self.tokenizer.chat_segments(listed, **dict(chat_template_kwargs or {}))
         return self.tokenizer.encode_segments(segments)
 
     # -- lifetime -----------------------------------------------------------------------------------
@@ -363,12 +367,13 @@ class LLM:
     def _pieces(self, job: _Job) -> Generator[str, None, None]:
         try:
             while True:
-                if job.pending:
+                if job.pending:  # (other calls' steps may have added to it while this one waited)
                     text, job.pending = job.pending, ""
                     yield text
-                if job.finish_reason is not None:
+                elif job.finish_reason is not None:
                     break
-                self._step()
+                else:
+                    self._step()
             self._raise(job)
         finally:
             self._abandon([job])
