@@ -12,20 +12,22 @@ imports no torch: `load` tunes the process first, then loads. Not thread-safe: o
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 from moeswap import tuning
 from moeswap.options import LoadOptions, default_model_dir
+from moeswap.text.output import ChatOutput, TextOutput, prompt_tail  # torch-free (tokenizers, Jinja2)
 from moeswap.units import parse_bytes
 
 if TYPE_CHECKING:
     from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, TokenEvent
-    from moeswap.text.output import TextOutput
     from moeswap.text.tokenizer import Tokenizer
 
+CHAT_MAX_TOKENS = 256  # chat's default max_tokens (an answer runs longer than a completion's 64)
 LORA_NAME = "adapter"  # the name of the one adapter `load(lora=PATH)` gives (generate --lora's too)
 
 
@@ -121,12 +123,15 @@ def _lora_argument(lora) -> list[tuple[str, str | os.PathLike]]:
 class Completion:
     """One prompt's answer: its text (stop strings and the end-of-sequence token left out), every generated
     token id, and why it ended: "stop" (an end-of-sequence / stop token or stop string), "length"
-    (max_tokens)."""
+    (max_tokens), "tool_calls" (chat with tools: the answer called them), "abort" (a stream closed early).
+    chat: the reasoning the checkpoint's layout sets apart from the text, and the tool calls (OpenAI's form)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     prompt_token_ids: list[int]
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -135,16 +140,39 @@ class Completion:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+@dataclass(frozen=True)
+class Params:
+    """The keywords generate, stream, chat and chat_stream take (an unknown one is a TypeError)."""
+
+    max_tokens: int = 64  # chat and chat_stream: 256
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # sampling seed; generate's prompt i gets seed + i, so a batch is each alone
+    stop: str | Sequence[str] = ()  # strings that end the text (left out of it)
+    stop_token_ids: Sequence[int] = ()  # token ids that end it, besides the tokenizer's end of sequence
+    ignore_eos: bool = False  # do not stop at the tokenizer's end-of-sequence tokens
+    skip_special_tokens: bool = True  # False: control tokens are text too
+    adapter: str | None = _UNSET  # a served LoRA adapter's name; None: the base model; left out: LLM.adapter
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop: expected non-empty strings (an empty one would stop before any text)")
+        return stops
+
+
 @dataclass
 class _Job:
     """A submitted request and the text it has given so far; fed the scheduler's events for its id."""
 
     request: Request
-    out: TextOutput
+    out: TextOutput | ChatOutput
     tokens: list[int] = field(default_factory=list)
     pending: str = ""  # text not yet taken (stream) or all of it (generate)
     finish_reason: str | None = None
     error: BaseException | str | None = None
+    reasoning: str = ""
 
 
 class TextStream:
@@ -178,7 +206,16 @@ class TextStream:
         job = self._job
         if job.finish_reason is None:
             return None
-        return Completion(self._given, job.tokens, job.finish_reason, list(job.request.prompt))
+        return _completion(job, self._given)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self._job.request.prompt)
+
+    @property
+    def reasoning(self) -> str:
+        """chat_stream: the reasoning so far (the pieces are the answer's text)."""
+        return self._job.reasoning
 
 
 class LLM:
@@ -194,65 +231,51 @@ class LLM:
         self._jobs: dict[int | str, _Job] = {}
 
     # -- generation ---------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], *,
-                 max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False, skip_special_tokens: bool = True,
-                 adapter: str | None = _UNSET) -> Completion | list[Completion]:
+    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+                 **params: Any) -> Completion | list[Completion]:
         """Completes a prompt (a string, or a list of token ids) -> Completion, or a list of prompts -> a
         list of Completion, all submitted at once and decoded together (continuous batching: max_batch at a
-        time). temperature 0 is greedy; sampling with `seed` gives prompt i the seed seed + i, as
-        `moeswap generate` does, so a prompt's answer does not depend on its batch. stop: strings that end
-        the text (left out of it); generation also stops at the tokenizer's end-of-sequence tokens unless
-        ignore_eos, and at `stop_token_ids`. adapter: a served LoRA adapter's name, None for the base model."""
+        time). Keywords: `Params` (max_tokens=64, temperature=0 greedy, top_p, top_k, seed, stop, ...).
+        Generation stops at the tokenizer's end-of-sequence tokens unless ignore_eos."""
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and bool(prompts)
                                               and all(_is_id(t) for t in prompts))
         batch = [prompts] if single else list(prompts)
         ids = [self._encode(p, f"prompts[{i}]" if not single else "prompt") for i, p in enumerate(batch)]
-        jobs: list[_Job] = []
-        try:
-            for i, p in enumerate(ids):  # a request the scheduler refuses ends the ones submitted before it
-                jobs.append(self._submit(p, max_tokens, temperature, top_p, top_k, None if seed is None else seed + i,
-                                         stop, stop_token_ids, ignore_eos, skip_special_tokens, adapter))
-            while any(job.finish_reason is None for job in jobs):
-                self._step()
-        finally:
-            self._abandon(jobs)
-        out = [self._completion(job) for job in jobs]
+        out = self._complete(ids, Params(**params))
         return out[0] if single else out
 
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
-               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, skip_special_tokens: bool = True,
-               adapter: str | None = _UNSET) -> TextStream:
+    def stream(self, prompt: str | Sequence[int], **params: Any) -> TextStream:
         """generate's text for one prompt as it is made, in pieces that join to it (a character split across
         tokens comes whole in a later piece; text that may begin a stop string is held back until it cannot).
         Closing the stream (or leaving a `for` loop over it with break) aborts the request; once it has ended,
-        its `completion` is what generate would have returned."""
-        job = self._submit(self._encode(prompt, "prompt"), max_tokens, temperature, top_p, top_k, seed, stop,
-                           stop_token_ids, ignore_eos, skip_special_tokens, adapter)
-        return TextStream(self, job)
+        its `completion` is what generate would have returned. Keywords: `Params`."""
+        return TextStream(self, self._submit(self._encode(prompt, "prompt"), Params(**params)))
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, chat_template_kwargs: Mapping[str, Any] | None = None,
-             max_tokens: int = 256, **sampling: Any) -> Completion:
-        """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...]), rendered with the
-        checkpoint's chat template (the server's path: only the template's own markup becomes special tokens;
-        chat_template_kwargs are the template's switches). Stops at the tokenizer's end-of-sequence tokens,
-        which include the end of a turn for chat checkpoints. Other keywords: as generate's."""
-        return cast(Completion, self.generate(self.chat_prompt(messages, chat_template_kwargs), max_tokens=max_tokens,
-                                              **sampling))  # one prompt: one Completion
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **params: Any) -> Completion:
+        """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...]), as the server's
+        /v1/chat/completions gives it: rendered with the checkpoint's chat template (only the template's own
+        markup becomes special tokens; chat_template_kwargs are the template's switches, `tools` OpenAI-style
+        function specs), stopped at the tokenizer's end-of-sequence tokens (a chat checkpoint's end of turn),
+        the reasoning of a layout the server knows (Kimi K3's) in `reasoning` and calls in `tool_calls`.
+        Keywords: `Params` (max_tokens defaults to 256)."""
+        prompt = self.chat_prompt(messages, chat_template_kwargs, tools)
+        return self._complete([prompt], _chat_params(params), prompt, tools)[0]
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *,
-                    chat_template_kwargs: Mapping[str, Any] | None = None, max_tokens: int = 256,
-                    **sampling: Any) -> TextStream:
-        """chat's answer as stream gives text."""
-        return self.stream(self.chat_prompt(messages, chat_template_kwargs), max_tokens=max_tokens, **sampling)
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None, **params: Any) -> TextStream:
+        """chat's answer as stream gives text: the pieces are its text; the reasoning gathers in the stream's
+        `reasoning`, and the calls in its `completion`."""
+        prompt = self.chat_prompt(messages, chat_template_kwargs, tools)
+        return TextStream(self, self._submit(prompt, _chat_params(params), prompt, tools))
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The token ids chat sends: the messages rendered with an open assistant turn at the end."""
         listed = [dict(m) if isinstance(m, Mapping) else m for m in messages]  # (the template's checks name a bad one)
-        segments = self.tokenizer.chat_segments(listed, **dict(chat_template_kwargs or {}))
+        segments = self.tokenizer.chat_segments(listed, tools=None if tools is None else [dict(t) for t in tools],
+                                                **dict(chat_template_kwargs or {}))
         return self.tokenizer.encode_segments(segments)
 
     # -- lifetime -----------------------------------------------------------------------------------
@@ -296,21 +319,50 @@ class LLM:
             raise ValueError(f"adapter {name!r} is not loaded (adapters: {served}; None is the base model)")
         return self.adapters.index(name) + 1
 
-    def _submit(self, ids: list[int], max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-                ignore_eos, skip_special_tokens, adapter) -> _Job:
+    def _complete(self, prompts: list[list[int]], params: Params, chat: list[int] | None = None,
+                  tools=None) -> list[Completion]:
+        jobs: list[_Job] = []
+        try:
+            for i, ids in enumerate(prompts):  # a request the scheduler refuses ends the ones submitted before it
+                seed = None if params.seed is None else params.seed + i
+                jobs.append(self._submit(ids, replace(params, seed=seed), chat, tools))
+            while any(job.finish_reason is None for job in jobs):
+                self._step()
+        finally:
+            self._abandon(jobs)
+        for job in jobs:
+            self._raise(job)
+        return [_completion(job, job.pending) for job in jobs]
+
+    def _submit(self, ids: list[int], params: Params, chat: list[int] | None = None, tools=None) -> _Job:
+        """chat: the prompt of a chat answer (ChatOutput reads where its generation prompt left the turn)."""
         from moeswap.engine.sampling import SamplingParams
         from moeswap.engine.scheduler import Request
-        from moeswap.text.output import TextOutput
+        from moeswap.text.reasoning import start_state
 
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop: expected non-empty strings (an empty one would stop before any text)")
-        eos = () if ignore_eos else tuple(self.tokenizer.eos_ids) or tuple(self.model.config.eos_token_ids)
-        request = Request(ids, max_tokens, SamplingParams(temperature, top_k, top_p),
-                          tuple(dict.fromkeys([*stop_token_ids, *eos])), seed, adapter=self._slot(adapter))
+        stops, tok = params.stops(), self.tokenizer
+        eos = () if params.ignore_eos else tuple(tok.eos_ids) or tuple(self.model.config.eos_token_ids)
+        request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p),
+                          tuple(dict.fromkeys([*params.stop_token_ids, *eos])), params.seed,
+                          adapter=self._slot(params.adapter))
+        out: TextOutput | ChatOutput
+        if chat is None:
+            out = TextOutput(tok, stops, params.skip_special_tokens)
+        else:  # as the server's chat: tool calls parsed when tools are offered
+            layout, fmt = self._chat_formats
+            state = None if layout is None else start_state(layout, prompt_tail(tok, chat))
+            out = ChatOutput(tok, layout, state, fmt if tools else None, stops, params.skip_special_tokens)
         rid = self.scheduler.submit(request)  # checks lengths, max_tokens, the seed
-        job = self._jobs[rid] = _Job(request, TextOutput(self.tokenizer, stops, skip_special_tokens))
+        job = self._jobs[rid] = _Job(request, out)
         return job
+
+    @functools.cached_property
+    def _chat_formats(self):
+        """The checkpoint's assistant-turn layout and tool-call format (None each: not one the server reads)."""
+        from moeswap.text.reasoning import find_layout
+        from moeswap.text.tool_calls import find_format
+
+        return find_layout(self.tokenizer), find_format(self.tokenizer)
 
     def _step(self) -> None:
         sched = self.scheduler
@@ -347,10 +399,13 @@ class LLM:
                 if stopped:
                     job.finish_reason = "stop"
                     self.scheduler.abort(ev.id)
-                    return
         if ev.finish_reason is not None:
             job.pending += job.out.finish()
             job.finish_reason = "stop" if job.out.stopped and ev.finish_reason == "length" else ev.finish_reason
+            if isinstance(job.out, ChatOutput) and job.out.called and job.finish_reason in ("stop", "length"):
+                job.finish_reason = "tool_calls"
+        if isinstance(job.out, ChatOutput):
+            job.reasoning += job.out.take_reasoning()
 
     def _abandon(self, jobs: Sequence[_Job]) -> None:
         """Ends a call's requests that still run (it stopped early: an error, a closed stream), and when no
@@ -378,16 +433,21 @@ class LLM:
         finally:
             self._abandon([job])
 
-    def _completion(self, job: _Job) -> Completion:
-        self._raise(job)
-        return Completion(job.pending, job.tokens, job.finish_reason or "abort", list(job.request.prompt))
-
     @staticmethod
     def _raise(job: _Job) -> None:
         if job.finish_reason == "error":
             if isinstance(job.error, BaseException):
                 raise job.error
             raise RuntimeError(f"generation failed: {job.error}")
+
+
+def _completion(job: _Job, text: str) -> Completion:
+    calls = job.out.tool_calls if isinstance(job.out, ChatOutput) else []
+    return Completion(text, job.tokens, job.finish_reason or "abort", list(job.request.prompt), job.reasoning, calls)
+
+
+def _chat_params(params: dict[str, Any]) -> Params:
+    return Params(**{"max_tokens": CHAT_MAX_TOKENS, **params})
 
 
 def _is_id(x) -> bool:

@@ -5,7 +5,8 @@ message) with the checkpoint's chat template and streams the answer. Commands: /
 conversation, /exit (or end of input, Ctrl-D) leaves; Ctrl-C stops the answer being written (its request
 is aborted; the part shown stays in the conversation) and not the session. A turn the model cannot take (the
 conversation outgrew the context) is a one-line error, and the session goes on. After each answer, standard
-error gets its token counts. Entry points: `add_parser`, `run`; `ChatSession` (the turn logic).
+error gets its token counts. A reasoning checkpoint's reasoning (Kimi K3's thinking) is left out, as the
+server sets it apart from the content, and not kept in the conversation. Entry points: `add_parser`, `run`; `ChatSession` (the turn logic).
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ class ChatSession:
         (then the request is aborted). The user message and the answer (as far as it went) join the history;
         an error (nothing answered) leaves the history as it was."""
         self.last = None
-        prompt = self.llm.chat_prompt(self.messages(text))
         seed = self.sampling.get("seed")
         sampling = {**self.sampling, "seed": None if seed is None else seed + self.turns}
         answer = ""
-        with self.llm.stream(prompt, **sampling) as stream:  # submits: a prompt too long is refused here
-            self.prompt_tokens = len(prompt)
+        # submits: a conversation that outgrew the context is refused here
+        with self.llm.chat_stream(self.messages(text), **sampling) as stream:
+            self.prompt_tokens = len(stream.prompt_token_ids)
             try:
                 for piece in stream:
                     show(piece)
