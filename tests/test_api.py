@@ -164,6 +164,8 @@ def test_bad_call_arguments(llm):
         llm.generate("hi", adapter="x")
     with pytest.raises(ValueError, match="stop: expected non-empty strings"):
         llm.generate("hi", stop=[""])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_new_tokens'"):
+        llm.generate("hi", max_new_tokens=4)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         llm.generate("hi", temperature=-1)
     assert not llm.scheduler.busy

@@ -3,11 +3,12 @@ returns an `LLM` with `generate`, `stream`, `chat` and `chat_stream`.
 
 Owns: load options as keyword arguments (options.LoadOptions' fields; byte counts also as "2GiB"), the
 tokenization around the tokenizer-free engine (as the server does it: text.tokenizer for prompts and chat
-templates, text.output.TextOutput for streamed text and stop strings), and one continuous-batching Scheduler
+templates, text.output for streamed text, stop strings and a chat answer's reasoning and tool calls), the
+keywords of a call (`Params`, one dataclass for all four methods), and one continuous-batching Scheduler
 per LLM (engine.scheduler) that every call's requests share, so a call's prompts are decoded together and
 open streams advance together. Process tuning on first use (tuning.tune_process). Importing this module
 imports no torch: `load` tunes the process first, then loads. Not thread-safe: one thread drives an LLM
-(`moeswap serve` serves concurrent clients). Entry points: `load`, `LLM`, `Completion`.
+(`moeswap serve` serves concurrent clients). Entry points: `load`, `LLM`, `Completion`, `Params`.
 """
 
 from __future__ import annotations
