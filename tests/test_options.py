@@ -148,7 +148,8 @@ def test_options_without_a_flag_stay_off_the_command_line():
 
 def test_importing_moeswap_changes_nothing_in_the_process():
     code = ("import json, os; before = dict(os.environ); "
-            "import moeswap, moeswap.cli, moeswap.models.loader, moeswap.experts.build, moeswap.engine.scheduler; "
+            "import moeswap, moeswap.cli, moeswap.models.loader, moeswap.experts.build, moeswap.engine.scheduler, "
+            "moeswap.api, moeswap.commands.chat; "
             "print(json.dumps([k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)]))")
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moeswap.tuning import ENV_THREADS, OPENMP_VARIABLES, fit_threads_to_load
+from moeswap.tuning import ENV_THREADS, OPENMP_VARIABLES, fit_threads_to_load, fit_torch_threads
 
 
 @pytest.mark.parametrize("cores, load, threads", [
@@ -54,6 +54,28 @@ def test_the_command_applies_it_before_torch_starts(tiny_k3_dir):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["threads"] == 1 and "passive wait" in result["openmp"] and "busy machine" in result["openmp"]
+
+
+@pytest.mark.parametrize("before, cores, load, after", [
+    (2, 2, 1.4, 1),  # busy: lowered to the cores left free
+    (1, 8, 4.0, 1),  # never raised
+    (2, 2, 0.0, 2),  # quiet: left as it is
+])
+def test_after_torch_only_its_threads_are_lowered(monkeypatch, before, cores, load, after):
+    """torch imported first: the fit lowers torch.set_num_threads and leaves the environment alone."""
+    import torch
+
+    for var in (*OPENMP_VARIABLES, ENV_THREADS):
+        monkeypatch.delenv(var, raising=False)
+    env = dict(os.environ)
+    was = torch.get_num_threads()
+    torch.set_num_threads(before)
+    try:
+        fit = fit_torch_threads(cores, load)
+        assert torch.get_num_threads() == after and dict(os.environ) == env
+        assert (fit.threads, fit.passive) == ((after, False) if load >= 0.5 else (None, False))
+    finally:
+        torch.set_num_threads(was)
 
 
 def test_other_load_counts_runnable_processes_now():

@@ -39,7 +39,8 @@ class _Parser(argparse.ArgumentParser):
 # Subcommands owned by their packages: each module has add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = {"init-tiny": "moeswap.commands.init_tiny", "inspect": "moeswap.commands.inspect",
                "plan": "moeswap.planner.cli", "quantize": "moeswap.commands.quantize", "trace": "moeswap.commands.trace",
-               "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge"}
+               "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge",
+               "chat": "moeswap.commands.chat"}
 FIRST = ("init-tiny",)  # listed before generate in --help (the quickstart's first step); the rest after it
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",

@@ -38,18 +38,40 @@ class ThreadFit:
 
 
 last_fit: ThreadFit | None = None
+_tuned = False  # tune_process ran in this process (it runs once)
 
 
 def tune_process() -> None:
     """Huge pages for torch's large CPU allocations, large frees returned to the OS, and OpenMP threads
-    fitted to the machine's load. The variables only count before torch (and its OpenMP runtime, which
-    reads them when it loads) is imported; in a process that already has torch, only the allocator is tuned."""
-    global last_fit
+    fitted to the machine's load; once per process (later calls do nothing). The variables only count
+    before torch (and its OpenMP runtime, which reads them when it loads) is imported; in a process that
+    already has torch, the allocator is tuned and torch's threads lowered (fit_torch_threads), but huge pages
+    and the passive wait are out of reach."""
+    global last_fit, _tuned
+    if _tuned:
+        return
+    _tuned = True
     return_large_frees_to_os()
     if "torch" in sys.modules:
+        last_fit = fit_torch_threads()
         return
     use_huge_pages()
     last_fit = fit_threads_to_load()
+
+
+def fit_torch_threads(cores: int | None = None, load: float | None = None) -> ThreadFit:
+    """fit_threads_to_load for a process whose OpenMP runtime has started (torch imported): its threads are
+    lowered with torch.set_num_threads (the C kernels take torch's count too), never raised; the wait policy
+    is fixed by then, so the remaining threads still spin between regions. The environment is left as it is."""
+    import torch
+
+    fit = fit_threads_to_load(cores, load, dict(os.environ))
+    if fit.threads is None:
+        return fit
+    if fit.threads < torch.get_num_threads():
+        torch.set_num_threads(fit.threads)
+    return ThreadFit(fit.cores, fit.load, torch.get_num_threads(), False,
+                     f"{fit.why}; torch was imported first, so OpenMP keeps spin-waiting")
 
 
 def fit_threads_to_load(cores: int | None = None, load: float | None = None,

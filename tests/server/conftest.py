@@ -24,8 +24,8 @@ from moeswap.engine.scheduler import Scheduler
 from moeswap.models.loader import load_model
 from moeswap.server.app import build_app
 from moeswap.server.options import ServeOptions
-from moeswap.server.tool_calls import KIMI_K2
 from moeswap.text.tokenizer import load_tokenizer
+from moeswap.text.tool_calls import KIMI_K2
 from moeswap.tiny.tokenizer import build_tiny_tokenizer
 
 MODEL = "tiny-k3"

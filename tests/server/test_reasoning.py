@@ -1,4 +1,4 @@
-"""Reasoning and content (server/reasoning.py, server/output.py's ChatOutput) with Kimi K3's published chat
+"""Reasoning and content (text/reasoning.py, text/output.py's ChatOutput) with Kimi K3's published chat
 template as the oracle: an assistant turn with `reasoning_content` is rendered, the tokens after the
 generation prompt are what the model says, and parsing them must give back that reasoning and content, with
 no markup. Token by token, split at every character, or cut at any token, the parts are the text of their
@@ -9,11 +9,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from moeswap.server.output import ChatOutput, prompt_tail
-from moeswap.server.reasoning import KIMI_K3, REASONING, ChannelParser, find_layout, split, start_state
-from moeswap.server.tool_calls import KIMI_K3 as K3_CALLS
-from moeswap.server.tool_calls import Piece, pieces_of
+from moeswap.text.output import ChatOutput, prompt_tail
+from moeswap.text.reasoning import KIMI_K3, REASONING, ChannelParser, find_layout, split, start_state
 from moeswap.text.tokenizer import load_tokenizer
+from moeswap.text.tool_calls import KIMI_K3 as K3_CALLS
+from moeswap.text.tool_calls import Piece, pieces_of
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 # the caller's strings that spell the layout's markup stay text, in the reasoning as in the content
@@ -188,6 +188,24 @@ def test_api_reasoning(server):
     first_content = next(i for i, d in enumerate(deltas) if d["content"])
     assert not any(d.get("reasoning_content") for d in deltas[first_content:])  # reasoning came first
     assert sum(1 for d in deltas if d.get("reasoning_content")) > 3  # as it was made, not at the end
+
+
+def test_the_python_api_splits_the_same(tiny_model, k3_tokenizer, server):
+    """moeswap.api's chat and chat_stream: the server's reasoning, content and finish, from the same tokens."""
+    from moeswap.api import LLM
+    from moeswap.engine.scheduler import EngineConfig
+
+    model, _, store = tiny_model
+    llm = LLM(model, k3_tokenizer, store, EngineConfig(max_batch=2, max_len=1024))
+    llm._scheduler = type(server.engine.sched)(model, llm.engine)  # conftest's ScriptedScheduler: told the tokens
+    prompt, answer = answer_of(k3_tokenizer, turn())
+    llm._scheduler.scripts.append(answer)
+    done = llm.chat(USER, temperature=0)
+    assert (done.reasoning, done.text, done.finish_reason) == (REASONING_TEXT, CONTENT, "stop")
+    assert (done.prompt_token_ids, done.token_ids, done.tool_calls) == (prompt, answer, [])
+    llm._scheduler.scripts.append(answer)
+    stream = llm.chat_stream(USER)
+    assert ("".join(stream), stream.reasoning, stream.completion) == (CONTENT, REASONING_TEXT, done)
 
 
 def test_api_thinking_off(server):

@@ -1,4 +1,4 @@
-"""Tool-call parsing (server/tool_calls.py, server/output.py's ChatOutput) with the checkpoints' own chat
+"""Tool-call parsing (text/tool_calls.py, text/output.py's ChatOutput) with the checkpoints' own chat
 templates as the oracle: a conversation whose assistant calls tools is rendered (Kimi K3's and Kimi K2's
 published templates), the tokens after the prompt are what the model says when it calls them, and parsing
 them must give back the calls and the text before them. Streamed token by token, or split at every
@@ -14,10 +14,10 @@ import shutil
 import openai
 import pytest
 
-from moeswap.server.output import ChatOutput, prompt_tail
-from moeswap.server.reasoning import find_layout, start_state
-from moeswap.server.tool_calls import KIMI_K2, KIMI_K3, Piece, find_format, parse, pieces_of
+from moeswap.text.output import ChatOutput, prompt_tail
+from moeswap.text.reasoning import find_layout, start_state
 from moeswap.text.tokenizer import load_tokenizer
+from moeswap.text.tool_calls import KIMI_K2, KIMI_K3, Piece, find_format, parse, pieces_of
 
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n}.", "parameters": {"type": "object"}}}
          for n in ("get_weather", "search", "now")]

@@ -3,7 +3,7 @@
 
 Every request is checked here before the engine sees it (model name, types, context length, sampling
 values, stop strings, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx. Text, reasoning
-and tool calls come from server.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer,
+and tool calls come from text.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer,
 ServeOptions)`.
 """
 
@@ -28,10 +28,10 @@ from moeswap.server import protocol as P
 from moeswap.server.engine_loop import EngineLoop, Handle, QueueFull
 from moeswap.server.metrics import CONTENT_TYPE, ServerMetrics
 from moeswap.server.options import ServeOptions
-from moeswap.server.output import ChatOutput, TextOutput, prompt_tail
-from moeswap.server.reasoning import Layout, find_layout, start_state
-from moeswap.server.tool_calls import ToolCallFormat, find_format
+from moeswap.text.output import ChatOutput, TextOutput, prompt_tail
+from moeswap.text.reasoning import Layout, find_layout, start_state
 from moeswap.text.tokenizer import NORMALIZER_SLACK, PromptTooLong
+from moeswap.text.tool_calls import ToolCallFormat, find_format
 
 log = logging.getLogger("moeswap.server")
 

@@ -102,7 +102,7 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Tool] | None = None  # rendered by the checkpoint's chat template; calls parsed (tool_calls.py)
+    tools: list[Tool] | None = None  # rendered by the checkpoint's chat template; calls parsed (text/tool_calls.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): the template's own switches

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeswap.server.output import TextOutput
+from moeswap.text.output import TextOutput
 from moeswap.text.tokenizer import load_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog, then naïve café owners cheer 北京"

@@ -4,7 +4,7 @@ OpenAI tool calls as the tokens arrive.
 
 The parser reads pieces: a special token, or text (what ordinary tokens decode to). Markup is only ever a
 special token, so text that merely spells `<|close|>` (a caller's string the model repeats) stays text.
-Knows nothing of HTTP or the engine; server.output turns token ids into pieces and content into text.
+Knows nothing of HTTP or the engine; text.output turns token ids into pieces and content into text.
 Entry points: `find_format(tokenizer)`, `ToolCallParser(fmt).feed(piece) / .finish()`.
 """
 
@@ -369,7 +369,7 @@ NO_MATCH, PREFIX, FULL = 0, 1, 2
 
 def match_markup(held: list[Piece], opening: tuple[Piece, ...]) -> int:
     """Whether `held` is `opening` (FULL), may still become it (PREFIX), or cannot (NO_MATCH). Text in
-    `held` comes merged. Also server.reasoning's matcher of channel markup."""
+    `held` comes merged. Also text.reasoning's matcher of channel markup."""
     if len(held) > len(opening):
         return NO_MATCH
     for k, (h, o) in enumerate(zip(held, opening)):

@@ -1,17 +1,18 @@
-"""A request's generated tokens as the text a client may see: streamed detokenization, special tokens left
-out (unless asked for), stop strings found on the decoded text; for chat, reasoning and tool calls split off
-(server.reasoning, server.tool_calls). Entry points: `TextOutput(tokenizer, stop, skip_specials)`,
-`.push(token) -> (text, stopped)`, `.finish() -> text`; `ChatOutput`, which adds `.take_reasoning()` and
-`.take_deltas()`; `prompt_tail(tokenizer, ids)`.
+"""A completion's generated tokens as the text a caller may see, token by token: streamed detokenization
+(tokenizer.StreamDecoder, which never splits a character), special tokens left out unless asked for, stop
+strings found on the decoded text; for chat, reasoning and tool calls split off (text.reasoning,
+text.tool_calls). Shared by the server (server/app.py) and the Python API (moeswap.api). Entry points:
+`TextOutput(tokenizer, stop, skip_specials)`, `.push(token) -> (text, stopped)`, `.finish() -> text`;
+`ChatOutput`, which adds `.take_reasoning()` and `.take_deltas()`; `prompt_tail(tokenizer, ids)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moeswap.server.reasoning import CONTENT, ChannelParser, Layout
-from moeswap.server.tool_calls import CallArgs, CallStart, Piece, ToolCallFormat, ToolCallParser, new_call_id
+from moeswap.text.reasoning import CONTENT, ChannelParser, Layout
 from moeswap.text.tokenizer import StreamDecoder, Tokenizer
+from moeswap.text.tool_calls import CallArgs, CallStart, Piece, ToolCallFormat, ToolCallParser, new_call_id
 
 
 class TextOutput:
@@ -63,7 +64,7 @@ class ChatOutput:
     it (stop strings apply to the content only, not to the reasoning or the calls), tool calls as OpenAI's
     stream deltas (`take_deltas`) and, once the answer has ended, as `tool_calls`.
 
-    `layout` (server.reasoning) and `state` (where the generation prompt left the turn): without a layout
+    `layout` (text.reasoning) and `state` (where the generation prompt left the turn): without a layout
     the whole answer is content. `tools`: the tool-call format, None when calls are not parsed;
     `parallel=False` keeps only the first call. Calls that break their format are content, as they would
     be without tools."""
@@ -167,7 +168,7 @@ class ChatOutput:
 
 
 def prompt_tail(tokenizer: Tokenizer, ids: Sequence[int], n: int = 64) -> list[Piece]:
-    """The last `n` tokens of a prompt as pieces (text runs decoded whole), for server.reasoning's
+    """The last `n` tokens of a prompt as pieces (text runs decoded whole), for text.reasoning's
     start_state. Read from the ids, not the rendered text: a caller's string that spells markup is text."""
     pieces: list[Piece] = []
     run: list[int] = []

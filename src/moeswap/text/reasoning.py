@@ -1,7 +1,7 @@
 """Reasoning in a model's output: the assistant-turn layouts of the checkpoints moeswap serves (Kimi K3's
 `think` and `response` channels), which one a chat template writes, and an incremental parser that splits an
 answer into reasoning (vLLM's `reasoning_content`) and content, dropping the markup. Knows no HTTP; tool calls
-in the content are server.tool_calls' (pieces are its Piece). Entry points: `find_layout(tokenizer)`,
+in the content are text.tool_calls' (pieces are its Piece). Entry points: `find_layout(tokenizer)`,
 `start_state(layout, prompt_pieces)`, `ChannelParser(layout, state).feed(piece) / .finish()`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from moeswap.server.tool_calls import FULL, K3_CLOSE, K3_OPEN, K3_SEP, NO_MATCH, Piece, match_markup, pieces_of
+from moeswap.text.tool_calls import FULL, K3_CLOSE, K3_OPEN, K3_SEP, NO_MATCH, Piece, match_markup, pieces_of
 
 REASONING, CONTENT = "reasoning", "content"
 
@@ -23,7 +23,7 @@ class Layout:
     A small state machine: in each state some markup (a sequence of pieces, always begun by a special token)
     moves to another state. The generation prompt has already opened a state (K3's template opens `think`, or
     `response` with thinking off): `start_state` reads it off the prompt's end. A tools section is content
-    here (server.tool_calls finds the calls in it). Markup is only ever a special token, so text that merely
+    here (text.tool_calls finds the calls in it). Markup is only ever a special token, so text that merely
     spells one stays text."""
 
     name: str
