@@ -45,7 +45,7 @@ FIRST = ("init-tiny",)  # listed before generate in --help (the quickstart's fir
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
            "load": "moeswap.bench.load", "serve": "moeswap.bench.serve.command", "train": "moeswap.bench.train",
-           "ep": "moeswap.bench.ep", "gpu-kernels": "moeswap.bench.gpu_kernels"}
+           "ep": "moeswap.bench.ep", "gpu-kernels": "moeswap.bench.gpu_kernels", "stream": "moeswap.bench.stream"}
 
 
 def build_parser() -> argparse.ArgumentParser:

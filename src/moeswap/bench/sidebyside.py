@@ -175,7 +175,7 @@ def batch_roofline(by: dict, read_GBps: float, gflops: float, batch: int) -> dic
             "bound": "memory" if memory_s >= compute_s else "compute"}
 
 
-def _llama_engine(setup: Setup) -> tuple[str | None, str]:
+def llama_engine(setup: Setup) -> tuple[str | None, str]:
     """(worker kind, why none) for the llama.cpp peer: llama-cpp-python where it is installed, else llama-server
     (the same llama.cpp sources, scripts/setup-peers.sh builds both); either needs the converter unless --gguf."""
     from moeswap.bench.peers import llamacpp, llamaserver
@@ -207,7 +207,7 @@ class Peers:
         for peer in setup.peers:
             try:
                 if peer == "llama.cpp":
-                    kind, why = _llama_engine(setup)
+                    kind, why = llama_engine(setup)
                     if kind is None:
                         self.skipped[peer] = why
                         continue

@@ -39,6 +39,8 @@ class MoeswapRunner:
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
         from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
 
+        if self.store is not None:  # the reply's store counters are this request's
+            self.store.reset_stats()
         longest = max(len(p) for p in prompts) + max_tokens
         # every prompt prefilled in the first step, so each decode step runs the whole batch (the benchmark
         # measures decode at that batch; interleaving prefill with decode is the server's business)
@@ -52,7 +54,8 @@ class MoeswapRunner:
         return {"tokens": [r.tokens for r in results], "ttft_s": st.prefill_s,
                 "decode_s": st.decode_s - st.graph_capture_s,
                 "decoded": st.decode_steps, "engine": st.as_dict(),
-                "request_ttft_s": [r.ttft_s for r in results], "request_tpot_s": [r.tpot_s for r in results]}
+                "request_ttft_s": [r.ttft_s for r in results], "request_tpot_s": [r.tpot_s for r in results],
+                **({"store": self.store.stats.as_dict()} if self.store is not None else {})}
 
 
 def _make_runner(args: argparse.Namespace):
@@ -120,13 +123,15 @@ class Worker:
     child's original stdout; everything else goes to stderr.
     """
 
-    def __init__(self, kind: str, model: str, threads: int, extra: list[str] = (), env: dict | None = None):
+    def __init__(self, kind: str, model: str, threads: int, extra: list[str] = (), env: dict | None = None,
+                 preexec_fn=None):
+        """`preexec_fn`: run in the child before it execs (bench stream: join a memory cgroup)."""
         cmd = [sys.executable, "-m", "moeswap.bench.peers.worker", kind, str(model), "--threads", str(threads), *extra]
         environ = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
         self.kind = kind
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks on it
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=environ)
+                                     text=True, env=environ, preexec_fn=preexec_fn)
         hello = self._read()
         if not hello.get("ready"):
             raise RuntimeError(hello.get("error", "worker did not start"))
