@@ -52,10 +52,12 @@ def model_bytes(model_dir: str) -> dict:
     return by
 
 
-def default_expert_memory(limit: int, dense_bytes: float) -> int:
+def default_expert_memory(limit: int, dense_bytes: float, by: dict) -> int:
     """The expert cache that leaves room in `limit` for the dense trunk (as the run keeps it), the sequence
-    state, torch and the engine: what remains after the dense bytes and 1.5 GiB, at least none."""
-    return max(0, int(limit - dense_bytes - (3 << 29)))
+    state, torch and the engine: what remains after the dense bytes and 1.5 GiB, and at least two layers'
+    active experts (the least the store runs with)."""
+    least = 2 * by["top_k"] * by["expert_bytes"]
+    return int(max(least, limit - dense_bytes - (3 << 29)))
 
 
 def _engine_run(kind: str, setup: sbs.Setup, limit: int, extra: list[str], prompt: list[int],
@@ -125,7 +127,9 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
         pass  # refuses in one line, before anything slow, where no limit can be set
     drop_caches()
     log(f"drive read ceiling on {by['largest_file']} ...")
-    ceiling = read_ceiling(by["largest_file"], sequential_bytes=4 << 30)
+    # random reads of one expert's size (rounded to 4 KiB: O_DIRECT offsets), as the store reads them
+    block = -(-int(by["expert_bytes"]) // 4096) * 4096
+    ceiling = read_ceiling(by["largest_file"], block=block, sequential_bytes=4 << 30)
     log(f"  sequential {ceiling.sequential_gbps:.2f} GB/s, random {ceiling.random_gbps:.2f} GB/s ({ceiling.how})")
     cfg = load_config(setup.model)
     vocab = cfg.vocab_size
@@ -135,7 +139,7 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
     dense_fmt = load.dense_weights if load.dense_weights in ("int8", "int4") else "bf16"
     dense_resident = by["dense_bytes"] * _dense_ratio(dense_fmt) + _embedding_bytes(setup.model)
     if load.expert_memory == sbs.BENCH_LOAD.expert_memory:  # not set by the user: what the limit leaves
-        load = load.replace(expert_memory=default_expert_memory(limit, dense_resident))
+        load = load.replace(expert_memory=default_expert_memory(limit, dense_resident, by))
     report: dict = {"bench": "stream", "model": setup.model, "machine": sbs.machine_info(setup.threads),
                     "memory_limit": limit, "bytes": by, "expert_to_limit": ratio,
                     "ceiling": vars(ceiling), "settings": {**vars(load), "threads": setup.threads,
@@ -205,6 +209,10 @@ def _embedding_bytes(model_dir: str) -> int:
         ckpt.close()
 
 
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def format_markdown(report: dict) -> str:
     c, by = report["ceiling"], report["bytes"]
     m = report["machine"]
@@ -227,7 +235,7 @@ def format_markdown(report: dict) -> str:
     mo = report["engines"]["moeswap"]
     lines.append("")
     lines.append(f"moeswap: I/O bound {mo['io_bound_s_per_token']:.2f} s/token (its bytes per token at the random-read "
-                 f"ceiling); decode / I/O bound = {mo['decode_over_io_bound']:.2f}"
+                 f"ceiling); decode / I/O bound = {_num(mo['decode_over_io_bound'])}"
                  + (f"; reads in flight at {100 * mo['read_phase_of_ceiling']:.0f} % of the ceiling"
                     if mo.get("read_phase_of_ceiling") else ""))
     if mo.get("prefill_read_vs_single_steps") is not None:
