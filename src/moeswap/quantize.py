@@ -123,6 +123,7 @@ class _Plan:
         self.expert_count = experts
         self.dense_targets = dense_targets or []  # the dense group's patterns (config.json)
         self.dense = dense
+        self.dense_reported: set[str] = set()
 
     @classmethod
     def build(cls, ckpt: Checkpoint, raw: dict, fmt: str, pattern: re.Pattern, src: Path,
@@ -256,9 +257,15 @@ class _Plan:
             target = registry.FORMATS[dense_quant.FORMATS[self.dense]]
             stored = target.encode(w)
             back = target.decode(stored, torch.float32)
-            rows.append({"name": weight.module, "shape": list(w.shape), "source": weight.kind,
-                         "bytes_in": weight.format.stored_bytes({s: self.ckpt.info(n) for s, n in weight.tensors.items()}),
-                         "bytes_out": sum(t.numel() * t.element_size() for t in stored.values()), **_errors(w, back)})
+            # a unit's tensors of different sizes are not adjacent in the shard (writer.layout): it is converted
+            # again, to the same bits, for each run of them; reported once
+            if weight.module not in self.dense_reported:
+                self.dense_reported.add(weight.module)
+                rows.append({"name": weight.module, "shape": list(w.shape), "source": weight.kind,
+                             "bytes_in": weight.format.stored_bytes({s: self.ckpt.info(n)
+                                                                     for s, n in weight.tensors.items()}),
+                             "bytes_out": sum(t.numel() * t.element_size() for t in stored.values()),
+                             **_errors(w, back)})
             return {f"{weight.module}.{suffix}": t for suffix, t in stored.items()}
         if unit.action == "dequantize":
             w = weight.read_float(self.ckpt, DENSE_DTYPE, self.declared)

@@ -89,7 +89,7 @@ class Int4Format(KeptBytesFormat):
         if packed.ndim != 2 or scale.ndim != 2 or packed.shape[0] != scale.shape[0]:
             raise ValueError(f"INT4 weight_packed {list(packed.shape)} and weight_scale {list(scale.shape)} must be "
                              f"[out, in/8] and [out, in/32]")
-        ct.decode_weight("int4", {"weight_packed": packed[:1], "weight_scale": scale[:1]})
+        int4.decode(packed[:1], scale[:1], (min(1, packed.shape[0]), scale.shape[1] * int4.GROUP))
         shape = [packed.shape[0], scale.shape[1] * int4.GROUP]
         if stored["weight_shape"].tolist() != shape:
             raise ValueError(f"INT4 weight_shape {stored['weight_shape'].tolist()} does not match the {shape} its "
