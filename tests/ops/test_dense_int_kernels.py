@@ -18,7 +18,7 @@ from moeswap.weights import codes_linear
 from moeswap.weights.dense import WeightLinear
 from moeswap.weights.int4 import INT4, INT4_KEPT
 from moeswap.weights.int8 import INT8, INT8_KEPT
-from tests.numerics import gamma
+from numerics import gamma
 
 BUILDS = cpu_kernels.build_variants()
 BUILD_IDS = ["native" if f is None else " ".join(f) for f in BUILDS]
