@@ -58,3 +58,30 @@ def test_a_compute_dtype_the_kernels_do_not_take_gets_the_same_rounding_as_value
     m = coded.get_submodule(name)
     assert type(f64.get_submodule(name)) is nn.Linear
     assert torch.equal(f64.get_submodule(name).weight, linear_method(m).values(m).double())
+
+
+def test_kimi_k3s_dense_trunk_bytes(tmp_path):
+    """K3's dense trunk (its published config, the planner's preset; the model built on meta): 113.5 GB as bf16;
+    stored by the rule, each quantised matrix's bytes as its format declares (stored_specs): int8 0.52 of that,
+    int4 0.305 (the embedding, 2.3 GB, and the routers, 1.2 GB, stay bf16; docs/benchmarks.md)."""
+    import shutil
+    from pathlib import Path
+
+    from moeswap.config import load_config
+    from moeswap.models import build_model
+
+    preset = Path(__file__).parents[2] / "src/moeswap/planner/presets/kimi_k3.json"
+    shutil.copy(preset, tmp_path / "config.json")
+    model = build_model(load_config(tmp_path), device="meta")
+    linears = {n for n, m in model.named_modules() if type(m) is nn.Linear and m.bias is None}
+    bf16, stored = 0, {"int8": 0, "int4": 0}
+    for name, p in model.named_parameters():
+        bf16 += 2 * p.numel()
+        module = name.rpartition(".")[0]
+        quantised = module in linears and dense_quant.quantizable(module, tuple(p.shape))
+        for dense, fmt_name in dense_quant.FORMATS.items():
+            specs = registry.FORMATS[fmt_name].stored_specs(tuple(p.shape)) if quantised else {}
+            stored[dense] += (sum(d.itemsize * torch.Size(s).numel() for d, s in specs.values()) if quantised
+                              else 2 * p.numel())
+    assert round(bf16 / 1e9, 1) == 113.5
+    assert round(stored["int8"] / bf16, 3) == 0.517 and round(stored["int4"] / bf16, 3) == 0.305
