@@ -44,10 +44,6 @@ class Scheme:
     dense_format: str | None = None  # a second group's format: the dense weights it names (None: no such group)
     dense_targets: tuple[str, ...] = ()
 
-    def format_for(self, dense: bool) -> str:
-        """The format a dense module (or a routed expert) is declared in."""
-        return self.dense_format if dense and self.dense_format is not None else self.format
-
     @property
     def short_name(self) -> str:
         return short_name(self.format)
@@ -62,7 +58,8 @@ def short_name(fmt: str) -> str:
 
 
 def parse_quantization_config(q: Mapping, source: str = "config.json") -> Scheme:
-    """Checks a compressed-tensors quantization_config holding one MX scheme; errors name the field
+    """Checks a compressed-tensors quantization_config holding the routed experts' scheme (and at most one
+    more, for named dense modules); errors name the field
     (every value is checked for type first: the block comes from a file)."""
     from moeswap.formats.files import show
 

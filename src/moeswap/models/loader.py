@@ -3,7 +3,8 @@
 Builds the model on `meta`, classifies every checkpoint tensor through the architecture's
 checkpoint map (moeswap.archs), fills each parameter from exactly its byte range (pread into owned memory, so the
 process holds the dense weights once and maps nothing), indexes routed experts for the store, and
-fails on any unmapped, missing, misshapen or wrongly typed tensor. Entry point: `load_model(path, LoadOptions)`.
+fails on any unmapped, missing, misshapen or wrongly typed tensor. Under `--dense-weights int8|int4` the dense
+weights weights.dense_quant picks are quantised as they are read (unless stored so already). Entry point: `load_model(path, LoadOptions)`.
 """
 
 from __future__ import annotations
