@@ -281,7 +281,7 @@ ERRORS = {
                                  r"quantization_config\.quant_method='gptq' is not supported"),
     "unsupported quant format": (_k3(_set_quant(format="nvfp4-pack-quantized")),
                                  r"quantization format 'nvfp4-pack-quantized' is not supported "
-                                 r"\(expected mxfp4-pack-quantized or mxfp8-quantized or pack-quantized\)"),
+                                 r"\(expected mxfp4-pack-quantized or mxfp8-quantized or pack-quantized or int-quantized\)"),
     "wrong group size": (_k3(_set_quant(group_size=16)), r"MXFP4 group_size must be 32, got 16"),
     "unsupported activation": (_lin(lambda t: t.update(hidden_act="gelu")), r"hidden_act='gelu' is not supported"),
     "rotary MLA": (_lin(lambda t: t.update(mla_use_nope=False)), r"mla_use_nope=false"),

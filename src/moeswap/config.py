@@ -61,6 +61,11 @@ class QuantScheme:
     group_size: int
     ignore: tuple[str, ...] = ()  # "re:<regex>" or exact module names left unquantised
     fp8_block: tuple[int, int] | None = None  # format "fp8_block": the weight_block_size
+    dense_format: str | None = None  # compressed-tensors: a second group's format, for the dense weights it names
+
+    def dense(self) -> str:
+        """The format the dense weights stored quantised are declared in."""
+        return self.dense_format or self.format
 
     def is_ignored(self, module_name: str) -> bool:
         for pattern in self.ignore:
@@ -427,7 +432,8 @@ def _quant_scheme(q: dict | None, source: str) -> QuantScheme | None:
         scheme = parse_quantization_config(q, source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return QuantScheme(format=scheme.format, group_size=scheme.group_size, ignore=scheme.ignore)
+    return QuantScheme(format=scheme.format, group_size=scheme.group_size, ignore=scheme.ignore,
+                       dense_format=scheme.dense_format)
 
 
 class _Getter:

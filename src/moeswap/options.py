@@ -21,7 +21,7 @@ from moeswap.units import human_bytes, parse_bytes
 
 NO_CACHE = "none"  # --expert-policy none: no cache tier, every expert read from disk every time
 PREFETCH_MODES = ("none", "next-layer")
-DENSE_WEIGHTS = ("auto", "compute")
+DENSE_WEIGHTS = ("auto", "compute", "int8", "int4")  # int8/int4: weights.dense_quant
 EXPERT_ACTIVATIONS = ("fp32", "int8")
 
 
@@ -46,7 +46,9 @@ class LoadOptions:
     dense_weights: str = _option(
         "auto", "auto: keep bf16-stored Linear weights in bf16, and block-FP8 ones as their codes and scales, "
                 "under fp32 math where a CPU kernel runs them (fewer bytes per decode step, same values); "
-                "compute: convert to --dtype", choices=DENSE_WEIGHTS)
+                "compute: convert to --dtype; int8 / int4: store the large dense matrices as int8 codes per row "
+                "(int4: per 32 inputs) with a scale, quantised at load (compressed-tensors names, C kernels for "
+                "decode; a checkpoint from `moeswap quantize --dense` loads as is)", choices=DENSE_WEIGHTS)
     expert_activations: str = _option(
         "fp32", "MXFP4 experts on the CPU: fp32 activations (default), or int8 per 32-value block with integer "
                 "dot products, as llama.cpp computes them (faster; AVX-512 VNNI only)", choices=EXPERT_ACTIVATIONS)

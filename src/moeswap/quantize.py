@@ -1,6 +1,8 @@
-"""`moeswap quantize SRC DST --experts mxfp4|mxfp8|int4|fp8 [--mode even|floor|rceil]`: re-store a checkpoint's
-routed experts as compressed-tensors MXFP4, MXFP8 or INT4, or as DeepSeek block FP8, and report the error that
-introduces.
+"""`moeswap quantize SRC DST --experts mxfp4|mxfp8|int4|fp8 [--mode even|floor|rceil] [--dense int8|int4]`:
+re-store a checkpoint's routed experts as compressed-tensors MXFP4, MXFP8 or INT4, or as DeepSeek block FP8, and
+with --dense its large dense matrices (weights.dense_quant's rule) as compressed-tensors INT8 (int-quantized, one
+scale per row) or INT4 (pack-quantized, per 32) in a second config group, and report the error that introduces.
+The dense codes are the ones `--dense-weights int8|int4` makes at load from the same source, bit for bit.
 
 Streams shard by shard, tensor by tensor (each tensor is read with pread, converted if it is an expert
 weight, written and dropped: peak memory is about one tensor), into a temporary sibling renamed to DST
@@ -33,7 +35,7 @@ from moeswap.formats import mx
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.formats.files import confined, read_json
 from moeswap.formats.writer import layout, write_index, write_shard
-from moeswap.weights import registry
+from moeswap.weights import dense_quant, registry
 from moeswap.weights.floating import FLOAT
 from moeswap.weights.format import WeightFormat
 from moeswap.weights.fp8_block import FP8_BLOCK
@@ -62,12 +64,18 @@ class QuantizeOptions:
     mode: str = "even"  # block exponent: even (compressed-tensors) | floor (OCP spec) | rceil
     expert_pattern: str = EXPERT_PATTERN  # full-match regex on module names
     progress: bool = False
+    dense: str | None = None  # int8 | int4: the dense weights dense_quant picks, stored so (None: as they are)
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOptions = QuantizeOptions()) -> dict:
     """Writes DST and returns the report (also saved as DST/quantization_report.json)."""
     fmt = _short(options.experts)
     mx.check_mode(options.mode)
+    if options.dense is not None and options.dense not in dense_quant.FORMATS:
+        raise ValueError(f"--dense {options.dense!r}: expected one of {', '.join(dense_quant.FORMATS)}")
+    if options.dense is not None and fmt == FP8:
+        raise ValueError("--dense needs a compressed-tensors expert format (mxfp4, mxfp8, int4): block FP8's config "
+                         "cannot declare a second scheme")
     try:
         pattern = re.compile(options.expert_pattern)
     except re.error as err:
@@ -78,12 +86,14 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
     _check_destination(src, dst)
     t0 = time.perf_counter()
     with Checkpoint.open(src) as ckpt:
-        plan = _Plan.build(ckpt, raw, fmt, pattern, src)
+        plan = _Plan.build(ckpt, raw, fmt, pattern, src, options.dense)
         with atomic_directory(dst) as tmp:
             report = plan.write(tmp, options)
             report.update(source=str(src), destination=str(dst), seconds=round(time.perf_counter() - t0, 2))
             with writing(tmp / "config.json"):
-                _write_config(tmp, raw, dict(FP8_CONFIG) if fmt == FP8 else ct.quantization_config(fmt, plan.ignore))
+                dense = (options.dense, plan.dense_targets) if plan.dense_targets else None
+                _write_config(tmp, raw, dict(FP8_CONFIG) if fmt == FP8
+                              else ct.quantization_config(fmt, plan.ignore, dense=dense))
             copy_side_files(extra_files, tmp)
             with writing(tmp / REPORT_NAME):
                 (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
@@ -99,19 +109,25 @@ class _Unit:
     """Source tensors that become output tensors together: one passthrough tensor or one module."""
 
     outputs: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # output name -> spec
-    action: str  # "copy" | "keep" (a quantised non-expert module already in the target format) | "encode" | "dequantize"
+    # "copy" | "keep" (a quantised non-expert module already in the target format) | "encode" | "dequantize" |
+    # "dense" (a dense weight encoded in the --dense format)
+    action: str
     weight: StoredWeight | None = None
 
 
 class _Plan:
     def __init__(self, ckpt: Checkpoint, declared: Declared, fmt: str, shards: dict[str, list[_Unit]],
-                 ignore: list[str], experts: int):
+                 ignore: list[str], experts: int, dense_targets: list[str] | None = None, dense: str | None = None):
         self.ckpt, self.declared, self.fmt, self.shards, self.ignore = ckpt, declared, fmt, shards, ignore
         self.target = _target(fmt)  # what the experts are written as
         self.expert_count = experts
+        self.dense_targets = dense_targets or []  # the dense group's patterns (config.json)
+        self.dense = dense
+        self.dense_reported: set[str] = set()
 
     @classmethod
-    def build(cls, ckpt: Checkpoint, raw: dict, fmt: str, pattern: re.Pattern, src: Path) -> _Plan:
+    def build(cls, ckpt: Checkpoint, raw: dict, fmt: str, pattern: re.Pattern, src: Path,
+              dense: str | None = None) -> _Plan:
         declared = Declared.from_config(raw, str(src / "config.json"))
         modules, _ = group_modules(ckpt.names())
         weights = {m: storage_of(ckpt, m, t, declared) for m, t in modules.items()}
@@ -119,6 +135,9 @@ class _Plan:
         if not experts:
             raise ValueError(f"{src}: no routed-expert weights found (module names matching {pattern.pattern!r}, "
                              f"e.g. model.layers.1.block_sparse_moe.experts.0.w1); pass --expert-pattern")
+        dense_target = registry.FORMATS[dense_quant.FORMATS[dense]] if dense is not None else None
+        quantized = {m for m, w in weights.items() if dense_target is not None and m not in experts
+                     and dense_quant.quantizable(m, w.shape(ckpt))}
         owner = {name: m for m, t in modules.items() for name in t.values()}
         shards: dict[str, list[_Unit]] = {}
         placed: set[str] = set()
@@ -129,21 +148,38 @@ class _Plan:
             units = shards.setdefault(file.name, [])
             for name in sorted(by_file[file], key=lambda n: ckpt.info(n).offset):
                 module = owner.get(name)
-                if module is None or (module not in experts and weights[module].format is FLOAT):
+                if module is None or (module not in experts and module not in quantized
+                                      and weights[module].format is FLOAT):
                     info = ckpt.info(name)
                     units.append(_Unit({name: (info.dtype, info.shape)}, "copy"))
                     continue
                 if module in placed:
                     continue
                 placed.add(module)
+                if module in quantized:
+                    units.append(cls._dense_unit(ckpt, weights[module], dense_target))
+                    continue
                 units.append(cls._module_unit(ckpt, weights[module], module in experts, _target(fmt)))
-        dense_2d = [m for m, w in weights.items() if m not in experts and len(w.shape(ckpt)) == 2]
+        dense_2d = [m for m, w in weights.items() if m not in experts and m not in quantized
+                    and len(w.shape(ckpt)) == 2]
         ignore = ct.ignore_patterns(dense_2d)
-        caught = sorted(m for m in experts if ct.matches(m, ignore))
+        caught = sorted(m for m in experts | quantized if ct.matches(m, ignore))
         if caught:  # cannot happen for names that differ in a non-numeric segment; checked all the same
-            raise ValueError(f"{src}: the ignore list built for the non-expert modules would also match routed "
-                             f"expert {caught[0]!r}; pass a narrower --expert-pattern")
-        return cls(ckpt, declared, fmt, shards, ignore, len(experts))
+            raise ValueError(f"{src}: the ignore list built for the unquantised non-expert modules would also "
+                             f"match {caught[0]!r}; pass a narrower --expert-pattern")
+        targets = ct.ignore_patterns(sorted(quantized))
+        caught = sorted(m for m in weights if m not in quantized and ct.matches(m, targets))
+        if caught:  # a numbered name quantised in one layer and not in another (shapes differ): not expressible
+            raise ValueError(f"{src}: the dense group's targets built for the quantised dense modules would also "
+                             f"match {caught[0]!r}, which is not quantised (its shape differs)")
+        return cls(ckpt, declared, fmt, shards, ignore, len(experts), targets, dense)
+
+    @staticmethod
+    def _dense_unit(ckpt: Checkpoint, weight: StoredWeight, target: WeightFormat) -> _Unit:
+        if weight.format is target:  # already stored so: kept byte for byte
+            return _Unit({n: (ckpt.info(n).dtype, ckpt.info(n).shape) for n in weight.tensors.values()}, "keep", weight)
+        specs = target.stored_specs(weight.shape(ckpt))
+        return _Unit({f"{weight.module}.{s}": spec for s, spec in specs.items()}, "dense", weight)
 
     @staticmethod
     def _module_unit(ckpt: Checkpoint, weight: StoredWeight, is_expert: bool, target: WeightFormat) -> _Unit:
@@ -161,6 +197,7 @@ class _Plan:
         from tqdm import tqdm
 
         rows: list[dict] = []
+        dense_rows: list[dict] = []
         dequantized: list[str] = []
         weight_map: dict[str, str] = {}
         total = 0
@@ -171,17 +208,21 @@ class _Plan:
             specs = [(name, dtype, shape) for unit in units for name, (dtype, shape) in unit.outputs.items()]
             by_output = {name: unit for unit in units for name in unit.outputs}
             with writing(out / file_name):
-                total += write_shard(out / file_name, specs, self._produce(specs, by_output, options, rows, bar))
+                total += write_shard(out / file_name, specs,
+                                 self._produce(specs, by_output, options, rows, bar, dense_rows))
             weight_map.update({name: file_name for name, _, _ in specs})
             dequantized += [u.weight.module for u in units if u.action == "dequantize"]
         bar.close()
         with writing(out / INDEX_NAME):
             write_index(out, weight_map, total)
-        return _report(rows, dequantized, self.fmt, options.mode if self.fmt != FP8 else "amax/448",
-                       self.ckpt.total_bytes, total)
+        report = _report(rows, dequantized, self.fmt, options.mode if self.fmt != FP8 else "amax/448",
+                         self.ckpt.total_bytes, total)
+        if self.dense is not None:
+            report["dense"] = _dense_report(dense_rows, self.dense)
+        return report
 
     def _produce(self, specs, by_output: dict[str, _Unit], options: QuantizeOptions, rows: list,
-                 bar) -> Iterator[tuple[str, torch.Tensor]]:
+                 bar, dense_rows: list) -> Iterator[tuple[str, torch.Tensor]]:
         cache: tuple[_Unit | None, dict[str, torch.Tensor]] = (None, {})
         for name, _, _ in layout(specs):
             unit = by_output[name]
@@ -191,7 +232,7 @@ class _Plan:
                 yield name, tensor
                 continue
             if cache[0] is not unit:
-                cache = (unit, self._convert(unit, options, rows, bar))
+                cache = (unit, self._convert(unit, options, dense_rows if unit.action == "dense" else rows, bar))
             yield name, cache[1][name]
 
     def _convert(self, unit: _Unit, options: QuantizeOptions, rows: list, bar) -> dict[str, torch.Tensor]:
@@ -210,6 +251,22 @@ class _Plan:
             self._check_finite(weight.format.decode({n.rpartition(".")[2]: t for n, t in tensors.items()},
                                                     torch.float32), decoded)
             return tensors
+        if unit.action == "dense":  # as the loader's --dense-weights does: the fp32 values, encoded
+            w = weight.read_float(self.ckpt, torch.float32, self.declared)
+            self._check_finite(w, decoded if weight.format is not FLOAT else repr(weight.tensors["weight"]))
+            target = registry.FORMATS[dense_quant.FORMATS[self.dense]]
+            stored = target.encode(w)
+            back = target.decode(stored, torch.float32)
+            # a unit's tensors of different sizes are not adjacent in the shard (writer.layout): it is converted
+            # again, to the same bits, for each run of them; reported once
+            if weight.module not in self.dense_reported:
+                self.dense_reported.add(weight.module)
+                rows.append({"name": weight.module, "shape": list(w.shape), "source": weight.kind,
+                             "bytes_in": weight.format.stored_bytes({s: self.ckpt.info(n)
+                                                                     for s, n in weight.tensors.items()}),
+                             "bytes_out": sum(t.numel() * t.element_size() for t in stored.values()),
+                             **_errors(w, back)})
+            return {f"{weight.module}.{suffix}": t for suffix, t in stored.items()}
         if unit.action == "dequantize":
             w = weight.read_float(self.ckpt, DENSE_DTYPE, self.declared)
             self._check_finite(w, decoded)
@@ -279,6 +336,20 @@ def _report(rows: list[dict], dequantized: list[str], fmt: str, mode: str, bytes
                        max_abs_error=max(r["max_abs_error"] for r in encoded))
     return {"format": _label(fmt), "mode": mode, "summary": summary,
             "dequantized_to_bf16": dequantized, "tensors": rows}
+
+
+def _dense_report(rows: list[dict], dense: str) -> dict:
+    """The --dense part of the report: per tensor relative RMS error (||Q - W|| / ||W||) and max abs error, and
+    the bytes of the encoded weights before and after."""
+    summary: dict = {"encoded": len(rows), "bytes_in": sum(r["bytes_in"] for r in rows),
+                     "bytes_out": sum(r["bytes_out"] for r in rows)}
+    if rows:
+        worst = max(rows, key=lambda r: r["rel_error"])
+        summary.update(mean_rel_error=sum(r["rel_error"] for r in rows) / len(rows), max_rel_error=worst["rel_error"],
+                       worst_tensor=worst["name"], max_abs_error=max(r["max_abs_error"] for r in rows))
+    return {"format": ct.FORMATS[dense], "rule": {"in_multiple": dense_quant.IN_MULTIPLE,
+                                                  "kept": sorted(dense_quant.KEPT)},
+            "summary": summary, "tensors": rows}
 
 
 # -- files ----------------------------------------------------------------------------------------

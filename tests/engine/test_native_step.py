@@ -423,4 +423,19 @@ def test_block_fp8_projections_whose_scales_do_not_line_up_take_the_forward(tmp_
 
     path = write_tiny_model(tmp_path / "fp8", "deepseek_v3", "tiny", seed=4, quant="fp8")
     (want, _, _), (got, _, _), native = _forward_then_native(path, 1, 4, 1)
-    assert "not fused bf16 or block-FP8 weights" in native.reason and torch.equal(got, want)
+    assert "not fused bf16 weights or codes" in native.reason and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_int_dense_weights_run_in_the_call_bit_for_bit(model_dir, dense):
+    """--dense-weights int8|int4 (weights.int8 / weights.int4 kept as codes): the call multiplies from the codes
+    with the kernels the modules run (csrc/int8.c, csrc/quant.c) and gives their bits, MLA, KDA and MLPs alike;
+    K3's latent expert projections in codes leave those FFNs to the model."""
+    (want, _, _), (got, _, _), native = _forward_then_native(model_dir, 3, 5, 3, dense_weights=dense)
+    assert native.reason is None and torch.equal(got, want)
+    plan = native._plan
+    code = cpu_kernels.FORMAT_CODES[dense]
+    assert all(t.dense_format == code and t.s_in and t.s_o for t in plan.table)
+    assert all(t.s_gu and t.s_down for t in plan.table if t.w_gu)
+    latent = hasattr(next(iter(native._plan._blocks)), "routed_expert_down_proj")
+    assert bool(plan.module_ffn) == latent and plan.head is None  # lm_head in codes: the model's own product

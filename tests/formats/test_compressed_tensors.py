@@ -59,11 +59,31 @@ def test_config_errors(q, message):
 
 
 def test_mixed_formats_are_refused():
+    """Two groups both targeting the class Linear: which one the experts are in is not said."""
     q = ct.quantization_config("mxfp4", [])
     q["config_groups"]["group_1"] = {**q["config_groups"]["group_0"], "format": "mxfp8-quantized"}
     q["config_groups"]["group_1"]["weights"] = {**q["config_groups"]["group_0"]["weights"], "num_bits": 8}
-    with pytest.raises(ValueError, match="mixes formats"):
+    with pytest.raises(ValueError, match=r"holds 2 schemes \(formats \['mxfp4-pack-quantized', 'mxfp8-quantized'\]\)"):
         ct.parse_quantization_config(q)
+
+
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_a_dense_group_beside_the_experts(dense):
+    """quantize --dense's config: the experts' group targets Linear, the dense group names its modules; the dense
+    format is declared for them (config.QuantScheme.dense), the experts' for the rest."""
+    targets = ct.ignore_patterns(["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "lm_head"])
+    q = ct.quantization_config("mxfp4", ["model.embed_tokens"], dense=(dense, targets))
+    scheme = ct.parse_quantization_config(q)
+    assert scheme.format == ct.FORMATS["mxfp4"] and scheme.dense_format == ct.FORMATS[dense]
+    assert scheme.dense_targets == tuple(targets) and scheme.targets == ("Linear",)
+    weights = q["config_groups"]["group_1"]["weights"]
+    if dense == "int8":  # one fp32 scale per output row: no group size
+        assert (weights["strategy"], weights["group_size"], weights["num_bits"]) == ("channel", None, 8)
+        weights["group_size"] = 32
+        with pytest.raises(ValueError, match="strategy channel, group_size null"):
+            ct.parse_quantization_config(q)
+    else:
+        assert (weights["strategy"], weights["group_size"], q["format"]) == ("group", 32, "mixed-precision")
 
 
 def test_unknown_format_name():

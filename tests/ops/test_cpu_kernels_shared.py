@@ -48,7 +48,7 @@ def test_every_shared_list_entry_is_the_librarys():
     assert cpu_kernels.ACTS == {"silu": 0, "situ": 1}
     for name, entries in lists.items():
         assert kernel._list(name) == list(entries.items()), name
-    assert lists["FORMATS"] == {"MXFP4": 0, "BF16": 1, "MXFP4_Q8": 2, "FP8": 3, "INT4": 4}
+    assert lists["FORMATS"] == {"MXFP4": 0, "BF16": 1, "MXFP4_Q8": 2, "FP8": 3, "INT4": 4, "INT8": 5}
     assert len(lists["LOAD_STATE"]) == 21 and len(incall.LS.__dict__) == 21
     assert kernel._list("NO_SUCH_LIST") == []
 
@@ -129,7 +129,7 @@ def test_a_field_added_to_a_python_side_header_copy_is_named():
 
 
 @pytest.mark.parametrize("old, new, name", [
-    ("FORMAT(INT4, 4)", "FORMAT(INT4, 4) FORMAT(INT8, 5)", "INT8"),
+    ("FORMAT(INT8, 5)", "FORMAT(INT8, 5) FORMAT(INT2, 6)", "INT2"),
     ("FORMAT(FP8, 3)", "FORMAT(FP8, 6)", "FP8"),
     ("SLOT(CORRECT)", "SLOT(CORRECT) SLOT(SPARE)", "SPARE"),
     ("SLOT(ROOM) SLOT(FREE)", "SLOT(FREE) SLOT(ROOM)", "FREE"),

@@ -39,6 +39,9 @@ def test_tiny_recipe_publishes_a_card_that_quotes_its_measurements(tiny_k3_dir, 
     text = (out / "README.md").read_text()
     mx = report["models"]["MXFP4 experts"]
     assert f"{mx['loss']:.4f}" in text and f"{report['unigram']['perplexity']:.1f}" in text
+    for dense, name in card.DENSE_ROWS.items():  # the shipped model with its dense weights quantised at load
+        row = report["models"][name]
+        assert row["dense_weights"] == dense and f"`--dense-weights {dense}` | {row['loss']:.4f}" in text
     assert report["samples"][0]["prompt"] == "def " and report["samples"][0]["greedy"] in text
     assert "`reproduced: 1 steps and 1 evals reproduced exactly`" in text
     assert json.loads((out / "manifest.json").read_text())["steps"] == 2

@@ -138,7 +138,11 @@ def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_the_registry_is_consistent(fmt):
-    assert registry.for_suffixes(fmt.suffixes) is fmt and fmt.main in fmt.suffixes
+    """A format's tensors (their suffixes, and their dtypes where another format shares the suffixes: MXFP8's
+    float8 `weight` against INT8's int8 one) pick it and no other."""
+    dtypes = {s: t.dtype for s, t in stored(fmt, weights()["w1"]).items()}
+    assert registry.for_suffixes(fmt.suffixes, dtypes) is fmt and fmt.main in fmt.suffixes
+    assert [f for f in registry.BY_SUFFIXES[fmt.suffixes] if f.dtypes_fit(dtypes)] == [fmt]
     if fmt.kept_form is not None:
         assert registry.BY_FORM[fmt.kept_form] is fmt
     if fmt.linear_method is not None:

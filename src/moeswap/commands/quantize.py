@@ -1,4 +1,4 @@
-"""`moeswap quantize SRC DST --experts mxfp4|mxfp8|int4|fp8 [--mode even|floor|rceil]`: the flags, the run
+"""`moeswap quantize SRC DST --experts mxfp4|mxfp8|int4|fp8 [--mode even|floor|rceil] [--dense int8|int4]`: the flags, the run
 (quantize.quantize, then quantize.compare_models with --eval-tokens) and the printed report. The work itself
 is moeswap/quantize.py. Entry points: `add_parser(subparsers)`, `run(args)`.
 """
@@ -13,6 +13,7 @@ from moeswap import jsonio
 from moeswap.atomic_dir import atomic_file
 from moeswap.formats import mx
 from moeswap.quantize import EXPERT_CHOICES, EXPERT_PATTERN, REPORT_NAME, QuantizeOptions, compare_models, quantize
+from moeswap.weights.dense_quant import FORMATS as DENSE_CHOICES
 
 
 def add_parser(subparsers) -> None:
@@ -25,13 +26,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mode", default="even", choices=mx.MODES,
                    help="block scale rule: even (compressed-tensors, default), floor (OCP spec), rceil (never clips)")
     p.add_argument("--expert-pattern", default=EXPERT_PATTERN, help="regex matching routed-expert module names")
+    p.add_argument("--dense", choices=tuple(DENSE_CHOICES), default=None,
+                   help="also store the large dense matrices (attention, MLPs, shared experts, lm_head) as int8 (one "
+                        "scale per row) or int4 (one per 32 inputs): what --dense-weights makes at load, bit for bit")
     p.add_argument("--eval-tokens", type=int, default=0, metavar="N",
                    help="afterwards, compare logits with the source on N random tokens (both must load in moeswap)")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    options = QuantizeOptions(args.experts, args.mode, args.expert_pattern, progress=sys.stderr.isatty())
+    options = QuantizeOptions(args.experts, args.mode, args.expert_pattern, progress=sys.stderr.isatty(),
+                              dense=args.dense)
     report = quantize(args.src, args.dst, options)
     if args.eval_tokens > 0:
         report["quality"] = compare_models(args.src, args.dst, tokens=args.eval_tokens)
@@ -53,6 +58,12 @@ def format_report(report: dict) -> str:
         worst = sorted((r for r in report["tensors"] if r["action"] == "encoded"), key=lambda r: -r["rel_error"])[:5]
         lines += ["| tensor | shape | rel error | max abs error |", "|---|---|---:|---:|"]
         lines += [f"| {r['name']} | {r['shape']} | {r['rel_error']:.4g} | {r['max_abs_error']:.4g} |" for r in worst]
+    if "dense" in report:
+        d = report["dense"]["summary"]
+        lines.append(f"dense weights as {report['dense']['format']}: {d['encoded']} encoded, "
+                     f"{d['bytes_in'] / 1e6:,.1f} MB -> {d['bytes_out'] / 1e6:,.1f} MB"
+                     + (f"; relative RMS error mean {d['mean_rel_error']:.4g}, max {d['max_rel_error']:.4g} "
+                        f"({d['worst_tensor']}); max abs error {d['max_abs_error']:.4g}" if d["encoded"] else ""))
     if report["dequantized_to_bf16"]:
         lines.append(f"{len(report['dequantized_to_bf16'])} quantised non-expert weights written as bf16")
     if "quality" in report:

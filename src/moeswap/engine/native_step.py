@@ -8,9 +8,11 @@ whenever this does not apply:
 
 - eager CPU inference without gradients, fp32 activations, at most KERNEL_MAX_ROWS sequences (either GEMM precision:
   under bf16, every bf16-weight product rounds its input as ops/linear.py does);
-- dense weights kept bf16 (the loader's default on the CPU), or block FP8 kept as their codes and scales
-  (weights.fp8_block, DeepSeek-V3's published layout; MLA and MLPs), with each attention's input
-  projections and each gated MLP's gate/up fused (EngineConfig.fuse).
+- dense weights kept bf16 (the loader's default on the CPU), or kept as codes and scales of one kind per layer:
+  block FP8 (weights.fp8_block, DeepSeek-V3's published layout), INT8 or INT4 (weights.int8 / weights.int4,
+  --dense-weights int8|int4; MLA, KDA and MLPs), with each attention's input projections and each gated MLP's
+  gate/up fused (EngineConfig.fuse); K3's latent expert projections kept as codes leave that layer's FFN to
+  the model (csrc/moe.c reads them as bf16).
 
 Routed experts run in the call from the layers' resident tables (experts/executors.py ResidentTable), which
 mirror what the store's fast tier holds, whether it can evict or not; the hits are booked with the store after each
@@ -53,14 +55,14 @@ from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.incall import InCallLoads
 from moeswap.models.decoder import DecoderModel, ModelState
 from moeswap.models.layers.attn_res import score_vector
-from moeswap.models.layers.basic import fused_fp8, fused_weight, unadapted
+from moeswap.models.layers.basic import fused_codes, fused_weight, unadapted
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
 from moeswap.ops.gemm_precision import gemm_precision
 from moeswap.ops.kda import L2_EPS
 from moeswap.ops.linear import KERNEL_MAX_ROWS
-from moeswap.weights.dense import kernel_of, weight_sources
+from moeswap.weights.dense import codes_of, kernel_of, weight_sources
 
 _i64 = ctypes.c_int64
 
@@ -105,6 +107,7 @@ class _Plan:
         self.max_bank = -(-len(layers) // block) if block else 0
         for i, layer in enumerate(layers):
             t = self.table[i]
+            t.dense_format = cpu_kernels.FORMAT_CODES["bf16"]  # until a weight kept as codes says otherwise
             t.ln_in = self._f32(layer.input_layernorm.weight)
             t.ln_post = self._f32(layer.post_attention_layernorm.weight)
             self._norm_eps(layer.input_layernorm, layer.post_attention_layernorm)
@@ -161,30 +164,40 @@ class _Plan:
             raise Unsupported(f"{type(linear_module).__name__} with {w.dtype} weights (expected bf16 kept as stored)")
         return self._ptr(w)
 
-    def _weight(self, linear_module) -> tuple[int, int | None]:
-        """A Linear's (weight pointer, scales pointer): bf16 kept as stored (no scales), or block FP8 kept as
-        its codes (weights.fp8_block), which the call multiplies from them as the module does."""
+    def _weight(self, t: _Layer, linear_module) -> tuple[int, int | None]:
+        """A Linear's (weight pointer, scales pointer): bf16 kept as stored (no scales), or codes and scales (block
+        FP8, INT8, INT4: the method's `codes`), which the call multiplies from them as the module does; a layer's
+        codes are all of one kind (its dense_format)."""
         m = unadapted(linear_module)
-        if kernel_of(m) == "fp8" and m.weight.is_contiguous() and m.in_features % 32 == 0:
-            return self._ptr(m.weight), self._ptr(m.weight_scale_inv)
+        names = codes_of(m)
+        if names is not None and getattr(m, names[0]).is_contiguous() and m.in_features % 32 == 0:
+            self._dense_format(t, kernel_of(m))
+            return self._ptr(getattr(m, names[0])), self._ptr(getattr(m, names[1]))
         return self._bf16(linear_module), None
 
-    def _fused(self, module, names: tuple[str, ...]) -> tuple[int, int, list[int], int | None]:
+    @staticmethod
+    def _dense_format(t: _Layer, kind: str | None) -> None:
+        code = cpu_kernels.FORMAT_CODES[kind or "bf16"]
+        if t.dense_format not in (cpu_kernels.FORMAT_CODES["bf16"], code):
+            raise Unsupported("a layer with dense weights kept as codes of two kinds")
+        t.dense_format = code
+
+    def _fused(self, t: _Layer, module, names: tuple[str, ...]) -> tuple[int, int, list[int], int | None]:
         """The named Linears' fused weight: (pointer, rows, each one's first row, scales pointer or None):
-        bf16, or block-FP8 codes with their scales (models/layers/basic.py fuses both)."""
-        fp8 = fused_fp8(module, names, unadapted_rows=True)
-        w = fused_weight(module, names, unadapted_rows=True) if fp8 is None else fp8[0]
-        if fp8 is None and (w is None or w.dtype != torch.bfloat16):
-            raise Unsupported(f"{type(module).__name__}'s {', '.join(names)} are not fused bf16 or block-FP8 weights")
+        bf16, or codes with their scales (block FP8, INT8, INT4: models/layers/basic.py fuses them all)."""
+        coded = fused_codes(module, names, unadapted_rows=True)
+        w = fused_weight(module, names, unadapted_rows=True) if coded is None else coded[0]
+        if coded is None and (w is None or w.dtype != torch.bfloat16):
+            raise Unsupported(f"{type(module).__name__}'s {', '.join(names)} are not fused bf16 weights or codes")
         for n in names:
-            self._weight(getattr(module, n))
+            self._weight(t, getattr(module, n))
         starts, at = [], 0
         for rows in module.__dict__["_fused_input"][3]:
             starts.append(at)
             at += rows
-        if fp8 is not None and (w.shape[1] % 32 or any(s % 128 for s in starts)):
+        if coded is not None and coded[2] == "fp8" and (w.shape[1] % 32 or any(s % 128 for s in starts)):
             raise Unsupported(f"{type(module).__name__}'s block-FP8 {', '.join(names)} do not fit the kernel's blocks")
-        return self._ptr(w), at, starts, None if fp8 is None else self._ptr(fp8[1])
+        return self._ptr(w), at, starts, None if coded is None else self._ptr(coded[1])
 
     def _norm_eps(self, *norms) -> None:
         if any(n.eps != self.eps for n in norms):
@@ -192,14 +205,12 @@ class _Plan:
 
     # -- layers -------------------------------------------------------------------------------------
     def _kda(self, t: _Layer, a) -> None:
-        t.w_in, t.in_rows, starts, scales = self._fused(a, a.input_projections())
-        if scales is not None:
-            raise Unsupported("KDA with block-FP8 weights")
+        t.w_in, t.in_rows, starts, t.s_in = self._fused(t, a, a.input_projections())
         C = a.H * a.K
-        if starts[1:3] != [starts[0] + C, starts[0] + 2 * C] or a.f_a_proj.weight.shape[0] != a.K:
+        if starts[1:3] != [starts[0] + C, starts[0] + 2 * C] or a.f_a_proj.out_features != a.K:
             raise Unsupported("KDA's q, k, v projections are not adjacent")
         t.off[:] = starts + [0] * (len(t.off) - len(starts))
-        t.w_o, t.w_fb = self._bf16(a.o_proj), self._bf16(a.f_b_proj)
+        (t.w_o, t.s_o), t.w_fb = self._weight(t, a.o_proj), self._bf16(a.f_b_proj)
         if hasattr(a, "g_b_proj"):
             t.w_gb = self._bf16(a.g_b_proj)
         convs = (a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight)
@@ -217,13 +228,13 @@ class _Plan:
             self.rotary = self.rotary or a.rotary
             self.rope_layers.append(t)
             t.rope_interleave = int(a.rotary.interleave)
-        t.w_in, t.in_rows, starts, t.s_in = self._fused(a, a.input_projections())
+        t.w_in, t.in_rows, starts, t.s_in = self._fused(t, a, a.input_projections())
         t.off[:] = starts + [0] * (len(t.off) - len(starts))
         if hasattr(a, "q_a_proj"):
             self._norm_eps(a.q_a_layernorm)
             t.q_norm = self._f32(a.q_a_layernorm.weight)
-            t.w_qb, t.s_qb = self._weight(a.q_b_proj)
-            t.q_rank = a.q_a_proj.weight.shape[0]
+            t.w_qb, t.s_qb = self._weight(t, a.q_b_proj)
+            t.q_rank = a.q_a_proj.out_features
         self._norm_eps(a.kv_a_layernorm)
         t.kv_norm = self._f32(a.kv_a_layernorm.weight)
         w_k, w_v = a.absorbed_weights(torch.float32)
@@ -231,22 +242,26 @@ class _Plan:
         t.wk, t.wv = self._f32(w_k, *sources), self._f32(w_v, *sources)
         t.H, t.N, t.R, t.L, t.V, t.mla_scale = a.H, a.N, a.R, a.L, a.V, a.scale
         t.gated = int(hasattr(a, "g_proj"))
-        t.w_o, t.s_o = self._weight(a.o_proj)
+        t.w_o, t.s_o = self._weight(t, a.o_proj)
 
     def _gated_mlp(self, t: _Layer, mlp) -> None:
         if (mlp.act, tuple(mlp.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("an MLP with its own activation")
-        t.w_gu, _, _, t.s_gu = self._fused(mlp, ("gate_proj", "up_proj"))
-        t.w_down, t.s_down = self._weight(mlp.down_proj)
-        t.hidden = mlp.down_proj.weight.shape[1]
+        t.w_gu, _, _, t.s_gu = self._fused(t, mlp, ("gate_proj", "up_proj"))
+        t.w_down, t.s_down = self._weight(t, mlp.down_proj)
+        t.hidden = mlp.down_proj.in_features
         if (t.s_gu is None) != (t.s_down is None):
-            raise Unsupported("an MLP with block-FP8 and bf16 weights mixed")
+            raise Unsupported("an MLP with codes (block FP8, INT8, INT4) and bf16 weights mixed")
 
     def _moe(self, t: _Layer, i: int, moe) -> None:
         t.moe = 1
         r = moe.gate
         if r.weight.dtype != torch.float32 or r.e_score_correction_bias.dtype != torch.float32:
             self.module_ffn.add(i)  # no fp32 router: the model runs this FFN
+            return
+        if hasattr(moe, "routed_expert_down_proj") and any(
+                kernel_of(unadapted(p)) != "bf16" for p in (moe.routed_expert_down_proj, moe.routed_expert_up_proj)):
+            self.module_ffn.add(i)  # latent projections kept as codes (csrc/moe.c reads bf16): the model runs it
             return
         if (moe.act, tuple(moe.situ_betas)) != (self.act_name, self.betas):
             raise Unsupported("experts with their own activation")
@@ -256,7 +271,7 @@ class _Plan:
         t.softmax, t.renorm = int(r.scoring != "sigmoid"), int(r.renormalize)
         if hasattr(moe, "routed_expert_down_proj"):
             t.lat_down, t.lat_up = self._bf16(moe.routed_expert_down_proj), self._bf16(moe.routed_expert_up_proj)
-            t.lat_dim = moe.routed_expert_down_proj.weight.shape[0]
+            t.lat_dim = moe.routed_expert_down_proj.out_features
             if hasattr(moe, "routed_expert_norm"):
                 self._norm_eps(moe.routed_expert_norm)
                 t.lat_norm = self._f32(moe.routed_expert_norm.weight)

@@ -23,7 +23,16 @@ from moeswap.formats.files import confined, read_json
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
-from moeswap.lora.targets import attach_experts, expert_alpha, freeze, lora_modules, moe_blocks, weight_prefix, wrap
+from moeswap.lora.targets import (
+    attach_experts,
+    expert_alpha,
+    freeze,
+    lora_modules,
+    moe_blocks,
+    weight_prefix,
+    wrap,
+    wrapped_base,
+)
 from moeswap.models.layers.expert_lora import ExpertLoRA
 
 PEFT_PREFIX = "base_model.model."
@@ -193,6 +202,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
     for name, (projections, r, alpha) in experts.items():
         attach_experts(blocks[name], r, alpha, cfg, projections)
         blocks[name].load_expert_lora_state_dict(plan.experts[name])
+    base.update(wrapped_base(model))
     for p in model.parameters():
         p.requires_grad_(trainable and id(p) not in base)
     model.lora_config = cfg

@@ -120,17 +120,26 @@ def attach_lora(model: nn.Module, config: LoRAConfig, generator: torch.Generator
         r, alpha = config.rank_alpha(expert_name(name, 0, projections[0]))
         attach_experts(blocks[name], r, alpha, config, projections, generator,
                        None if owned is None else owned(blocks[name].layer_idx))
+    base.update(wrapped_base(model))
     for p in model.parameters():
         p.requires_grad_(id(p) not in base)
     model.lora_config = config
     return targets
 
 
-def freeze(model: nn.Module) -> set[int]:
-    """Every parameter of `model` stops requiring grad; returns their ids (what an adapter adds is the rest)."""
+def wrapped_base(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The LoRA wrappers' base parameters by id: a base kept as codes (block FP8, INT8, INT4) gets a decoded
+    `weight` when wrapped, new to the model and frozen all the same."""
+    return {id(p): p for m in lora_modules(model).values() for p in (m.weight, m.bias) if p is not None}
+
+
+def freeze(model: nn.Module) -> dict[int, nn.Parameter]:
+    """Every parameter of `model` stops requiring grad; returns them by id (what an adapter adds is the rest).
+    The parameters themselves are held, not just their ids: wrapping a base kept as codes drops its code tensors
+    from the model, and a freed parameter's id could come back as a new adapter tensor's."""
     for p in model.parameters():
         p.requires_grad_(False)
-    return {id(p) for p in model.parameters()}
+    return {id(p): p for p in model.parameters()}
 
 
 def attach_experts(block: nn.Module, r: int, alpha: float, config: LoRAConfig, projections: tuple[str, ...],

@@ -3,7 +3,8 @@
 Builds the model on `meta`, classifies every checkpoint tensor through the architecture's
 checkpoint map (moeswap.archs), fills each parameter from exactly its byte range (pread into owned memory, so the
 process holds the dense weights once and maps nothing), indexes routed experts for the store, and
-fails on any unmapped, missing, misshapen or wrongly typed tensor. Entry point: `load_model(path, LoadOptions)`.
+fails on any unmapped, missing, misshapen or wrongly typed tensor. Under `--dense-weights int8|int4` the dense
+weights weights.dense_quant picks are quantised as they are read (unless stored so already). Entry point: `load_model(path, LoadOptions)`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from moeswap.experts.source import ExpertIndex
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import build_model
 from moeswap.options import LoadOptions
-from moeswap.weights import registry
+from moeswap.weights import dense_quant, registry
 from moeswap.weights.dense import FLOAT_LINEAR, LinearMethod, WeightLinear
 from moeswap.weights.floating import FLOAT
 from moeswap.weights.format import FP8_DTYPES, WeightFormat
@@ -126,7 +127,12 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
     # dense weights stored as several tensors (block FP8: `weight_scale_inv` beside a float8 weight), kept as
     # stored by their format's dense method or decoded at load
     stored = _stored_dense(ckpt, lambda n: arch.classify(local_name(n))[0] == "expert")
-    for name in ckpt.names():
+    # --dense-weights int8 / int4: the weights dense_quant picks, in that format (quantised here unless stored so)
+    quantized = registry.FORMATS[dense_quant.FORMATS[dense_weights]] if dense_weights in dense_quant.FORMATS else None
+    names_in = list(ckpt.names())
+    bar = _progress(len(names_in), quantized)
+    for name in names_in:
+        bar.update()
         module, _, suffix = name.rpartition(".")
         if module in stored and suffix != stored[module][0].main:
             continue  # the weight's other tensors, read with its main one
@@ -147,6 +153,14 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         if not info.dtype.is_floating_point and module not in stored:
             raise CheckpointError(f"{name} in {info.file.name}: expected a float tensor, found {info.dtype}")
         fmt, names = stored.get(module, (FLOAT, {"weight": name}))
+        if quantized is not None and fmt is not quantized and _quantizes(model, target, param.shape):
+            tensor = arch.sanitize(target, _read_dense(ckpt, name, fmt, names, config, decode=True)["weight"], config)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise CheckpointError(f"{name} in {info.file.name}: expected shape {list(param.shape)} from "
+                                      f"config.json, found {list(info.shape)}")
+            _place_quantized(model, target, quantized, quantized.encode(tensor.float()), dtype, device)
+            filled.add(target)
+            continue
         method = _dense_method(model, ckpt, fmt, names, target, config, dtype, device, dense_weights)
         tensors = _read_dense(ckpt, name, fmt, names, config, decode=method is FLOAT_LINEAR)
         main = "weight" if method is FLOAT_LINEAR else fmt.main  # decoded, or as stored
@@ -161,12 +175,49 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         else:
             _install(model, target, method, {**tensors, main: tensor}, device)
         filled.add(target)
+    bar.close()
     missing = sorted(set(params) - filled)
     if missing:
         shown = ", ".join(prefix + m for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensors in {ckpt.root}: {shown}{more}")
     return index
+
+
+def _progress(total: int, quantized: WeightFormat | None):
+    """A progress bar over the checkpoint's tensors while dense weights are quantised at load (on a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"quantising dense weights to {quantized.label}" if quantized else "",
+                unit=" tensors", disable=True if quantized is None else None, leave=False)
+
+
+def _owner(model: nn.Module, target: str) -> tuple[nn.Module, str]:
+    owner_name, _, attr = target.rpartition(".")
+    return (model.get_submodule(owner_name) if owner_name else model), attr
+
+
+def _keepable(model: nn.Module, target: str) -> bool:
+    """Whether `target` is a bias-free nn.Linear's weight (what a dense method may hold)."""
+    owner, attr = _owner(model, target)
+    return attr == "weight" and type(owner) is nn.Linear and owner.bias is None
+
+
+def _quantizes(model: nn.Module, target: str, shape) -> bool:
+    """Whether --dense-weights int8 / int4 stores this parameter as codes (weights.dense_quant's rule)."""
+    return _keepable(model, target) and dense_quant.quantizable(target.rpartition(".")[0], tuple(shape))
+
+
+def _place_quantized(model: nn.Module, target: str, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
+                     dtype: torch.dtype, device: str) -> None:
+    """A weight quantised at load: kept as its codes where fmt's dense method runs here, else its decoded
+    values in `dtype` (the same rounding either way)."""
+    dtypes = {s: t.dtype for s, t in tensors.items()}
+    method = choose_linear_method(fmt.name, dtypes, None, dtype, device, "auto", True)
+    if method is FLOAT_LINEAR:
+        _set_param(model, target, fmt.decode(tensors, torch.float32), dtype, device)
+    else:
+        _install(model, target, method, tensors, device)
 
 
 def _stored_dense(ckpt: Checkpoint, is_expert) -> dict[str, tuple[WeightFormat, dict[str, str]]]:
@@ -183,7 +234,7 @@ def _stored_dense(ckpt: Checkpoint, is_expert) -> dict[str, tuple[WeightFormat, 
     for module, names in modules.items():
         if module + ".weight" in ckpt:
             names["weight"] = module + ".weight"
-        fmt = registry.for_suffixes(names)
+        fmt = registry.for_suffixes(names, {s: ckpt.info(n).dtype for s, n in names.items()})
         if fmt is not None and fmt.linear_method is not None:
             found[module] = fmt, names
     return found
@@ -193,9 +244,7 @@ def _dense_method(model: nn.Module, ckpt: Checkpoint, fmt: WeightFormat, names: 
                   config: ModelConfig, dtype: torch.dtype, device: str, dense_weights: str) -> LinearMethod:
     """The method the Linear owning `target` gets (weights.registry.choose_linear_method): its weight kept as
     stored where it is a bias-free nn.Linear's and a kernel runs it, else decoded to `dtype` (FLOAT_LINEAR)."""
-    owner_name, _, attr = target.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    keepable = attr == "weight" and type(owner) is nn.Linear and owner.bias is None
+    keepable = _keepable(model, target)
     dtypes = {suffix: ckpt.info(n).dtype for suffix, n in names.items()}
     block = config.quant.fp8_block if config.quant is not None else None
     return choose_linear_method(fmt.name, dtypes, block, dtype, device, dense_weights, keepable)
@@ -213,7 +262,7 @@ def _read_dense(ckpt: Checkpoint, name: str, fmt: WeightFormat, names: dict[str,
                                   f"(block FP8) beside it; expected a float weight or both tensors")
         return {"weight": ckpt.read(name)}
     where = f"{name} in {info.file.name}"
-    declared = config.quant.format if config.quant is not None else None
+    declared = config.quant.dense() if config.quant is not None else None
     block = config.quant.fp8_block if config.quant is not None else None
     if decode:
         fmt.check_declared(where, declared, block)

@@ -21,7 +21,7 @@ JOB_HEADER = CSRC / "expert_read.h"
 # C types as ctypes: the scalars the headers' parameters and fields may have; every pointer is a void pointer
 _SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
             "double": ctypes.c_double}
-_POINTEES = {*_SCALARS, "void", "char", "uint8_t", "uint16_t", "decode_layer", "msw_job"}
+_POINTEES = {*_SCALARS, "void", "char", "int8_t", "uint8_t", "uint16_t", "decode_layer", "msw_job"}
 # the lists cpu_kernels.h must define (MOESWAP_<name>) and how many arguments each entry takes
 _LISTS = {"DECODE_LAYER_FIELDS": 3, "FORMATS": 2, "LOAD_STATE": 1, "LOAD_VICTIM": 1, "LOAD_LOG": 1,
           "LOAD_KINDS": 1, "EXPERT_PROJS": 2, "ACTIVATIONS": 1}

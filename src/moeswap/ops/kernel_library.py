@@ -217,6 +217,24 @@ class CpuKernels:
             self._fail(status, f"quant_linear ({kind}, x {tuple(x_TI.shape)}, weights {tuple(q.shape)})")
         return y
 
+    def int8_linear(self, x_TI: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """INT8 channel weights (int8 codes [O, I] + fp32 scales [O, 1]): x fp32 contiguous [T, I] -> x W^T fp32
+        [T, O] with W = q * scale, each weight one fp32 product (csrc/int8.c)."""
+        T, I = x_TI.shape
+        O = q.shape[0] if q.ndim == 2 else 0
+        if (I % 32 or q.dtype != torch.int8 or tuple(q.shape) != (O, I) or scale.dtype != torch.float32
+                or scale.numel() != O or x_TI.dtype != torch.float32
+                or not all(t.is_cpu and t.is_contiguous() for t in (x_TI, q, scale))):
+            raise ValueError(f"int8_linear: weights {tuple(q.shape)} {q.dtype} with scales {tuple(scale.shape)} "
+                             f"{scale.dtype} do not fit x {tuple(x_TI.shape)} {x_TI.dtype} (expected contiguous CPU "
+                             f"tensors, int8 codes, fp32 scales, inputs a multiple of 32)")
+        y = torch.empty(T, O, dtype=torch.float32)
+        status = self.lib.moeswap_int8_linear(x_TI.data_ptr(), T, I, q.data_ptr(), scale.data_ptr(), O, y.data_ptr(),
+                                              self._threads())
+        if status:
+            self._fail(status, f"int8_linear (x {tuple(x_TI.shape)}, weights {tuple(q.shape)})")
+        return y
+
     def mxfp4_decode(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """MXFP4 packed [O, I/2] + E8M0 scale [O, I/32] -> [O, I] in `dtype`, fp32 or bf16 (exact either

@@ -106,6 +106,9 @@ def card_text(work: Path, out: Path) -> str:
         f"| unigram baseline (train-split frequencies) | {ev['unigram']['loss']:.4f} | {ev['unigram']['perplexity']:.1f} |",
         f"| this model, bf16 experts | {bf16['loss']:.4f} | {bf16['perplexity']:.2f} |",
         f"| this model, MXFP4 experts (shipped) | {mx['loss']:.4f} | {mx['perplexity']:.2f} |",
+        *(f"| this model, MXFP4 experts, `--dense-weights {d}` | {models[n]['loss']:.4f} | "
+          f"{models[n]['perplexity']:.2f} ({100 * (models[n]['perplexity'] / mx['perplexity'] - 1):+.2f} %) |"
+          for d, n in DENSE_ROWS.items() if n in models),
         "",
         f"MXFP4 experts cost {100 * (mx['perplexity'] / bf16['perplexity'] - 1):+.2f} % held-out perplexity against "
         f"bf16 experts; the model's perplexity is {ev['unigram']['perplexity'] / mx['perplexity']:.1f}× below the "
@@ -160,11 +163,17 @@ def publish(work: str | Path, out: str | Path) -> Path:
     return out
 
 
+# the shipped model again with its dense weights quantised at load (weights/dense_quant.py): what they cost
+DENSE_ROWS = {"int8": "MXFP4 experts, int8 dense", "int4": "MXFP4 experts, int4 dense"}
+
+
 def write_evaluation(work: str | Path) -> dict:
     from moeswap.stdlib_model.evaluate import evaluate_models
 
     work = Path(work)
-    report = evaluate_models(work / "corpus", {"bf16 experts": work / "trained", "MXFP4 experts": work / "mxfp4"},
-                             with_samples="MXFP4 experts")
+    models = {"bf16 experts": work / "trained", "MXFP4 experts": work / "mxfp4",
+              **{n: work / "mxfp4" for n in DENSE_ROWS.values()}}
+    report = evaluate_models(work / "corpus", models, with_samples="MXFP4 experts",
+                             dense_weights={n: d for d, n in DENSE_ROWS.items()})
     (work / "evaluation.json").write_text(jsonio.dumps(report, indent=2) + "\n")
     return report

@@ -49,12 +49,12 @@ def unigram_loss(train, held_out, vocab_size: int) -> float:
     return nll / n
 
 
-def heldout_loss(model_dir: str | Path, rows, pad_id: int, cfg) -> float:
+def heldout_loss(model_dir: str | Path, rows, pad_id: int, cfg, dense_weights: str = "auto") -> float:
     from moeswap.models.loader import load_model
     from moeswap.options import LoadOptions
     from moeswap.train.loop import evaluate
 
-    model, store = load_model(model_dir, LoadOptions())
+    model, store = load_model(model_dir, LoadOptions(dense_weights=dense_weights))
     try:
         return evaluate(model, rows, pad_id, cfg.replace(micro_batch=4), torch.device("cpu"))
     finally:
@@ -86,8 +86,9 @@ def samples(model_dir: str | Path, prompts=None, max_tokens: int = 96, seed: int
 
 
 def evaluate_models(corpus_dir: str | Path, models: dict[str, str | Path], seq_len: int = 1024,
-                    with_samples: str | None = None) -> dict:
-    """{"unigram": ..., "models": {name: {"loss", "perplexity"}}, "samples": [...] of `with_samples`}."""
+                    with_samples: str | None = None, dense_weights: dict[str, str] | None = None) -> dict:
+    """{"unigram": ..., "models": {name: {"loss", "perplexity"}}, "samples": [...] of `with_samples`};
+    dense_weights: a model's --dense-weights (default auto), e.g. int8 / int4 to measure their cost."""
     corpus_dir = Path(corpus_dir)
     first = Path(next(iter(models.values())))
     cfg, tok, data = _data(first, corpus_dir, seq_len)
@@ -99,8 +100,10 @@ def evaluate_models(corpus_dir: str | Path, models: dict[str, str | Path], seq_l
     report = {"heldout_samples": len(data.eval), "heldout_target_tokens": targets,
               "unigram": {"loss": uni, "perplexity": math.exp(uni)}, "models": {}}
     for name, path in models.items():
-        loss = heldout_loss(path, rows, tok.eos_ids[0], cfg)
-        report["models"][name] = {"path": str(path), "loss": loss, "perplexity": math.exp(loss)}
+        dense = (dense_weights or {}).get(name, "auto")
+        loss = heldout_loss(path, rows, tok.eos_ids[0], cfg, dense)
+        report["models"][name] = {"path": str(path), "dense_weights": dense, "loss": loss,
+                                  "perplexity": math.exp(loss)}
     if with_samples is not None:
         report["samples"] = samples(models[with_samples])
     return report

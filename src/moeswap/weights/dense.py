@@ -23,6 +23,10 @@ class LinearMethod:
     kernel: str | None = None
     # `weight` holds the weight's values (possibly in a narrower dtype): readable by fused products and LoRA
     weight_is_values = True
+    # where the kernel reads codes and scales in place: their parameters' names (the codes first), and the rows
+    # one scale row covers (layers' input projections fuse where every part but the last fills whole ones)
+    codes: tuple[str, str] | None = None
+    code_rows = 1
 
     def __repr__(self) -> str:
         return f"<{self.name} linear method>"
@@ -108,8 +112,15 @@ def linear_method(module: nn.Module) -> LinearMethod | None:
     return None
 
 
+def codes_of(module: nn.Module) -> tuple[str, str] | None:
+    """The names of a Linear's codes and scales where its method's kernel reads them in place, else None."""
+    method = linear_method(module)
+    return None if method is None else method.codes
+
+
 def kernel_of(module: nn.Module) -> str | None:
-    """The ops.cpu_kernels kind a Linear's weight is kept in for its kernels to read ("bf16", "fp8"; its
+    """The ops.cpu_kernels kind a Linear's weight is kept in for its kernels to read ("bf16", "fp8", "int8",
+    "int4"; its
     method's `kernel`), None for values in the compute dtype or anything not a Linear."""
     method = linear_method(module)
     return None if method is None else method.kernel

@@ -24,6 +24,7 @@ from moeswap.weights.kept_bytes import KeptBytesFormat
 class FP8BlockKeptLinear(LinearMethod):
     name, kernel = "fp8_block", "fp8"
     weight_is_values = False
+    codes, code_rows = ("weight", "weight_scale_inv"), fp8_block.BLOCK[0]
 
     def keeps(self, stored, dtypes, block, compute, device):
         """csrc/quant.c's blocks are 128 x 128 E4M3 codes, its math fp32, on the CPU (another float8,

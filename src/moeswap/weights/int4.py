@@ -1,6 +1,9 @@
 """INT4 pack-quantized (compressed-tensors `pack-quantized`, Kimi K2-Thinking's routed experts: int32
 `weight_packed` of 8 codes, float `weight_scale` per 32 inputs, `weight_shape`). The codec is formats/int4.py
-(through formats/compressed_tensors.py); experts are kept as their codes and scales (KeptBytesFormat).
+(through formats/compressed_tensors.py); experts are kept as their codes and scales (KeptBytesFormat). Dense
+method `INT4_KEPT` (weights.codes_linear: `--dense-weights int4`, `quantize --dense int4`): a Linear keeps
+`weight_packed`, `weight_scale` and `weight_shape` (checked at load), decode-sized inputs run
+csrc/quant.c's INT4 product.
 """
 
 from __future__ import annotations
@@ -11,8 +14,30 @@ from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import int4
 from moeswap.formats.checkpoint import CheckpointError
 from moeswap.ops.expert import Int4ExpertWeights
+from moeswap.weights.codes_linear import CodesLinear
+from moeswap.weights.dense import LinearMethod
 from moeswap.weights.format import PROJS, expect, first_true
 from moeswap.weights.kept_bytes import KeptBytesFormat
+
+
+class Int4KeptLinear(CodesLinear):
+    name, kernel, stored = "int4_kept", "int4", "int4"
+    parts = ("weight_packed", "weight_scale", "weight_shape")  # the checkpoint's names, weight_shape included
+    codes = ("weight_packed", "weight_scale")
+    dtypes = {"weight_packed": torch.int32, "weight_scale": torch.bfloat16}  # csrc/quant.c's INT4
+
+    def decode_rows(self, layer, start, stop, dtype):
+        return int4.decode(layer.weight_packed[start:stop], layer.weight_scale[start:stop],
+                           (stop - start, layer.in_features), dtype)
+
+    def run_kernel(self, kernel, layer, x_TI):
+        return kernel.quant_linear("int4", x_TI, layer.weight_packed, layer.weight_scale)
+
+    def sources(self, layer):
+        return layer.weight_packed, layer.weight_scale
+
+
+INT4_KEPT = Int4KeptLinear()
 
 
 class Int4Format(KeptBytesFormat):
@@ -25,6 +50,7 @@ class Int4Format(KeptBytesFormat):
     suffixes = frozenset({"weight_packed", "weight_scale", "weight_shape"})
     main = "weight_packed"
     kept_form, scale_suffix = Int4ExpertWeights, "weight_scale"
+    linear_method: LinearMethod | None = INT4_KEPT
 
     def _kept(self, parts):
         return Int4ExpertWeights.unchecked(**{k: (v.view(torch.int32) if k.endswith("_packed") and v.dtype == torch.uint8
@@ -56,6 +82,18 @@ class Int4Format(KeptBytesFormat):
 
     def logical_shape(self, infos):
         return infos["weight_packed"].shape[0], infos["weight_scale"].shape[1] * int4.GROUP
+
+    def check_stored(self, stored, block=None):
+        # the checks decoding makes, on one row (a dense weight kept as stored is not decoded whole at load)
+        packed, scale = stored["weight_packed"], stored["weight_scale"]
+        if packed.ndim != 2 or scale.ndim != 2 or packed.shape[0] != scale.shape[0]:
+            raise ValueError(f"INT4 weight_packed {list(packed.shape)} and weight_scale {list(scale.shape)} must be "
+                             f"[out, in/8] and [out, in/32]")
+        int4.decode(packed[:1], scale[:1], (min(1, packed.shape[0]), scale.shape[1] * int4.GROUP))
+        shape = [packed.shape[0], scale.shape[1] * int4.GROUP]
+        if stored["weight_shape"].tolist() != shape:
+            raise ValueError(f"INT4 weight_shape {stored['weight_shape'].tolist()} does not match the {shape} its "
+                             f"weight_packed and weight_scale hold")
 
     def decode(self, stored, dtype, block=None):
         return ct.decode_weight("int4", stored, dtype)

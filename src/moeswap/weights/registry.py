@@ -1,5 +1,6 @@
 """The registry of weight formats, plain dicts the loader, the expert store and quantize ask: FORMATS (name ->
-format object), `for_suffixes` (the format of a set of stored tensors), `format_of` (the format that computes
+format object), `for_suffixes` (the format of a set of stored tensors, their dtypes telling apart formats
+stored under the same suffixes: MXFP8 and INT8), `format_of` (the format that computes
 a kept expert), and the one choice of a dense Linear's method (`choose_linear_method`). A new format is one
 file plus `register(its object)` here or from its own module.
 """
@@ -15,11 +16,12 @@ from moeswap.weights.floating import FLOAT
 from moeswap.weights.format import WeightFormat
 from moeswap.weights.fp8_block import FP8_BLOCK
 from moeswap.weights.int4 import INT4
+from moeswap.weights.int8 import INT8
 from moeswap.weights.mxfp4 import MXFP4
 from moeswap.weights.mxfp8 import MXFP8
 
 FORMATS: dict[str, WeightFormat] = {}
-BY_SUFFIXES: dict[frozenset[str], WeightFormat] = {}
+BY_SUFFIXES: dict[frozenset[str], list[WeightFormat]] = {}  # in registration order
 BY_FORM: dict[type, WeightFormat] = {}  # kept expert form (ops.expert) -> the format that computes it
 # the methods a dense Linear may get: FLOAT_LINEAR (values in the compute dtype), then those that keep a
 # format's weight as stored, asked in order
@@ -27,10 +29,12 @@ LINEAR_METHODS: dict[str, LinearMethod] = {FLOAT_LINEAR.name: FLOAT_LINEAR}
 
 
 def register(fmt: WeightFormat) -> WeightFormat:
-    """Adds a format (and its dense method, if it has one) to every table; its suffixes and name must be new."""
-    if fmt.name in FORMATS or fmt.suffixes in BY_SUFFIXES:
-        raise ValueError(f"{fmt!r}: a format named {fmt.name!r} or stored as {sorted(fmt.suffixes)} is registered")
-    FORMATS[fmt.name] = BY_SUFFIXES[fmt.suffixes] = fmt
+    """Adds a format (and its dense method, if it has one) to every table; its name must be new. A format stored
+    under another's suffixes must be told apart from it by dtypes (its `dtypes_fit`; the contract tests check)."""
+    if fmt.name in FORMATS:
+        raise ValueError(f"{fmt!r}: a format named {fmt.name!r} is registered")
+    FORMATS[fmt.name] = fmt
+    BY_SUFFIXES.setdefault(fmt.suffixes, []).append(fmt)
     if fmt.kept_form is not None:
         BY_FORM.setdefault(fmt.kept_form, fmt)
     if fmt.linear_method is not None:
@@ -41,20 +45,30 @@ def register(fmt: WeightFormat) -> WeightFormat:
 def unregister(name: str) -> None:
     """Removes a registered format (tests that register a toy one)."""
     fmt = FORMATS.pop(name)
-    del BY_SUFFIXES[fmt.suffixes]
+    BY_SUFFIXES[fmt.suffixes].remove(fmt)
+    if not BY_SUFFIXES[fmt.suffixes]:
+        del BY_SUFFIXES[fmt.suffixes]
     if fmt.kept_form is not None and BY_FORM.get(fmt.kept_form) is fmt:
         del BY_FORM[fmt.kept_form]
     if fmt.linear_method is not None and LINEAR_METHODS.get(fmt.linear_method.name) is fmt.linear_method:
         del LINEAR_METHODS[fmt.linear_method.name]
 
 
-for _fmt in (FLOAT, MXFP4, MXFP8, FP8_BLOCK, INT4):
+for _fmt in (FLOAT, MXFP4, MXFP8, FP8_BLOCK, INT4, INT8):
     register(_fmt)
 
 
-def for_suffixes(suffixes) -> WeightFormat | None:
-    """The format whose tensors are exactly these suffixes (weight, weight_packed, ...), or None."""
-    return BY_SUFFIXES.get(frozenset(suffixes))
+def for_suffixes(suffixes, dtypes: Mapping[str, torch.dtype] | None = None) -> WeightFormat | None:
+    """The format whose tensors are exactly these suffixes (weight, weight_packed, ...), or None; where several
+    are, the first whose `dtypes_fit` these dtypes (by suffix), else (no dtypes, or none fits) the first."""
+    found = BY_SUFFIXES.get(frozenset(suffixes))
+    if not found:
+        return None
+    if dtypes is not None:
+        for fmt in found:
+            if fmt.dtypes_fit(dtypes):
+                return fmt
+    return found[0]
 
 
 def format_of(w) -> WeightFormat:

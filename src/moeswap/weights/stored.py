@@ -80,12 +80,16 @@ def storage_of(ckpt: Checkpoint, module: str, tensors: dict[str, str], declared:
     """Which storage a module's tensors are in; fails naming the module when they fit none."""
     dtypes = {suffix: ckpt.info(name).dtype for suffix, name in tensors.items()}
     where = f"{module} in {ckpt.info(next(iter(tensors.values()))).file.name}"
-    fmt = registry.for_suffixes(tensors)
+    fmt = registry.for_suffixes(tensors, dtypes)
     if fmt is None or not fmt.dtypes_fit(dtypes):
         found = ", ".join(f"{s} ({d})" for s, d in sorted(dtypes.items()))
         raise CheckpointError(
             f"{where}: tensors {found} fit no known storage (float weight; weight_packed + weight_scale for "
-            f"MXFP4; float8 weight + weight_scale for MXFP8; float8 weight + weight_scale_inv for block FP8)")
-    fmt.check_declared(where, declared.scheme.format if declared.scheme is not None else None, declared.fp8_block)
+            f"MXFP4; float8 weight + weight_scale for MXFP8; int8 weight + weight_scale for INT8; float8 weight + "
+            f"weight_scale_inv for block FP8)")
+    scheme = declared.scheme
+    # a dense group's format (a second compressed-tensors group) is declared too
+    said = None if scheme is None else fmt.ct_format if fmt.ct_format == scheme.dense_format else scheme.format
+    fmt.check_declared(where, said, declared.fp8_block)
     fmt.check_dtypes(dtypes, where)
     return StoredWeight(module, fmt.name, dict(tensors))

@@ -12,7 +12,7 @@ from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu
 from moeswap.ops.gemm_precision import gemm_in_bf16
 from moeswap.ops.linear import KERNEL_MAX_ROWS, linear
-from moeswap.weights.dense import WeightLinear, kernel_of, plain_weight
+from moeswap.weights.dense import WeightLinear, codes_of, kernel_of, linear_method, plain_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -64,8 +64,8 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
     (fewer kernel launches; on a 2-core CPU it measured neutral end to end). Values, names and
     state_dict are unchanged; memory is not duplicated. No-op unless all are plain (or stored-weight) Linears of one dtype."""
     mods = [getattr(module, n) for n in names]
-    if all(kernel_of(m) == "fp8" for m in mods):
-        _fuse_fp8(module, names, mods)
+    if codes_of(mods[0]) is not None and all(linear_method(m) is linear_method(mods[0]) for m in mods):
+        _fuse_codes(module, names, mods)
         return
     if not all(plain_weight(m) and m.bias is None for m in mods) or len({m.weight.dtype for m in mods}) > 1:
         return
@@ -79,34 +79,44 @@ def fuse_linears(module: nn.Module, names: Sequence[str]) -> None:
                                        [m.weight.shape[0] for m in mods])
 
 
-def _fuse_fp8(module: nn.Module, names: Sequence[str], mods: list[WeightLinear]) -> None:
-    """fuse_linears for block-FP8 Linears: codes and scales each become views into one tensor, for the C decode
-    step's one product (the modules still run one product each: csrc/quant.c sums a row alike either way).
-    Scales concatenate only where every part but the last fills whole 128-row blocks; else no fusion."""
-    if any(m.weight.shape[0] % 128 for m in mods[:-1]) or len({m.weight.shape[1] for m in mods}) > 1:
+def _fuse_codes(module: nn.Module, names: Sequence[str], mods: list[WeightLinear]) -> None:
+    """fuse_linears for Linears of one method kept as codes and scales (block FP8, INT8, INT4: the method's
+    `codes`): codes and scales each become views into one tensor, for the C decode step's one product (the
+    modules still run one product each: the kernels sum a row alike either way). Scales concatenate only where
+    every part but the last fills whole scale rows (`code_rows`: 128 for block FP8); else no fusion."""
+    method = linear_method(mods[0])
+    assert method is not None and method.codes is not None
+    codes_name, scales_name = method.codes
+    if (any(m.out_features % method.code_rows for m in mods[:-1])
+            or len({getattr(m, codes_name).shape[1] for m in mods}) > 1):
         return
-    codes = torch.cat([m.weight.detach() for m in mods])
-    scales = torch.cat([m.weight_scale_inv.detach() for m in mods])
+    codes = torch.cat([getattr(m, codes_name).detach() for m in mods])
+    scales = torch.cat([getattr(m, scales_name).detach() for m in mods])
     start = s_start = 0
     for m in mods:
-        rows, s_rows = m.weight.shape[0], m.weight_scale_inv.shape[0]
-        m.weight = nn.Parameter(codes[start:start + rows], requires_grad=False)
-        m.weight_scale_inv = nn.Parameter(scales[s_start:s_start + s_rows], requires_grad=False)
+        rows, s_rows = getattr(m, codes_name).shape[0], getattr(m, scales_name).shape[0]
+        setattr(m, codes_name, nn.Parameter(codes[start:start + rows], requires_grad=False))
+        setattr(m, scales_name, nn.Parameter(scales[s_start:s_start + s_rows], requires_grad=False))
         start, s_start = start + rows, s_start + s_rows
-    module.__dict__["_fused_input"] = (codes, tuple(names), [m.weight.data_ptr() for m in mods],
-                                       [m.weight.shape[0] for m in mods], scales,
-                                       [m.weight_scale_inv.data_ptr() for m in mods])
+    module.__dict__["_fused_input"] = (codes, tuple(names), [getattr(m, codes_name).data_ptr() for m in mods],
+                                       [m.out_features for m in mods], scales,
+                                       [getattr(m, scales_name).data_ptr() for m in mods])
 
 
-def fused_fp8(module: nn.Module, names: Sequence[str], unadapted_rows: bool = False):
-    """(codes, scales) of the named block-FP8 Linears fused by `_fuse_fp8`, while that fusion holds; else None."""
+def fused_codes(module: nn.Module, names: Sequence[str], unadapted_rows: bool = False):
+    """(codes, scales, kernel kind) of the named Linears fused by `_fuse_codes`, while that fusion holds; else
+    None."""
     fused = module.__dict__.get("_fused_input")
     if fused is None or len(fused) < 6 or fused[1] != tuple(names):
         return None
     mods = [unadapted(getattr(module, n)) if unadapted_rows else getattr(module, n) for n in names]
-    if (all(kernel_of(m) == "fp8" for m in mods) and [m.weight.data_ptr() for m in mods] == fused[2]
-            and [m.weight_scale_inv.data_ptr() for m in mods] == fused[5]):
-        return fused[0], fused[4]
+    method = linear_method(mods[0])
+    if method is None or method.codes is None or any(linear_method(m) is not method for m in mods):
+        return None
+    codes_name, scales_name = method.codes
+    if ([getattr(m, codes_name).data_ptr() for m in mods] == fused[2]
+            and [getattr(m, scales_name).data_ptr() for m in mods] == fused[5]):
+        return fused[0], fused[4], method.kernel
     return None
 
 
@@ -222,9 +232,10 @@ class GatedMLP(nn.Module):
                         y[adapted] = self._modules_forward(x_RD[adapted])
                 return y.view(*x.shape[:-1], y.shape[-1])
         if (0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.shape[-1] % 32 == 0
-                and all(kernel_of(m) == "fp8" for m in (self.gate_proj, self.up_proj, self.down_proj))):
-            # block-FP8 weights (a decode step): each product from the codes, the activation in C, as the
-            # native decode step runs them (csrc/decode_step.c layer_mlp), the same bits
+                and codes_of(self.down_proj) is not None
+                and all(kernel_of(m) == kernel_of(self.down_proj) for m in (self.gate_proj, self.up_proj))):
+            # weights kept as codes (block FP8, INT8, INT4; a decode step): each product from the codes, the
+            # activation in C, as the native decode step runs them (csrc/decode_step.c layer_mlp), the same bits
             kernel = cpu_kernels.for_inference(x)
             if kernel is not None and self.down_proj.in_features % 32 == 0:
                 return self.down_proj(kernel.glu(self.gate_proj(x), self.up_proj(x), self.act, self.situ_betas))

@@ -21,7 +21,7 @@
  * exports them as it was compiled (moeswap_abi_entry), checked entry by entry when it is loaded ---- */
 /* The expert kernels' weight formats (`format` of moe.c, quant.c and the resident tables): FORMAT(name, code).
  * Python's kind of each is its name in lower case (ops/kernel_library.py FORMAT_CODES). */
-#define MOESWAP_FORMATS(FORMAT) FORMAT(MXFP4, 0) FORMAT(BF16, 1) FORMAT(MXFP4_Q8, 2) FORMAT(FP8, 3) FORMAT(INT4, 4)
+#define MOESWAP_FORMATS(FORMAT) FORMAT(MXFP4, 0) FORMAT(BF16, 1) FORMAT(MXFP4_Q8, 2) FORMAT(FP8, 3) FORMAT(INT4, 4) FORMAT(INT8, 5)
 /* The gated activations of every `act` parameter, from 0 (glue.c describes them); Python's names are these in
  * lower case (ops/kernel_library.py ACTS). */
 #define MOESWAP_ACTIVATIONS(ACT) ACT(SILU) ACT(SITU)
@@ -131,14 +131,17 @@
     FIELD(int64_t, lat_dim, )                                                                                 \
     FIELD(int64_t *, chosen, )             /* out: the router's ids [N, topk] of a step (NULL: not kept) */   \
     FIELD(int64_t, stop, )                 /* stop before this layer's FFN: the caller runs it (status 4) */ \
-    /* block FP8 (DeepSeek-V3's published dense weights): the fp32 scales [ceil(out/128), ceil(in/128)] of     \
-     * w_in, w_o, w_qb, w_gu and w_down; where one is set, that weight holds E4M3 codes [out, in] (one byte    \
-     * each) instead of bf16, run by csrc/quant.c (NULL: bf16) */                                             \
-    FIELD(const float *, s_in, )                                                                              \
-    FIELD(const float *, s_o, )                                                                               \
-    FIELD(const float *, s_qb, )                                                                              \
-    FIELD(const float *, s_gu, )                                                                              \
-    FIELD(const float *, s_down, )                                                                            \
+    /* dense weights kept as codes, all of a layer's in one format `dense_format` (FORMAT_FP8: DeepSeek-V3's   \
+     * published block FP8, E4M3 codes [out, in] with fp32 scales [ceil(out/128), ceil(in/128)]; FORMAT_INT8:  \
+     * int8 codes [out, in] with fp32 scales [out]; FORMAT_INT4: int32 words [out, in/8] with bf16 scales      \
+     * [out, in/32]): the scales of w_in, w_o, w_qb, w_gu and w_down; where one is set, that weight holds      \
+     * codes instead of bf16, run by csrc/quant.c or csrc/int8.c (NULL: bf16) */                              \
+    FIELD(const void *, s_in, )                                                                               \
+    FIELD(const void *, s_o, )                                                                                \
+    FIELD(const void *, s_qb, )                                                                               \
+    FIELD(const void *, s_gu, )                                                                               \
+    FIELD(const void *, s_down, )                                                                             \
+    FIELD(int64_t, dense_format, )                                                                            \
     /* In-call expert loads (experts/incall.py): a chosen expert missing from `table` is read here instead of   \
      * stopping, where load_at is set: load_at [E, 2] each expert's (file descriptor, offset) of its bytes,     \
      * load_job an msw_job (expert_read.h) with their length and scale-byte checks filled in, load_row the six  \
@@ -232,6 +235,10 @@ int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t 
 /* ---- quant.c: block-FP8 (FORMAT FP8) and INT4 (FORMAT INT4) weights straight from their stored bytes ---- */
 int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
                          int64_t O, float *y, int nthreads);
+
+/* ---- int8.c: INT8 channel weights (int8 codes [O, I], fp32 scale per row) straight from their bytes ---- */
+int moeswap_int8_linear(const float *x, int64_t T, int64_t I, const int8_t *q, const float *s, int64_t O, float *y,
+                        int nthreads);
 
 /* ---- kda.c: Kimi Delta Attention ---- */
 int moeswap_kda_decode(const float *q, const float *k, const float *v, const float *g, const float *beta,

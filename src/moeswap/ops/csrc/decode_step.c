@@ -15,12 +15,14 @@ static void take_columns(const float *src, int64_t N, int64_t stride, int64_t fr
     for (int64_t n = 0; n < N; n++) memcpy(dst + n * w, src + n * stride + from, (size_t)w * sizeof(float));
 }
 
-/* y [T, O] = x [T, I] @ W^T for one of a layer's weights: block-FP8 codes with their scales s (csrc/quant.c; fp32
- * inputs under either GEMM precision, as weights/fp8_block.py's kept method computes them), else bf16. */
-static int weight_linear(int bf16_in, const float *x, int64_t T, int64_t I, const uint16_t *W, const float *s,
-                         int64_t O, float *y, int nt) {
-    if (s) return moeswap_quant_linear(FORMAT_FP8, x, T, I, W, s, O, y, nt);
-    return dense_linear(bf16_in, x, T, I, W, O, y, nt);
+/* y [T, O] = x [T, I] @ W^T for one of a layer's weights: codes with their scales s in the layer's dense_format
+ * (block FP8 or INT4: csrc/quant.c; INT8: csrc/int8.c; fp32 inputs under either GEMM precision, as the kept
+ * methods of weights/fp8_block.py, weights/int4.py and weights/int8.py compute them), else bf16. */
+static int weight_linear(int bf16_in, const decode_layer *l, const float *x, int64_t T, int64_t I, const void *W,
+                         const void *s, int64_t O, float *y, int nt) {
+    if (s && l->dense_format == FORMAT_INT8) return moeswap_int8_linear(x, T, I, (const int8_t *)W, s, O, y, nt);
+    if (s) return moeswap_quant_linear((int)l->dense_format, x, T, I, W, s, O, y, nt);
+    return dense_linear(bf16_in, x, T, I, (const uint16_t *)W, O, y, nt);
 }
 
 /* The layer's gated MLP (dense, or the shared experts) on x [T, D] into y [T, D]. Block-FP8 weights (both set:
@@ -33,9 +35,9 @@ static int layer_mlp(int bf16_in, const decode_layer *l, const float *x, int64_t
     float *gu = (float *)malloc((size_t)(T * 3 * H) * sizeof(float) + 64);
     if (!gu) return 2;
     float *h = gu + T * 2 * H;
-    int status = moeswap_quant_linear(FORMAT_FP8, x, T, D, l->w_gu, l->s_gu, 2 * H, gu, nt);
+    int status = weight_linear(bf16_in, l, x, T, D, l->w_gu, l->s_gu, 2 * H, gu, nt);
     for (int64_t t = 0; !status && t < T; t++) glu_span(gu + t * 2 * H, gu + t * 2 * H + H, h + t * H, H, act, b1, b2);
-    if (!status) status = moeswap_quant_linear(FORMAT_FP8, h, T, H, l->w_down, l->s_down, D, y, nt);
+    if (!status) status = weight_linear(bf16_in, l, h, T, H, l->w_down, l->s_down, D, y, nt);
     free(gu);
     return status;
 }
@@ -62,7 +64,7 @@ static int kda_block(int bf16_in, const decode_layer *l, float *conv, float *S, 
         status = moeswap_kda_layer(qkv, conv, l->taps, l->W, z, l->dt_bias, l->rate, (float)l->lower,
                                    (int)l->bounded, b, S, gate, l->o_norm, eps, (float)l->kda_scale, l2_eps, y, N,
                                    1, H, K, nt);
-    if (!status) status = dense_linear(bf16_in, y, N, C, l->w_o, D, out, nt);
+    if (!status) status = weight_linear(bf16_in, l, y, N, C, l->w_o, l->s_o, D, out, nt);
     free(buf);
     return status;
 }
@@ -95,7 +97,7 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
     if (l->w_qb) {
         take_columns(proj, N, P, l->off[0], l->q_rank, qa);
         status = moeswap_rms_norm(qa, N, l->q_rank, l->q_norm, eps, qa, nt);
-        if (!status) status = weight_linear(bf16_in, qa, N, l->q_rank, l->w_qb, l->s_qb, Q, q, nt);
+        if (!status) status = weight_linear(bf16_in, l, qa, N, l->q_rank, l->w_qb, l->s_qb, Q, q, nt);
     } else {
         take_columns(proj, N, P, l->off[0], Q, q);
     }
@@ -121,7 +123,7 @@ static int mla_block(int bf16_in, const decode_layer *l, float *latent, int64_t 
         status = moeswap_mla_decode(q, latent, cap, lengths, l->wk, l->wv, (float)l->mla_scale, att, N, H, l->N,
                                     l->R, l->L, l->V, nt);
     if (!status && l->gated) status = moeswap_sigmoid_gate(att, proj + l->off[2], N, HV, P);
-    if (!status) status = weight_linear(bf16_in, att, N, HV, l->w_o, l->s_o, D, out, nt);
+    if (!status) status = weight_linear(bf16_in, l, att, N, HV, l->w_o, l->s_o, D, out, nt);
     free(buf);
     return status;
 }
@@ -467,7 +469,7 @@ int moeswap_decode_layers(const decode_layer *layers, int64_t n_layers, int64_t 
             free(proj);
             proj = status ? NULL : (float *)malloc((size_t)(N * l->in_rows) * sizeof(float) + 64);
             if (!status && !proj) status = 2;
-            if (!status) status = weight_linear(bf16_in, xn, N, D, l->w_in, l->s_in, l->in_rows, proj, nt);
+            if (!status) status = weight_linear(bf16_in, l, xn, N, D, l->w_in, l->s_in, l->in_rows, proj, nt);
             if (!status)
                 status = l->mla ? mla_block(bf16_in, l, (float *)(intptr_t)st[0], (int64_t *)(intptr_t)st[1], st[2],
                                             proj, N, eps, y, D, nt)
