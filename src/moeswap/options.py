@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moeswap.experts.hybrid import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS  # torch-free, as is everything here
+from moeswap.experts.read_modes import DEFAULT_THREADS, EXPERT_READS
 from moeswap.ops.gemm_precision import GEMM_PRECISIONS
 from moeswap.units import human_bytes, parse_bytes
 
@@ -79,6 +80,12 @@ class LoadOptions:
         EXPERT_GPU_MIN_TOKENS, "--expert-compute auto: layer steps of at least this many tokens copy missing "
                                "experts up; fewer compute them on the CPU (llama.cpp's switch is 32 too)",
         kind="int", metavar="N")
+    expert_reads: str = _option(
+        "auto", "how routed experts are read from the checkpoint: direct (O_DIRECT, bypassing the page cache), "
+                "buffered (through it), auto (direct where the file system allows, else buffered dropping what "
+                "was read)", choices=EXPERT_READS)
+    read_threads: int = _option(DEFAULT_THREADS, "reader threads: expert reads in flight at once (prefetch and "
+                                                 "--expert-policy none)", kind="int", metavar="N")
     # benchmarks: every disk read comes from the device, not the OS page cache
     drop_page_cache: bool = _option(False, "", kind="bool", flag=False)
 
@@ -91,8 +98,6 @@ class LoadOptions:
                 raise ValueError(f"{_flag(f)} must be a byte count >= 0, got {value!r}")
             if f.metadata["kind"] == "int" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{_flag(f)} must be an integer >= 1, got {value!r}")
-        if self.expert_policy == NO_CACHE and self.prefetch != "none":
-            raise ValueError("--prefetch needs a cache: --expert-policy none keeps no experts to prefetch into")
         if self.expert_compute == "cpu" and self.prefetch != "none":
             raise ValueError("--expert-compute cpu computes missing experts where they are; --prefetch would copy "
                              "them up anyway (use --expert-compute auto, or --prefetch none)")

@@ -202,6 +202,9 @@ class GroupedExecutor(KernelExecutor):
         # every expert of the layer, and holding them all would defeat the memory budget. With hybrid experts
         # (experts/hybrid.py) those the fast tier lacks may come from host memory.
         experts = fetch_step(self.store, self.block.layer_idx, unique_ids, h_TI.shape[0])
+        count = getattr(self.store, "count_routing", None)  # (the dedup stats: test stores may lack it)
+        if count is not None:
+            count(len(token_of), len(unique_ids))
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         self.compute(experts, counts, h_TI, token_of, weights, out_TI)
         return out_TI.to(h_TI.dtype)

@@ -93,7 +93,7 @@ def attach_store(model: nn.Module, store) -> None:
     for block in model.moe_blocks():
         block.store = store
     model.expert_lookahead = None
-    if getattr(store, "prefetcher", None) is None:
+    if not getattr(getattr(store, "prefetcher", None), "lookahead", False):
         return
     from moeswap.experts.prefetch import NextLayerLookahead
 
