@@ -70,7 +70,10 @@ def _buffer_of(w) -> tuple[torch.Tensor, int, int]:
     if got is None:
         held = tensors(w)
         first = next(iter(held.values()))
-        got = w.__dict__["_buffer_of"] = (first, len(held) + 2, first.untyped_storage().data_ptr())
+        # where its bytes begin in the buffer (an O_DIRECT read's buffer has room before them: reads.direct_layout)
+        storage = first.untyped_storage().data_ptr()
+        address = min(t.data_ptr() for t in held.values() if t.untyped_storage().data_ptr() == storage)
+        got = w.__dict__["_buffer_of"] = (first, len(held) + 2, address)
     return got
 
 
