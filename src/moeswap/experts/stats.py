@@ -130,7 +130,7 @@ class ReadStats:
         self.refused += direct == -1
         self._open.append((t0_ns, t1_ns))
         if len(self._open) >= 512:
-            self.merge()
+            self.merge(final=False)
 
     def add_busy(self, seconds: float) -> None:
         """Read time of reads on the model's own thread that are not logged one by one (the native decode step's
@@ -148,7 +148,7 @@ class ReadStats:
                 runs[-1][1] = max(runs[-1][1], t1)
             else:
                 runs.append([t0, t1])
-        keep = [] if final else [tuple(runs.pop())]
+        keep = [] if final else [(runs[-1][0], runs.pop()[1])]
         self.busy_s += sum(t1 - t0 for t0, t1 in runs) / 1e9
         self._open = keep
 
