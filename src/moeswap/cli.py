@@ -199,6 +199,8 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
+        # tokens through the model: the prompt and each generated token but the last
+        "expert_bytes_per_token": store.stats.disk_bytes / max(1, result.prompt_tokens + len(result.tokens) - 1),
         "decode_step": result.decode_step, "expert_executor": result.expert_executor,
         "graph_capture_s": round(result.graph_capture_s, 4),
         "state_bytes": result.state_bytes, "lora": None if lora is None else str(lora[1].directory),
@@ -220,7 +222,8 @@ def cmd_generate(args) -> int:
                   f"decode steps {fast}: {result.native_steps} of {result.decoded}"
                   + (f" (otherwise: {result.native_off})" if result.native_off else "")
                   + (f", {result.graph_capture_s * 1e3:.0f} ms capturing" if result.graph_capture_s else ""))
-        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; "
+        print(f"[load {load_s:.2f}s; {store.stats.summary()} "
+              f"({stats['expert_bytes_per_token'] / 1e6:.2f} MB per token); {native}; "
               f"expert executor {result.expert_executor}, last decode step {result.decode_step or 'none'}; "
               f"sequence state {human_bytes(result.state_bytes)}; torch threads {stats['threads']}"
               + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)

@@ -148,7 +148,10 @@ class InCallLoads:
             if s is None or s.layout != span.layout or s.end - s.start != n:
                 return None
             at[2 * e], at[2 * e + 1] = src.fd(s.file), s.start
-        return _LayerLoads(at, read_job(0, 0, buf, src.drop_page_cache, span.checks), offsets,
+        # buffered reads here (one buffer layout for every expert: no room for an O_DIRECT read's alignment);
+        # where the store reads by O_DIRECT they leave the page cache as those would, dropping what they read
+        drop = src.drop_page_cache or getattr(src, "mode", "") == "direct"
+        return _LayerLoads(at, read_job(0, 0, buf, drop, span.checks), offsets,
                            store.fast.cost(Key(layer, 0)), span)
 
     def clear(self) -> None:

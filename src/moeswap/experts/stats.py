@@ -229,9 +229,9 @@ class StoreStats:
             line += (f"; prefetch precision {_percent(p.precision)} recall {_percent(p.recall)}, {p.loaded} loaded, "
                      f"{p.used} used, {p.late} late, {p.wasted} wasted, {p.dropped} dropped")
         if self.disk_bytes:
-            rate = self.read_GBps
+            gbps = self.read_GBps
             line += (f"; reads {self.disk_io.mode or 'buffered'} at "
-                     + ("n/a" if rate is None else f"{rate:.2f} GB/s") + f" in flight, {_percent(self.hidden)} hidden")
+                     + ("n/a" if gbps is None else f"{gbps:.2f} GB/s") + f" in flight, {_percent(self.hidden)} hidden")
         if self.fetched:
             line += f"; dedup {self.dedup:.2f}x"
         h = self.hybrid
