@@ -193,3 +193,44 @@ def test_dedup_counts_the_routing(tiny_k3_dir):
     s = store.stats
     assert (s.routed_pairs, s.fetched) == (pairs, distinct) and s.dedup == pairs / distinct > 1
     assert s.disk_reads == distinct  # a store that keeps nothing reads each distinct expert once per step
+
+
+def _tail_oracle(ids, w, p, renormalize):
+    """Per token, in float64 Python: the kept experts (fewest by descending weight reaching p) and their weights."""
+    out = []
+    for row_ids, row_w in zip(ids.tolist(), w.double().tolist()):
+        total, acc, kept = sum(row_w), 0.0, {}
+        for i in sorted(range(len(row_w)), key=lambda i: -row_w[i]):
+            if acc / total >= p:
+                break
+            kept[row_ids[i]] = row_w[i]
+            acc += row_w[i]
+        if renormalize:
+            kept = {e: v * total / acc for e, v in kept.items()}
+        out.append(kept)
+    return out
+
+
+@pytest.mark.parametrize("p", [1.0, 0.9, 0.5, 0.01])
+def test_tail_skip_keeps_the_fewest_experts_reaching_p(p):
+    from moeswap.models.layers.moe import tail_skip
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(40)])
+    w = torch.rand(40, 8, generator=g) + 0.01
+    for renormalize in (True, False):
+        got_ids, got_w = tail_skip(ids, w, p, renormalize)
+        for t, kept in enumerate(_tail_oracle(ids, w, p, renormalize)):
+            nonzero = {int(e): float(v) for e, v in zip(got_ids[t], got_w[t]) if v != 0}
+            assert nonzero.keys() == kept.keys(), (t, p)
+            assert all(nonzero[e] == pytest.approx(kept[e], rel=1e-6) for e in kept)
+            assert set(got_ids[t].tolist()) == set(kept)  # a skipped slot names a kept expert: nothing else fetched
+        if p == 1.0:
+            assert torch.equal(got_ids, ids) and (torch.equal(got_w, w) or renormalize)
+
+
+def test_top_p_one_is_off_and_below_reads_fewer_experts(tiny_k3_dir, resident_logits):
+    out, stats = _streamed(tiny_k3_dir, expert_top_p=1.0)
+    assert torch.equal(out, resident_logits)
+    _, skipped = _streamed(tiny_k3_dir, expert_top_p=0.5)
+    assert skipped.disk_reads < stats.disk_reads

@@ -72,6 +72,7 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     attach_store(model, store)
     for block in model.moe_blocks():
         block.int8_activations = options.expert_activations == "int8"
+        block.gate.top_p = float(options.expert_top_p)
     model.gemm_precision = options.gemm_precision
     return model.eval(), store
 
