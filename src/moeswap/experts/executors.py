@@ -215,7 +215,10 @@ class GroupedExecutor(KernelExecutor):
         group = Group(h_TI, token_of, weights, out_TI, b.act, b.situ_betas, b.int8_activations)
         on_host = None
         start = 0
+        ready = getattr(experts, "ready", None)  # a fetch with reads in flight (a store that streams experts)
         for i, n in enumerate(counts):
+            if ready is not None and group.experts and not ready(i):
+                group.flush()  # compute the experts already read while this one's read completes
             expert = experts[i]
             if host is not None and host[i]:
                 on_host = on_host or OnHost(h_TI, token_of, weights, b)

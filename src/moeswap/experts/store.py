@@ -57,6 +57,10 @@ class Fetched(Sequence):
             return [self._store._get(k) for k in self._keys[i]]
         return self._store._get(self._keys[i])
 
+    def ready(self, i: int) -> bool:
+        """Whether indexing expert i now would not wait for a read (a caller computes what it has meanwhile)."""
+        return self._store._ready_now(self._keys[i])
+
 
 class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
     """The store. Its state and the cache are here; BackgroundLoads, InCallLoads and GraphHolds add the methods
@@ -235,6 +239,13 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
             self.prefetcher.close()
         if hasattr(self.source, "close"):
             self.source.close()
+
+    def _ready_now(self, key: Key) -> bool:
+        """Whether `key` is at hand without a read to wait for (no lock: a stale answer only moves a flush)."""
+        if key in self.fast or key in self._staged:
+            return True
+        load = self._inflight.get(key)
+        return load is not None and (load.done or (load.pending is not None and load.pending.ready()))
 
     # -- demand path ----------------------------------------------------------------------------------
 
