@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-step", action="store_true",
                    help="decode through the model's modules (the reference), not the fast step (the native C step "
                         "on the CPU, CUDA graphs on CUDA)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per step: each distinct routed expert is read once per chunk and "
+                        "layer where the store keeps none (default 512)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
                    help="apply a LoRA adapter in PEFT format (adapter_config.json + adapter_model.safetensors); "
@@ -145,6 +148,8 @@ def cmd_generate(args) -> int:
     args.prompt = [_stdin_prompt() if text == "-" else text for text in args.prompt]
     for text in args.prompt:
         check_text("--prompt", text)
+    if args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if len(args.prompt) > 1:
         return generate_many(args)
     args.prompt = args.prompt[0]
@@ -182,7 +187,8 @@ def cmd_generate(args) -> int:
         if not args.json and tok is not None:
             print(args.prompt if not args.chat else "", end="", flush=True)
             on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
-        engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
+        engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step,
+                              prefill_chunk=args.prefill_chunk)
         try:
             result = generate(model, ids, cfg, on_token=on_token, engine=engine)
         except ValueError:
@@ -265,7 +271,8 @@ def generate_many(args) -> int:
 
         def one(i: int) -> dict:
             c = dataclasses.replace(cfg, stop_ids=stop_ids, seed=None if seed is None else seed + i)
-            engine = EngineConfig(max_batch=1, max_len=len(ids[i]) + c.max_tokens, native=not args.reference_step)
+            engine = EngineConfig(max_batch=1, max_len=len(ids[i]) + c.max_tokens, native=not args.reference_step,
+                                  prefill_chunk=args.prefill_chunk)
             r = generate(model, ids[i], c, engine=engine)
             rate = r.decode_tokens_per_s
             return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
