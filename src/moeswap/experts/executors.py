@@ -210,7 +210,10 @@ class GroupedExecutor(KernelExecutor):
         return out_TI.to(h_TI.dtype)
 
     def compute(self, experts, counts: list[int], h_TI, token_of, weights, out_TI, host: list[bool] | None = None):
-        """Adds the step's experts into out_TI; host[i]: expert i runs apart on the CPU (OnHost)."""
+        """Adds the step's experts into out_TI; host[i]: expert i runs apart on the CPU (OnHost). Where the fetch
+        has reads in flight (`ready`: a streaming store) the group runs what it holds before waiting for the next
+        expert's read, so compute overlaps the reads still in flight (the kernel's sums do not depend on where a
+        group is cut: tests/experts/test_streaming.py compares with all-resident bits)."""
         b = self.block
         group = Group(h_TI, token_of, weights, out_TI, b.act, b.situ_betas, b.int8_activations)
         on_host = None
