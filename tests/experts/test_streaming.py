@@ -234,3 +234,12 @@ def test_top_p_one_is_off_and_below_reads_fewer_experts(tiny_k3_dir, resident_lo
     assert torch.equal(out, resident_logits)
     _, skipped = _streamed(tiny_k3_dir, expert_top_p=0.5)
     assert skipped.disk_reads < stats.disk_reads
+
+
+def test_groups_cut_anywhere_give_the_same_bits(tiny_k3_dir, resident_logits, monkeypatch):
+    """A streaming step cuts its group wherever a read is still in flight: the sums must not depend on the cuts."""
+    from moeswap.experts import executors
+
+    monkeypatch.setattr(executors.Group, "GROUP_BYTES", 1)  # every expert its own kernel call
+    out, _ = _streamed(tiny_k3_dir, expert_reads="buffered")
+    assert torch.equal(out, resident_logits)
