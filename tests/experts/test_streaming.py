@@ -243,3 +243,27 @@ def test_groups_cut_anywhere_give_the_same_bits(tiny_k3_dir, resident_logits, mo
     monkeypatch.setattr(executors.Group, "GROUP_BYTES", 1)  # every expert its own kernel call
     out, _ = _streamed(tiny_k3_dir, expert_reads="buffered")
     assert torch.equal(out, resident_logits)
+
+
+@pytest.mark.parametrize("flags, fragment", [(("--prefill-chunk", "0"), "--prefill-chunk must be at least 1"),
+                                             (("--expert-top-p", "1.5"), "--expert-top-p must be a number in (0, 1]")])
+def test_bad_streaming_flags_are_one_line_errors(tiny_k3_dir, capsys, flags, fragment):
+    from moeswap.cli import main
+
+    code = main(["generate", str(tiny_k3_dir), "--prompt", "hi", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and fragment in err[0], err
+
+
+def test_generate_json_reports_the_streams_reads(tiny_k3_dir, capsys, strict_json):
+    from moeswap.cli import main
+
+    code = main(["generate", str(tiny_k3_dir), "--prompt", "the quick brown fox", "--max-tokens", "3", "--json",
+                 "--expert-policy", "none", "--prefill-chunk", "2"])
+    got = strict_json(capsys.readouterr().out)
+    store = got["expert_store"]
+    assert code == 0 and store["disk_bytes"] > 0
+    tokens = got["prompt_tokens"] + got["completion_tokens"] - 1
+    assert got["expert_bytes_per_token"] == store["disk_bytes"] / tokens
+    assert store["disk_io"]["read_GBps"] == store["disk_bytes"] / store["disk_io"]["busy_s"] / 1e9
+    assert 0 <= store["disk_io"]["hidden"] <= 1 and store["dedup"] >= 1
