@@ -79,7 +79,7 @@ def test_forced_direct_reads_or_a_one_line_refusal(tiny_k3_dir, resident_logits)
     assert torch.equal(out, resident_logits) and stats.disk_io.direct_reads == stats.disk_reads > 0
 
 
-def test_auto_falls_back_to_buffered_where_o_direct_is_refused(tiny_k3_dir, resident_logits, monkeypatch):
+def _refuse_o_direct(monkeypatch) -> None:
     real_open = os.open
 
     def refusing(path, flags, *a):  # as tmpfs on older kernels: open with O_DIRECT fails with EINVAL
@@ -88,10 +88,16 @@ def test_auto_falls_back_to_buffered_where_o_direct_is_refused(tiny_k3_dir, resi
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(tiers.os, "open", refusing)
+
+
+def test_auto_falls_back_to_buffered_where_o_direct_is_refused(tiny_k3_dir, resident_logits, monkeypatch):
+    _refuse_o_direct(monkeypatch)
     with pytest.warns(RuntimeWarning, match="O_DIRECT refused"):
         out, stats = _streamed(tiny_k3_dir, expert_reads="auto")
     assert torch.equal(out, resident_logits)
     assert stats.disk_io.mode == "buffered" and stats.disk_io.direct_reads == 0 and stats.disk_io.reads > 0
+    with pytest.raises(CheckpointError, match="refuses O_DIRECT; use --expert-reads auto or buffered"):
+        _streamed(tiny_k3_dir, expert_reads="direct")
 
 
 def test_direct_layout_puts_the_bytes_where_an_aligned_read_lands_them():

@@ -158,8 +158,9 @@ class CheckpointTier(Tier):
     reads (EXPERT_READS): direct reads an expert's span by O_DIRECT (bypassing the page cache) into a buffer laid
     out so its bytes land where they are used (reads.direct_layout); buffered reads through the page cache (which
     keeps what fits: a checkpoint smaller than RAM); auto is direct where the file system allows O_DIRECT, and
-    where it is refused reads buffered and drops what it read (POSIX_FADV_DONTNEED), as O_DIRECT would have left
-    the page cache, with a one-time note; `mode` says which ran. Experts that are not one span, and the native decode step's in-call loads (whose
+    once it is refused (on open; a read refused falls back inside the reader) reads buffered and drops what it
+    read (POSIX_FADV_DONTNEED), as O_DIRECT would have left the page cache, with a one-time note; `mode` says
+    which ran. Experts that are not one span, and the native decode step's in-call loads (whose
     buffers have one layout for every expert), read buffered."""
 
     name = "disk"
@@ -266,12 +267,15 @@ class CheckpointTier(Tier):
 
     def direct_fd(self, file) -> int | None:
         """The file opened with O_DIRECT, or None: buffered reads asked for, or O_DIRECT refused for it (auto
-        notes it once and reads buffered from then on; direct refuses to go on)."""
+        notes it once and the tier reads buffered from then on; direct refuses to go on, at every read)."""
         if self.mode != "direct":
             return None
         file = file if type(file) is str else str(file)
         if file in self._dfds:
-            return self._dfds[file]
+            dfd = self._dfds[file]
+            if dfd is None:  # refused before: --expert-reads direct says so again (auto reads buffered by now)
+                self.refused(file)
+            return dfd
         with self._fd_lock:
             if file not in self._dfds:
                 try:
