@@ -37,7 +37,7 @@
     FIELD(int64_t, head, )      /* O_DIRECT: bytes of the caller's buffer before dst the read may overwrite */ \
     FIELD(int64_t, tail, )      /* ... and after dst + nbytes */                                              \
     FIELD(int32_t, direct, )    /* set by the reader: 1 read by O_DIRECT, -1 O_DIRECT refused (read buffered) */ \
-    FIELD(int32_t, spare, )                                                                                    \
+    FIELD(int32_t, spare, )     /* unused: the next field at 8 bytes, as C lays it out anyway */              \
     FIELD(int64_t, t0_ns, )     /* set by the reader: CLOCK_MONOTONIC when the read began and ended */         \
     FIELD(int64_t, t1_ns, )                                                                                    \
     FIELD(struct msw_job *, next, )
