@@ -133,7 +133,8 @@ def test_a_subset_of_flags_and_overridden_defaults():
     ({"dense_weights": "half"}, "--dense-weights 'half'"),
     ({"gemm_precision": "int4"}, "--gemm-precision 'int4'"),
     ({"expert_memory": -1}, "--expert-memory must be a byte count >= 0"),
-    ({"expert_policy": "none", "prefetch": "next-layer"}, "--prefetch needs a cache"),
+    ({"expert_reads": "mmap"}, "--expert-reads 'mmap'"),
+    ({"read_threads": 0}, "--read-threads must be an integer >= 1"),
 ])
 def test_invalid_options_name_the_flag(changes, message):
     with pytest.raises(ValueError, match=message):

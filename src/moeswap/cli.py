@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-step", action="store_true",
                    help="decode through the model's modules (the reference), not the fast step (the native C step "
                         "on the CPU, CUDA graphs on CUDA)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per step: each distinct routed expert is read once per chunk and "
+                        "layer where the store keeps none (default 512)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
                    help="apply a LoRA adapter in PEFT format (adapter_config.json + adapter_model.safetensors); "
@@ -146,6 +149,8 @@ def cmd_generate(args) -> int:
     args.prompt = [_stdin_prompt() if text == "-" else text for text in args.prompt]
     for text in args.prompt:
         check_text("--prompt", text)
+    if args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if len(args.prompt) > 1:
         return generate_many(args)
     args.prompt = args.prompt[0]
@@ -183,7 +188,8 @@ def cmd_generate(args) -> int:
         if not args.json and tok is not None:
             print(args.prompt if not args.chat else "", end="", flush=True)
             on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
-        engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step)
+        engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step,
+                              prefill_chunk=args.prefill_chunk)
         try:
             result = generate(model, ids, cfg, on_token=on_token, engine=engine)
         except ValueError:
@@ -200,6 +206,8 @@ def cmd_generate(args) -> int:
         "finish_reason": result.finish_reason, "load_s": round(load_s, 3),
         "ttft_ms": round(result.ttft_s * 1e3, 2), "decode_tokens_per_s": None if rate is None else round(rate, 2),
         "expert_store": store.stats.as_dict(), "native_decode_steps": result.native_steps,
+        # tokens through the model: the prompt and each generated token but the last
+        "expert_bytes_per_token": store.stats.disk_bytes / max(1, result.prompt_tokens + len(result.tokens) - 1),
         "decode_step": result.decode_step, "expert_executor": result.expert_executor,
         "graph_capture_s": round(result.graph_capture_s, 4),
         "state_bytes": result.state_bytes, "lora": None if lora is None else str(lora[1].directory),
@@ -221,7 +229,8 @@ def cmd_generate(args) -> int:
                   f"decode steps {fast}: {result.native_steps} of {result.decoded}"
                   + (f" (otherwise: {result.native_off})" if result.native_off else "")
                   + (f", {result.graph_capture_s * 1e3:.0f} ms capturing" if result.graph_capture_s else ""))
-        print(f"[load {load_s:.2f}s; {store.stats.summary()}; {native}; "
+        print(f"[load {load_s:.2f}s; {store.stats.summary()} "
+              f"({stats['expert_bytes_per_token'] / 1e6:.2f} MB per token); {native}; "
               f"expert executor {result.expert_executor}, last decode step {result.decode_step or 'none'}; "
               f"sequence state {human_bytes(result.state_bytes)}; torch threads {stats['threads']}"
               + (f", OpenMP: {stats['openmp']}" if stats["openmp"] else "") + "]", file=sys.stderr)
@@ -263,7 +272,8 @@ def generate_many(args) -> int:
 
         def one(i: int) -> dict:
             c = dataclasses.replace(cfg, stop_ids=stop_ids, seed=None if seed is None else seed + i)
-            engine = EngineConfig(max_batch=1, max_len=len(ids[i]) + c.max_tokens, native=not args.reference_step)
+            engine = EngineConfig(max_batch=1, max_len=len(ids[i]) + c.max_tokens, native=not args.reference_step,
+                                  prefill_chunk=args.prefill_chunk)
             r = generate(model, ids[i], c, engine=engine)
             rate = r.decode_tokens_per_s
             return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moeswap.experts.hybrid import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS  # torch-free, as is everything here
+from moeswap.experts.read_modes import DEFAULT_THREADS, EXPERT_READS
 from moeswap.ops.gemm_precision import GEMM_PRECISIONS
 from moeswap.units import human_bytes, parse_bytes
 
@@ -33,8 +34,8 @@ def _policy_choices() -> tuple[str, ...]:
 
 def _option(default: Any, help: str, *, choices: Callable[[], Iterable[str]] | tuple[str, ...] | None = None,
             kind: str = "str", metavar: str | None = None, flag: bool = True):
-    """A field with its flag: kind is str, int (>= 1), bytes (parsed '2GiB') or bool (a switch); flag=False keeps
-    it out of the CLI (set by code only)."""
+    """A field with its flag: kind is str, int (>= 1), float (checked by its own rule), bytes (parsed '2GiB') or
+    bool (a switch); flag=False keeps it out of the CLI (set by code only)."""
     return field(default=default, metadata={"help": help, "choices": choices, "kind": kind, "metavar": metavar,
                                             "flag": flag})
 
@@ -81,6 +82,16 @@ class LoadOptions:
         EXPERT_GPU_MIN_TOKENS, "--expert-compute auto: layer steps of at least this many tokens copy missing "
                                "experts up; fewer compute them on the CPU (llama.cpp's switch is 32 too)",
         kind="int", metavar="N")
+    expert_reads: str = _option(
+        "auto", "how routed experts are read from the checkpoint: direct (O_DIRECT, bypassing the page cache), "
+                "buffered (through it), auto (direct where the file system allows, else buffered dropping what "
+                "was read)", choices=EXPERT_READS)
+    read_threads: int = _option(DEFAULT_THREADS, "reader threads: expert reads in flight at once (prefetch and "
+                                                 "--expert-policy none)", kind="int", metavar="N")
+    expert_top_p: float = _option(
+        1.0, "skip each token's tail of routed experts: keep the fewest, by descending routing weight, whose share "
+             "of its weight reaches P, renormalised as the architecture does (1: off; fewer experts read, "
+             "perplexity cost in docs/swap.md)", kind="float", metavar="P")
     # benchmarks: every disk read comes from the device, not the OS page cache
     drop_page_cache: bool = _option(False, "", kind="bool", flag=False)
 
@@ -93,8 +104,8 @@ class LoadOptions:
                 raise ValueError(f"{_flag(f)} must be a byte count >= 0, got {value!r}")
             if f.metadata["kind"] == "int" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{_flag(f)} must be an integer >= 1, got {value!r}")
-        if self.expert_policy == NO_CACHE and self.prefetch != "none":
-            raise ValueError("--prefetch needs a cache: --expert-policy none keeps no experts to prefetch into")
+        if not (isinstance(self.expert_top_p, (int, float)) and 0 < self.expert_top_p <= 1):
+            raise ValueError(f"--expert-top-p must be a number in (0, 1], got {self.expert_top_p!r}")
         if self.expert_compute == "cpu" and self.prefetch != "none":
             raise ValueError("--expert-compute cpu computes missing experts where they are; --prefetch would copy "
                              "them up anyway (use --expert-compute auto, or --prefetch none)")
@@ -167,6 +178,8 @@ def add_load_flags(parser: argparse.ArgumentParser, *, only: Iterable[str] | Non
             kw["type"] = parse_bytes
         elif meta["kind"] == "int":
             kw["type"] = int
+        elif meta["kind"] == "float":
+            kw["type"] = float
         if meta["choices"] is not None:
             kw["choices"] = _choices(f)
         if meta["metavar"]:

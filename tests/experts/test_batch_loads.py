@@ -66,6 +66,8 @@ def _replay(store, trace, layers) -> tuple[list, dict]:
     stats = store.stats.as_dict()
     for timing in ("stall_s", "load_s"):
         stats.pop(timing)
+    for timing in ("busy_s", "read_GBps", "hidden"):
+        stats["disk_io"].pop(timing)
     return log + [tuple(evictions)], stats
 
 

@@ -89,7 +89,8 @@ def test_msw_job_is_the_reader_librarys_field_by_field():
     assert size == ctypes.sizeof(reads.ReadJob) and reads.layout_problem(lib) is None
     assert states == list(kernel_abi.job_abi().states.items())
     assert [n for n, *_ in fields] == ["fd", "offset", "nbytes", "dst", "drop", "state", "error", "nchecks",
-                                       "check_off", "check_len", "check_max", "bad", "next"]
+                                       "check_off", "check_len", "check_max", "bad", "direct_fd1", "align", "head",
+                                       "tail", "direct", "spare", "t0_ns", "t1_ns", "next"]
     assert reads._CHECKS == 4 and reads.ReadJob.check_off.size == 4 * 8
 
 

@@ -94,6 +94,8 @@ class _Plan:
         if self.act is None:
             raise Unsupported(f"activation {c.hidden_act!r}")
         self.betas = (c.situ_beta, c.situ_linear_beta)
+        if any(block.gate.top_p < 1 for block in model.moe_blocks()):
+            raise Unsupported("--expert-top-p below 1 (the call routes without skipping)")
         self._kept: list[torch.Tensor] = []
         self.watched: list[torch.Tensor] = []  # weights the table holds copies of (see _f32)
         layers = model.model.layers

@@ -49,6 +49,10 @@ class StoreSettings(Protocol):
     def expert_gpu_min_tokens(self) -> int: ...
     @property
     def prefetch(self) -> str: ...
+    @property
+    def expert_reads(self) -> str: ...
+    @property
+    def read_threads(self) -> int: ...
 
 
 def _expert_sizes(ckpt: Checkpoint, index: ExpertIndex, key: Key, itemsize: int) -> tuple[int, int]:
@@ -106,7 +110,7 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
     # spare read buffers: two layer steps' worth of misses, so a miss reuses an evicted expert's buffer
     spare = 2 * config.moe.top_k * size(Key(*first))[0]
     disk = CheckpointTier(ckpt, index, expert_dtype, options.drop_page_cache, spare_buffer_bytes=spare,
-                          pin_background=device.type == "cuda")
+                          pin_background=device.type == "cuda", reads=options.expert_reads)
     # MXFP4 bytes kept on the CPU are the read buffer's views as they are: no form to make (and no per-load
     # check that they already are one)
     keep_as_read = device.type == "cpu" and packed and not options.decoded_experts
@@ -155,8 +159,10 @@ def build_store(ckpt: Checkpoint, index: ExpertIndex, config: ModelConfig, dtype
         from moeswap.experts.hybrid import HybridExperts
 
         store.hybrid = HybridExperts(store, options.expert_compute, options.expert_gpu_min_tokens)
-    if options.prefetch == "next-layer":
+    # a store that keeps nothing streams: its reader threads read each layer step's misses together (and the
+    # next layer's guess with --prefetch next-layer)
+    if options.prefetch == "next-layer" or not caching:
         from moeswap.experts.prefetch import Prefetcher
 
-        store.prefetcher = Prefetcher(store)
+        store.prefetcher = Prefetcher(store, options.read_threads, lookahead=options.prefetch == "next-layer")
     return store

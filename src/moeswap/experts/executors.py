@@ -202,17 +202,26 @@ class GroupedExecutor(KernelExecutor):
         # every expert of the layer, and holding them all would defeat the memory budget. With hybrid experts
         # (experts/hybrid.py) those the fast tier lacks may come from host memory.
         experts = fetch_step(self.store, self.block.layer_idx, unique_ids, h_TI.shape[0])
+        count = getattr(self.store, "count_routing", None)  # (the dedup stats: test stores may lack it)
+        if count is not None:
+            count(len(token_of), len(unique_ids))
         out_TI = torch.zeros(h_TI.shape, dtype=torch.float32, device=h_TI.device)
         self.compute(experts, counts, h_TI, token_of, weights, out_TI)
         return out_TI.to(h_TI.dtype)
 
     def compute(self, experts, counts: list[int], h_TI, token_of, weights, out_TI, host: list[bool] | None = None):
-        """Adds the step's experts into out_TI; host[i]: expert i runs apart on the CPU (OnHost)."""
+        """Adds the step's experts into out_TI; host[i]: expert i runs apart on the CPU (OnHost). Where the fetch
+        has reads in flight (`ready`: a streaming store) the group runs what it holds before waiting for the next
+        expert's read, so compute overlaps the reads still in flight (the kernel's sums do not depend on where a
+        group is cut: tests/experts/test_streaming.py compares with all-resident bits)."""
         b = self.block
         group = Group(h_TI, token_of, weights, out_TI, b.act, b.situ_betas, b.int8_activations)
         on_host = None
         start = 0
+        ready = getattr(experts, "ready", None)  # a fetch with reads in flight (a store that streams experts)
         for i, n in enumerate(counts):
+            if ready is not None and group.experts and not ready(i):
+                group.flush()  # compute the experts already read while this one's read completes
             expert = experts[i]
             if host is not None and host[i]:
                 on_host = on_host or OnHost(h_TI, token_of, weights, b)

@@ -70,7 +70,10 @@ def _buffer_of(w) -> tuple[torch.Tensor, int, int]:
     if got is None:
         held = tensors(w)
         first = next(iter(held.values()))
-        got = w.__dict__["_buffer_of"] = (first, len(held) + 2, first.untyped_storage().data_ptr())
+        # where its bytes begin in the buffer (an O_DIRECT read's buffer has room before them: reads.direct_layout)
+        storage = first.untyped_storage().data_ptr()
+        address = min(t.data_ptr() for t in held.values() if t.untyped_storage().data_ptr() == storage)
+        got = w.__dict__["_buffer_of"] = (first, len(held) + 2, address)
     return got
 
 
@@ -145,7 +148,10 @@ class InCallLoads:
             if s is None or s.layout != span.layout or s.end - s.start != n:
                 return None
             at[2 * e], at[2 * e + 1] = src.fd(s.file), s.start
-        return _LayerLoads(at, read_job(0, 0, buf, src.drop_page_cache, span.checks), offsets,
+        # buffered reads here (one buffer layout for every expert: no room for an O_DIRECT read's alignment);
+        # where the store reads by O_DIRECT they leave the page cache as those would, dropping what they read
+        drop = src.drop_page_cache or getattr(src, "mode", "") == "direct"
+        return _LayerLoads(at, read_job(0, 0, buf, drop, span.checks), offsets,
                            store.fast.cost(Key(layer, 0)), span)
 
     def clear(self) -> None:

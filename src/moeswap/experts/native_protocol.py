@@ -29,6 +29,7 @@ class InCallLoads:
         with self._lock:
             self.stats.stall_s += read_s
             self.stats.load_s += read_s
+            self.stats.disk_io.add_busy(read_s)
             p = self.stats.prefetch
             p.predicted, p.actual, p.correct = p.predicted + predicted, p.actual + actual, p.correct + correct
 

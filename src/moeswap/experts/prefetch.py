@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moeswap.experts.keys import Key
-from moeswap.experts.reads import DEFAULT_THREADS, Reads
+from moeswap.experts.read_modes import DEFAULT_THREADS
+from moeswap.experts.reads import Reads
 
 # up to this many guessed (token, slot) pairs, counting in Python beats torch's unique and argsort
 # (docs/benchmarks.md): a decode step's handful, where the native decode step guesses at every layer that stops
@@ -24,8 +25,9 @@ GUESSES_IN_PYTHON = 256
 
 
 class Prefetcher:
-    def __init__(self, store, threads: int = DEFAULT_THREADS, native: bool = True):
-        self._store = store
+    def __init__(self, store, threads: int = DEFAULT_THREADS, native: bool = True, lookahead: bool = True):
+        """lookahead: the model hints the next layer's experts (NextLayerLookahead); else only read-ahead."""
+        self._store, self.lookahead = store, lookahead
         self.reads = Reads(threads, native)
         cuda = store.fast.device.type == "cuda"
         self.stream = torch.cuda.Stream(store.fast.device) if cuda else None  # copies beside the model's

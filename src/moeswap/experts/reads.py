@@ -15,21 +15,25 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
+from moeswap.experts.read_modes import DEFAULT_THREADS
 from moeswap.formats.checkpoint import pread_into
 from moeswap.ops.kernel_abi import JOB_HEADER, job_abi, list_problem, struct_problem
 
 SOURCE = Path(__file__).with_name("native_reads.c")
 HEADER = JOB_HEADER  # msw_job, the read and its check
-# reads in flight: more threads read faster, and decode gained nothing past 2 (docs/benchmarks.md)
-DEFAULT_THREADS = 2
+# O_DIRECT reads: offsets, lengths and buffer addresses aligned to this (the largest logical block size of common
+# drives; a buffer laid out for a read has DIRECT_SLACK bytes beyond the expert's for it: `direct_layout`)
+DIRECT_ALIGN = 4096
+DIRECT_SLACK = 3 * DIRECT_ALIGN
 
 
 class ReadJob(ctypes.Structure):
@@ -49,6 +53,13 @@ class Checks(NamedTuple):
 
     ranges: tuple[tuple[int, int], ...]
     max_byte: int
+
+
+class ReadLog(Protocol):
+    """What is told of each read done: when it ran (CLOCK_MONOTONIC ns, as time.monotonic_ns), its bytes, and
+    how (1 O_DIRECT, 0 buffered, -1 O_DIRECT refused so buffered): experts/stats.py ReadStats."""
+
+    def read(self, t0_ns: int, t1_ns: int, nbytes: int, direct: int) -> None: ...
 
 
 _lib_lock = threading.Lock()
@@ -132,12 +143,38 @@ def native_library() -> _Native | None:
 _templates: dict[Checks, tuple[bytes, int]] = {}  # a job with these checks filled in, and their end
 
 
-def read_job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None) -> ReadJob:
-    """A job that fills `buf` from `offset` of `fd` and checks `checks` (what the reader threads, msw_read_now
-    and the native decode step's in-call loads run)."""
+class Direct(NamedTuple):
+    """How a read may go by O_DIRECT: a descriptor of the file opened with O_DIRECT, and the room the buffer has
+    around the expert's bytes (`direct_layout`)."""
+
+    fd: int
+    head: int
+    tail: int
+
+
+def direct_layout(raw: torch.Tensor, offset: int, nbytes: int) -> tuple[torch.Tensor, int, int]:
+    """The slice of `raw` (a uint8 buffer of nbytes + DIRECT_SLACK) where an O_DIRECT read of the aligned superset
+    of [offset, offset + nbytes) puts the expert's bytes, and the room before and after that slice: the bytes land
+    where they are used, no copy."""
+    ptr = raw.data_ptr()
+    at = -ptr % DIRECT_ALIGN + offset % DIRECT_ALIGN  # dst - ptr: (dst - offset's misalignment) aligned
+    return raw[at:at + nbytes], at, raw.numel() - at - nbytes
+
+
+def _set_direct(job: ReadJob, direct: Direct | None) -> None:
+    if direct is not None:
+        job.direct_fd1, job.align, job.head, job.tail = direct.fd + 1, DIRECT_ALIGN, direct.head, direct.tail
+
+
+def read_job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks | None,
+             direct: Direct | None = None) -> ReadJob:
+    """A job that fills `buf` from `offset` of `fd` (by O_DIRECT where `direct` says how) and checks `checks`
+    (what the reader threads, msw_read_now and the native decode step's in-call loads run)."""
     nbytes = buf.numel()
     if checks is None:
-        return ReadJob(fd, offset, nbytes, buf.data_ptr(), int(drop))
+        job = ReadJob(fd, offset, nbytes, buf.data_ptr(), int(drop))
+        _set_direct(job, direct)
+        return job
     template = _templates.get(checks)
     if template is None:  # every expert of a model has the same checks: fill them in once (per load: a copy)
         if len(checks.ranges) > _CHECKS:
@@ -153,18 +190,26 @@ def read_job(fd: int, offset: int, buf: torch.Tensor, drop: bool, checks: Checks
         raise ValueError(f"checked ranges end at byte {template[1]}, outside a buffer of {nbytes} bytes")
     job = ReadJob.from_buffer_copy(template[0])
     job.fd, job.offset, job.nbytes, job.dst, job.drop = fd, offset, nbytes, buf.data_ptr(), int(drop)
+    _set_direct(job, direct)
     return job
 
 
-def read_now(fd: int, offset: int, buf: torch.Tensor, checks: Checks | None = None) -> bool | None:
+def read_now(fd: int, offset: int, buf: torch.Tensor, checks: Checks | None = None, direct: Direct | None = None,
+             log: ReadLog | None = None) -> bool | None:
     """Fill `buf` from `offset` of `fd` on this thread (OSError if the file ends first or the read
-    fails); returns whether a checked byte is over its limit (None: not checked, no native reader)."""
-    lib = native_library() if checks is not None else None
+    fails); returns whether a checked byte is over its limit (None: not checked, no native reader).
+    direct: by O_DIRECT where the file system allows; log: told of the read."""
+    lib = native_library() if checks is not None or direct is not None or log is not None else None
     if lib is None:
+        t0 = time.monotonic_ns()
         pread_exactly(fd, buf, offset)
+        if log is not None:
+            log.read(t0, time.monotonic_ns(), buf.numel(), 0)
         return None
-    job = read_job(fd, offset, buf, False, checks)
+    job = read_job(fd, offset, buf, False, checks, direct)
     error = lib.read_now(job)
+    if log is not None:
+        log.read(job.t0_ns, job.t1_ns, job.nbytes, job.direct)
     if error == -1:
         raise OSError(f"file shrank since open: expected {job.nbytes} bytes at offset {offset}")
     if error:
@@ -225,13 +270,16 @@ class _NativeRead(Pending):
     """One read's jobs on the native threads. `submit=False`: the caller submits them (read_many)."""
 
     def __init__(self, reads: Reads, segments: Sequence[Segment], drop: bool, urgent: bool, finish: Finish,
-                 checks: Checks | None = None, submit: bool = True):
-        self._reads, self._finish = reads, finish
+                 checks: Checks | None = None, submit: bool = True, direct: Direct | None = None,
+                 log: ReadLog | None = None):
+        self._reads, self._finish, self._log = reads, finish, log
         self._buffers = [buf for _, _, buf in segments]  # kept alive while C writes into them
         if checks is not None and len(segments) != 1:
             raise ValueError("checked reads have one segment")
         self._checked = checks is not None
-        self._jobs = [read_job(fd, offset, buf, drop, checks) for fd, offset, buf in segments]
+        if direct is not None and len(segments) != 1:
+            raise ValueError("O_DIRECT reads have one segment")
+        self._jobs = [read_job(fd, offset, buf, drop, checks, direct) for fd, offset, buf in segments]
         if submit:
             for job in self._jobs:
                 reads._lib.submit(reads._handle, job, int(urgent))
@@ -258,6 +306,8 @@ class _NativeRead(Pending):
                 error = OSError(f"file shrank since open: expected {job.nbytes} bytes at offset {job.offset}")
             elif job.error:
                 error = OSError(job.error, os.strerror(job.error))
+            elif self._log is not None:
+                self._log.read(job.t0_ns, job.t1_ns, job.nbytes, job.direct)
         bad = bool(self._jobs[0].bad) if self._checked and error is None else None
         return self._finish(error, bad)
 
@@ -389,36 +439,44 @@ class Reads:
         return self._handle, self._lib.addresses["msw_reads_submit"], self._lib.addresses["msw_reads_wait"]
 
     def read(self, segments: Sequence[Segment], finish: Finish, drop: bool = False, urgent: bool = False,
-             checks: Checks | None = None) -> Pending:
+             checks: Checks | None = None, direct: Direct | None = None, log: ReadLog | None = None) -> Pending:
         """Fill each segment's buffer from its file; `result()` returns finish(error or None, bad), bad saying
         whether a byte in `checks` (one segment's) is over its limit, None where not checked (the Python
-        threads do not check: the caller does). drop: then drop those pages from the OS page cache."""
+        threads do not check: the caller does). drop: then drop those pages from the OS page cache. direct: one
+        segment read by O_DIRECT where the file system allows (the native threads only). log: told of each
+        read when its result is taken."""
         if self.native:
-            return _NativeRead(self, segments, drop, urgent, finish, checks)
+            return _NativeRead(self, segments, drop, urgent, finish, checks, direct=direct, log=log)
+        times: list[tuple[int, int, int]] = []
 
         def read_all() -> None:
             for fd, offset, buf in segments:
+                t0 = time.monotonic_ns()
                 pread_exactly(fd, buf, offset)
                 if drop and hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, offset, buf.numel(), os.POSIX_FADV_DONTNEED)
+                times.append((t0, time.monotonic_ns(), buf.numel()))
 
         def finish_call(_, error):
             if error is not None and not isinstance(error, OSError):
                 raise error
+            if log is not None:
+                for t0, t1, n in times:
+                    log.read(t0, t1, n, 0)
             return finish(error, None)
 
         call = _Call(read_all, finish_call, self._pool)
         self._pool.submit(call, urgent)
         return call
 
-    def read_many(self, reads: Sequence[tuple[Sequence[Segment], Finish, Checks | None]], drop: bool = False,
-                  urgent: bool = False) -> list[Pending]:
-        """`read` for each (segments, finish, checks), submitted to the native threads in one call and in
-        this order (a layer step's loads)."""
+    def read_many(self, reads: Sequence[tuple], drop: bool = False, urgent: bool = False,
+                  log: ReadLog | None = None) -> list[Pending]:
+        """`read` for each (segments, finish, checks) or (segments, finish, checks, direct), submitted to the
+        native threads in one call and in this order (a layer step's loads)."""
         if not self.native:
-            return [self.read(segments, finish, drop, urgent, checks) for segments, finish, checks in reads]
-        pending = [_NativeRead(self, segments, drop, urgent, finish, checks, submit=False)
-                   for segments, finish, checks in reads]
+            return [self.read(r[0], r[1], drop, urgent, r[2], log=log) for r in reads]
+        pending = [_NativeRead(self, r[0], drop, urgent, r[1], r[2], submit=False,
+                               direct=r[3] if len(r) > 3 else None, log=log) for r in reads]
         jobs = [ctypes.addressof(job) for p in pending for job in p._jobs]
         if jobs:
             self._lib.submit_many(self._handle, (ctypes.c_void_p * len(jobs))(*jobs), len(jobs), int(urgent))

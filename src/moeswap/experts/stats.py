@@ -107,6 +107,53 @@ class CopyStats:
 
 
 @dataclass
+class ReadStats:
+    """Reads of the checkpoint (experts/reads.py ReadLog): how they went (`mode`: the CheckpointTier's
+    --expert-reads as it ended up, direct or buffered), how many by O_DIRECT, and the time at least one was in
+    flight (`busy_s`: the union of their intervals), from which the store reports the achieved read rate and the
+    share of that time hidden behind compute (`as_dict`)."""
+
+    mode: str = ""
+    reads: int = 0
+    direct_reads: int = 0
+    refused: int = 0  # O_DIRECT asked for and refused by the file system: read buffered
+    bytes: int = 0
+    busy_s: float = 0.0
+
+    def __post_init__(self):
+        self._open: list[tuple[int, int]] = []  # intervals (ns) not yet merged into busy_s: not a field
+
+    def read(self, t0_ns: int, t1_ns: int, nbytes: int, direct: int) -> None:
+        self.reads += 1
+        self.bytes += nbytes
+        self.direct_reads += direct == 1
+        self.refused += direct == -1
+        self._open.append((t0_ns, t1_ns))
+        if len(self._open) >= 512:
+            self.merge(final=False)
+
+    def add_busy(self, seconds: float) -> None:
+        """Read time of reads on the model's own thread that are not logged one by one (the native decode step's
+        in-call loads): nothing else runs meanwhile, so none of it overlaps."""
+        self.busy_s += seconds
+
+    def merge(self, final: bool = True) -> None:
+        """Merge the open intervals into busy_s; all but the latest merged run unless `final` (a read taken later
+        may still overlap it: results are taken roughly in the order reads ran, so this is close)."""
+        if not self._open:
+            return
+        runs: list[list[int]] = []
+        for t0, t1 in sorted(self._open):
+            if runs and t0 <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], t1)
+            else:
+                runs.append([t0, t1])
+        keep = [] if final else [(runs[-1][0], runs.pop()[1])]
+        self.busy_s += sum(t1 - t0 for t0, t1 in runs) / 1e9
+        self._open = keep
+
+
+@dataclass
 class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)  # fastest first
     disk_reads: int = 0  # experts read from the checkpoint
@@ -117,6 +164,27 @@ class StoreStats:
     graph: GraphStats = field(default_factory=GraphStats)
     hybrid: HybridStats = field(default_factory=HybridStats)
     copies: CopyStats = field(default_factory=CopyStats)  # into an accelerator's fast tier (experts/build.py)
+    disk_io: ReadStats = field(default_factory=ReadStats)  # the checkpoint's reads (CheckpointTier logs them)
+    routed_pairs: int = 0  # (token, expert) pairs of the layer steps that fetched: a read each, token at a time
+    fetched: int = 0  # distinct experts those steps fetched
+
+    @property
+    def dedup(self) -> float | None:
+        """Expert reads token-at-a-time would need over the distinct experts the steps fetched (None: no fetch)."""
+        return self.routed_pairs / self.fetched if self.fetched else None
+
+    @property
+    def read_GBps(self) -> float | None:
+        """Bytes read from the checkpoint over the time reads were in flight."""
+        self.disk_io.merge()
+        return self.disk_bytes / self.disk_io.busy_s / 1e9 if self.disk_io.busy_s > 0 else None
+
+    @property
+    def hidden(self) -> float | None:
+        """Share of the read time the model did not wait for: 1 - stalled / in flight."""
+        self.disk_io.merge()
+        busy = self.disk_io.busy_s
+        return max(0.0, 1 - self.stall_s / busy) if busy > 0 else None
 
     @cached_property  # (the store counts into it on every hit and miss; tiers are fixed once made)
     def fast(self) -> TierStats:
@@ -140,6 +208,7 @@ class StoreStats:
         return self.disk_bytes
 
     def as_dict(self) -> dict:
+        self.disk_io.merge()
         d = asdict(self)
         d.update(hits=self.hits, misses=self.misses, hit_rate=self.hit_rate, bytes_read=self.disk_bytes)
         for name, t in self.tiers.items():
@@ -147,6 +216,8 @@ class StoreStats:
         d["prefetch"].update(precision=self.prefetch.precision, recall=self.prefetch.recall)
         self.copies.harvest()
         d["copies"] = dict(asdict(self.copies), GBps=self.copies.GBps, overlapped=self.copies.overlapped)
+        d["disk_io"] = dict(asdict(self.disk_io), read_GBps=self.read_GBps, hidden=self.hidden)
+        d["dedup"] = self.dedup
         return d
 
     def summary(self) -> str:
@@ -157,6 +228,12 @@ class StoreStats:
         if p.loaded or p.predicted:
             line += (f"; prefetch precision {_percent(p.precision)} recall {_percent(p.recall)}, {p.loaded} loaded, "
                      f"{p.used} used, {p.late} late, {p.wasted} wasted, {p.dropped} dropped")
+        if self.disk_bytes:
+            gbps = self.read_GBps
+            line += (f"; reads {self.disk_io.mode or 'buffered'} at "
+                     + ("n/a" if gbps is None else f"{gbps:.2f} GB/s") + f" in flight, {_percent(self.hidden)} hidden")
+        if self.fetched:
+            line += f"; dedup {self.dedup:.2f}x"
         h = self.hybrid
         if h.cpu_steps or h.fetch_steps:
             line += (f"; hybrid: {h.cpu_steps} layer steps computed {h.cpu_experts} experts on the CPU, "

@@ -57,6 +57,10 @@ class Fetched(Sequence):
             return [self._store._get(k) for k in self._keys[i]]
         return self._store._get(self._keys[i])
 
+    def ready(self, i: int) -> bool:
+        """Whether indexing expert i now would not wait for a read (a caller computes what it has meanwhile)."""
+        return self._store._ready_now(self._keys[i])
+
 
 class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
     """The store. Its state and the cache are here; BackgroundLoads, InCallLoads and GraphHolds add the methods
@@ -97,6 +101,16 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
         self._pins = _Pinned(self)
         self._holds: dict[Key, weakref.WeakSet] = {}  # experts that live graphs keep, and their holds
         self._mirrors: dict[int, list] = {}  # layer -> what mirrors its fast-tier experts (`mirror`)
+        # a fast tier that keeps nothing (streaming, --expert-policy none): the experts its background loads read
+        # for a layer step not yet begun (the next layer's guess), kept until that step takes them or ends
+        self._staged: dict[Key, Weights] = {}
+        self._log_reads()
+
+    def _log_reads(self) -> None:
+        """The checkpoint tells this store's books of each read it makes (stats.disk_io)."""
+        if hasattr(self.source, "log"):
+            self.source.log = self.stats.disk_io
+            self.stats.disk_io.mode = self.source.mode
 
     # -- the API --------------------------------------------------------------------------------------
 
@@ -128,7 +142,7 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
                         self._hit(key)
                     return resident
             self._pending = set(keys)
-            missing = [k for k in keys if k not in self.fast and k not in self._inflight]
+            missing = [k for k in keys if k not in self.fast and k not in self._inflight and k not in self._staged]
         if takes_all:
             missing = missing[1:]
         if self.prefetcher is not None and missing:
@@ -146,6 +160,12 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
             for key in self.fast.keys():
                 if key.layer == layer:
                     table.added(key.expert, self.fast.get(key))
+
+    def count_routing(self, pairs: int, distinct: int) -> None:
+        """A layer step that fetched `distinct` experts for `pairs` (token, expert) pairs: what dedup reports."""
+        with self._lock:
+            self.stats.routed_pairs += pairs
+            self.stats.fetched += distinct
 
     def table_hits(self, layer: int, expert_ids: Sequence[int]) -> None:
         """A layer step served from `layer`'s mirror table without a fetch: the books a fetch of these
@@ -205,6 +225,7 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
         with self._lock:
             self.stats = StoreStats({t.name: TierStats() for t in self.tiers[:-1]})
             self._unused.clear()
+            self._log_reads()
 
     def close(self) -> None:
         if self.prefetcher is not None:
@@ -219,6 +240,13 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
         if hasattr(self.source, "close"):
             self.source.close()
 
+    def _ready_now(self, key: Key) -> bool:
+        """Whether `key` is at hand without a read to wait for (no lock: a stale answer only moves a flush)."""
+        if key in self.fast or key in self._staged:
+            return True
+        load = self._inflight.get(key)
+        return load is not None and (load.done or (load.pending is not None and load.pending.ready()))
+
     # -- demand path ----------------------------------------------------------------------------------
 
     def _get(self, key: Key) -> Weights:
@@ -229,6 +257,10 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
                 self._hit(key)
                 return self._ready(key, w)
             self.stats.fast.misses += 1
+            staged = self._staged.pop(key, None) if self._staged else None
+            if staged is not None:  # read ahead for this step (keeps nothing: not stored)
+                self.stats.prefetch.used += 1
+                return staged
             load = self._inflight.get(key)
             mine = load is None
             if mine:
@@ -249,6 +281,7 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
         with self._lock:
             if not load.done:
                 self._finish(load)
+            self._staged.pop(key, None)  # (taken here: not kept for later)
             self.stats.stall_s += time.perf_counter() - t0
             if load.error is None:
                 self.policies[0].record(key)
@@ -270,6 +303,11 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
         self._hints = {l: h for l, h in self._hints.items() if h[0] >= self._fetches}
         self._fetches += 1
         self._active = set(keys)
+        if self._staged:  # read ahead for a step that is gone
+            stale = [k for k in self._staged if k.layer != layer]
+            for k in stale:
+                del self._staged[k]
+            self.stats.prefetch.wasted += len(stale)
         self._harvest()
 
     def _hit(self, key: Key) -> None:
@@ -328,6 +366,9 @@ class ExpertStore(BackgroundLoads, InCallLoads, GraphHolds):
             if load.background:
                 self._unused.add(key)
                 self.stats.prefetch.loaded += 1
+        elif stored and load.error is None and load.background and value is not None:
+            self._staged[key] = value  # (a demand taking it now drops it again)
+            self.stats.prefetch.loaded += 1
         load.value = value
         load.done = True
         if self._waiting:

@@ -10,9 +10,11 @@ no eviction: ExpertStore decides what goes where, under its lock.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import threading
+import warnings
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -20,7 +22,8 @@ import torch
 
 from moeswap.experts.buffers import BufferPool
 from moeswap.experts.keys import Key
-from moeswap.experts.reads import Checks, Pending, Reads, read_now
+from moeswap.experts.read_modes import EXPERT_READS
+from moeswap.experts.reads import DIRECT_SLACK, Checks, Direct, Pending, Reads, direct_layout, read_now
 from moeswap.experts.source import ExpertIndex, check_expert, load_expert
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.ops.expert import ExpertWeights, MXFP4ExpertWeights, tensors
@@ -150,19 +153,33 @@ class CheckpointTier(Tier):
 
     drop_page_cache: after each read, ask the OS to drop those pages (posix_fadvise DONTNEED), so the
     next read of that expert comes from the device again, as it would for a checkpoint larger than RAM
-    (benchmarks use it; clean pages only, so run it on a checkpoint that has been written back)."""
+    (benchmarks use it; clean pages only, so run it on a checkpoint that has been written back).
+
+    reads (EXPERT_READS): direct reads an expert's span by O_DIRECT (bypassing the page cache) into a buffer laid
+    out so its bytes land where they are used (reads.direct_layout); buffered reads through the page cache (which
+    keeps what fits: a checkpoint smaller than RAM); auto is direct where the file system allows O_DIRECT, and
+    once it is refused (on open; a read refused falls back inside the reader) reads buffered and drops what it
+    read (POSIX_FADV_DONTNEED), as O_DIRECT would have left the page cache, with a one-time note; `mode` says
+    which ran. Experts that are not one span, and the native decode step's in-call loads (whose
+    buffers have one layout for every expert), read buffered."""
 
     name = "disk"
     capacity = math.inf
 
     def __init__(self, ckpt: Checkpoint, index: ExpertIndex, dtype: torch.dtype, drop_page_cache: bool = False,
-                 spare_buffer_bytes: int = 0, pin_background: bool = False):
-        self.ckpt, self.index, self.dtype, self.drop_page_cache = ckpt, index, dtype, drop_page_cache
+                 spare_buffer_bytes: int = 0, pin_background: bool = False, reads: str = "buffered"):
+        if reads not in EXPERT_READS:
+            raise ValueError(f"expert reads {reads!r}: expected one of {', '.join(EXPERT_READS)}")
+        self.ckpt, self.index, self.dtype, self.reads = ckpt, index, dtype, reads
+        self.drop_page_cache = drop_page_cache
+        self.mode = "direct" if reads in ("direct", "auto") else "buffered"  # what `reads` came to
+        self.log = None  # a ReadLog (the store's ReadStats) told of each read of a span
         # background reads for an accelerator go to pinned memory, so their copy up is asynchronous; the
         # pinned allocator, not our pool, knows when that copy is done with the buffer
         self.pin_background = pin_background
         self.buffers = BufferPool(spare_buffer_bytes)  # read buffers, reused once their expert is gone
         self._fds: dict = {}  # our own descriptors, opened on first read of each file
+        self._dfds: dict = {}  # ... and their O_DIRECT twins (None: refused for that file)
         self._fd_lock = threading.Lock()
         self._checked_layouts: set = set()
         self._spans: dict = {}
@@ -187,13 +204,15 @@ class CheckpointTier(Tier):
         span = self.span(key)
         if span is None:
             return super().start(key, reads, urgent)
-        segments, finish, checks = self._read_job(key, span)
-        return reads.read(segments, finish, drop=self.drop_page_cache, urgent=urgent, checks=checks)
+        segments, finish, checks, direct = self._read_job(key, span)
+        return reads.read(segments, finish, drop=self.drop_page_cache, urgent=urgent, checks=checks, direct=direct,
+                          log=self.log)
 
     def start_many(self, keys, reads: Reads, urgent: bool = False) -> list[Pending | BaseException]:
-        """A layer step's reads: those of spans submitted to the reader threads in one call, in order."""
+        """A layer step's reads: those of spans submitted to the reader threads in one call, in file-offset order
+        (the drive reads ahead along the file; several threads keep several reads in flight)."""
         jobs, where, out = [], [], []
-        for key in keys:
+        for key in sorted(keys, key=self._place):
             span = self.span(key)
             try:
                 if span is None:
@@ -204,18 +223,26 @@ class CheckpointTier(Tier):
                 out.append(None)
             except BaseException as err:  # the demand for it will say so
                 out.append(err)
-        for i, pending in zip(where, reads.read_many(jobs, drop=self.drop_page_cache, urgent=urgent)):
+        for i, pending in zip(where, reads.read_many(jobs, drop=self.drop_page_cache, urgent=urgent, log=self.log)):
             out[i] = pending
-        return out
+        order = sorted(range(len(keys)), key=lambda i: self._place(keys[i]))
+        inorder: list = [None] * len(keys)
+        for got, i in zip(out, order):
+            inorder[i] = got
+        return inorder
+
+    def _place(self, key: Key) -> tuple[str, int]:
+        """Where the expert's bytes start: (file, offset); an expert that is not one span sorts first."""
+        span = self.span(key)
+        return ("", 0) if span is None else (span.file, span.start)
 
     def _read_job(self, key: Key, span: _Span):
-        """(segments, finish, checks) of one span's background read."""
+        """(segments, finish, checks, direct) of one span's background read."""
         try:
             fd = self.fd(span.file)
         except OSError as err:
             raise CheckpointError(f"{key}: cannot open {span.file}: {err}") from err
-        n = span.end - span.start
-        buf = torch.empty(n, dtype=torch.uint8, pin_memory=True) if self.pin_background else self.buffers.take(n)
+        buf, direct = self._buffer(span, pinned=self.pin_background)
 
         def finish(error: OSError | None, bad: bool | None) -> Weights:
             if error is not None:
@@ -225,7 +252,54 @@ class CheckpointTier(Tier):
                 self._check(key, w)
             return w
 
-        return [(fd, span.start, buf)], finish, span.checks
+        return [(fd, span.start, buf)], finish, span.checks, direct
+
+    def _buffer(self, span: _Span, pinned: bool = False) -> tuple[torch.Tensor, Direct | None]:
+        """A buffer for the span's bytes, and how to read it by O_DIRECT (None: buffered)."""
+        n = span.end - span.start
+        dfd = self.direct_fd(span.file)
+        if dfd is None:
+            return (torch.empty(n, dtype=torch.uint8, pin_memory=True) if pinned else self.buffers.take(n)), None
+        raw = torch.empty(n + DIRECT_SLACK, dtype=torch.uint8, pin_memory=True) if pinned else \
+            self.buffers.take(n + DIRECT_SLACK)
+        buf, head, tail = direct_layout(raw, span.start, n)
+        return buf, Direct(dfd, head, tail)
+
+    def direct_fd(self, file) -> int | None:
+        """The file opened with O_DIRECT, or None: buffered reads asked for, or O_DIRECT refused for it (auto
+        notes it once and the tier reads buffered from then on; direct refuses to go on, at every read)."""
+        if self.mode != "direct":
+            return None
+        file = file if type(file) is str else str(file)
+        if file in self._dfds:
+            dfd = self._dfds[file]
+            if dfd is None:  # refused before: --expert-reads direct says so again (auto reads buffered by now)
+                self.refused(file)
+            return dfd
+        with self._fd_lock:
+            if file not in self._dfds:
+                try:
+                    self._dfds[file] = os.open(file, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) \
+                        if hasattr(os, "O_DIRECT") else None
+                except OSError as err:
+                    if err.errno != errno.EINVAL:
+                        raise
+                    self._dfds[file] = None
+                if self._dfds[file] is None:
+                    self.refused(file)
+            return self._dfds[file]
+
+    def refused(self, file: str) -> None:
+        """O_DIRECT is refused for `file` (on open, or by a read): buffered from now on (auto), or an error."""
+        if self.reads == "direct":
+            raise CheckpointError(f"--expert-reads direct: the file system of {file} refuses O_DIRECT; use "
+                                  f"--expert-reads auto or buffered")
+        if self.mode == "direct":
+            warnings.warn(f"moeswap: O_DIRECT refused for {file}: reading experts buffered (through the page "
+                          f"cache, dropping what was read)", RuntimeWarning, stacklevel=2)
+        self.mode, self.drop_page_cache = "buffered", True
+        if self.log is not None:
+            self.log.mode = self.mode
 
     def put(self, key: Key, weights: Weights) -> Weights:
         raise TypeError("the checkpoint tier is read-only")
@@ -277,9 +351,12 @@ class CheckpointTier(Tier):
 
     def _read_span(self, key: Key, span: _Span) -> tuple[Weights, bool | None]:
         """The expert read on this thread, and whether a checked byte is bad (None: not checked)."""
-        buf = self.buffers.take(span.end - span.start)
         try:
-            bad = read_now(self.fd(span.file), span.start, buf, span.checks)
+            buf, direct = self._buffer(span)
+            refused = self.log.refused if self.log is not None else 0
+            bad = read_now(self.fd(span.file), span.start, buf, span.checks, direct, self.log)
+            if direct is not None and self.log is not None and self.log.refused > refused:
+                self.refused(span.file)
         except OSError as err:
             raise CheckpointError(f"{key}: cannot read its tensors from {span.file}: {err}") from err
         return self.views(buf, span), bad
@@ -324,7 +401,9 @@ class CheckpointTier(Tier):
                     return  # not available here: reads stay cached, which only makes the disk look faster
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        for fd in [*self._fds.values(), *self._dfds.values()]:
+            if fd is not None:
+                os.close(fd)
         self._fds.clear()
+        self._dfds.clear()
         self.buffers.clear()

@@ -73,6 +73,7 @@ def load_model(path: str | Path, options: LoadOptions = LoadOptions()):
     attach_store(model, store)
     for block in model.moe_blocks():
         block.int8_activations = options.expert_activations == "int8"
+        block.gate.top_p = float(options.expert_top_p)
     model.gemm_precision = options.gemm_precision
     return model.eval(), store
 
@@ -94,7 +95,7 @@ def attach_store(model: nn.Module, store) -> None:
     for block in model.moe_blocks():
         block.store = store
     model.expert_lookahead = None
-    if getattr(store, "prefetcher", None) is None:
+    if not getattr(getattr(store, "prefetcher", None), "lookahead", False):
         return
     from moeswap.experts.prefetch import NextLayerLookahead
 

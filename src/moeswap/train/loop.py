@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from moeswap.atomic_dir import remove_stale_in
+from moeswap.options import LoadOptions
 from moeswap.procfs import peak_rss_bytes
 from moeswap.train import manifest as record
 from moeswap.train.budget import check_fits
@@ -39,7 +40,8 @@ from moeswap.train.targets import lora_config, prepare_model, save_trained
 # changes the math, and the run would no longer be the one its checkpoint continues.
 # ep_mode too: like the number of ranks (not a setting), it changes only the order gradients are summed in.
 RESUME_MAY_CHANGE = {"eval_interval", "save_interval", "keep_checkpoints", "ep_mode"}
-LOAD_MAY_CHANGE = {"expert_memory", "host_memory", "expert_policy", "prefetch", "expert_profile", "drop_page_cache"}
+LOAD_MAY_CHANGE = {"expert_memory", "host_memory", "expert_policy", "prefetch", "expert_profile", "drop_page_cache",
+                   "expert_reads", "read_threads"}
 
 
 class NonFiniteError(ValueError):
@@ -226,8 +228,10 @@ def _check_same_settings(state: dict[str, Any], cfg: TrainConfig, path: Path) ->
     for key in now:
         if key == "load":
             for k in now["load"]:
-                if k not in LOAD_MAY_CHANGE and then["load"].get(k) != now["load"][k]:
-                    raise ValueError(f"--resume: checkpoint {path} was made with {k}={then['load'].get(k)!r}, "
+                # (a setting newer than the checkpoint: it ran with the default)
+                was = then["load"].get(k, getattr(LoadOptions(), k, None))
+                if k not in LOAD_MAY_CHANGE and was != now["load"][k]:
+                    raise ValueError(f"--resume: checkpoint {path} was made with {k}={was!r}, "
                                      f"this run has {now['load'][k]!r}; resume with the same settings")
         elif key not in RESUME_MAY_CHANGE and then.get(key) != now[key]:
             raise ValueError(f"--resume: checkpoint {path} was made with {key}={then.get(key)!r}, this run has "

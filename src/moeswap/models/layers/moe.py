@@ -39,6 +39,7 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(m.num_experts, device=device))
         self.top_k, self.scoring, self.renormalize = m.top_k, m.scoring, m.renormalize
         self.scaling, self.groups, self.topk_group = m.routed_scaling_factor, m.num_groups, m.topk_group
+        self.top_p = 1.0  # LoadOptions.expert_top_p: skip each token's tail of experts (`tail_skip`); 1: off
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids [T, K], weights [T, K] fp32). Routing runs in fp32; eager CPU inference runs it
@@ -46,10 +47,12 @@ class Router(nn.Module):
         kernel = cpu_kernels.for_inference(x_TD, self.weight, self.e_score_correction_bias)
         if (kernel is not None and x_TD.dtype == self.weight.dtype == torch.float32
                 and self.e_score_correction_bias.dtype == torch.float32):
-            return kernel.route(x_TD, self.weight, self.e_score_correction_bias, self.top_k,
-                                self.scoring != "sigmoid", self.renormalize, self.scaling, max(self.groups, 1),
-                                self.topk_group if self.groups > 1 else 1)
-        return self.reference(x_TD)
+            got = kernel.route(x_TD, self.weight, self.e_score_correction_bias, self.top_k,
+                               self.scoring != "sigmoid", self.renormalize, self.scaling, max(self.groups, 1),
+                               self.topk_group if self.groups > 1 else 1)
+        else:
+            got = self.reference(x_TD)
+        return got if self.top_p >= 1 else tail_skip(*got, self.top_p, self.renormalize)
 
     def reference(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router in torch ops (autograd, other devices, expert groups, the kernel's oracle)."""
@@ -72,6 +75,25 @@ class Router(nn.Module):
         keep = torch.zeros_like(group_score, dtype=torch.bool)
         keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+
+
+def tail_skip(ids_TK: torch.Tensor, w_TK: torch.Tensor, p: float, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """--expert-top-p: per token keep the fewest experts, by descending routing weight, whose share of the token's
+    weight sum reaches p, and renormalise the kept ones to the sum the token had where the architecture
+    renormalises (else they keep their weights). A skipped slot becomes a second pair of the token's first kept
+    expert with weight 0: the shapes stay [T, K] for every executor and kernel, no skipped expert is fetched or
+    read, and a zero-weight pair adds exactly nothing."""
+    w_sorted, order = w_TK.sort(dim=-1, descending=True, stable=True)
+    total = w_sorted.sum(-1, keepdim=True)
+    before = (w_sorted.cumsum(-1) - w_sorted) / total  # share of the heavier ones: kept while it is below p
+    keep_sorted = before < p
+    keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    first = ids_TK.gather(-1, order[:, :1]).expand_as(ids_TK)
+    w_kept = torch.where(keep, w_TK, torch.zeros_like(w_TK))
+    if renormalize:
+        w_kept = w_kept * (total / w_kept.sum(-1, keepdim=True))
+    return torch.where(keep, ids_TK, first), w_kept
 
 
 class MoE(nn.Module):
