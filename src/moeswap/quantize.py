@@ -255,7 +255,7 @@ class _Plan:
             w = weight.read_float(self.ckpt, torch.float32, self.declared)
             self._check_finite(w, decoded if weight.format is not FLOAT else repr(weight.tensors["weight"]))
             target = registry.FORMATS[dense_quant.FORMATS[self.dense]]
-            stored = target.encode(w)
+            stored = dense_quant.encode_by_rows(target, w)
             back = target.decode(stored, torch.float32)
             # a unit's tensors of different sizes are not adjacent in the shard (writer.layout): it is converted
             # again, to the same bits, for each run of them; reported once

@@ -85,3 +85,43 @@ def test_kimi_k3s_dense_trunk_bytes(tmp_path):
                               else 2 * p.numel())
     assert round(bf16 / 1e9, 1) == 113.5
     assert round(stored["int8"] / bf16, 3) == 0.517 and round(stored["int4"] / bf16, 3) == 0.305
+
+
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_encoding_by_rows_is_the_whole_matrix_encoding(dense, monkeypatch):
+    """The loader and quantize encode a slice of rows at a time (bounded memory for K3's 4.7 GB fp32 lm_head):
+    the codes and scales are the whole matrix's, bit for bit, whatever the slice (here 3 rows, not dividing 10)."""
+    fmt = registry.FORMATS[dense_quant.FORMATS[dense]]
+    w = torch.randn(10, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = fmt.encode(w.float())
+    monkeypatch.setattr(dense_quant, "ENCODE_ROW_BYTES", 3 * 4 * 64)
+    sliced = dense_quant.encode_by_rows(fmt, w)
+    assert whole.keys() == sliced.keys()
+    for suffix in whole:
+        assert torch.equal(whole[suffix], sliced[suffix]), suffix
+
+
+def test_the_embedding_stays_the_checkpoints_mapping_with_the_same_logits(tiny_k3_dir, monkeypatch):
+    """--dense-weights int8 keeps the embedding table as the checkpoint's zero-copy mapping in its stored
+    dtype (nothing resident but the rows read); its lookups are the compute-dtype copy's, bit for bit, through
+    the forward and the native decode step alike."""
+    from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
+    from moeswap.models import loader
+    from moeswap.models.layers.basic import StoredEmbedding
+
+    def run(model):
+        tokens = torch.tensor([[3, 17, 5, 9]])
+        logits = model(tokens)
+        [res] = Scheduler(model, EngineConfig(max_batch=1, max_len=32)).run([Request([3, 17, 5, 9], 6, id=0)])
+        return logits, res.tokens
+
+    stored, _ = load_model(str(tiny_k3_dir), LoadOptions(dense_weights="int8"))
+    emb = stored.model.embed_tokens
+    assert isinstance(emb, StoredEmbedding) and emb.weight.dtype == torch.bfloat16
+    with Checkpoint.open(str(tiny_k3_dir)) as ckpt:
+        assert torch.equal(emb.weight, ckpt.read("language_model.model.embed_tokens.weight"))
+    monkeypatch.setattr(loader, "_rows_stay_stored", lambda config, device: False)
+    copied, _ = load_model(str(tiny_k3_dir), LoadOptions(dense_weights="int8"))
+    assert not isinstance(copied.model.embed_tokens, StoredEmbedding)
+    (a, ta), (b, tb) = run(stored), run(copied)
+    assert torch.equal(a, b) and ta == tb

@@ -55,7 +55,7 @@ from moeswap.experts.hybrid import fetch_step
 from moeswap.experts.incall import InCallLoads
 from moeswap.models.decoder import DecoderModel, ModelState
 from moeswap.models.layers.attn_res import score_vector
-from moeswap.models.layers.basic import fused_codes, fused_weight, unadapted
+from moeswap.models.layers.basic import embedding_dtype, fused_codes, fused_weight, unadapted
 from moeswap.models.layers.kda import KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.ops import cpu_kernels
@@ -349,7 +349,7 @@ class NativeDecode:
         m = self.model
         if (state is None or tokens_BT.ndim != 2 or tokens_BT.shape[1] != 1 or not tokens_BT.is_cpu
                 or not 0 < tokens_BT.shape[0] <= KERNEL_MAX_ROWS or torch.compiler.is_compiling()
-                or m.model.embed_tokens.weight.dtype != torch.float32):
+                or embedding_dtype(m.model.embed_tokens) != torch.float32):
             self.reason = "not an eager fp32 CPU decode step of at most 32 sequences"
             return None
         if self._params is None:

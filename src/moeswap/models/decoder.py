@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moeswap.config import ModelConfig
 from moeswap.models.layers.attn_res import mix, score_vector
-from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly
+from moeswap.models.layers.basic import GatedMLP, RMSNorm, WeightOnly, embedding_dtype
 from moeswap.models.layers.kda import KDA, KDAState
 from moeswap.models.layers.mla import MLA, MLACache
 from moeswap.models.layers.moe import MoE
@@ -84,8 +84,8 @@ class DecoderModel(nn.Module):
 
     def make_state(self, batch: int = 1, dtype: torch.dtype | None = None, device=None) -> ModelState:
         c = self.config
-        ref = self.model.embed_tokens.weight
-        dtype, device = dtype or ref.dtype, device or ref.device
+        ref = self.model.embed_tokens
+        dtype, device = dtype or embedding_dtype(ref), device or ref.weight.device
         layers = []
         for layer in self.model.layers:
             if layer.attn_kind == "kda":

@@ -21,6 +21,7 @@ from moeswap.experts.build import build_store
 from moeswap.experts.source import ExpertIndex
 from moeswap.formats.checkpoint import Checkpoint, CheckpointError
 from moeswap.models import build_model
+from moeswap.models.layers.basic import StoredEmbedding
 from moeswap.options import LoadOptions
 from moeswap.weights import dense_quant, registry
 from moeswap.weights.dense import FLOAT_LINEAR, LinearMethod, WeightLinear
@@ -159,7 +160,15 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointError(f"{name} in {info.file.name}: expected shape {list(param.shape)} from "
                                       f"config.json, found {list(info.shape)}")
-            _place_quantized(model, target, quantized, quantized.encode(tensor.float()), dtype, device)
+            _place_quantized(model, target, quantized, dense_quant.encode_by_rows(quantized, tensor), dtype, device)
+            filled.add(target)
+            continue
+        if quantized is not None and target == EMBEDDING and fmt is FLOAT and _rows_stay_stored(config, device):
+            table = arch.sanitize(target, ckpt.get(name), config)
+            if tuple(table.shape) != tuple(param.shape):
+                raise CheckpointError(f"{name} in {info.file.name}: expected shape {list(param.shape)} from "
+                                      f"config.json, found {list(info.shape)}")
+            model.model.embed_tokens = StoredEmbedding(table, dtype)
             filled.add(target)
             continue
         method = _dense_method(model, ckpt, fmt, names, target, config, dtype, device, dense_weights)
@@ -183,6 +192,15 @@ def fill_from_checkpoint(model: nn.Module, ckpt: Checkpoint, config: ModelConfig
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensors in {ckpt.root}: {shown}{more}")
     return index
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _rows_stay_stored(config: ModelConfig, device: str) -> bool:
+    """--dense-weights int8|int4 keeps the embedding table as the checkpoint's mapping (StoredEmbedding) where
+    only lookups read it: on the CPU, and not tied to the output head (which reads all of it every token)."""
+    return torch.device(device).type == "cpu" and not config.tie_word_embeddings
 
 
 def _progress(total: int, quantized: WeightFormat | None):

@@ -28,3 +28,24 @@ def quantizable(module: str, shape: Sequence[int]) -> bool:
     """Whether a dense weight of `module` (its model or checkpoint name) of `shape` is stored as codes."""
     return (len(shape) == 2 and shape[0] > 0 and shape[1] > 0 and shape[1] % IN_MULTIPLE == 0
             and module.rpartition(".")[2] not in KEPT)
+
+
+ENCODE_ROW_BYTES = 64 << 20  # fp32 bytes of the rows encoded at a time
+
+
+def encode_by_rows(fmt, w):
+    """fmt.encode(w.float()) a slice of rows at a time, the same codes and scales: every dense format here scales
+    within a row (int8 one scale a row, int4 one per 32 of a row), so a slice's encoding is that of its rows.
+    The peak is one slice's temporaries, not the whole matrix's (K3's lm_head is 4.7 GB in fp32, and its encoding
+    takes several times that). `w` may be a zero-copy view of the checkpoint in any float dtype."""
+    import torch
+
+    rows = max(1, ENCODE_ROW_BYTES // (4 * max(1, w.shape[1])))
+    parts = [fmt.encode(w[i:i + rows].float()) for i in range(0, w.shape[0], rows)]
+    out = {}
+    for suffix, first in parts[0].items():
+        if suffix == "weight_shape":  # the matrix's [out, in] (compressed-tensors pack-quantized), not a slice's
+            out[suffix] = torch.tensor(list(w.shape), dtype=first.dtype)
+        else:
+            out[suffix] = torch.cat([p[suffix] for p in parts]) if len(parts) > 1 else first
+    return out

@@ -1,4 +1,5 @@
-"""RMSNorm and gated MLPs (SwiGLU, K3's SiTU-GLU). Pure math, weights as named submodules."""
+"""RMSNorm, gated MLPs (SwiGLU, K3's SiTU-GLU) and the embedding kept as stored (StoredEmbedding). Pure math,
+weights as named submodules."""
 
 from __future__ import annotations
 
@@ -175,6 +176,25 @@ def adapter_split(modules: Sequence[nn.Module], n: int):
         return None, False
     rows = wrapped[0].rows
     return rows, rows.split(n, set().union(*(m.scalings for m in wrapped)))
+
+
+class StoredEmbedding(nn.Embedding):
+    """A token embedding whose table stays the checkpoint's zero-copy mapping in its stored dtype; a lookup
+    returns its rows in `compute_dtype`. With --dense-weights int8|int4 (the loader): a row lookup reads a
+    row a token, so the table need not be resident at all (the page cache keeps the rows read, and gives
+    them back under pressure), where a compute-dtype copy of K3's would take 4.7 GB in fp32."""
+
+    def __init__(self, table: torch.Tensor, compute_dtype: torch.dtype):
+        super().__init__(table.shape[0], table.shape[1], _weight=table, _freeze=True)
+        self.compute_dtype = compute_dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).to(self.compute_dtype)
+
+
+def embedding_dtype(embedding: nn.Embedding) -> torch.dtype:
+    """The dtype an embedding's lookups return (a StoredEmbedding's compute dtype, else its table's)."""
+    return embedding.compute_dtype if isinstance(embedding, StoredEmbedding) else embedding.weight.dtype
 
 
 class WeightOnly(nn.Module):
