@@ -24,6 +24,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,9 +243,10 @@ class ReadCeiling:
 
 
 def read_ceiling(path: str | os.PathLike, block: int = EXPERT_BYTES, sequential_bytes: int | None = None,
-                 random_reads: int = 64, seed: int = 0) -> ReadCeiling:
+                 random_reads: int = 64, seed: int = 0, threads: int = 1) -> ReadCeiling:
     """Sequential reads of `path` from its start (all of it, or `sequential_bytes`), then `random_reads`
-    reads of `block` bytes at random multiples of `block` (a file of at least one block)."""
+    reads of `block` bytes at random multiples of `block` (a file of at least one block), shared by `threads`
+    threads reading at once (a drive's queue: what a store reading a step's misses on several threads gets)."""
     size = os.path.getsize(path)
     if size < block:
         raise ValueError(f"{path}: {size} bytes, less than one {block}-byte block to read")
@@ -256,8 +258,8 @@ def read_ceiling(path: str | os.PathLike, block: int = EXPERT_BYTES, sequential_
     # O_DIRECT needs aligned buffers, offsets and lengths: anonymous maps are page aligned; lengths are rounded
     # up to 4 KiB (a read past the end returns short)
     align = 4096
-    buf = mmap.mmap(-1, max(chunk, _round_up(block, align)))
-    view = memoryview(buf)
+    bufs = [mmap.mmap(-1, max(chunk, _round_up(block, align) + align)) for _ in range(max(1, threads))]
+    view = memoryview(bufs[0])
     try:
         _forget(fd, direct is None)
         start = time.perf_counter()
@@ -272,18 +274,28 @@ def read_ceiling(path: str | os.PathLike, block: int = EXPERT_BYTES, sequential_
         _forget(fd, direct is None)
         rng = random.Random(seed)
         blocks = size // block
+        offsets = [rng.randrange(blocks) * block for _ in range(random_reads)]
+
+        def read_some(i: int) -> int:
+            mine, got = memoryview(bufs[i]), 0
+            try:
+                for offset in offsets[i::len(bufs)]:
+                    # an expert's offset is a multiple of 17.55 MB, not of 4 KiB: O_DIRECT reads from the 4 KiB
+                    # boundary below and a whole number of pages, as a store reading experts with O_DIRECT must
+                    lo = offset - offset % align
+                    got += os.preadv(fd, [mine[:_round_up(offset + block - lo, align)]], lo)
+            finally:
+                mine.release()
+            return got
+
         start = time.perf_counter()
-        got = 0
-        for _ in range(random_reads):
-            offset = rng.randrange(blocks) * block
-            # an expert's offset is a multiple of 17.55 MB, not of 4 KiB: O_DIRECT reads from the 4 KiB
-            # boundary below and a whole number of pages, as a store reading experts with O_DIRECT must
-            lo = offset - offset % align
-            got += os.preadv(fd, [view[:_round_up(offset + block - lo, align)]], lo)
+        with ThreadPoolExecutor(len(bufs)) as pool:  # preadv drops the GIL while it reads
+            got = sum(pool.map(read_some, range(len(bufs))))
         rand_s = time.perf_counter() - start
     finally:
         view.release()
-        buf.close()
+        for buf in bufs:
+            buf.close()
         os.close(fd)
     return ReadCeiling(done / seq_s / 1e9, got / rand_s / 1e9, block, how, done, got)
 

@@ -129,8 +129,13 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
     log(f"drive read ceiling on {by['largest_file']} ...")
     # random reads of one expert's size (rounded to 4 KiB: O_DIRECT offsets), as the store reads them
     block = -(-int(by["expert_bytes"]) // 4096) * 4096
-    ceiling = read_ceiling(by["largest_file"], block=block, sequential_bytes=4 << 30)
+    ceiling = read_ceiling(by["largest_file"], block=block, sequential_bytes=4 << 30, threads=setup.load.read_threads)
     log(f"  sequential {ceiling.sequential_gbps:.2f} GB/s, random {ceiling.random_gbps:.2f} GB/s ({ceiling.how})")
+    # the CPU's measured facts for the planner's prediction: memory bandwidth and fp32 GEMM rate (moeswap's
+    # kernels widen bf16 and low-bit weights to fp32)
+    bw = sbs.memory_bandwidth(setup.threads)
+    cpu = CpuFacts(cores=setup.threads, mem_bw_gbs=bw["read_GBps"],
+                   bf16_tflops=sbs.matmul_gflops(setup.threads) / 1e3)
     cfg = load_config(setup.model)
     vocab = cfg.vocab_size
     prompt = sbs.random_prompts(1, prompt_tokens, vocab, seed=1)[0]
@@ -142,7 +147,7 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
         load = load.replace(expert_memory=default_expert_memory(limit, dense_resident, by))
     report: dict = {"bench": "stream", "model": setup.model, "machine": sbs.machine_info(setup.threads),
                     "memory_limit": limit, "bytes": by, "expert_to_limit": ratio,
-                    "ceiling": vars(ceiling), "settings": {**vars(load), "threads": setup.threads,
+                    "ceiling": vars(ceiling), "cpu": vars(cpu), "settings": {**vars(load), "threads": setup.threads,
                                                            "gguf_outtype": gguf_outtype},
                     "engines": {}, "skipped": {}}
     log(f"moeswap (--dense-weights {load.dense_weights}, --expert-memory {load.expert_memory / 2**30:.2f} GiB) ...")
@@ -159,13 +164,20 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
 
         log(f"llama.cpp: GGUF of {setup.model} ({gguf_outtype} dense) ...")
         gguf = setup.gguf or str(llamacpp.ensure_gguf(setup.model, outtype=gguf_outtype))
-        log("llama.cpp ...")
-        try:
-            report["engines"][peer] = _engine_run(kind, setup, limit, ["--gguf", gguf, "--max-seqs", "1",
-                                                  "--max-len", str(prompt_tokens + tokens + 16)],
-                                                  prompt, short, tokens, log)
-        except RuntimeError as err:
-            report["skipped"][peer] = f"failed: {str(err)[-400:]}"
+        args = ["--gguf", gguf, "--max-seqs", "1", "--max-len", str(prompt_tokens + tokens + 16)]
+        # as shipped first; where its repacked weight copies (anonymous memory) do not fit the limit, again with
+        # its own --no-repack, which reads them in place from the GGUF's mapping (llama-cpp-python only)
+        for how, extra in (("defaults", []), ("--no-repack", ["--no-repack"] if kind == "llama.cpp" else None)):
+            if extra is None:
+                break
+            log(f"llama.cpp ({how}) ...")
+            try:
+                report["engines"][peer] = {**_engine_run(kind, setup, limit, args + extra, prompt, short, tokens,
+                                                         log), "settings": how}
+                break
+            except RuntimeError as err:
+                report["skipped"][f"{peer} ({how})"] = f"failed: {' '.join(str(err).split())[-400:]}"
+                log(f"  failed: {' '.join(str(err).split())[-200:]}")
     m = report["engines"]["moeswap"]
     # the I/O bound: what the drive alone needs for the bytes moeswap read per token, at the ceiling of
     # expert-sized random reads (its read pattern)
@@ -182,7 +194,7 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
             row["moeswap_prefill_speedup"] = row["prefill_s_per_token"] / m["prefill_s_per_token"]
             row["first_token_agrees"] = row["tokens"][:1] == m["tokens"][:1]
     try:
-        pred = predict_stream(cfg, limit, ceiling.random_gbps, CpuFacts(cores=setup.threads), dense=dense_fmt,
+        pred = predict_stream(cfg, limit, ceiling.random_gbps, cpu, dense=dense_fmt,
                               expert_memory=load.expert_memory, prompt_tokens=prompt_tokens, tokens=tokens)
         report["prediction"] = {**{k: v for k, v in vars(pred).items() if k != "parts"}, "parts": pred.parts,
                                 "measured_over_predicted": m["decode_s_per_token"] / pred.s_per_token}
@@ -222,13 +234,14 @@ def format_markdown(report: dict) -> str:
              f"(page cache included); {report['settings']['threads']} threads on {m['cores']} cores ({m['cpu']}), "
              f"git {m['git']}, load average {m['load_average'][0]:.1f} at start",
              f"drive read ceiling ({c['how']}): sequential {c['sequential_gbps']:.2f} GB/s, "
-             f"random {c['block'] / 1e6:.2f} MB reads {c['random_gbps']:.2f} GB/s", ""]
+             f"random {c['block'] / 1e6:.2f} MB reads on {report['settings']['read_threads']} threads {c['random_gbps']:.2f} GB/s", ""]
     head = ("| engine | decode s/token | decode tok/s | GB read / token | read GB/s | prefill s/token | "
             "prefill tok/s | prefill GB read | peak memory GiB |")
     lines += [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["engines"].values():
         peak = r.get("peak_bytes")
-        lines.append(f"| {r['name']} | {r['decode_s_per_token']:.2f} | {r['decode_tokens_per_s']:.3f} | "
+        name = r["name"] + (f" ({r['settings']})" if "settings" in r else "")
+        lines.append(f"| {name} | {r['decode_s_per_token']:.2f} | {r['decode_tokens_per_s']:.3f} | "
                      f"{r['decode_read_bytes_per_token'] / 1e9:.3f} | {r['decode_read_GBps']:.2f} | "
                      f"{r['prefill_s_per_token']:.3f} | {r['prefill_tokens_per_s']:.2f} | "
                      f"{r['prefill_read_bytes'] / 1e9:.2f} | {'-' if peak is None else f'{peak / 2**30:.2f}'} |")

@@ -52,6 +52,23 @@ def expert_bytes(mp: ModelParams, prec: Precision) -> float:
     return sum(linear_bytes(l, fmt) for l in mp.expert)
 
 
+CODES_DENSE = ("int8", "int4")  # --dense formats whose rule (weights/dense_quant.py) takes lm_head too
+
+
+def head_bytes(mp: ModelParams, prec: Precision) -> float:
+    """The output head: in the --dense format where moeswap quantises it (int8, int4), else bf16."""
+    fmt = prec.dense if prec.dense in CODES_DENSE else "bf16"
+    return mp.lm_head * bytes_per_param(fmt, mp.cfg.hidden_size)
+
+
+def embedding_bytes(mp: ModelParams, prec: Precision, hw: Hardware | None = None) -> float:
+    """The embedding table's resident bytes: bf16; none on a CPU-only machine (no host beside the device)
+    under int8/int4 dense weights, where moeswap keeps the table as the checkpoint's mapping and a lookup
+    reads a row (models/layers/basic.py StoredEmbedding) unless the head is tied to it."""
+    mapped = prec.dense in CODES_DENSE and hw is not None and hw.host is None and not mp.cfg.tie_word_embeddings
+    return 0.0 if mapped else mp.embed * 2
+
+
 def model_bytes(mp: ModelParams, prec: Precision) -> dict[str, float]:
     """Whole-model weight bytes by component at the given precision."""
     attn = sum(linear_bytes(l, prec.dense) for lp in mp.layers for l in lp.attn)
@@ -61,7 +78,7 @@ def model_bytes(mp: ModelParams, prec: Precision) -> dict[str, float]:
         "attention": attn,
         "dense/shared MLP": mlp,
         "norms and vectors": vec,
-        "embed + lm_head": (mp.embed + mp.lm_head) * 2,
+        "embed + lm_head": mp.embed * 2 + head_bytes(mp, prec),
         "routed experts": mp.num_experts_total * expert_bytes(mp, prec),
     }
 
@@ -126,8 +143,9 @@ def device_memory(mp: ModelParams, lay: Layout, stage: int, layers: range, hw: H
         w += sum(linear_bytes(l, prec.dense) * _linear_share(l, lay.tp) for l in lp.attn + lp.mlp)
         w += lp.vectors * 2 + lp.vectors_fp32 * 2  # fp32 vectors take 4 bytes: 2 counted here, 2 above
     parts["dense weights"] = w
-    emb = (mp.embed if stage == 0 else 0) + (mp.lm_head + mp.final_vectors if last else 0)
-    parts["embed + lm_head"] = emb * 2 / lay.tp
+    emb = (embedding_bytes(mp, prec, hw) if stage == 0 else 0) + (head_bytes(mp, prec) + mp.final_vectors * 2
+                                                                  if last else 0)
+    parts["embed + lm_head"] = emb / lay.tp
 
     # Per-sequence state: KDA state splits over TP by heads; the MLA latent is shared by all heads,
     # so TP ranks each keep a copy unless DCP splits it by tokens.

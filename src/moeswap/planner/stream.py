@@ -80,7 +80,13 @@ def predict_stream(model: str | ModelConfig, memory_limit: float, drive_gbps: fl
     if not drive_gbps > 0:
         raise PlanError(f"drive_gbps {drive_gbps}: expected a positive measured read rate")
     cat = catalog or builtin_catalog()
-    box = Box(cores=cpu.cores, ram_gb=memory_limit / 1e9, drive_gbs=drive_gbps, mem_bw_gbs=cpu.mem_bw_gbs,
+    ram = memory_limit
+    if expert_memory is not None:
+        # the run sets its expert cache and lives within the limit as measured (bench stream's cgroup): the plan
+        # is not charged the engine profile's reserve (sized for a server) on top of it
+        eng = cat.get("engine", cpu.engine)
+        ram = (memory_limit + eng.reserve_gb * 1e9) / (1 - eng.reserve_fraction)
+    box = Box(cores=cpu.cores, ram_gb=ram / 1e9, drive_gbs=drive_gbps, mem_bw_gbs=cpu.mem_bw_gbs,
               bf16_tflops=cpu.bf16_tflops, drive_measured=True, origin="predict_stream")
     hw = add_box(cat, box, cpu.engine)
     req = PlanRequest(model=model, hardware=hw, devices=1, layout="tp1",

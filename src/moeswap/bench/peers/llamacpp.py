@@ -101,12 +101,14 @@ def _silence(llama_cpp) -> None:
 class LlamaCppRunner:
     """One llama.cpp context over a GGUF: up to `max_seqs` sequences of up to `max_len` tokens each.
 
-    n_batch / n_ubatch and the f16 cache are llama.cpp's defaults (2048 / 512): the peer runs as shipped."""
+    n_batch / n_ubatch and the f16 cache are llama.cpp's defaults (2048 / 512): the peer runs as shipped
+    (`repack=False` is its --no-repack)."""
 
     name = NAME
 
     def __init__(self, gguf: str | Path, threads: int, max_seqs: int = 1, max_len: int = 4096,
-                 n_batch: int = 2048, n_ubatch: int = 512, kv_f32: bool = False, verbose: bool = False):
+                 n_batch: int = 2048, n_ubatch: int = 512, kv_f32: bool = False, verbose: bool = False,
+                 repack: bool = True):
         import llama_cpp as L
         import numpy as np
 
@@ -115,6 +117,9 @@ class LlamaCppRunner:
             _silence(L)
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        # repack: llama.cpp's default, weights copied into its CPU layouts (anonymous memory); off, as its
+        # --no-repack, they are read in place from the GGUF's mapping (bench stream under a memory limit)
+        mp.use_extra_bufts = repack
         self.model = L.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")

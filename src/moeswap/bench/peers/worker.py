@@ -64,7 +64,7 @@ def _make_runner(args: argparse.Namespace):
     if args.kind == "llama.cpp":
         from moeswap.bench.peers.llamacpp import LlamaCppRunner
 
-        return LlamaCppRunner(args.gguf, args.threads, args.max_seqs, args.max_len)
+        return LlamaCppRunner(args.gguf, args.threads, args.max_seqs, args.max_len, repack=not args.no_repack)
     if args.kind == "llama-server":
         from moeswap.bench.peers.llamaserver import LlamaServerRunner
 
@@ -86,6 +86,7 @@ def serve(argv: list[str]) -> None:
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--reference-step", action="store_true")
+    p.add_argument("--no-repack", action="store_true", help="llama.cpp: its --no-repack")
     add_load_flags(p)  # the parent passes LoadOptions.to_argv()
     args = p.parse_args(argv)
     use_huge_pages()  # for every peer on torch, as the moeswap command has
