@@ -240,6 +240,7 @@ class ReadCeiling:
     how: str
     sequential_bytes: int
     random_bytes: int
+    threads: int = 1  # threads the random reads shared
 
 
 def read_ceiling(path: str | os.PathLike, block: int = EXPERT_BYTES, sequential_bytes: int | None = None,
@@ -297,7 +298,7 @@ def read_ceiling(path: str | os.PathLike, block: int = EXPERT_BYTES, sequential_
         for buf in bufs:
             buf.close()
         os.close(fd)
-    return ReadCeiling(done / seq_s / 1e9, got / rand_s / 1e9, block, how, done, got)
+    return ReadCeiling(done / seq_s / 1e9, got / rand_s / 1e9, block, how, done, got, len(bufs))
 
 
 def _round_up(n: int, align: int) -> int:
