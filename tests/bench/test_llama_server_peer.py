@@ -99,14 +99,14 @@ def test_llama_cpp_peer_falls_back_to_llama_server(monkeypatch, tmp_path):
     monkeypatch.setattr(llamacpp, "available", lambda: (False, "llama-cpp-python is not installed"))
     monkeypatch.setattr(llamacpp, "converter_dir", lambda: tmp_path)
     monkeypatch.setattr(llamaserver, "find", lambda explicit=None: (str(tmp_path / "llama-server"), ""))
-    kind, why = sbs._llama_engine(setup)
+    kind, why = sbs.llama_engine(setup)
     assert kind is None and "converter is not in" in why
     (tmp_path / "convert_hf_to_gguf.py").write_text("")
-    assert sbs._llama_engine(setup) == ("llama-server", "")
+    assert sbs.llama_engine(setup) == ("llama-server", "")
     monkeypatch.setattr(llamaserver, "find", lambda explicit=None: (None, "llama-server is not on PATH"))
-    assert sbs._llama_engine(setup) == (None, "llama-cpp-python is not installed; llama-server is not on PATH")
+    assert sbs.llama_engine(setup) == (None, "llama-cpp-python is not installed; llama-server is not on PATH")
     monkeypatch.setattr(llamacpp, "available", lambda: (True, ""))
-    assert sbs._llama_engine(setup) == ("llama.cpp", "")
+    assert sbs.llama_engine(setup) == ("llama.cpp", "")
 
 
 @pytest.fixture(scope="module")
