@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from moeswap.bench.peers import llamacpp
+from moeswap.experts.executors import ExpertExecutor
 
 ok, why = llamacpp.available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]  # slow: converts and runs GGUFs
@@ -60,6 +61,28 @@ class Q8ActivationStore:
         return [expert(int(e)) for e in ids]
 
 
+class Q8Executor(ExpertExecutor):
+    """Runs the block's routed experts as Q8ActivationStore's callables, each on its rows, summed per token in
+    fp32 as the executors do (experts/pairs.py)."""
+
+    name = "q8-activations"
+
+    def __init__(self, block, store: Q8ActivationStore):
+        self.block, self.store = block, store
+
+    def __call__(self, h_TI, ids_TK, w_TK):
+        from moeswap.experts.pairs import combine_pairs, pairs_by_expert
+
+        b = self.block
+        unique_ids, counts, token_of, weights = pairs_by_expert(ids_TK, w_TK)
+        ys, start = [], 0
+        for run, n in zip(self.store.fetch(b.layer_idx, unique_ids), counts):
+            ys.append(run(h_TI.index_select(0, token_of[start : start + n]), b.act, b.situ_betas))
+            start += n
+        y_PI = torch.cat(ys) if ys else h_TI.new_zeros(0, h_TI.shape[-1])
+        return combine_pairs(h_TI, y_PI, weights, token_of).to(h_TI.dtype)
+
+
 def _load(model_dir: Path, q8: bool):
     from moeswap.models.loader import LoadOptions, load_model
 
@@ -67,6 +90,8 @@ def _load(model_dir: Path, q8: bool):
     if q8:
         store = Q8ActivationStore(model_dir)
         for block in model.moe_blocks():
+            # the experts as llama.cpp computes them: the block's executor is this test's, whatever it chooses
+            block.executor_wrap = lambda chosen, block=block: Q8Executor(block, store)
             block.store = store
     return model
 
