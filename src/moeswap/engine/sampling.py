@@ -1,7 +1,12 @@
-"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with a seeded generator.
+"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with a seeded generator,
+after the repetition penalties a request asks for.
 
 Owns the sampling parameters' validation (every caller gets it); logits that are NaN or infinite raise
-NonFiniteError (engine.nonfinite). Entry points: `SamplingParams`, `sample(logits, params, generator)`.
+NonFiniteError (engine.nonfinite). Penalties (`penalize`): `repetition_penalty` p as in transformers and
+llama.cpp (a token of the prompt or the output so far: logit / p where the logit is > 0, logit * p otherwise),
+then `frequency_penalty` f and `presence_penalty` r as OpenAI defines them over the output so far
+(logit -= f * count + r * (count > 0)). Entry points: `SamplingParams`, `penalize(logits, params, prompt,
+generated)`, `sample(logits, params, generator)`.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -17,6 +23,7 @@ from moeswap.engine.nonfinite import NonFiniteError, all_finite
 # Logits are divided by the temperature in fp32: below the smallest normal fp32 the divisor rounds to a
 # denormal or 0 and the quotients to inf or NaN.
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 
 
 def _is_int(x) -> bool:
@@ -32,8 +39,23 @@ class SamplingParams:
     temperature: float = 0.0  # 0 -> greedy
     top_k: int = 0  # 0 -> off
     top_p: float = 1.0  # 1 -> off
+    presence_penalty: float = 0.0  # 0 -> off
+    frequency_penalty: float = 0.0  # 0 -> off
+    repetition_penalty: float = 1.0  # 1 -> off
+
+    @property
+    def penalized(self) -> bool:
+        """Whether `penalize` changes anything (the scheduler skips it, and keeps its batched argmax, if not)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails the comparison too
+                raise ValueError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or not r > 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {r!r}")
         t, k, p = self.temperature, self.top_k, self.top_p
         if not _is_real(t) or not math.isfinite(t):
             raise ValueError(f"temperature must be a finite number, got {t!r}")
@@ -48,6 +70,26 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {k}")
         if not _is_real(p) or not 0 < p <= 1:  # NaN fails the comparison too
             raise ValueError(f"top_p must be in (0, 1], got {p}")
+
+
+def penalize(logits_V: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
+             generated: Sequence[int]) -> torch.Tensor:
+    """One sequence's logits [V] after its penalties (fp32, a new tensor; the logits themselves where
+    `params.penalized` is false). `prompt`: the prompt's token ids; `generated`: the tokens chosen so far."""
+    if not params.penalized:
+        return logits_V
+    out = logits_V.float().clone()
+    dev = out.device
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(list(prompt) + list(generated), dtype=torch.long, device=dev).unique()
+        picked = out[seen]
+        p = params.repetition_penalty
+        out[seen] = torch.where(picked > 0, picked / p, picked * p)
+    if (params.presence_penalty or params.frequency_penalty) and len(generated):
+        count = torch.bincount(torch.tensor(list(generated), dtype=torch.long, device=dev),
+                               minlength=out.shape[-1]).float()
+        out -= params.frequency_penalty * count + params.presence_penalty * (count > 0).float()
+    return out
 
 
 def sample(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from moeswap.engine.cuda_graph import GraphedDecode
 from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.nonfinite import NonFiniteError, all_finite, first_nonfinite
-from moeswap.engine.sampling import SamplingParams, sample
+from moeswap.engine.sampling import SamplingParams, penalize, sample
 from moeswap.engine.state import SlotStates
 from moeswap.models.layers.basic import fuse_projections  # noqa: F401 (imported from here too)
 
@@ -372,7 +372,15 @@ class Scheduler:
 
     def _sample(self, logits_BV: torch.Tensor, seqs: list[_Seq], skip: set[int] = frozenset()) -> torch.Tensor:
         """Each sequence's next token; rows in `skip` (failed) get 0 and draw nothing from their generator.
-        Sequences whose request asks for log-probabilities get them (seq.logprobs, for _emit)."""
+        Sequences whose request asks for log-probabilities get them (seq.logprobs, for _emit), from the raw
+        logits; the tokens are chosen from the logits after each request's penalties (greedy ones too)."""
+        raw_BV = logits_BV
+        if any(s.req.sampling.penalized for s in seqs):
+            # fp32 holds every bf16 value exactly: unpenalized rows keep their argmax (ties included)
+            logits_BV = logits_BV.to(torch.float32, copy=True)  # the raw ones stay for logprobs
+            for i, s in enumerate(seqs):
+                if i not in skip and s.req.sampling.penalized:
+                    logits_BV[i] = penalize(logits_BV[i], s.req.sampling, s.req.prompt, s.tokens)
         if all(s.generator is None for s in seqs):
             tokens_B = logits_BV.argmax(dim=-1)  # one batched op, no host round trip
         else:
@@ -381,7 +389,7 @@ class Scheduler:
                                   for i, s in enumerate(seqs)])
         rows = [i for i, s in enumerate(seqs) if s.req.logprobs is not None and i not in skip]
         if rows:
-            lp_RV = logits_BV[rows].float().log_softmax(-1)
+            lp_RV = raw_BV[rows].float().log_softmax(-1)
             chosen = lp_RV.gather(-1, tokens_B[rows].unsqueeze(-1)).squeeze(-1).tolist()
             k = min(max(seqs[i].req.logprobs for i in rows), lp_RV.shape[-1])
             top_v, top_i = lp_RV.topk(k, dim=-1) if k else (lp_RV[:, :0], lp_RV[:, :0].long())
