@@ -79,13 +79,17 @@ BAD = [
     ("completions", {**TEXT, "prompt": ["a", "b"]}, 400, "prompt"),
     ("completions", {**TEXT, "logprobs": 21}, 400, "logprobs"),
     ("chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs
-    ("completions", {**TEXT, "presence_penalty": 0.5}, 400, "presence_penalty"),  # not implemented: said so
+    ("completions", {**TEXT, "presence_penalty": 2.5}, 400, "presence_penalty"),  # out of [-2, 2]
+    ("chat/completions", {**CHAT, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("completions", {**TEXT, "repetition_penalty": 0.0}, 400, "repetition_penalty"),  # must be > 0
+    ("completions", {**TEXT, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),  # not implemented: said so
     ("completions", {**TEXT, "echo": True}, 400, "echo"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),  # calls cannot be forced
     ("chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400,
      "tool_choice"),
-    ("completions", {**TEXT, "repetition_penalty": 1.1}, 400, "repetition_penalty"),  # unknown parameter
+    ("completions", {**TEXT, "min_tokens": 2}, 400, "min_tokens"),  # unknown parameter
+    ("chat/completions", {**CHAT, "mirostat": 2}, 400, "mirostat"),
 ]
 
 
@@ -95,6 +99,15 @@ def test_refused_by_name(http, server, endpoint, body, status, param):
     assert r.status_code == status, r.text
     err = error_of(r)
     assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("endpoint,body", [("completions", {**TEXT, "min_tokens": 2}),
+                                           ("chat/completions", {**CHAT, "stream_options": {"x": 1}})])
+def test_an_unknown_parameter_is_unsupported_by_name(http, server, endpoint, body):
+    err = error_of(post(http, server, f"/v1/{endpoint}", body))
+    name = err["param"].rsplit(".", 1)[-1]
+    assert err["code"] == "unsupported_parameter" and name in ("min_tokens", "x") and f"'{err['param']}'" in \
+        err["message"]
 
 
 def test_still_serving_after_bad_requests(http, server):

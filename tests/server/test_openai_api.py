@@ -161,6 +161,24 @@ def test_seeded_sampling(server, client):
     assert first == oracle(server, prompt, 16, sampling=SamplingParams(0.9, 50, 0.95), seed=7)
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_penalties_reach_the_engine(server, client, endpoint):
+    """The three penalties are the engine's: greedy with them equals generate with the same SamplingParams."""
+    tok = server.tokenizer
+    penalties = dict(presence_penalty=0.5, frequency_penalty=1.5)
+    extra = {"repetition_penalty": 1.3, "ignore_eos": True, "return_token_ids": True}
+    if endpoint == "chat":
+        prompt = tok.encode_chat(MESSAGES)
+        r = client.chat.completions.create(model=server.name, messages=MESSAGES, max_tokens=16, temperature=0,
+                                           extra_body=extra, **penalties)
+    else:
+        prompt = tok.encode(PROMPT)
+        r = client.completions.create(model=server.name, prompt=PROMPT, max_tokens=16, temperature=0,
+                                      extra_body=extra, **penalties)
+    want = oracle(server, prompt, 16, sampling=SamplingParams(repetition_penalty=1.3, **penalties))
+    assert r.choices[0].token_ids == want != oracle(server, prompt, 16)
+
+
 def test_logprobs_are_the_models(server, client):
     """Log-probabilities of the chosen tokens and the top ones: log-softmax of the model's full forward."""
     tok = server.tokenizer

@@ -265,11 +265,13 @@ def _completion_prompt(srv: _Server, prompt) -> list[int]:
 
 def _sampling(req: P.GenerationFields) -> SamplingParams:
     """SamplingParams (which owns the checks); a refused value is named by its parameter."""
-    top_k = 0 if req.top_k == -1 else req.top_k  # -1: off, as in vLLM
+    values = {"temperature": req.temperature, "top_k": 0 if req.top_k == -1 else req.top_k,  # -1: off (vLLM)
+              "top_p": req.top_p, "presence_penalty": req.presence_penalty,
+              "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty}
     try:
-        return SamplingParams(req.temperature, top_k, req.top_p)
+        return SamplingParams(**values)
     except ValueError as e:
-        for param, value in (("temperature", req.temperature), ("top_k", top_k), ("top_p", req.top_p)):
+        for param, value in values.items():
             try:
                 SamplingParams(**{param: value})
             except ValueError:

@@ -91,8 +91,9 @@ class GenerationFields(_Strict):
     return_token_ids: bool = False  # extension (vLLM): token ids of the prompt and of each choice
     skip_special_tokens: bool = True  # extension (vLLM): False keeps control tokens in the text
     user: str | None = None  # for the client's own records; not used
-    presence_penalty: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI's, over the output so far (engine/sampling.py)
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (vLLM): over the prompt and the output so far
     logit_bias: dict[str, float] | None = None
 
 
@@ -118,7 +119,7 @@ class CompletionRequest(GenerationFields):
 
 # Parameters accepted only at the value that leaves generation as it is: anything else is refused by name.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "echo": (False,),
+    "logit_bias": (None, {}), "echo": (False,),
     "suffix": (None, ""), "best_of": (None, 1), "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
 }
@@ -166,6 +167,9 @@ def parse_body(cls: type[_Strict], raw: bytes) -> _Strict:
         depth = max(len(_PARTS.findall(p)) for p, _ in errors)
         param, err = next((p, x) for p, x in errors if len(_PARTS.findall(p)) == depth)
         said = " or ".join(dict.fromkeys(x["msg"][0].lower() + x["msg"][1:] for p, x in errors if p == param))
+        if err["type"] == "extra_forbidden":  # a parameter this server does not know
+            raise APIError(400, f"'{param}' is not a parameter this server knows", param=param,
+                           code="unsupported_parameter") from None
         got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
         raise APIError(400, f"'{param}': {said}{got}", param=param,
                        code="invalid_type" if err["type"].endswith("_type") else "invalid_value") from None
