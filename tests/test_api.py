@@ -47,6 +47,18 @@ def test_generate_is_the_engines_greedy_run(llm, greedy_oracle):
     assert llm.generate(ids, max_tokens=N, ignore_eos=True).token_ids == done.token_ids  # token ids in
 
 
+def test_penalties_are_the_engines(llm):
+    from moeswap.engine.sampling import SamplingParams
+
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    pen = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3)
+    done = llm.generate(PROMPTS[0], max_tokens=N, ignore_eos=True, **pen)
+    want = generate(llm.model, ids, GenerationConfig(max_tokens=N, stop_ids=(), sampling=SamplingParams(**pen)))
+    assert done.token_ids == want.tokens != engine_tokens(llm, ids)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        llm.generate("hi", repetition_penalty=0)
+
+
 def test_a_batch_equals_each_prompt_alone(llm):
     alone = [llm.generate(p, max_tokens=N, ignore_eos=True) for p in PROMPTS]
     batch = llm.generate(PROMPTS, max_tokens=N, ignore_eos=True)

@@ -113,6 +113,27 @@ def test_sampling_is_seeded(generate_json, tiny_k3_dir):
     assert c["tokens"] != a["tokens"]  # the seed is used (fixed model, fixed seeds: not flaky)
 
 
+def test_penalty_flags_are_the_engines(generate_json, tiny_k3_dir, capsys):
+    from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.engine.sampling import SamplingParams
+    from moeswap.models.loader import load_model
+
+    flags = ("--max-tokens", "12", "--ignore-eos", "--presence-penalty", "0.5", "--frequency-penalty", "1.5",
+             "--repetition-penalty", "1.3")
+    got = generate_json(tiny_k3_dir, *flags)["tokens"]
+    model, store = load_model(tiny_k3_dir)
+    try:
+        ids = load_tokenizer(tiny_k3_dir).encode(PROMPT)
+        sampling = SamplingParams(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3)
+        want = generate(model, ids, GenerationConfig(max_tokens=12, stop_ids=(), sampling=sampling)).tokens
+        plain = generate(model, ids, GenerationConfig(max_tokens=12, stop_ids=())).tokens
+    finally:
+        store.close()
+    assert got == want != plain
+    code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--frequency-penalty", "3")
+    assert_one_line_error(code, err, "frequency_penalty", "[-2, 2]")
+
+
 def test_ignore_eos(generate_json, tiny_k3_dir, copy_model):
     """Make the greedy continuation's 2nd token an eos id: generation stops there, unless --ignore-eos."""
     greedy = generate_json(tiny_k3_dir, "--max-tokens", "6", "--ignore-eos")["tokens"]

@@ -149,6 +149,9 @@ class Params:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # 1: off
     top_k: int = 0  # 0: off
+    presence_penalty: float = 0.0  # [-2, 2]; these three as the server's (engine/sampling.py), 0/0/1: off
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None  # sampling seed; generate's prompt i gets seed + i, so a batch is each alone
     stop: str | Sequence[str] = ()  # strings that end the text (left out of it)
     stop_token_ids: Sequence[int] = ()  # token ids that end it, besides the tokenizer's end of sequence
@@ -343,7 +346,9 @@ class LLM:
 
         stops, tok = params.stops(), self.tokenizer
         eos = () if params.ignore_eos else tuple(tok.eos_ids) or tuple(self.model.config.eos_token_ids)
-        request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p),
+        request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p,
+                                                                 params.presence_penalty, params.frequency_penalty,
+                                                                 params.repetition_penalty),
                           tuple(dict.fromkeys([*params.stop_token_ids, *eos])), params.seed,
                           adapter=self._slot(params.adapter))
         out: TextOutput | ChatOutput

@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's, in [-2, 2]: lowers each token generated so far by this (default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's, in [-2, 2]: lowers each token by this times its count so far (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: divides a positive logit (multiplies a negative one) of each token of the prompt "
+                        "and the output so far, as transformers and llama.cpp do (default 1: off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--stats", action="store_true", help="print timing and expert-store statistics")
@@ -135,11 +142,18 @@ def read_lora_flag(values: list[str], model_dir: str):
     return read_adapters([(name or "adapter", path)], model_dir)[0]
 
 
+def _sampling(args):
+    """generate's sampling flags as SamplingParams (which checks them)."""
+    from moeswap.engine.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.presence_penalty,
+                          args.frequency_penalty, args.repetition_penalty)
+
+
 def cmd_generate(args) -> int:
     import torch
 
     from moeswap.engine.generate import GenerationConfig, generate
-    from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
     from moeswap.text.tokenizer import StreamDecoder, load_tokenizer
@@ -156,7 +170,7 @@ def cmd_generate(args) -> int:
     args.prompt = args.prompt[0]
     # every flag is checked before the model loads
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
-                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+                           sampling=_sampling(args))
     lora = read_lora_flag(args.lora, args.model)
     from moeswap.distributed.cli import bind_local_device, finish, from_lead, join_if_launched
 
@@ -245,7 +259,6 @@ def generate_many(args) -> int:
 
     from moeswap.distributed.cli import bind_local_device, data_parallel_map, finish, from_lead, join_if_launched
     from moeswap.engine.generate import GenerationConfig, generate
-    from moeswap.engine.sampling import SamplingParams
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
     from moeswap.text.tokenizer import load_tokenizer
@@ -253,7 +266,7 @@ def generate_many(args) -> int:
     if args.lora:
         raise ValueError("--lora takes a single --prompt")
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
-                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+                           sampling=_sampling(args))
     bind_local_device(args)
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))
