@@ -345,7 +345,7 @@ class LLM:
         from moeswap.text.reasoning import start_state
 
         stops, tok = params.stops(), self.tokenizer
-        eos = () if params.ignore_eos else tuple(tok.eos_ids) or tuple(self.model.config.eos_token_ids)
+        eos = () if params.ignore_eos else tok.stop_ids(self.model.config.eos_token_ids)
         request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p,
                                                                  params.presence_penalty, params.frequency_penalty,
                                                                  params.repetition_penalty),

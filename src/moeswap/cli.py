@@ -192,7 +192,7 @@ def cmd_generate(args) -> int:
             tok = load_tokenizer(args.model)
             messages = [{"role": "user", "content": args.prompt}]
             ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
-            return tok, ids, () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
+            return tok, ids, () if args.ignore_eos else tok.stop_ids(model.config.eos_token_ids)
 
         tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)  # every rank runs the same sequence
         load_s = time.perf_counter() - t0
@@ -278,7 +278,7 @@ def generate_many(args) -> int:
             tok = load_tokenizer(args.model)
             ids = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else
                    tok.encode(p, specials=args.special_tokens) for p in args.prompt]
-            return tok, ids, () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
+            return tok, ids, () if args.ignore_eos else tok.stop_ids(model.config.eos_token_ids)
 
         tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)
         load_s = time.perf_counter() - t0

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     recorder = TraceRecorder({**model_meta(model, store, args.model), "prompts": len(prompts),
                               "max_tokens": args.max_tokens, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
     store.trace = recorder
-    stop = () if args.ignore_eos else (tuple(tok.eos_ids) or model.config.eos_token_ids)
+    stop = () if args.ignore_eos else tok.stop_ids(model.config.eos_token_ids)
     cfg = GenerationConfig(max_tokens=args.max_tokens, stop_ids=stop)
     t0, generated = time.perf_counter(), 0
     for text in prompts:

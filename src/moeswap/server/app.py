@@ -81,7 +81,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
                         options.max_queue, metrics, scheduler=scheduler)
     metrics.attach(engine, store)
     srv = _Server(options.model_name, tokenizer, engine, metrics, max_context, model.config.vocab_size,
-                  tuple(tokenizer.eos_ids) or tuple(model.config.eos_token_ids), options.api_key,
+                  tokenizer.stop_ids(model.config.eos_token_ids), options.api_key,
                   {} if adapters is None else {n: adapters.slot(n) for n in adapters.names},
                   find_format(tokenizer), find_layout(tokenizer))
     srv.body_limit = body_limit(max_context, tokenizer.max_token_chars)

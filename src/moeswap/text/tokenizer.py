@@ -112,6 +112,11 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
 
+    def stop_ids(self, model_eos: Sequence[int]) -> tuple[int, ...]:
+        """The ids that end a completion: the tokenizer's end-of-sequence ids (tokenizer_config.json,
+        generation_config.json and config.json merged by load_tokenizer), else the model config's `model_eos`."""
+        return self.eos_ids or tuple(model_eos)
+
     def encode(self, text: str, add_bos: bool = False, *, specials: bool = False) -> list[int]:
         """Token ids of `text`. A special token's string in it is encoded as the text it spells, so what a
         user typed never becomes a control token; `specials=True` turns such strings into their special
