@@ -242,6 +242,17 @@ def test_inspect_kimi_linear(capsys, tiny_linear_dir, strict_json):
 # -- errors ----------------------------------------------------------------------------------------
 
 
+def test_a_gguf_file_is_refused_saying_what_moeswap_reads(capsys, tmp_path):
+    """llama.cpp's format, named as the model: one line that says it is GGUF and what moeswap reads instead
+    (it was a JSON error about the file's bytes)."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
+    for argv in (("generate", str(gguf), "--prompt", "hi"), ("inspect", str(gguf))):
+        code, out, err = run(capsys, *argv)
+        assert_one_line_error(code, err, str(gguf), "a GGUF file (llama.cpp's format)")
+        assert "safetensors checkpoint, a directory with config.json" in err and out == ""
+
+
 def test_nonexistent_model_dir(capsys, tmp_path):
     missing = tmp_path / "no-such-model"
     for argv in (("generate", str(missing), "--prompt", "hi"), ("inspect", str(missing))):

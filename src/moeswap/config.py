@@ -183,7 +183,20 @@ def load_config(path: str | Path) -> ModelConfig:
     file = confined(path, "config.json", ConfigError, str(path)) if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"{file}: no config.json found (expected a model directory or a config.json path)")
+    if file.is_file() and _is_gguf(file):
+        raise ConfigError(f"{file}: a GGUF file (llama.cpp's format); moeswap reads the published safetensors "
+                          f"checkpoint, a directory with config.json, because it streams the routed experts as "
+                          f"they are stored there (MXFP4, block FP8, INT4) by byte range")
     return parse_config(read_json(file, ConfigError), source=str(file))
+
+
+def _is_gguf(file: Path) -> bool:
+    """A file that begins with GGUF's magic bytes."""
+    try:
+        with open(file, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
