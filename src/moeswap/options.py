@@ -19,10 +19,11 @@ from moeswap.experts.hybrid import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS  # torc
 from moeswap.experts.read_modes import DEFAULT_THREADS, EXPERT_READS
 from moeswap.ops.gemm_precision import GEMM_PRECISIONS
 from moeswap.units import human_bytes, parse_bytes
+from moeswap.weights import dense_quant
 
 NO_CACHE = "none"  # --expert-policy none: no cache tier, every expert read from disk every time
 PREFETCH_MODES = ("none", "next-layer")
-DENSE_WEIGHTS = ("auto", "compute", "int8", "int4")  # int8/int4: weights.dense_quant
+DENSE_WEIGHTS = ("auto", "compute", *dense_quant.FORMATS)  # int8/int4: quantised at load (weights.dense_quant)
 EXPERT_ACTIVATIONS = ("fp32", "int8")
 
 

@@ -106,7 +106,8 @@ def memory_bandwidth(threads: int, mib: int = 512, reps: int = 5, device: str = 
 
 
 def decode_bytes(model_dir: str) -> dict:
-    """Bytes one batch-1 decode step must read: every dense weight but the embedding (a row gather), plus
+    """Bytes one batch-1 decode step must read: every dense weight but the embedding (a row gather; its stored
+    bytes are `embed_bytes`), plus
     top-k routed experts in each MoE layer, as stored (bf16 dense, MXFP4 experts for K3; block FP8 or INT4 and
     their scales for DeepSeek-V3 / Kimi K2 checkpoints)."""
     import re
@@ -117,7 +118,7 @@ def decode_bytes(model_dir: str) -> dict:
     cfg = load_config(model_dir)
     ckpt = Checkpoint.open(model_dir)
     expert = re.compile(r".*\.experts\.(\d+)\.")
-    dense = dense_params = expert_bytes = expert_params = 0
+    dense = dense_params = expert_bytes = expert_params = embed = 0
     for name in ckpt.names():
         info = ckpt.info(name)
         if expert.match(name):
@@ -126,7 +127,9 @@ def decode_bytes(model_dir: str) -> dict:
                 expert_params += 2 * info.nbytes
             elif not name.endswith(("_scale", "_scale_inv", "weight_shape", "weight_zero_point")):
                 expert_params += info.nbytes // info.dtype.itemsize
-        elif not name.endswith("embed_tokens.weight") and not name.startswith(("vision_tower", "mm_projector")):
+        elif name.endswith("embed_tokens.weight"):
+            embed += info.nbytes
+        elif not name.startswith(("vision_tower", "mm_projector")):
             dense += info.nbytes
             dense_params += info.nbytes // info.dtype.itemsize
     moe_layers = sum(1 for k in cfg.mlp_kinds if k == "moe")
@@ -134,7 +137,7 @@ def decode_bytes(model_dir: str) -> dict:
     per_expert = expert_bytes / experts
     active = cfg.moe.top_k * moe_layers * per_expert
     ckpt.close()
-    return {"dense_bytes": dense, "dense_params": dense_params, "active_expert_bytes": active,
+    return {"dense_bytes": dense, "dense_params": dense_params, "embed_bytes": embed, "active_expert_bytes": active,
             "per_token_bytes": dense + active, "expert_bytes": per_expert,
             "active_params": dense_params + cfg.moe.top_k * moe_layers * expert_params / experts,
             "moe_layers": moe_layers, "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "arch": cfg.arch}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from moeswap.bench import sidebyside as sbs
 from moeswap.units import parse_bytes
+from moeswap.weights import dense_quant
 
 MIN_RATIO = 4.0  # expert bytes / memory limit below which the run is refused
 DEFAULT_LIMIT = 5 << 30
@@ -145,14 +146,14 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
     prompt = sbs.random_prompts(1, prompt_tokens, vocab, seed=1)[0]
     short = sbs.random_prompts(1, 4, vocab, seed=2)[0]
     load = setup.load
-    dense_fmt = load.dense_weights if load.dense_weights in ("int8", "int4") else "bf16"
-    dense_resident = by["dense_bytes"] * _dense_ratio(dense_fmt) + _embedding_bytes(setup.model)
+    dense_fmt = load.dense_weights if load.dense_weights in dense_quant.FORMATS else "bf16"
+    dense_resident = _dense_resident(by, dense_fmt, cfg.hidden_size)
     if load.expert_memory == sbs.BENCH_LOAD.expert_memory:  # not set by the user: what the limit leaves
         load = load.replace(expert_memory=default_expert_memory(limit, dense_resident, by))
     report: dict = {"bench": "stream", "model": setup.model, "machine": sbs.machine_info(setup.threads),
                     "memory_limit": limit, "bytes": by, "expert_to_limit": ratio,
-                    "ceiling": {**vars(ceiling), "probes": [vars(c) for c in probes]}, "cpu": vars(cpu), "settings": {**vars(load), "threads": setup.threads,
-                                                           "gguf_outtype": gguf_outtype},
+                    "ceiling": {**vars(ceiling), "probes": [vars(c) for c in probes]}, "cpu": vars(cpu),
+                    "settings": {**vars(load), "threads": setup.threads, "gguf_outtype": gguf_outtype},
                     "engines": {}, "skipped": {}}
     log(f"moeswap (--dense-weights {load.dense_weights}, --expert-memory {load.expert_memory / 2**30:.2f} GiB) ...")
     report["engines"]["moeswap"] = _engine_run("moeswap", setup, limit, load.to_argv(), prompt, short, tokens, log)
@@ -207,22 +208,14 @@ def measure(setup: sbs.Setup, limit: int, prompt_tokens: int, tokens: int, min_r
     return report
 
 
-def _dense_ratio(fmt: str) -> float:
-    """Resident bytes of a dense trunk kept in `fmt`, per stored bf16 byte (planner/formats.py's table)."""
+def _dense_resident(by: dict, fmt: str, hidden: int) -> float:
+    """Bytes of the dense trunk a run keeps in `fmt` (planner/formats.py's table; the bf16-stored trunk's rows
+    `hidden` wide), and its embedding table: none under int8/int4, where it stays the checkpoint's mapping
+    (StoredEmbedding), else a copy in the CPU's fp32 compute dtype."""
     from moeswap.planner.formats import bytes_per_weight
 
-    return bytes_per_weight(fmt, 7168) / 2.0
-
-
-def _embedding_bytes(model_dir: str) -> int:
-    """decode_bytes leaves the embedding out (a decode step reads a row of it); a run still keeps it."""
-    from moeswap.formats.checkpoint import Checkpoint
-
-    ckpt = Checkpoint.open(model_dir)
-    try:
-        return sum(ckpt.info(n).nbytes for n in ckpt.names() if n.endswith("embed_tokens.weight"))
-    finally:
-        ckpt.close()
+    trunk = by["dense_bytes"] * bytes_per_weight(fmt, hidden) / 2.0
+    return trunk + (0 if fmt in dense_quant.FORMATS else 2 * by["embed_bytes"])
 
 
 def _num(x: float | None) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeswap.weights import dense_quant
+
 from .hardware import Hardware
 from .layouts import Layout
 from .params import Linear, ModelParams, kda_state_bytes_per_seq, mla_cache_values_per_token
@@ -52,12 +54,12 @@ def expert_bytes(mp: ModelParams, prec: Precision) -> float:
     return sum(linear_bytes(l, fmt) for l in mp.expert)
 
 
-CODES_DENSE = ("int8", "int4")  # --dense formats whose rule (weights/dense_quant.py) takes lm_head too
 
 
 def head_bytes(mp: ModelParams, prec: Precision) -> float:
-    """The output head: in the --dense format where moeswap quantises it (int8, int4), else bf16."""
-    fmt = prec.dense if prec.dense in CODES_DENSE else "bf16"
+    """The output head: in the --dense format where moeswap quantises it (int8, int4: weights/dense_quant.py's
+    rule takes lm_head), else bf16."""
+    fmt = prec.dense if prec.dense in dense_quant.FORMATS else "bf16"
     return mp.lm_head * bytes_per_param(fmt, mp.cfg.hidden_size)
 
 
@@ -65,7 +67,7 @@ def embedding_bytes(mp: ModelParams, prec: Precision, hw: Hardware | None = None
     """The embedding table's resident bytes: bf16; none on a CPU-only machine (no host beside the device)
     under int8/int4 dense weights, where moeswap keeps the table as the checkpoint's mapping and a lookup
     reads a row (models/layers/basic.py StoredEmbedding) unless the head is tied to it."""
-    mapped = prec.dense in CODES_DENSE and hw is not None and hw.host is None and not mp.cfg.tie_word_embeddings
+    mapped = prec.dense in dense_quant.FORMATS and hw is not None and hw.host is None and not mp.cfg.tie_word_embeddings
     return 0.0 if mapped else mp.embed * 2
 
 
