@@ -31,6 +31,16 @@ def test_experts_under_the_ratio_are_refused_in_one_line(tiny_k3_dir):
     assert got.stderr.count("\n") == 1 and "needs >= 4x" in got.stderr and "2.00x" in got.stderr
 
 
+@pytest.mark.parametrize("flags, says", [
+    (("--memory-limit", "lots"), "'lots' is not a size"),
+    (("--prompt-tokens", "0"), "--prompt-tokens and --tokens must be >= 1"),
+    (("--tokens", "0"), "--prompt-tokens and --tokens must be >= 1"),
+])
+def test_bad_flags_are_one_line_errors(tiny_k3_dir, flags, says):
+    got = run_cli("bench", "stream", str(tiny_k3_dir), "--peers", "", *flags)
+    assert got.returncode == 2 and got.stderr.count("\n") == 1 and says in got.stderr, got.stderr
+
+
 def test_read_bytes_counts_what_a_process_read_from_the_drive(tmp_path):
     path = tmp_path / "data"
     size = 8 << 20
