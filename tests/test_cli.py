@@ -141,7 +141,8 @@ def test_ignore_eos(generate_json, tiny_k3_dir, copy_model):
     stop_at = greedy[1]
     model = copy_model(tiny_k3_dir)
     gen_cfg = json.loads((model / "generation_config.json").read_text())
-    gen_cfg["eos_token_id"] = [gen_cfg["eos_token_id"], stop_at]
+    eos = gen_cfg["eos_token_id"]
+    gen_cfg["eos_token_id"] = [*(eos if isinstance(eos, list) else [eos]), stop_at]
     (model / "generation_config.json").write_text(json.dumps(gen_cfg))
 
     stopped = generate_json(model, "--max-tokens", "6")
@@ -150,6 +151,31 @@ def test_ignore_eos(generate_json, tiny_k3_dir, copy_model):
     ignored = generate_json(model, "--max-tokens", "6", "--ignore-eos")
     assert ignored["tokens"] == greedy and ignored["finish_reason"] == "length"
     assert ignored["completion_tokens"] == 6
+
+
+def test_stop_strings_end_the_text_and_the_sequence(generate_json, tiny_k3_dir, capsys):
+    """--stop TEXT: the text ends before TEXT's first appearance, finish "stop", and no token is generated past
+    the one that completed it; streamed text is the same; with several prompts each ends at its own."""
+    full = generate_json(tiny_k3_dir, "--max-tokens", "24", "--ignore-eos")
+    tok = load_tokenizer(tiny_k3_dir)
+    text = full["text"]
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() and "\ufffd" not in
+                text[:i + 3])  # a piece from the middle whose text before it is whole characters
+    cut = text.index(stop)
+    stopped = generate_json(tiny_k3_dir, "--max-tokens", "24", "--ignore-eos", "--stop", stop, "--stop", "\x00never")
+    assert (stopped["text"], stopped["finish_reason"]) == (text[:cut], "stop")
+    # the sequence ended at the token whose text completed the stop string
+    n = next(k for k in range(1, 25) if stop in tok.decode(full["tokens"][:k]))
+    assert stopped["tokens"] == full["tokens"][:n]
+    code, out, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--max-tokens", "24",
+                         "--ignore-eos", "--stop", stop)
+    assert code == 0 and out == PROMPT + text[:cut] + "\n" and "finish: stop" in err
+    code, out, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--prompt", PROMPT, "--json",
+                         "--max-tokens", "24", "--ignore-eos", "--stop", stop)
+    many = json.loads(out)["outputs"]
+    assert [(o["text"], o["finish_reason"], o["tokens"]) for o in many] == [(text[:cut], "stop", stopped["tokens"])] * 2
+    code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--stop", "")
+    assert_one_line_error(code, err, "--stop")
 
 
 def test_generate_streams_text(capsys, tiny_k3_dir):

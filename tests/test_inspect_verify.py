@@ -164,3 +164,21 @@ def test_scale_window_against_the_encoder():
     (bad,) = report["bad_scales"]
     assert scale[0, 0] == 0 and scale[2, 1] == SCALE_RANGE[1] and scale[1, 0] == 127 - 47 and scale[3, 2] == 127 + 42
     assert bad["count"] == 2 and bad["first_block"] == [1, 0] and bad["first_scale"] == "2^-47"
+
+
+def test_inspect_says_what_ends_a_completion_and_a_chat_answer(capsys, tiny_k3_dir, copy_model):
+    """The end-of-sequence ids and the chat template's end of turn, which a chat answer also stops at where the
+    checkpoint's ids leave it out (generation_config.json names <|end_of_msg|> only here)."""
+    from moeswap.text.tokenizer import load_tokenizer
+
+    model = copy_model(tiny_k3_dir)
+    tok = load_tokenizer(model)
+    eos, end = tok.special_to_id["<|end_of_msg|>"], tok.special_to_id["<|im_end|>"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert main(["inspect", str(model), "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)["tokens"]
+    assert t["end_of_sequence"] == [{"id": eos, "text": "<|end_of_msg|>"}]
+    assert (t["chat_template"], t["turn_end"]) == ("built-in", {"id": end, "text": "<|im_end|>"})
+    assert [x["id"] for x in t["chat_stops"]] == [eos, end]
+    assert main(["inspect", str(model)]) == 0
+    assert "so a chat answer ends at <|end_of_msg|> (%d), <|im_end|> (%d)" % (eos, end) in capsys.readouterr().out

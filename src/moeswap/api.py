@@ -260,7 +260,7 @@ class LLM:
         """The assistant's answer to `messages` ([{"role": "user", "content": "..."}, ...]), as the server's
         /v1/chat/completions gives it: rendered with the checkpoint's chat template (only the template's own
         markup becomes special tokens; chat_template_kwargs are the template's switches, `tools` OpenAI-style
-        function specs), stopped at the tokenizer's end-of-sequence tokens (a chat checkpoint's end of turn),
+        function specs), stopped at the tokenizer's end-of-sequence tokens and the template's end of turn,
         the reasoning of a layout the server knows (Kimi K3's) in `reasoning` and calls in `tool_calls`.
         Keywords: `Params` (max_tokens defaults to 256)."""
         prompt = self.chat_prompt(messages, chat_template_kwargs, tools)
@@ -345,7 +345,8 @@ class LLM:
         from moeswap.text.reasoning import start_state
 
         stops, tok = params.stops(), self.tokenizer
-        eos = () if params.ignore_eos else tok.stop_ids(self.model.config.eos_token_ids)
+        stop_ids = tok.stop_ids if chat is None else tok.chat_stop_ids  # a chat answer also ends at its turn's end
+        eos = () if params.ignore_eos else stop_ids(self.model.config.eos_token_ids)
         request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p,
                                                                  params.presence_penalty, params.frequency_penalty,
                                                                  params.repetition_penalty),

@@ -64,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "data-parallel attention; docs/distributed.md)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--special-tokens", action="store_true",
-                   help="read special-token strings in --prompt (e.g. <|im_end|>) as those tokens; by default "
-                        "they are text, as user input always is (the chat template's own markers are tokens)")
+                   help="read special-token strings in --prompt (e.g. <|im_end|>) as those tokens, and print the "
+                        "special tokens generated; by default a prompt's are text, as user input always is (the chat "
+                        "template's own markers are tokens), and generated ones are not printed")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text where TEXT appears (left out of it); give it several times for several")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -150,14 +153,22 @@ def _sampling(args):
                           args.frequency_penalty, args.repetition_penalty)
 
 
+def _stop_ids(args, tok, model) -> tuple[int, ...]:
+    """The token ids that end generate's sequences: end of sequence (--chat: and the template's end of turn)."""
+    return (tok.chat_stop_ids if args.chat else tok.stop_ids)(model.config.eos_token_ids)
+
+
 def cmd_generate(args) -> int:
     import torch
 
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
-    from moeswap.text.tokenizer import StreamDecoder, load_tokenizer
+    from moeswap.text.output import TextOutput
+    from moeswap.text.tokenizer import load_tokenizer
 
+    if any(not s for s in args.stop):
+        raise ValueError("--stop: an empty string would stop before any text; leave it out")
     if args.prompt.count("-") > 1:
         raise ValueError("--prompt -: standard input can be read once; give '-' one time")
     args.prompt = [_stdin_prompt() if text == "-" else text for text in args.prompt]
@@ -192,16 +203,26 @@ def cmd_generate(args) -> int:
             tok = load_tokenizer(args.model)
             messages = [{"role": "user", "content": args.prompt}]
             ids = tok.encode_chat(messages) if args.chat else tok.encode(args.prompt, specials=args.special_tokens)
-            return tok, ids, () if args.ignore_eos else tok.stop_ids(model.config.eos_token_ids)
+            return tok, ids, () if args.ignore_eos else _stop_ids(args, tok, model)
 
         tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)  # every rank runs the same sequence
         load_s = time.perf_counter() - t0
         cfg = dataclasses.replace(cfg, stop_ids=stop_ids, seed=seed)
-        stream = StreamDecoder(tok) if tok is not None else None
+        out = TextOutput(tok, args.stop, skip_specials=not args.special_tokens) if tok is not None else None
+        text: list[str] = []
         on_token = None
-        if not args.json and tok is not None:
-            print(args.prompt if not args.chat else "", end="", flush=True)
-            on_token = lambda t: print(stream.push(t), end="", flush=True)  # noqa: E731
+        if out is not None:
+            if not args.json:
+                print(args.prompt if not args.chat else "", end="", flush=True)
+
+            def on_token(token: int) -> bool:
+                """Shows the text (--json: keeps it); True at a stop string ends the sequence there (under
+                torchrun every rank decodes it to the end: the ranks' steps must stay in lockstep)."""
+                piece, stopped = out.push(token)
+                text.append(piece)
+                if not args.json:
+                    print(piece, end="", flush=True)
+                return stopped and ep is None
         engine = EngineConfig(max_batch=1, max_len=len(ids) + cfg.max_tokens, native=not args.reference_step,
                               prefill_chunk=args.prefill_chunk)
         try:
@@ -229,10 +250,13 @@ def cmd_generate(args) -> int:
     }
     if ep is not None:
         stats["expert_parallel"] = {"world": ep.world, "placement": ep.placement.kind, "rank0": ep.stats.as_dict()}
+    text.append(out.finish())
+    if out.stopped:  # the text ended at a stop string (under torchrun the tokens went on past it)
+        stats["finish_reason"] = "stop"
     if args.json:
-        print(dumps({"text": tok.decode(result.tokens), "tokens": result.tokens, **stats}))
+        print(dumps({"text": "".join(text), "tokens": result.tokens, **stats}))
         return 0
-    print(stream.flush())
+    print(text[-1])
     print(f"\n[{stats['completion_tokens']} tokens, finish: {stats['finish_reason']}, "
           f"time to first token {stats['ttft_ms']:.1f} ms, decode "
           + ("n/a]" if rate is None else f"{stats['decode_tokens_per_s']:.1f} tokens/s]"),
@@ -261,6 +285,7 @@ def generate_many(args) -> int:
     from moeswap.engine.generate import GenerationConfig, generate
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
+    from moeswap.text.output import TextOutput
     from moeswap.text.tokenizer import load_tokenizer
 
     if args.lora:
@@ -278,7 +303,7 @@ def generate_many(args) -> int:
             tok = load_tokenizer(args.model)
             ids = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else
                    tok.encode(p, specials=args.special_tokens) for p in args.prompt]
-            return tok, ids, () if args.ignore_eos else tok.stop_ids(model.config.eos_token_ids)
+            return tok, ids, () if args.ignore_eos else _stop_ids(args, tok, model)
 
         tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)
         load_s = time.perf_counter() - t0
@@ -287,7 +312,11 @@ def generate_many(args) -> int:
             c = dataclasses.replace(cfg, stop_ids=stop_ids, seed=None if seed is None else seed + i)
             engine = EngineConfig(max_batch=1, max_len=len(ids[i]) + c.max_tokens, native=not args.reference_step,
                                   prefill_chunk=args.prefill_chunk)
-            r = generate(model, ids[i], c, engine=engine)
+            on_token = None
+            if args.stop and ep is None:  # (under torchrun the lead cuts the text afterwards)
+                out = TextOutput(tok, args.stop)
+                on_token = lambda t: out.push(t)[1]  # noqa: E731  (True at a stop string: the sequence ends)
+            r = generate(model, ids[i], c, on_token=on_token, engine=engine)
             rate = r.decode_tokens_per_s
             return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
                     "finish_reason": r.finish_reason, "ttft_ms": round(r.ttft_s * 1e3, 2),
@@ -302,7 +331,10 @@ def generate_many(args) -> int:
     if not finish(ep):
         return 0
     for i, out in enumerate(outputs):
-        out["text"] = tok.decode(out["tokens"])
+        text = TextOutput(tok, args.stop, skip_specials=not args.special_tokens)
+        out["text"] = "".join(text.push(t)[0] for t in out["tokens"]) + text.finish()
+        if text.stopped:
+            out["finish_reason"] = "stop"
         out["prompt_index"] = i
     stats = {"outputs": outputs, "load_s": round(load_s, 3), "generate_s": round(wall_s, 3),
              "expert_store": store.stats.as_dict(), "threads": torch.get_num_threads()}

@@ -85,7 +85,27 @@ def summarize(model_dir: str | Path) -> dict:
         "total_params": text_params, "active_params": active,
         "params_by_component": dict(params), "bytes_by_component": dict(nbytes),
         "bytes_by_precision": dict(by_precision), "files": len(ckpt.files()), "total_bytes": ckpt.total_bytes,
+        "tokens": _tokens(model_dir, config.eos_token_ids),
     }
+
+
+def _tokens(model_dir: str | Path, model_eos) -> dict | None:
+    """What ends a completion and a chat answer (Tokenizer.stop_ids, chat_stop_ids), with the chat template's
+    origin; None where the directory has no tokenizer moeswap reads."""
+    from moeswap.text.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(model_dir)
+    except (TokenizerError, ValueError):  # (ChatTemplateError: a template that does not compile)
+        return None
+
+    def named(ids) -> list[dict]:
+        return [{"id": i, "text": tok.id_to_special.get(i) or tok.decode([i])} for i in ids]
+
+    return {"vocab_size": tok.vocab_size, "end_of_sequence": named(tok.stop_ids(model_eos)),
+            "chat_template": "built-in" if tok.chat_template is None else tok.chat_template.origin,
+            "turn_end": None if tok.turn_end_id is None else named([tok.turn_end_id])[0],
+            "chat_stops": named(tok.chat_stop_ids(model_eos))}
 
 
 def format_summary(s: dict) -> str:
@@ -106,4 +126,14 @@ def format_summary(s: dict) -> str:
     lines += ["", f"{'precision':<28}{'bytes':>26}"]
     for prec, b in sorted(s["bytes_by_precision"].items(), key=lambda kv: -kv[1]):
         lines.append(f"{prec:<28}{human_bytes(b):>26}")
+    t = s.get("tokens")
+    if t is not None:
+        def ids(items: list[dict]) -> str:
+            return ", ".join(f"{x['text']} ({x['id']})" for x in items) or "none"
+
+        end = t["turn_end"]
+        lines += ["", f"tokens: {t['vocab_size']} ids; a completion ends at {ids(t['end_of_sequence'])}; "
+                      f"chat template {t['chat_template']}, its turn end {ids([end] if end else [])}"
+                      + ("" if t["chat_stops"] == t["end_of_sequence"] else
+                         f", so a chat answer ends at {ids(t['chat_stops'])}")]
     return "\n".join(lines)

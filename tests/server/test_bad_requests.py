@@ -61,8 +61,9 @@ BAD = [
     ("completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # was a 500
     ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters":
                                             json.loads('{"a":' * 70 + "1" + "}" * 70)}}]}, 400, None),
-    ("completions", {**TEXT, "n": 2}, 400, "n"),
-    ("chat/completions", {**CHAT, "n": 3}, 400, "n"),
+    ("completions", {**TEXT, "n": 0}, 400, "n"),
+    ("chat/completions", {**CHAT, "n": 10 ** 6}, 400, "n"),  # more than the server holds at once
+    ("completions", {**TEXT, "n": 2, "seed": 2 ** 64 - 1}, 400, "seed"),  # choice 1's seed is out of range
     ("completions", {**TEXT, "max_tokens": -1}, 400, "max_tokens"),  # negative max_tokens
     ("completions", {**TEXT, "max_tokens": 0}, 400, "max_tokens"),
     ("chat/completions", {**CHAT, "max_completion_tokens": -5}, 400, "max_completion_tokens"),

@@ -269,3 +269,54 @@ def test_checkpoint_template_with_tools(server, tiny_k3_dir, copy_model, run_app
     assert r.prompt_token_ids == tok.encode_chat(messages, tools=tools, thinking=False)
     assert r.prompt_token_ids != tok.encode_chat(messages, tools=tools)  # the switch reached the template
     assert r.choices[0].token_ids == oracle(server, r.prompt_token_ids, 3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_n_choices_are_each_its_seed_alone(server, client, endpoint, stream):
+    """n choices: choice i is what the request alone gives with seed + i (the same tokens and text), streamed or
+    not; usage counts the prompt once and every choice's tokens."""
+    tok = server.tokenizer
+    prompt = tok.encode_chat(MESSAGES) if endpoint == "chat" else tok.encode(PROMPT)
+    sampling = dict(max_tokens=10, temperature=0.9, seed=40, n=3, stream=stream,
+                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    if endpoint == "chat":
+        r = client.chat.completions.create(model=server.name, messages=MESSAGES, **sampling)
+    else:
+        r = client.completions.create(model=server.name, prompt=PROMPT, **sampling)
+    texts, ids = ["", "", ""], [None, None, None]
+    chunks = list(r) if stream else [r]
+    for c in chunks:
+        for choice in c.choices:
+            piece = (choice.delta.content if stream else choice.message.content) if endpoint == "chat" else choice.text
+            texts[choice.index] += piece or ""
+            if choice.finish_reason is not None:
+                ids[choice.index] = choice.token_ids
+    for i in range(3):
+        want = oracle(server, prompt, 10, sampling=SamplingParams(0.9), seed=40 + i)
+        assert ids[i] == want and texts[i] == text_of(tok, want)
+    assert len({tuple(t) for t in ids}) == 3  # three samples, not one thrice
+    if not stream:
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 30)
+
+
+def test_chat_stops_at_the_templates_turn_end(start_server, tiny_k3_dir, tmp_path):
+    """A checkpoint whose end of sequence is not its chat template's end of turn (the shipped stdlib-k3 was
+    one: <|end_of_msg|> and <|im_end|>): a chat answer stops at the turn end; a completion, which is not a
+    chat turn, goes on past it. The answer is scripted: a model fine-tuned on chat turns ends them so."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_bytes((tiny_k3_dir / name).read_bytes())
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": %d}' % load_tokenizer(tiny_k3_dir).eos_ids[0])
+    tok = load_tokenizer(tmp_path)
+    end = tok.special_to_id["<|im_end|>"]
+    assert tok.turn_end_id == end and end not in tok.stop_ids(()) and end in tok.chat_stop_ids(())
+    server = start_server(tokenizer=tok, scripted=True)
+    answer = tok.encode("OK.")
+    server.say([*answer, end, *tok.encode(" OKWAP")])
+    r = server.client().chat.completions.create(model=server.name, messages=MESSAGES, max_tokens=16,
+                                                extra_body={"return_token_ids": True})
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("OK.", "stop")
+    assert r.choices[0].token_ids == [*answer, end]
+    server.say([*answer, end, *tok.encode(" OKWAP")])
+    r = server.client().completions.create(model=server.name, prompt=PROMPT, max_tokens=16)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text.startswith("OK. OKWAP")

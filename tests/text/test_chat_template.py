@@ -297,3 +297,26 @@ def test_a_hostile_template_is_refused_in_bounded_time_and_memory(monkeypatch, s
     assert time.monotonic() - started < 20
     assert ChatTemplate("{{ messages[0].content * 3 }}", origin="ok").render([{"role": "user", "content": "ab"}]) \
         == "ababab"  # ordinary products still work
+
+
+K2_TEMPLATE = (Path(__file__).parent.parent / "data" / "Kimi-K2-Thinking.jinja").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("template,turn_end", [
+    (None, "<|im_end|>"),  # the built-in template: Kimi K2-style turns
+    (K3_TEMPLATE, "<|end_of_msg|>"),  # K3's published template closes the channel (<|close|>), then the turn
+    (K2_TEMPLATE, "<|im_end|>"),  # Kimi K2 Thinking's published template
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", None),  # turns closed by text only
+    ("{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no') }}{% endif %}{% endfor %}",
+     None),  # a template that cannot render an answer
+])
+def test_the_templates_turn_end_is_found(tmp_path, template, turn_end):
+    """Tokenizer.turn_end_id: the special token a chat template closes an assistant's turn with; chat answers
+    stop there even where the checkpoint's end of sequence is another token (chat_stop_ids)."""
+    build_tiny_tokenizer(tmp_path, VOCAB)
+    if template is not None:
+        _with_template(tmp_path, template)
+    tok = load_tokenizer(tmp_path)
+    want = None if turn_end is None else tok.special_to_id[turn_end]
+    assert tok.turn_end_id == want
+    assert tok.chat_stop_ids(()) == tuple(dict.fromkeys([*tok.stop_ids(()), *([] if want is None else [want])]))

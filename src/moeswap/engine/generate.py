@@ -82,17 +82,21 @@ def _check_prompt(model, ids: Sequence[int], cfg: GenerationConfig) -> None:
 
 
 def generate(model, prompt_ids: Sequence[int], cfg: GenerationConfig = GenerationConfig(),
-             on_token: Callable[[int], None] | None = None, engine: EngineConfig | None = None) -> GenerationResult:
+             on_token: Callable[[int], bool | None] | None = None,
+             engine: EngineConfig | None = None) -> GenerationResult:
     return generate_batch(model, [prompt_ids], cfg, on_token=(lambda i, t: on_token(t)) if on_token else None,
                           engine=engine)[0]
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfig = GenerationConfig(),
-                   on_token: Callable[[int, int], None] | None = None,
+                   on_token: Callable[[int, int], bool | None] | None = None,
                    engine: EngineConfig | None = None) -> list[GenerationResult]:
     """Greedy results equal running each prompt alone: each prompt is prefilled alone (in pieces, between
     the decode steps of the prompts already done), and decoded with the others (the scheduler with every
-    request submitted at once). Sequence i of a seeded sampled batch uses seed + i."""
+    request submitted at once). Sequence i of a seeded sampled batch uses seed + i.
+
+    on_token(i, token) is called with each token of sequence i as it comes; returning True ends that sequence
+    there (finish reason "stop": the caller found a stop string in its text)."""
     for p in prompts:
         _check_prompt(model, p, cfg)
     stop = tuple(model.config.eos_token_ids if cfg.stop_ids is None else cfg.stop_ids)
@@ -103,11 +107,17 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
     sched = Scheduler(model, engine)
     requests = [Request(list(p), cfg.max_tokens, cfg.sampling, stop, None if cfg.seed is None else cfg.seed + i, i,
                         adapter=cfg.adapter) for i, p in enumerate(prompts)]
+    stopped: set[int] = set()
+
+    def each(ev) -> None:
+        if ev.token is not None and on_token is not None and on_token(ev.id, ev.token) and ev.finish_reason is None:
+            sched.abort(ev.id)  # its last event, at the next step, carries no token
+            stopped.add(ev.id)
+
     # raises the first failed request's error (NonFiniteError) once the others are done
-    results = sched.run(requests, (lambda ev: on_token(ev.id, ev.token) if ev.token is not None else None)
-                        if on_token else None)
+    results = sched.run(requests, each)
     st = sched.stats
     executor = executor_names(model.moe_blocks())
-    return [GenerationResult(r.tokens, r.finish_reason, r.prompt_tokens, r.ttft_s, r.decode_s, r.decoded,
-                             st.native_steps, st.native_off, st.state_bytes_peak, st.graph_capture_s, st.decode_step,
-                             executor) for r in results]
+    return [GenerationResult(r.tokens, "stop" if r.id in stopped else r.finish_reason, r.prompt_tokens, r.ttft_s,
+                             r.decode_s, r.decoded, st.native_steps, st.native_off, st.state_bytes_peak,
+                             st.graph_capture_s, st.decode_step, executor) for r in results]

@@ -54,6 +54,7 @@ class _Server:
     adapters: dict[str, int] = field(default_factory=dict)  # served LoRA adapters: name -> slot (lora.serving)
     tool_format: ToolCallFormat | None = None  # how the checkpoint writes tool calls (None: not parsed)
     layout: Layout | None = None  # how it lays out an assistant turn: reasoning, content (None: all content)
+    chat_eos_ids: tuple[int, ...] = ()  # eos_ids and the chat template's end of turn (Tokenizer.chat_stop_ids)
     created: int = field(default_factory=P.now)
     aliases: tuple[str, ...] = ()  # other names clients may give the base model as (ServeOptions.model_aliases)
     body_limit: int = MAX_BODY_BYTES  # body_limit(max_context, the tokenizer's max_token_chars), set by build_app
@@ -85,6 +86,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
                   {} if adapters is None else {n: adapters.slot(n) for n in adapters.names},
                   find_format(tokenizer), find_layout(tokenizer))
     srv.body_limit = body_limit(max_context, tokenizer.max_token_chars)
+    srv.chat_eos_ids = tokenizer.chat_stop_ids(model.config.eos_token_ids)
     srv.aliases = tuple(a for a in options.model_aliases if a != options.model_name)
     if options.model_name in srv.adapters:
         raise ValueError(f"the adapter name {options.model_name!r} is the served model's name; give it another")
@@ -279,12 +281,13 @@ def _sampling(req: P.GenerationFields) -> SamplingParams:
         raise P.APIError(400, str(e)) from None
 
 
-def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_tokens: int | None, param: str,
-                 logprobs: int | None, adapter: int = 0) -> tuple[EngineRequest, list[str]]:
-    """The engine's request and the stop strings; APIError (4xx) for anything the engine could not take."""
-    if req.n != 1:
-        raise P.APIError(400, f"'n' must be 1 (one choice per request), got {req.n}", param="n",
-                         code="unsupported_parameter")
+def _gen_requests(srv: _Server, req: P.GenerationFields, prompt: list[int], max_tokens: int | None, param: str,
+                  logprobs: int | None, adapter: int = 0) -> tuple[list[EngineRequest], list[str]]:
+    """The engine's request for each of the `n` choices, and the stop strings; APIError (4xx) for anything the
+    engine could not take. Choice i samples with seed + i (each choice is what a request with that seed gives)."""
+    if not 1 <= req.n <= srv.engine.capacity:
+        raise P.APIError(400, f"'n' must be between 1 and {srv.engine.capacity} (the sequences this server holds "
+                              f"at once: --max-batch + --max-queue), got {req.n}", param="n")
     if not prompt:
         raise P.APIError(400, "the prompt is empty: give at least one token", param="prompt")
     room = srv.max_context - len(prompt)
@@ -301,6 +304,7 @@ def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_t
     if req.seed is not None:
         try:
             check_seed(req.seed)
+            check_seed(req.seed + req.n - 1)
         except ValueError as e:
             raise P.APIError(400, str(e), param="seed") from None  # "seed must be ..."
     stop = _stops(req.stop)
@@ -309,9 +313,11 @@ def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_t
     if bad is not None:
         raise P.APIError(400, f"'stop_token_ids': {bad} is outside the vocabulary 0..{srv.vocab_size - 1}",
                          param="stop_token_ids")
-    stop_ids = tuple(dict.fromkeys(ids + ([] if req.ignore_eos else list(srv.eos_ids))))
-    return EngineRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids, req.seed,
-                         logprobs=logprobs, adapter=adapter), stop
+    eos = srv.chat_eos_ids if isinstance(req, P.ChatCompletionRequest) else srv.eos_ids
+    stop_ids = tuple(dict.fromkeys(ids + ([] if req.ignore_eos else list(eos))))
+    return [EngineRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids,
+                          None if req.seed is None else req.seed + i, logprobs=logprobs, adapter=adapter)
+            for i in range(req.n)], stop
 
 
 def _stops(stop) -> list[str]:
@@ -374,55 +380,85 @@ async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, to
         yield piece
 
 
+@dataclass
+class _Choice:
+    """One of a request's `n` choices: its engine handle, its text output and the token ids it has given."""
+
+    handle: Handle
+    out: TextOutput | ChatOutput
+    ids: list[int] = field(default_factory=list)
+
+
 async def _generate(srv: _Server, request: Request, req: P.GenerationFields, served: tuple[str, int],
                     prompt: list[int], max_tokens: int | None, param: str, logprobs: int | None, chat: bool,
                     tool_format: ToolCallFormat | None = None, state: str | None = None):
     """served: the model's name as the request gave it (the base model or an adapter) and its adapter slot."""
     model_name, adapter = served
-    gen, stops = _gen_request(srv, req, prompt, max_tokens, param, logprobs, adapter)
+    gens, stops = _gen_requests(srv, req, prompt, max_tokens, param, logprobs, adapter)
+    choices: list[_Choice] = []
     try:
-        handle = srv.engine.submit(gen)
+        for gen in gens:
+            if chat:
+                out: TextOutput | ChatOutput = ChatOutput(srv.tokenizer, srv.layout, state, tool_format, stops,
+                                                          skip_specials=req.skip_special_tokens,
+                                                          parallel=req.parallel_tool_calls is not False)
+            else:
+                out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
+            choices.append(_Choice(srv.engine.submit(gen), out))
     except QueueFull as e:
+        for c in choices:  # all of a request's choices run, or none
+            srv.engine.abort(c.handle)
         raise P.APIError(429, f"the server is busy: {e}", type="rate_limit_exceeded",
                          code="rate_limit_exceeded") from None
-    if chat:
-        out = ChatOutput(srv.tokenizer, srv.layout, state, tool_format, stops, skip_specials=req.skip_special_tokens,
-                         parallel=req.parallel_tool_calls is not False)
-    else:
-        out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
-    ids: list[int] = []
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(srv, handle, out, ids, rid, req, prompt, chat, include_usage, model_name),
+        return StreamingResponse(_stream(srv, choices, rid, req, prompt, chat, include_usage, model_name),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    watcher = asyncio.create_task(_abort_on_disconnect(request, srv.engine, handle))
+    watcher = asyncio.create_task(_abort_on_disconnect(request, srv.engine, [c.handle for c in choices]))
+    try:
+        answers = await asyncio.gather(*(_collect(srv, c) for c in choices))
+    finally:
+        watcher.cancel()
+        for c in choices:
+            srv.engine.abort(c.handle)  # nothing if it ended; frees the sequence if this handler was cancelled
+    failed = next((error for _, _, finish, error in answers if finish == "error"), None)
+    if failed is not None:
+        raise P.APIError(500, f"generation failed: {failed}", code="generation_failed")
+    body_choices = []
+    for i, (c, (text, lps, finish, _)) in enumerate(zip(choices, answers)):
+        choice: dict = {"index": i}
+        if chat:
+            choice["message"] = _message(text, c.out)
+            choice["logprobs"] = None if logprobs is None else {"content": _chat_logprobs(srv, lps)}
+        else:
+            choice["text"] = text
+            choice["logprobs"] = None if logprobs is None else _completion_logprobs(srv, lps)
+        choice["finish_reason"] = finish
+        if req.return_token_ids:
+            choice["token_ids"] = c.ids
+        body_choices.append(choice)
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": P.now(),
+            "model": model_name, "choices": body_choices,
+            "usage": P.usage(len(prompt), sum(len(c.ids) for c in choices))}
+    if req.return_token_ids:  # vLLM's: the prompt's ids on top (chat) or in each choice (completions)
+        for choice in [body] if chat else body_choices:
+            choice["prompt_token_ids"] = prompt
+    return JSONResponse(body)
+
+
+async def _collect(srv: _Server, c: _Choice) -> tuple[str, list[TokenEvent], str | None, str | None]:
+    """A choice's whole answer: (text, logprobs, finish reason, error)."""
     text, lps, finish, error = "", [], None, None
     try:
-        async for piece in _pieces(srv, handle, out, ids):
+        async for piece in _pieces(srv, c.handle, c.out, c.ids):
             text += piece.text
             lps += piece.logprobs
             finish, error = piece.finish_reason, piece.error
     finally:
-        watcher.cancel()
         if finish is None:
             srv.metrics.requests_finished.labels("abort").inc()
-        srv.engine.abort(handle)  # nothing if it ended; frees the sequence if this handler was cancelled
-    if finish == "error":
-        raise P.APIError(500, f"generation failed: {error}", code="generation_failed")
-    choice: dict = {"index": 0}
-    if chat:
-        choice["message"] = _message(text, out)
-        choice["logprobs"] = None if logprobs is None else {"content": _chat_logprobs(srv, lps)}
-    else:
-        choice["text"] = text
-        choice["logprobs"] = None if logprobs is None else _completion_logprobs(srv, lps)
-    choice["finish_reason"] = finish
-    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": P.now(),
-            "model": model_name, "choices": [choice], "usage": P.usage(len(prompt), len(ids))}
-    if req.return_token_ids:
-        _token_ids(body, choice, prompt, ids, chat)
-    return JSONResponse(body)
+    return text, lps, finish, error
 
 
 def _message(content: str, out: ChatOutput) -> dict:
@@ -439,25 +475,42 @@ def _message(content: str, out: ChatOutput) -> dict:
     return message
 
 
-async def _stream(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, ids: list[int], rid: str,
-                  req: P.GenerationFields, prompt: list[int], chat: bool, include_usage: bool,
-                  model_name: str) -> AsyncIterator[str]:
+async def _stream(srv: _Server, choices: list[_Choice], rid: str, req: P.GenerationFields, prompt: list[int],
+                  chat: bool, include_usage: bool, model_name: str) -> AsyncIterator[str]:
+    """Server-sent events of every choice as its pieces come (each chunk names its choice's index)."""
     created = P.now()
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(choice: dict | None, **extra) -> str:
+    def chunk(index: int | None, choice: dict | None = None, **extra) -> str:
         body = {"id": rid, "object": kind, "created": created, "model": model_name,
-                "choices": [] if choice is None else [{"index": 0, **choice}], **extra}
+                "choices": [] if choice is None else [{"index": index, **choice}], **extra}
         if include_usage:
             body.setdefault("usage", None)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    finish = None
+    queue: asyncio.Queue[tuple[int, _Piece | None]] = asyncio.Queue()
+
+    async def feed(i: int, c: _Choice) -> None:
+        try:
+            async for piece in _pieces(srv, c.handle, c.out, c.ids):
+                await queue.put((i, piece))
+        finally:
+            await queue.put((i, None))
+
+    finished: dict[int, str] = {}
+    tasks = [asyncio.create_task(feed(i, c)) for i, c in enumerate(choices)]
     try:
         if chat:
-            yield chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-        async for piece in _pieces(srv, handle, out, ids):
-            finish = piece.finish_reason
+            for i in range(len(choices)):
+                yield chunk(i, {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        open_choices = len(choices)
+        while open_choices:
+            i, piece = await queue.get()
+            if piece is None:
+                open_choices -= 1
+                continue
+            if piece.finish_reason is not None:
+                finished[i] = piece.finish_reason
             if piece.finish_reason == "error":
                 yield f"data: {json.dumps(P.error_body(f'generation failed: {piece.error}', 'server_error'))}\n\n"
                 break
@@ -478,31 +531,29 @@ async def _stream(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, id
                 choice["logprobs"] = _completion_logprobs(srv, piece.logprobs) if piece.logprobs else None
             choice["finish_reason"] = piece.finish_reason
             if req.return_token_ids and piece.finish_reason is not None:
-                choice["token_ids"] = ids
-            yield chunk(choice)
+                choice["token_ids"] = choices[i].ids
+            yield chunk(i, choice)
         if include_usage:
-            yield chunk(None, usage=P.usage(len(prompt), len(ids)))
+            yield chunk(None, usage=P.usage(len(prompt), sum(len(c.ids) for c in choices)))
         yield "data: [DONE]\n\n"
     finally:
-        # the client left (the response task was cancelled) or the stream ended: free the sequence
-        if finish is None:
-            srv.metrics.requests_finished.labels("abort").inc()
-        srv.engine.abort(handle)
+        # the client left (the response task was cancelled), a choice failed, or the stream ended: free them all
+        for t in tasks:
+            t.cancel()
+        for i, c in enumerate(choices):
+            if i not in finished:
+                srv.metrics.requests_finished.labels("abort").inc()
+            srv.engine.abort(c.handle)
 
 
-async def _abort_on_disconnect(request: Request, engine: EngineLoop, handle: Handle) -> None:
-    """A client that goes away while its (non-streamed) answer is made frees its sequence at the next step."""
+async def _abort_on_disconnect(request: Request, engine: EngineLoop, handles: list[Handle]) -> None:
+    """A client that goes away while its (non-streamed) answer is made frees its sequences at the next step."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            engine.abort(handle)
+            for handle in handles:
+                engine.abort(handle)
             return
-
-
-def _token_ids(body: dict, choice: dict, prompt: list[int], ids: list[int], chat: bool) -> None:
-    """vLLM's return_token_ids: generated ids in the choice; the prompt's beside it (completions) or on top (chat)."""
-    choice["token_ids"] = ids
-    (body if chat else choice)["prompt_token_ids"] = prompt
 
 
 def _chat_logprobs(srv: _Server, items: list[TokenEvent]) -> list[dict]:

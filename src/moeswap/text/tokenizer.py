@@ -117,6 +117,35 @@ class Tokenizer:
         generation_config.json and config.json merged by load_tokenizer), else the model config's `model_eos`."""
         return self.eos_ids or tuple(model_eos)
 
+    def chat_stop_ids(self, model_eos: Sequence[int]) -> tuple[int, ...]:
+        """The ids that end a chat answer: `stop_ids`, and the chat template's end of turn (`turn_end_id`)
+        where it is not one of them. A checkpoint may name one end-of-sequence token and close chat turns
+        with another (the shipped stdlib-k3 did: <|end_of_msg|> and <|im_end|>); an adapter trained on its
+        template's turns then ends its answers with the turn end, which must stop them."""
+        stops = self.stop_ids(model_eos)
+        end = self.turn_end_id
+        return stops if end is None or end in stops else (*stops, end)
+
+    @functools.cached_property
+    def turn_end_id(self) -> int | None:
+        """The special token that closes an assistant turn in this tokenizer's chat template (the checkpoint's,
+        else the built-in one): the template renders a conversation that ends with an assistant's answer, and
+        the last special token after the answer's text is it (K3's template closes the answer's channel with
+        <|close|>, then the turn with <|end_of_msg|>). None where the template closes a turn with text only,
+        or cannot render the probe."""
+        probe = "moeswap turn-end probe"
+        messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": probe}]
+        try:
+            text = self.apply_chat_template(messages, add_generation_prompt=False)
+        except ValueError:  # ChatTemplateError included: a template that wants other messages
+            return None
+        at = text.rfind(probe)
+        if at < 0 or not self.special_to_id:
+            return None
+        rest = text[at + len(probe):]
+        found = re.findall("|".join(re.escape(s) for s in sorted(self.special_to_id, key=len, reverse=True)), rest)
+        return self.special_to_id[found[-1]] if found else None
+
     def encode(self, text: str, add_bos: bool = False, *, specials: bool = False) -> list[int]:
         """Token ids of `text`. A special token's string in it is encoded as the text it spells, so what a
         user typed never becomes a control token; `specials=True` turns such strings into their special

@@ -125,11 +125,12 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
     text = config.get("text_config", config)
     specials = k3_slice.k3_specials(text["vocab_size"]) if size == "k3-slice" else None
     build_tiny_tokenizer(out, text["vocab_size"], specials=specials, lines=tokenizer_lines)
-    eos, bos, pad = _special_ids(out)
+    eos, bos, pad, stops = _special_ids(out)
     for c in (config, text):
         c.update(eos_token_id=eos, bos_token_id=bos, pad_token_id=pad)
     (out / "config.json").write_text(jsonio.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(jsonio.dumps({"eos_token_id": eos, "bos_token_id": bos}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(jsonio.dumps({"eos_token_id": stops, "bos_token_id": bos}, indent=2)
+                                                + "\n")
     if size == "k3-slice":
         k3_slice.write_tensors(out, config, seed, shard_bytes, progress)
         return
@@ -178,8 +179,12 @@ def _write(out: Path, arch: str, size: str, seed: int, shard_bytes: int | None, 
 _EXPERT_KEY = re.compile(r"(.*\.experts\.\d+)\.")
 
 
-def _special_ids(out: Path) -> tuple[int, int, int]:
+def _special_ids(out: Path) -> tuple[int, int, int, int | list[int]]:
+    """(eos, bos, pad, generation_config's eos_token_id): generation stops at the end of sequence and at the
+    chat template's end of turn where that is another token, as chat checkpoints list both (Kimi K2's
+    generation_config names <|im_end|>), so that a model fine-tuned on chat turns stops after its answer."""
     tok = load_tokenizer(out)
     eos = tok.eos_ids[0]
     bos = tok.bos_id if tok.bos_id is not None else eos
-    return eos, bos, tok.vocab_size - 1
+    turn_end = tok.turn_end_id
+    return eos, bos, tok.vocab_size - 1, eos if turn_end in (None, eos) else [eos, turn_end]
