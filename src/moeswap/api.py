@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from moeswap import tuning
+from moeswap.hub import resolve_model
 from moeswap.options import LoadOptions, default_model_dir
 from moeswap.text.output import ChatOutput, TextOutput, prompt_tail  # torch-free (tokenizers, Jinja2)
 from moeswap.units import parse_bytes
@@ -44,7 +45,8 @@ def load(path: str | os.PathLike | None = None, *, lora: str | os.PathLike | Map
          max_batch: int = 16, max_len: int | None = None, native: bool = True, tune: bool = True,
          **options: Any) -> LLM:
     """Loads the model directory `path` (config.json + safetensors + tokenizer; None: the shipped
-    models/stdlib-k3, as the commands default to) for generation.
+    models/stdlib-k3, as the commands default to; a Hugging Face name "org/name[@revision]" that is no
+    directory: its snapshot in the hub cache, as the commands take it) for generation.
 
     options: LoadOptions' fields, as the CLI's load flags name them (expert_memory="2GiB", host_memory,
     expert_policy, prefetch, device, dtype, ...); an unknown name is a TypeError, a bad value a ValueError.
@@ -75,7 +77,7 @@ def load(path: str | os.PathLike | None = None, *, lora: str | os.PathLike | Map
                 raise ValueError(f"{name}: {err}") from None
         values[name] = value
     load_options = LoadOptions(**values)
-    path = default_model_dir() if path is None else os.fspath(path)
+    path = default_model_dir() if path is None else resolve_model(os.fspath(path))
     adapters = _lora_argument(lora)
     if tune:
         tuning.tune_process()  # before torch is imported below, where it still can be

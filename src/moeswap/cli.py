@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 SUBCOMMANDS = {"init-tiny": "moeswap.commands.init_tiny", "inspect": "moeswap.commands.inspect",
                "plan": "moeswap.planner.cli", "quantize": "moeswap.commands.quantize", "trace": "moeswap.commands.trace",
                "serve": "moeswap.server.cli", "train": "moeswap.train.cli", "merge": "moeswap.lora.merge",
-               "chat": "moeswap.commands.chat"}
+               "chat": "moeswap.commands.chat", "download": "moeswap.commands.download"}
 FIRST = ("init-tiny",)  # listed before generate in --help (the quickstart's first step); the rest after it
 BENCHES = {"memory": "moeswap.bench.memory", "kernels": "moeswap.bench.kernels", "swap": "moeswap.bench.swap",
            "cache": "moeswap.bench.cache", "decode": "moeswap.bench.decode", "prefill": "moeswap.bench.prefill",
@@ -362,7 +362,11 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     tuning.tune_process()  # before torch is imported (the commands that need it import it)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except FileNotFoundError as err:  # a model name that is no directory and not cached (hub.resolve_model)
+        print(f"moeswap: error: {err}", file=sys.stderr)
+        return 2
     if not args.debug:
         warnings.formatwarning = _one_line_warning
     if args.command == "bench":

@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moeswap.hub import model_argument
 from moeswap.jsonio import dumps
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
-    p.add_argument("model")
+    p.add_argument("model", type=model_argument, help="model directory, or a Hugging Face name ORG/NAME[@REVISION] "
+                                                      "from its cache")
     p.add_argument("--json", action="store_true")
     p.add_argument("--verify", action="store_true",
                    help="also read every tensor and file: non-finite values, MX scales out of range, SHA-256 against "

@@ -59,10 +59,10 @@ def escape_reason(root: Path, relative: object) -> str | None:
 def _allowed_roots(root: Path) -> list[Path]:
     real = root.resolve()
     roots = [real]
-    if real.parent.name == "snapshots":
-        # Hugging Face hub cache: a file of snapshots/REV links to ../../blobs/HASH. Only the literal
-        # blobs/ beside snapshots/ (its ancestors are resolved; if blobs itself were a link, a file
-        # reached through it would not resolve under this path).
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        # Hugging Face hub cache: a file of models--ORG--NAME/snapshots/REV links to ../../blobs/HASH. Only
+        # the literal blobs/ beside snapshots/ (its ancestors are resolved; if blobs itself were a link, a
+        # file reached through it would not resolve under this path).
         roots.append(real.parent.parent / "blobs")
     return roots
 

@@ -53,6 +53,7 @@ def run(args) -> int:
     import uvicorn
 
     from moeswap.config import load_config
+    from moeswap.hub import repo_id_of
     from moeswap.lora.serving import load_adapters, read_adapters
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
@@ -62,7 +63,8 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    default_name = Path(args.model).resolve().name or args.model
+    # a hub cache snapshot is served as org/name (its directory's name is a commit hash)
+    default_name = repo_id_of(args.model) or Path(args.model).resolve().name or args.model
     options = ServeOptions(model_name=args.served_model_name or default_name,
                            model_aliases=() if args.served_model_name else (args.model,), api_key=api_key,
                            max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moeswap.distributed.cli import EP_MODES
+from moeswap.hub import parse_repo, resolve_model
 from moeswap.options import LoadOptions, add_load_flags, load_flag_names
 from moeswap.units import parse_bytes
 
@@ -26,14 +27,16 @@ PACKING = ("off", "concat")
 
 
 def _f(default: Any, help: str, kind: str = "str", choices: tuple[str, ...] | None = None, metavar: str | None = None):
-    """A field with its flag. kind: str, path, int, float, bool, list (of strings), pair (two floats)."""
+    """A field with its flag. kind: str, path, model (a path, or a Hugging Face name resolved to its cached
+    snapshot), int, float, bool, list (of strings), pair (two floats)."""
     return field(default=default, metadata={"help": help, "kind": kind, "choices": choices, "metavar": metavar})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     # what to train on
-    model: str | None = _f(None, "base model directory (config.json + safetensors + tokenizer)", "path", metavar="DIR")
+    model: str | None = _f(None, "base model directory (config.json + safetensors + tokenizer), or a Hugging Face "
+                                 "name ORG/NAME[@REVISION] from its cache", "model", metavar="DIR")
     train_data: str | None = _f(None, "training data: JSONL, one {\"text\": ...} or {\"messages\": [...]} per line",
                                 "path", metavar="JSONL")
     eval_data: str | None = _f(None, "held-out data in the same format (else --eval-split)", "path", metavar="JSONL")
@@ -217,12 +220,15 @@ def _coerce(name: str, value: Any, where: str, base: Path | None) -> Any:
         if f.default is None:
             return None
         raise ValueError(f"{here}: expected a value, found null")
-    if kind in ("str", "path"):
+    if kind in ("str", "path", "model"):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{here}: expected a non-empty string, found {value!r}")
-        if kind == "path":
+        if kind in ("path", "model"):
             path = Path(value).expanduser()
-            return os.path.abspath(base / path if base is not None else path)  # abspath also drops "..", "."
+            local = os.path.abspath(base / path if base is not None else path)  # abspath also drops "..", "."
+            if kind == "model" and not os.path.exists(local) and parse_repo(value):  # a hub name: its snapshot
+                return os.path.abspath(resolve_model(value))
+            return local
         return value
     if kind == "bool":
         if not isinstance(value, bool):
