@@ -275,3 +275,28 @@ def test_the_chat_command_through_stdin(tiny_k3_dir, llm):
     assert counts == [n1, len(tok.encode_chat([system, u1, {"role": "assistant", "content": a1}, u2])), n1]
     assert "[conversation cleared]" in out.stderr
     assert out.stdout == f"> {a1}\n> {a2}\n> > {a1}\n> \n"
+
+
+def test_chat_takes_generates_sampling_flags(tiny_k3_dir, llm, capsys):
+    """chat and generate share one set of sampling flags (options.add_sampling_flags); chat's reach the answer:
+    a penalty and a stop string give the API's answer with the same keywords."""
+    from moeswap.cli import build_parser
+
+    def flags(command: str) -> set[str]:
+        parser = build_parser()._subparsers._group_actions[0].choices[command]  # noqa: SLF001 (argparse's own)
+        return {s for a in parser._actions for s in a.option_strings}
+
+    sampling = {"--max-tokens", "--temperature", "--top-k", "--top-p", "--presence-penalty", "--frequency-penalty",
+                "--repetition-penalty", "--seed", "--stop"}
+    assert sampling <= flags("generate") and sampling <= flags("chat")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    user = {"role": "user", "content": "hello there"}
+    full = llm.chat([user], max_tokens=12, repetition_penalty=1.3).text
+    stop = full[4:6]
+    want = llm.chat([user], max_tokens=12, repetition_penalty=1.3, stop=stop)
+    assert want.finish_reason == "stop" and want.text == full[:full.index(stop)]
+    out = subprocess.run([sys.executable, "-m", "moeswap", "chat", str(tiny_k3_dir), "--max-tokens", "12",
+                          "--repetition-penalty", "1.3", "--stop", stop], input="hello there\n",
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"> {want.text}\n> \n" and "finish: stop" in out.stderr

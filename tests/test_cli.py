@@ -320,8 +320,8 @@ def test_parse_bytes():
 
 
 @pytest.mark.parametrize("flags, fragments", [
-    (("--max-tokens", "0"), ("max_tokens must be an integer >= 1, got 0",)),
-    (("--max-tokens", "-3"), ("max_tokens must be an integer >= 1, got -3",)),
+    (("--max-tokens", "0"), ("--max-tokens must be at least 1, got 0",)),
+    (("--max-tokens", "-3"), ("--max-tokens must be at least 1, got -3",)),
     (("--dtype", "int8"), ("--dtype 'int8' is not a floating-point torch dtype",)),
     (("--device", "floppy"), ("--device 'floppy' is not a torch device",)),
     (("--temperature", "-1"), ("temperature must be >= 0, got -1.0",)),

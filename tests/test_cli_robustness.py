@@ -91,8 +91,8 @@ def test_an_infinite_weight_is_an_error_too(capsys, tiny_k3_dir, copy_model):
     (("--top-p", "nan"), "top_p must be in (0, 1], got nan"),
     (("--top-p", "-0.1"), "top_p must be in (0, 1], got -0.1"),
     (("--top-k", "-1"), "top_k must be >= 0, got -1"),
-    (("--max-tokens", "0"), "max_tokens must be an integer >= 1, got 0"),
-    (("--max-tokens", "-3"), "max_tokens must be an integer >= 1, got -3"),
+    (("--max-tokens", "0"), "--max-tokens must be at least 1, got 0"),
+    (("--max-tokens", "-3"), "--max-tokens must be at least 1, got -3"),
     (("--max-tokens", str(10**30)), f"+ max_tokens {10**30} exceeds the limit of 1048576"),
     (("--seed", str(1 << 64)), f"seed must be an integer in [-2**63, 2**64), got {1 << 64}"),
 ])

@@ -21,7 +21,7 @@ import warnings
 from moeswap import tuning
 from moeswap.atomic_dir import OutOfSpaceError, UnwritableError
 from moeswap.jsonio import dumps
-from moeswap.options import LoadOptions, add_load_flags, add_model_argument
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument, add_sampling_flags, sampling_params
 from moeswap.units import human_bytes
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
@@ -67,20 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read special-token strings in --prompt (e.g. <|im_end|>) as those tokens, and print the "
                         "special tokens generated; by default a prompt's are text, as user input always is (the chat "
                         "template's own markers are tokens), and generated ones are not printed")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the text where TEXT appears (left out of it); give it several times for several")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="OpenAI's, in [-2, 2]: lowers each token generated so far by this (default 0: off)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="OpenAI's, in [-2, 2]: lowers each token by this times its count so far (default 0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 0: divides a positive logit (multiplies a negative one) of each token of the prompt "
-                        "and the output so far, as transformers and llama.cpp do (default 1: off)")
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_flags(p, max_tokens=64, seed_help="sampling seed (several --prompt: seed + i for prompt i)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--stats", action="store_true", help="print timing and expert-store statistics")
     p.add_argument("--reference-step", action="store_true",
@@ -145,14 +132,6 @@ def read_lora_flag(values: list[str], model_dir: str):
     return read_adapters([(name or "adapter", path)], model_dir)[0]
 
 
-def _sampling(args):
-    """generate's sampling flags as SamplingParams (which checks them)."""
-    from moeswap.engine.sampling import SamplingParams
-
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.presence_penalty,
-                          args.frequency_penalty, args.repetition_penalty)
-
-
 def _stop_ids(args, tok, model) -> tuple[int, ...]:
     """The token ids that end generate's sequences: end of sequence (--chat: and the template's end of turn)."""
     return (tok.chat_stop_ids if args.chat else tok.stop_ids)(model.config.eos_token_ids)
@@ -167,8 +146,6 @@ def cmd_generate(args) -> int:
     from moeswap.text.output import TextOutput
     from moeswap.text.tokenizer import load_tokenizer
 
-    if any(not s for s in args.stop):
-        raise ValueError("--stop: an empty string would stop before any text; leave it out")
     if args.prompt.count("-") > 1:
         raise ValueError("--prompt -: standard input can be read once; give '-' one time")
     args.prompt = [_stdin_prompt() if text == "-" else text for text in args.prompt]
@@ -181,7 +158,7 @@ def cmd_generate(args) -> int:
     args.prompt = args.prompt[0]
     # every flag is checked before the model loads
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
-                           sampling=_sampling(args))
+                           sampling=sampling_params(args))
     lora = read_lora_flag(args.lora, args.model)
     from moeswap.distributed.cli import bind_local_device, finish, from_lead, join_if_launched
 
@@ -291,7 +268,7 @@ def generate_many(args) -> int:
     if args.lora:
         raise ValueError("--lora takes a single --prompt")
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
-                           sampling=_sampling(args))
+                           sampling=sampling_params(args))
     bind_local_device(args)
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))

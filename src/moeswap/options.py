@@ -205,3 +205,39 @@ def add_model_argument(parser: argparse.ArgumentParser,
     parser.add_argument("model", nargs="?", default=default_model_dir(), type=model_argument,
                         help=f"{help}, or a Hugging Face name ORG/NAME[@REVISION] from its cache (`moeswap "
                              f"download`) (default: the shipped {DEFAULT_MODEL}, models/{DEFAULT_MODEL})")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int, seed_help: str = "sampling seed") -> None:
+    """The sampling and stopping flags of the commands that generate (generate, chat), declared once;
+    `sampling_params(args)` reads them back as engine.sampling.SamplingParams, which owns their checks."""
+    p = parser
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's, in [-2, 2]: lowers each token generated so far by this (default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's, in [-2, 2]: lowers each token by this times its count so far (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: divides a positive logit (multiplies a negative one) of each token of the prompt "
+                        "and the output so far, as transformers and llama.cpp do (default 1: off)")
+    p.add_argument("--seed", type=int, default=None, help=seed_help)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text where TEXT appears (left out of it); give it several times for several")
+
+
+def sampling_params(args: argparse.Namespace):
+    """add_sampling_flags' values as SamplingParams, every one checked (ValueError naming the flag's value),
+    and the seed and stop strings too: before a model loads."""
+    from moeswap.engine.sampling import SamplingParams
+    from moeswap.engine.scheduler import check_seed
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if any(not s for s in args.stop):
+        raise ValueError("--stop: an empty string would stop before any text; leave it out")
+    if args.seed is not None:
+        check_seed(args.seed, "--")
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.presence_penalty, args.frequency_penalty,
+                          args.repetition_penalty)

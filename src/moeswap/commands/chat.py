@@ -16,7 +16,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from moeswap.options import LoadOptions, add_load_flags, add_model_argument, load_flag_names
+from moeswap.options import (
+    LoadOptions,
+    add_load_flags,
+    add_model_argument,
+    add_sampling_flags,
+    load_flag_names,
+    sampling_params,
+)
 
 COMMANDS = {"/exit": "leave (end of input, Ctrl-D, too)", "/reset": "forget the conversation"}
 
@@ -25,11 +32,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat with a model (its chat template, streaming)")
     add_model_argument(p)
     p.add_argument("--system", metavar="TEXT", help="a system message that opens the conversation")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed of the first answer (then + 1 a turn)")
+    add_sampling_flags(p, max_tokens=512, seed_help="sampling seed of the first answer (then + 1 a turn)")
     p.add_argument("--lora", default=None, metavar="PATH", help="answer with a LoRA adapter (PEFT format)")
     add_load_flags(p)
 
@@ -113,18 +116,11 @@ def run(args) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401 (line editing and history for input())
-    from moeswap.engine.sampling import SamplingParams
-    from moeswap.engine.scheduler import check_seed
-
-    if args.max_tokens < 1:  # every flag is checked before the model loads
-        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    SamplingParams(args.temperature, args.top_k, args.top_p)
-    if args.seed is not None:
-        check_seed(args.seed, "--")
+    sampling_params(args)  # every flag is checked before the model loads
     options = LoadOptions.from_args(args)
     llm = load(args.model, lora=args.lora, **{n: getattr(options, n) for n in load_flag_names()})
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed}
+    sampling = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                                                       "presence_penalty", "frequency_penalty", "repetition_penalty")}
     session = ChatSession(llm, args.system, **sampling)
     print(f"moeswap chat: {args.model}; {', '.join(f'{c}: {w}' for c, w in COMMANDS.items())}; Ctrl-C stops an "
           f"answer", file=sys.stderr, flush=True)
