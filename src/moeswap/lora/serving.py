@@ -15,7 +15,6 @@ from pathlib import Path
 
 from torch import nn
 
-from moeswap.lora.config import base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
 from moeswap.lora.layer import lora_scaling
 from moeswap.lora.multi import AdapterRows, MultiLoRALinear
@@ -54,7 +53,7 @@ def read_adapters(named: Sequence[tuple[str, str | os.PathLike]], base_dir: str 
             raise ValueError(f"--lora: the name {name!r} is given twice")
         seen.add(name)
         adapter = read_adapter(directory)
-        recorded = base_fingerprint(adapter.raw)
+        recorded = adapter.base_fingerprint
         if recorded is not None:
             check_same_base(recorded, base_dir, f"adapter {name!r} ({adapter.directory})")
         out.append((name, adapter))
