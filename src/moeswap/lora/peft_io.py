@@ -35,6 +35,7 @@ from moeswap.lora.targets import (
     wrap,
     wrapped_base,
 )
+from moeswap.models.layers.basic import unadapted
 from moeswap.models.layers.expert_lora import ExpertLoRA
 
 PEFT_PREFIX = "base_model.model."
@@ -287,10 +288,12 @@ def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
 
 
 def _resolve(name: str, modules: Mapping[str, nn.Module], aliases) -> str | None:
-    """The model's Linear that `name` (ours, or transformers' name for it) refers to."""
+    """The model's Linear that `name` (ours, or transformers' name for it) refers to; one a served-adapter wrapper
+    holds counts (lora.serving adds adapters to a model serving others)."""
     candidates = [name] + [re.fullmatch(p, name).expand(t) for p, t in aliases if re.fullmatch(p, name)]
     for c in candidates:
-        if isinstance(modules.get(c), nn.Linear) and ".lora_" not in c:
+        module = modules.get(c)
+        if module is not None and isinstance(unadapted(module), nn.Linear) and ".lora_" not in c:
             return c
     return None
 
