@@ -170,3 +170,25 @@ def test_generate_with_a_peft_fused_expert_adapter(base, fused_adapter, tmp_path
         plain = _reference().generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
                                       do_sample=False)[0, len(ids):].tolist()
     assert json.loads(out)["tokens"] == want != plain
+
+
+def test_a_fused_expert_adapter_that_does_not_fit_is_one_line(base, fused_adapter, tmp_path):
+    """A fused pair of the wrong width, or for a module with no routed experts, is refused by name before the
+    model is touched."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = fused_adapter
+    key = "base_model.model.model.layers.1.mlp.experts.lora_B.weight"
+    for case, edit, fragment in [
+        ("narrow", lambda t: {**t, key: t[key][:-1].contiguous()}, "fit neither gate_up_proj [8, 64, 64]"),
+        ("elsewhere", lambda t: {k.replace("layers.1.mlp.experts", "layers.0.mlp.experts"): v for k, v in t.items()},
+         "model.layers.0.mlp.experts: target_parameters LoRA of a module that is no routed-expert set"),
+    ]:
+        bad = tmp_path / case
+        shutil.copytree(path, bad)
+        save_file(edit(load_file(bad / "adapter_model.safetensors")), bad / "adapter_model.safetensors")
+        model, _ = load_model(base, LoadOptions(dtype="float32"))
+        with pytest.raises(ValueError) as err:
+            load_adapter(model, bad)
+        assert "\n" not in str(err.value) and fragment in str(err.value), str(err.value)
+        assert all(b._modules.get("expert_lora") is None for b in model.moe_blocks())
