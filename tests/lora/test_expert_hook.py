@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from moeswap.lora import (
-    CONFIG_NAME,
+    MOESWAP_NAME,
     WEIGHTS_NAME,
     LoRAConfig,
     attach_lora,
@@ -69,7 +69,7 @@ def test_routed_experts_through_the_block_hook(load, tiny_k3_dir, tmp_path, toke
         a = [f.get_tensor(KEY.format(layer=b2.layer_idx, e=e, p="w1", x="A")) for e in range(b2.num_experts)]
         assert all(torch.equal(t, b2.expert_lora.lora_A["w1"][0 if shared_a else e]) for e, t in enumerate(a))
         assert sum(".experts." in k for k in f.keys()) == len(blocks) * b2.num_experts * 2 * 2  # PEFT: per expert
-    assert json.loads((tmp_path / "a" / CONFIG_NAME).read_text())["moeswap"]["expert_shared_a"] == shared_a
+    assert json.loads((tmp_path / "a" / MOESWAP_NAME).read_text())["expert_shared_a"] == shared_a
 
     fresh = load(tiny_k3_dir)
     load_adapter(fresh, tmp_path / "a", trainable=True)
@@ -92,9 +92,9 @@ def test_an_expert_adapter_that_does_not_fit_is_refused_before_anything_changes(
     randomize_b(model)
     save_adapter(model, tmp_path / "a")
     # a per-expert adapter declared as shared-A: its experts' A differ
-    raw = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
-    raw["moeswap"]["expert_shared_a"] = True
-    (tmp_path / "a" / CONFIG_NAME).write_text(json.dumps(raw))
+    raw = json.loads((tmp_path / "a" / MOESWAP_NAME).read_text())
+    raw["expert_shared_a"] = True
+    (tmp_path / "a" / MOESWAP_NAME).write_text(json.dumps(raw))
     fresh = load(tiny_k3_dir)
     with pytest.raises(ValueError, match=r"does not fit this model: adapter has different lora_A weights per expert"):
         load_adapter(fresh, tmp_path / "a")

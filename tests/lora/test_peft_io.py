@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from moeswap.formats.checkpoint import Checkpoint
 from moeswap.lora import (
     CONFIG_NAME,
+    MOESWAP_NAME,
     WEIGHTS_NAME,
     LoRAConfig,
     attach_lora,
@@ -37,14 +38,16 @@ def adapted(load, tiny_k3_dir, randomize_b):
 
 def test_files_are_peft_format(adapted, tiny_k3_dir, tmp_path, strict_json):
     out = save_adapter(adapted, tmp_path / "a", base_model="tiny-k3", base_fingerprint=fingerprint(tiny_k3_dir))
-    assert sorted(p.name for p in out.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, MOESWAP_NAME])
     cfg = strict_json((out / CONFIG_NAME).read_text())
+    assert "moeswap" not in cfg  # PEFT's keys only: PEFT would warn of an unexpected one
     assert {k: cfg[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "bias",
                                 "fan_in_fan_out", "use_rslora", "base_model_name_or_path", "use_dora")} == {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.05,
         "target_modules": sorted(TARGETS), "bias": "none", "fan_in_fan_out": False, "use_rslora": True,
         "base_model_name_or_path": "tiny-k3", "use_dora": False}
-    assert cfg["moeswap"]["base_fingerprint"] == fingerprint(tiny_k3_dir)
+    ours = strict_json((out / MOESWAP_NAME).read_text())
+    assert ours == {"format_version": 1, "base_fingerprint": fingerprint(tiny_k3_dir), "expert_shared_a": False}
     with safe_open(out / WEIGHTS_NAME, "pt") as f:
         keys = set(f.keys())
         loras = lora_modules(adapted)
@@ -71,7 +74,7 @@ def test_round_trip(adapted, load, tiny_k3_dir, tmp_path, tokens):
     assert (tmp_path / "a" / WEIGHTS_NAME).read_bytes() == (tmp_path / "b" / WEIGHTS_NAME).read_bytes()
 
 
-@pytest.mark.parametrize("linked", [CONFIG_NAME, WEIGHTS_NAME])
+@pytest.mark.parametrize("linked", [CONFIG_NAME, WEIGHTS_NAME, MOESWAP_NAME])
 def test_an_adapter_file_linked_out_of_its_directory_is_refused(adapted, load, tiny_k3_dir, tmp_path, linked):
     """Adapter directories follow the model directories' rule: a file may not resolve outside its directory
     (a linked adapter_config.json is not even parsed: its target here is not JSON)."""
@@ -82,6 +85,24 @@ def test_an_adapter_file_linked_out_of_its_directory_is_refused(adapted, load, t
     (tmp_path / "a" / linked).symlink_to(elsewhere / linked)
     with pytest.raises(ValueError, match=f"'{linked}' is a link that resolves outside"):
         load_adapter(load(tiny_k3_dir), tmp_path / "a")
+
+
+def test_an_adapter_older_moeswap_wrote_still_loads(adapted, load, tiny_k3_dir, copy_model, tmp_path, tokens):
+    """Before moeswap_adapter.json, moeswap's section was a `moeswap` key of adapter_config.json: such an
+    adapter loads with the same logits, and its recorded base fingerprint is still checked."""
+    save_adapter(adapted, tmp_path / "a", base_fingerprint=fingerprint(tiny_k3_dir))
+    raw = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    raw["moeswap"] = json.loads((tmp_path / "a" / MOESWAP_NAME).read_text())
+    (tmp_path / "a" / CONFIG_NAME).write_text(json.dumps(raw))
+    (tmp_path / "a" / MOESWAP_NAME).unlink()
+    fresh = load(tiny_k3_dir)
+    assert load_adapter(fresh, tmp_path / "a", base_dir=tiny_k3_dir) == adapted.lora_config
+    with torch.no_grad():
+        assert torch.equal(fresh(tokens), adapted.eval()(tokens))
+    other = copy_model(tiny_k3_dir)
+    (other / "config.json").write_text((other / "config.json").read_text() + " ")
+    with pytest.raises(ValueError, match="was made for a different base model"):
+        load_adapter(load(other), tmp_path / "a", base_dir=other)
 
 
 def test_save_refusals(adapted, load, tiny_k3_dir, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from moeswap import cli
-from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME
+from moeswap.lora import CONFIG_NAME, MOESWAP_NAME, WEIGHTS_NAME
 from moeswap.train.checkpoint import CheckpointError, all_checkpoints
 from moeswap.train.loop import train
 
@@ -59,7 +59,7 @@ def as_yaml(cfg, path):
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(small_run, lora_settings, tmp_path, mode):
     settings = lora_settings if mode == "lora" else {}
-    result = [WEIGHTS_NAME, CONFIG_NAME] if mode == "lora" else [*MODEL_FILES, "config.json"]
+    result = [WEIGHTS_NAME, CONFIG_NAME, MOESWAP_NAME] if mode == "lora" else [*MODEL_FILES, "config.json"]
     whole = train(small_run(output=str(tmp_path / "whole"), max_steps=6, eval_interval=3, **settings), progress=False)
     cfg = small_run(output=str(tmp_path / "killed"), max_steps=6, eval_interval=3, save_interval=2, **settings)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

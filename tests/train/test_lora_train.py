@@ -13,7 +13,7 @@ import yaml
 from safetensors import safe_open
 
 from moeswap import cli
-from moeswap.lora import CONFIG_NAME, WEIGHTS_NAME, load_adapter
+from moeswap.lora import CONFIG_NAME, MOESWAP_NAME, WEIGHTS_NAME, load_adapter
 from moeswap.models.loader import load_model
 from moeswap.options import LoadOptions
 from moeswap.text.tokenizer import load_tokenizer
@@ -75,7 +75,7 @@ def test_two_lora_runs_with_one_seed_are_bit_identical(small_run, lora_settings,
     two = train(small_run(output=str(tmp_path / "b"), **lora_settings), progress=False)
     assert one.losses == two.losses and len(one.losses) == 4 and one.losses[-1] < one.losses[0]
     assert one.manifest["eval"] == two.manifest["eval"]
-    for name in (WEIGHTS_NAME, CONFIG_NAME):
+    for name in (WEIGHTS_NAME, CONFIG_NAME, MOESWAP_NAME):
         assert (one.out_dir / name).read_bytes() == (two.out_dir / name).read_bytes()
     other = train(small_run(output=str(tmp_path / "c"), seed=1, **lora_settings), progress=False)
     assert other.losses != one.losses

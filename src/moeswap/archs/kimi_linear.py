@@ -29,6 +29,8 @@ class KimiLinear(Arch):
     module_aliases = (
         (r"model\.layers\.(\d+)\.self_attn\.forget_gate\.(f_a_proj|f_b_proj)", r"model.layers.\1.self_attn.\2"),
         (r"model\.layers\.(\d+)\.mlp\.(shared_experts\..*)", r"model.layers.\1.block_sparse_moe.\2"),
+        # the fused routed experts, which PEFT adapts with target_parameters (lora.fused_experts)
+        (r"model\.layers\.(\d+)\.mlp\.experts", r"model.layers.\1.block_sparse_moe.experts"),
     )
 
     def sanitize(self, param_name: str, tensor: Any, config: Any) -> Any:

@@ -31,7 +31,6 @@ from moeswap.config import load_config
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint
 from moeswap.formats.files import confined
 from moeswap.formats.writer import layout, write_shard
-from moeswap.lora.config import base_fingerprint
 from moeswap.lora.fingerprint import check_same_base
 from moeswap.lora.layer import lora_scaling
 from moeswap.lora.peft_io import expert_lora_for, plan_adapter, read_adapter
@@ -66,7 +65,7 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
     side = [confined(base, n, ValueError, str(base)) for n in ("config.json", INDEX_NAME)
             if (base / n).exists()] + side_files(base)
     adapter = read_adapter(adapter_dir)
-    recorded = base_fingerprint(adapter.raw)
+    recorded = adapter.base_fingerprint
     if recorded is not None:
         check_same_base(recorded, base, f"adapter {adapter.directory}")
     arch = archs.get(config.arch)

@@ -154,6 +154,12 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer(f"lora_B_{slot}", B.detach().to(device, self.lora_dtype, copy=True), persistent=False)
         self.scalings[slot] = float(scaling)
 
+    def remove(self, slot: int) -> None:
+        """Drops adapter `slot` (nothing when it has none here); its rows get the base output again."""
+        if self.scalings.pop(slot, None) is not None:
+            delattr(self, f"lora_A_{slot}")
+            delattr(self, f"lora_B_{slot}")
+
     def pair(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         return getattr(self, f"lora_A_{slot}"), getattr(self, f"lora_B_{slot}"), self.scalings[slot]
 

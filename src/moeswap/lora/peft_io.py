@@ -1,7 +1,8 @@
 """Adapters on disk in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`, tensors named
-`base_model.model.<checkpoint module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]; loading also takes
-the module names of transformers' port (an architecture's `module_aliases`). An adapter is checked whole
-before anything is applied. Entry points: `save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`,
+`base_model.model.<checkpoint module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], and moeswap's own
+fields in `moeswap_adapter.json` beside them (lora.config); loading also takes the module names of
+transformers' port (an architecture's `module_aliases`) and PEFT's LoRA of transformers' fused routed experts
+(`target_parameters`, lora.fused_experts). An adapter is checked whole before anything is applied. Entry points: `save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`,
 `adapter_state_dict`.
 """
 
@@ -21,8 +22,9 @@ from moeswap.atomic_dir import atomic_directory, writing
 from moeswap.formats.checkpoint import Checkpoint
 from moeswap.formats.files import confined, read_json
 from moeswap.formats.writer import layout, write_shard
-from moeswap.lora.config import CONFIG_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint
+from moeswap.lora.config import CONFIG_NAME, MOESWAP_NAME, WEIGHTS_NAME, LoRAConfig, base_fingerprint, moeswap_section
 from moeswap.lora.fingerprint import check_same_base
+from moeswap.lora.fused_experts import FUSED, split_fused
 from moeswap.lora.targets import (
     attach_experts,
     expert_alpha,
@@ -33,6 +35,7 @@ from moeswap.lora.targets import (
     wrap,
     wrapped_base,
 )
+from moeswap.models.layers.basic import unadapted
 from moeswap.models.layers.expert_lora import ExpertLoRA
 
 PEFT_PREFIX = "base_model.model."
@@ -55,7 +58,8 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def write_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str | None = None,
                   base_fingerprint: dict | None = None) -> None:
-    """Writes the two files into `directory` (which must exist; a staging directory: see save_adapter)."""
+    """Writes the three files into `directory` (which must exist; a staging directory: see save_adapter, or a
+    training run's, published whole)."""
     config = getattr(model, "lora_config", None)
     tensors = adapter_state_dict(model)
     if config is None or not tensors:
@@ -65,9 +69,9 @@ def write_adapter(model: nn.Module, directory: str | os.PathLike, base_model: st
     path = directory / WEIGHTS_NAME
     with writing(path):
         write_shard(path, specs, ((name, tensors[name]) for name, _, _ in layout(specs)))
-    with writing(directory / CONFIG_NAME):
-        raw = config.to_peft(base_model, base_fingerprint)
-        (directory / CONFIG_NAME).write_text(jsonio.dumps(raw, indent=2) + "\n")
+    for name, content in ((CONFIG_NAME, config.to_peft(base_model)), (MOESWAP_NAME, config.to_moeswap(base_fingerprint))):
+        with writing(directory / name):
+            (directory / name).write_text(jsonio.dumps(content, indent=2) + "\n")
 
 
 def save_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str | None = None,
@@ -81,12 +85,20 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, base_model: str
 
 @dataclass
 class Adapter:
-    """An adapter read from disk: its parsed config, the raw JSON and the tensors by PEFT name."""
+    """An adapter read from disk: its parsed config, the raw adapter_config.json, the tensors by PEFT name and
+    moeswap's section (moeswap_adapter.json, or older moeswap's key in adapter_config.json; None: made
+    elsewhere)."""
 
     config: LoRAConfig
     raw: dict
     tensors: dict[str, torch.Tensor]
     directory: Path
+    ours: dict | None = None
+
+    @property
+    def base_fingerprint(self) -> dict | None:
+        """The base model's fingerprint the adapter records (None: made elsewhere, e.g. by PEFT)."""
+        return base_fingerprint(self.ours)
 
 
 def read_adapter(directory: str | os.PathLike) -> Adapter:
@@ -100,7 +112,12 @@ def read_adapter(directory: str | os.PathLike) -> Adapter:
                                     f"{WEIGHTS_NAME}")
         confined(directory, name, ValueError, str(directory))  # a link out of the directory: refused as for models
     raw = read_json(directory / CONFIG_NAME, ValueError)
-    config = LoRAConfig.from_peft(raw, str(directory / CONFIG_NAME))
+    side = None
+    if os.path.lexists(directory / MOESWAP_NAME):
+        confined(directory, MOESWAP_NAME, ValueError, str(directory))
+        side = read_json(directory / MOESWAP_NAME, ValueError)
+    ours = moeswap_section(raw, side, str(directory))
+    config = LoRAConfig.from_peft(raw, str(directory / CONFIG_NAME), ours)
     with Checkpoint.open(directory / WEIGHTS_NAME) as ckpt:
         tensors = {name: ckpt.read(name) for name in ckpt.names()}
     if not tensors:
@@ -108,7 +125,7 @@ def read_adapter(directory: str | os.PathLike) -> Adapter:
     for name, t in tensors.items():  # before anything is applied or merged: a NaN would spread into every output
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{directory / WEIGHTS_NAME}: {name} holds NaN or Inf values; the adapter is damaged")
-    return Adapter(config, raw, tensors, directory)
+    return Adapter(config, raw, tensors, directory, ours)
 
 
 @dataclass
@@ -128,7 +145,8 @@ def plan_adapter(model: nn.Module, adapter: Adapter,
     The module part of a name is the checkpoint name, weight prefix included (e.g. K3's `language_model.`);
     the module names of transformers' port of the architecture (the model file's MODULE_ALIASES), which
     adapters PEFT saved from that port carry, are taken too. Every key must name a Linear of the model (or a
-    routed-expert projection) with shapes that fit.
+    routed-expert projection) with shapes that fit. With target_parameters, PEFT's LoRA of transformers'
+    fused expert parameters (`...experts[.base_layer].lora_A.weight`) becomes each expert's (lora.fused_experts).
     """
     prefix = weight_prefix(model)
     modules = dict(model.named_modules())
@@ -137,6 +155,7 @@ def plan_adapter(model: nn.Module, adapter: Adapter,
     problems: list[str] = []
     linears: dict[str, dict[str, torch.Tensor]] = {}
     experts: dict[str, dict[str, torch.Tensor]] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}  # a ParamWrapper's module -> its lora_A / lora_B
     if base_weight is None:
         base_weight = dict(model.named_parameters()).get
     for key, tensor in adapter.tensors.items():
@@ -152,6 +171,9 @@ def plan_adapter(model: nn.Module, adapter: Adapter,
                             f".lora_B.weight)")
             continue
         name = m["module"].removeprefix(prefix) if prefix else m["module"]
+        if adapter.config.target_parameters and FUSED.fullmatch(name):
+            fused.setdefault(name, {})[m["part"]] = tensor
+            continue
         e = _EXPERT.fullmatch(name)
         if e is not None and e["block"] in blocks:
             if int(e["expert"]) >= blocks[e["block"]].num_experts:
@@ -166,6 +188,8 @@ def plan_adapter(model: nn.Module, adapter: Adapter,
         linears.setdefault(target, {})[m["part"]] = tensor
     for name, pair in linears.items():
         problems += _pair_problems(name, pair, modules[name], adapter.config)
+    for name, pair in fused.items():
+        problems += _add_fused(name, pair, blocks, aliases, experts)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ValueError(f"{adapter.directory}: the adapter does not fit this model "
@@ -179,7 +203,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike | Adapter, base_
     expert LoRA through the MoE hook. With `base_dir`, an adapter that records a base fingerprint must match
     it. The LoRA tensors require grad only with `trainable` (PEFT's is_trainable); all else stays frozen."""
     adapter = directory if isinstance(directory, Adapter) else read_adapter(directory)
-    recorded = base_fingerprint(adapter.raw)
+    recorded = adapter.base_fingerprint
     if base_dir is not None and recorded is not None:
         check_same_base(recorded, base_dir, f"adapter {adapter.directory}")
     if lora_modules(model) or getattr(model, "lora_config", None) is not None:
@@ -234,6 +258,26 @@ def _expert_spec(tensors: dict[str, torch.Tensor], cfg: LoRAConfig) -> tuple[tup
     return projections, tensors[first].shape[0], cfg.rank_alpha(_KEY.fullmatch(first)["module"])[1]
 
 
+def _add_fused(name: str, pair: dict[str, torch.Tensor], blocks: Mapping[str, nn.Module], aliases,
+               experts: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """Files one fused-expert pair (lora.fused_experts) under its MoE block in `experts`; the problems."""
+    module = FUSED.fullmatch(name)["experts"]
+    candidates = [module] + [re.fullmatch(p, module).expand(t) for p, t in aliases if re.fullmatch(p, module)]
+    block = next((c.removesuffix(".experts") for c in candidates if c.removesuffix(".experts") in blocks), None)
+    if block is None:
+        return [f"{name}: target_parameters LoRA of a module that is no routed-expert set of this model "
+                f"(moeswap applies target_parameters to fused routed experts only)"]
+    b = blocks[block]
+    tensors, problem = split_fused(name, pair, block, b.num_experts, b.expert_shapes)
+    if problem is not None:
+        return [problem]
+    mine = experts.setdefault(block, {})
+    if set(tensors) & set(mine):
+        return [f"{name}: adapts routed-expert projections of {block} that other tensors of the adapter adapt too"]
+    mine.update(tensors)
+    return []
+
+
 def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "arch"):
@@ -244,10 +288,12 @@ def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
 
 
 def _resolve(name: str, modules: Mapping[str, nn.Module], aliases) -> str | None:
-    """The model's Linear that `name` (ours, or transformers' name for it) refers to."""
+    """The model's Linear that `name` (ours, or transformers' name for it) refers to; one a served-adapter wrapper
+    holds counts (lora.serving adds adapters to a model serving others)."""
     candidates = [name] + [re.fullmatch(p, name).expand(t) for p, t in aliases if re.fullmatch(p, name)]
     for c in candidates:
-        if isinstance(modules.get(c), nn.Linear) and ".lora_" not in c:
+        module = modules.get(c)
+        if module is not None and isinstance(unadapted(module), nn.Linear) and ".lora_" not in c:
             return c
     return None
 

@@ -74,8 +74,8 @@ class _Server:
 def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=None, *,
               scheduler=Scheduler, adapters=None) -> FastAPI:
     """The app; its lifespan starts the engine thread and stops it. `scheduler(model, EngineConfig)` makes the
-    engine thread's scheduler. adapters: the LoRA adapters loaded on `model` (lora.serving.load_adapters),
-    which requests name as `model`."""
+    engine thread's scheduler. adapters: the LoRA adapters loaded on `model` (lora.serving.load_adapters, or
+    serve_adapters for none yet with options.allow_runtime_lora), which requests name as `model`."""
     max_context = options.resolve_max_context(model.config.max_position_embeddings)
     metrics = ServerMetrics()
     engine = EngineLoop(model, EngineConfig(max_batch=options.max_batch, max_len=max_context, native=options.native),
@@ -163,6 +163,12 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         logprobs = None if req.logprobs is None else _check_top(req.logprobs, "logprobs")
         return await _generate(srv, request, req, served, prompt, req.max_tokens, "max_tokens", logprobs, chat=False)
 
+    if options.allow_runtime_lora:  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+        if adapters is None:
+            raise ValueError("allow_runtime_lora needs the model's served adapters (lora.serving.serve_adapters)")
+        from moeswap.server.runtime_lora import add_routes
+
+        add_routes(v1, srv, adapters, options.max_loras)
     app.include_router(v1)
     return app
 

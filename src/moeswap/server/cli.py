@@ -40,6 +40,11 @@ def add_parser(sub) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve the LoRA adapter in PATH (PEFT format) as model NAME beside the base model; "
                         "repeat for more (requests with different adapters share the batch)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints): "
+                        "adapters loaded and unloaded while serving, from directories on this machine")
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help=f"adapters served at once, --lora and runtime loads together (default {d.max_loras})")
     p.add_argument("--reference-step", action="store_true",
                    help="decode through the model's modules (the reference), not the native C step")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -54,7 +59,7 @@ def run(args) -> int:
 
     from moeswap.config import load_config
     from moeswap.hub import repo_id_of
-    from moeswap.lora.serving import load_adapters, read_adapters
+    from moeswap.lora.serving import load_adapters, read_adapters, serve_adapters
     from moeswap.models.loader import load_model
     from moeswap.server.app import build_app
     from moeswap.server.options import ServeOptions
@@ -68,7 +73,8 @@ def run(args) -> int:
     options = ServeOptions(model_name=args.served_model_name or default_name,
                            model_aliases=() if args.served_model_name else (args.model,), api_key=api_key,
                            max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
-                           native=not args.reference_step, lora=tuple(_lora_flag(v) for v in args.lora))
+                           native=not args.reference_step, lora=tuple(_lora_flag(v) for v in args.lora),
+                           allow_runtime_lora=args.allow_runtime_lora, max_loras=args.max_loras)
     options.resolve_max_context(load_config(args.model).max_position_embeddings)
     # every flag is checked before the model loads, the adapters too (their files, their base's fingerprint)
     adapters = read_adapters(options.lora, args.model) if options.lora else []
@@ -84,8 +90,9 @@ def run(args) -> int:
     ep = None
     try:
         ep = join_if_launched(model, args)  # under torchrun: rank 0 serves HTTP, the others step in lockstep
-        if ep is not None and adapters:
-            raise ValueError("--lora is not supported under expert parallelism yet")
+        if ep is not None and (adapters or options.allow_runtime_lora):
+            raise ValueError(f"{'--lora' if adapters else '--allow-runtime-lora'} is not supported under expert "
+                             f"parallelism yet")
         if not lead(ep):
             from moeswap.distributed.lockstep import follow
 
@@ -96,14 +103,16 @@ def run(args) -> int:
             from moeswap.distributed.lockstep import leader_scheduler
 
             extra["scheduler"] = leader_scheduler(ep)
-        served = load_adapters(model, adapters) if adapters else None
+        served = (load_adapters(model, adapters, args.model) if adapters else
+                  serve_adapters(model, args.model) if options.allow_runtime_lora else None)
         app = build_app(model, load_tokenizer(args.model), options, store, adapters=served, **extra)
         srv = app.state.server
         print(f"moeswap: serving {srv.name!r} on http://{args.host}:{sock.getsockname()[1]}/v1 (max batch {options.max_batch}, "
               f"queue {options.max_queue}, context {srv.max_context} tokens, tool calls: "
               f"{srv.tool_format.name if srv.tool_format else 'not parsed'}, reasoning: "
               f"{srv.layout.name if srv.layout else 'not parsed'}"
-              + (f", LoRA adapters: {', '.join(srv.adapters)}" if srv.adapters else "") + ")",
+              + (f", LoRA adapters: {', '.join(srv.adapters)}" if srv.adapters else "")
+              + (", runtime LoRA loading on" if options.allow_runtime_lora else "") + ")",
               file=sys.stderr, flush=True)
         if ep is not None:  # uvicorn re-raises SIGTERM after its graceful stop: end here, so the ranks leave together
             signal.signal(signal.SIGTERM, _stopped)

@@ -3,7 +3,9 @@ loop, steps the scheduler while anything waits or runs, and hands each step's to
 asyncio queues (one call into the event loop per step).
 
 Tokenizer-free: the scheduler's Request in, its TokenEvents (with log-probabilities when asked) out. Admission
-control lives here too: at most max_batch running plus max_queue waiting, beyond that `QueueFull`. Entry point:
+control lives here too: at most max_batch running plus max_queue waiting, beyond that `QueueFull`; and what
+must not meet a forward (served adapters added or removed: server/runtime_lora.py) runs here between steps
+(`call`), with the count of requests in flight per adapter slot to say when one is in use. Entry point:
 `EngineLoop`.
 """
 
@@ -65,6 +67,7 @@ class EngineLoop:
         self._live: dict[int, _Live] = {}  # engine thread only
         self._lock = threading.Lock()
         self._in_flight = 0  # accepted and not yet ended (under _lock)
+        self._by_adapter: dict[int, int] = {}  # the same per LoRA adapter slot (Request.adapter; 0 not counted)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -89,6 +92,20 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def in_flight_with(self, adapter: int) -> int:
+        """Requests accepted with LoRA adapter slot `adapter` and not yet ended."""
+        with self._lock:
+            return self._by_adapter.get(adapter, 0)
+
+    async def call(self, fn):
+        """From the event loop: fn() run on the engine thread between two steps, where no forward runs (what
+        changes the model: served adapters added or removed); its result, or the exception it raised."""
+        if not self.alive:
+            raise RuntimeError("the engine thread is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, future))
+        return await future
+
     def submit(self, req: Request) -> Handle:
         """From the event loop: accept `req` (QueueFull when max_batch + max_queue requests are in flight); the
         engine runs it under the handle's id."""
@@ -97,6 +114,8 @@ class EngineLoop:
                 raise QueueFull(f"{self._in_flight} requests are running or waiting (--max-batch "
                                 f"{self.config.max_batch} + --max-queue {self.max_queue}); retry later")
             self._in_flight += 1
+            if req.adapter:
+                self._by_adapter[req.adapter] = self._by_adapter.get(req.adapter, 0) + 1
         handle = Handle(next(self._ids), asyncio.get_running_loop())
         self._inbox.put(("submit", handle, req, time.perf_counter()))
         return handle
@@ -144,11 +163,21 @@ class EngineLoop:
                 self.sched.submit(req)
             except ValueError as e:  # the server checked what it could; the engine has the last word
                 self._send([(handle, [TokenEvent(handle.id, None, "error", error=str(e))])])
-                self._ended()
+                self._ended(req.adapter)
                 return
             self._live[handle.id] = _Live(handle, req, t_arrival)
         elif cmd[0] == "abort" and cmd[1] in self._live:
             self.sched.abort(cmd[1])  # its last event comes with the next step
+        elif cmd[0] == "call":
+            _, fn, future = cmd
+            try:
+                result, error = fn(), None
+            except Exception as e:  # noqa: BLE001 - the caller hears it; the engine goes on
+                result, error = None, e
+            try:
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # that event loop has closed (shutdown): nobody is listening
+                pass
 
     def _step(self) -> None:
         try:
@@ -181,7 +210,7 @@ class EngineLoop:
     def _finish(self, live: _Live, now: float) -> None:
         rid = live.handle.id
         self._live.pop(rid)
-        self._ended()
+        self._ended(live.req.adapter)
         if self.metrics:
             self.metrics.latency(ttft=None if live.t_first is None else live.t_first - live.t_arrival,
                                   tpot=(live.t_last - live.t_first) / (live.tokens - 1) if live.tokens > 1 else None,
@@ -194,9 +223,11 @@ class EngineLoop:
             self._finish(live, now)
         self._send([(live.handle, [TokenEvent(live.handle.id, None, reason, error=error)]) for live in ended])
 
-    def _ended(self) -> None:
+    def _ended(self, adapter: int) -> None:
         with self._lock:
             self._in_flight -= 1
+            if adapter:
+                self._by_adapter[adapter] -= 1
 
     @staticmethod
     def _send(deliveries: list[tuple[Handle, list[TokenEvent]]]) -> None:
@@ -209,6 +240,14 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # that event loop has closed (shutdown): nobody is listening
                 pass
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if not future.done():  # its awaiting handler may have been cancelled (the client left)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, list[TokenEvent]]]) -> None:

@@ -22,9 +22,13 @@ class ServeOptions:
     # LoRA adapters served beside the base model, (name, adapter directory) each (--lora NAME=PATH): a request
     # whose `model` is NAME is generated with that adapter (lora.serving)
     lora: tuple[tuple[str, str], ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (server/runtime_lora.py): off unless asked, as
+    # they let any client with the API key read adapter directories on the server's disk and change the model
+    allow_runtime_lora: bool = False
+    max_loras: int = 16  # adapters served at once, --lora and runtime loads together (each stays in memory)
 
     def __post_init__(self):
-        for name in ("max_batch", "max_context"):
+        for name in ("max_batch", "max_context", "max_loras"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -40,6 +44,8 @@ class ServeOptions:
         twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
         if twice is not None:
             raise ValueError(f"--lora: the adapter name {twice!r} is given twice")
+        if len(names) > self.max_loras:
+            raise ValueError(f"--lora: {len(names)} adapters, more than --max-loras {self.max_loras}")
 
     def resolve_max_context(self, model_max: int) -> int:
         """The context a request may fill, given the model's max_position_embeddings."""

@@ -117,6 +117,17 @@ class CompletionRequest(GenerationFields):
     best_of: int | None = None
 
 
+class LoadLoRARequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's body; server/runtime_lora.py)."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body; its optional lora_int_id is not taken)."""
+    lora_name: str = Field(min_length=1)
+
+
 # Parameters accepted only at the value that leaves generation as it is: anything else is refused by name.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "echo": (False,),

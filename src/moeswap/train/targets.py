@@ -18,7 +18,7 @@ from moeswap.lora.targets import matches, weight_prefix
 from moeswap.train.experts import make_experts_trainable
 
 FULL_WEIGHTS_FILE = "trained.safetensors"
-ADAPTER_FILES = [lora.CONFIG_NAME, lora.WEIGHTS_NAME]
+ADAPTER_FILES = [lora.CONFIG_NAME, lora.WEIGHTS_NAME, lora.MOESWAP_NAME]
 # Not trained by gradients: DeepSeek-style routers adjust the selection bias by a load-balancing rule.
 NEVER_TRAINED = ("e_score_correction_bias",)
 _REGEX_CHARS = set("*?[]()|\\^$+{}")

@@ -240,6 +240,11 @@ class ExpertLoRASlots(nn.Module):
         lora.requires_grad_(False)
         self.loras[str(slot)] = lora.eval()
 
+    def remove(self, slot: int) -> None:
+        """Drops adapter `slot`'s routed-expert LoRA (nothing when it has none here)."""
+        if str(slot) in self.loras:
+            del self.loras[str(slot)]
+
     def in_use(self) -> bool:
         """Some row of this forward uses an adapter with expert LoRA here."""
         return self.rows.active and any(str(s) in self.loras for s in self.rows.used())
