@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     tuning.tune_process()  # before torch is imported (the commands that need it import it)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed (train's resume hint repeats it)
     if not args.debug:
         warnings.formatwarning = _one_line_warning
     if args.command == "bench":

@@ -92,6 +92,9 @@ class TrainConfig:
                             "int")
     save_interval: int = _f(0, "write a checkpoint every N optimizer steps (0: none; --resume needs them)", "int")
     keep_checkpoints: int = _f(2, "newest checkpoints kept (older ones are removed)", "int")
+    log_interval: int = _f(10, "where no progress bar shows (stderr not a terminal, or --no-progress): one line "
+                               "on stderr at the first step, every N optimizer steps and at the last (0: none)",
+                           "int")
     output: str | None = _f(None, "output directory: the adapter (or trained weights), manifest.json, "
                                   "loss.csv/png, checkpoints/", "path", metavar="DIR")
     load: LoadOptions = field(default_factory=LoadOptions, metadata={"kind": "load"})
@@ -122,6 +125,7 @@ class TrainConfig:
             (self.eval_interval >= 0, "--eval-interval must be >= 0"),
             (self.save_interval >= 0, "--save-interval must be >= 0"),
             (self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1"),
+            (self.log_interval >= 0, "--log-interval must be >= 0"),
             (self.target_modules is None or len(self.target_modules) > 0, "--target-modules is empty"),
             # training's autograd path fetches each expert it computes through the store; hybrid compute is a
             # decode path (experts/hybrid.py), so a setting here would be ignored: refuse it rather
