@@ -269,13 +269,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
     from moeswap import tuning
 
     out = Path(cfg.output)
-    made = not out.exists()
+    made = [d for d in (out, *out.parents) if not d.exists()]  # what mkdir(parents=True) will make, deepest first
     try:
         with tuning.heap_for_training():  # a step's large buffers reused from the heap, not page-faulted afresh
             return _train(cfg, resume, progress, on_checkpoint, stop_after)
     except BaseException:
         if made and out.is_dir() and _holds_no_run(out):  # refused or failed before its first checkpoint
             shutil.rmtree(out, ignore_errors=True)
+            for parent in made[1:]:  # and the directories made above it, while nothing else went in
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
         raise
 
 
