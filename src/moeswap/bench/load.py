@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from moeswap.bench import RESULTS_DIR
 from moeswap.options import add_model_argument
 from moeswap.tuning import ENV_THREADS, OPENMP_VARIABLES
 
@@ -92,7 +93,8 @@ def add_parser(benches) -> None:
     b.add_argument("--prompt-words", type=int, default=450, help="prompt length in words (default 450)")
     b.add_argument("--max-tokens", type=int, default=16)
     b.add_argument("--reps", type=int, default=2, help="rounds; each configuration keeps its best")
-    b.add_argument("--out-dir", default="bench-results", help="where load-<time>.{json,md} go ('' = only print)")
+    b.add_argument("--out-dir", default=RESULTS_DIR,
+                   help="where load-<time>.{json,md} go ('' = only print; default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
