@@ -5,7 +5,8 @@ machine and under a background load of `--busy` spinning processes, with moeswap
 
 Each measurement is a fresh `moeswap generate --json` process (OpenMP reads its settings when it starts),
 all of them round-robin `--reps` times; each configuration keeps its best round. The busy processes are
-started before, and stopped after, each loaded measurement. Goal: TTFT under load within 3x of quiet.
+started before, and stopped after, each loaded measurement. The report states the ratios; the project's goal for
+them is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -80,8 +81,7 @@ def format_markdown(r: dict) -> str:
         lines.append(f"| {row['settings']} | {q['ttft_ms']:.0f} | {b['ttft_ms']:.0f} | {row['ttft_busy_over_quiet']:.2f}x | "
                      f"{q['decode_tokens_per_s']:.1f} | {b['decode_tokens_per_s']:.1f} | {b['openmp'] or b['threads']} |")
     fitted = r["rows"][0]["ttft_busy_over_quiet"]
-    lines += ["", f"Goal: TTFT under load within 3x of quiet with the default (fitted) settings: "
-                  f"{fitted:.2f}x, {'met' if fitted <= 3 else 'not met'}."]
+    lines += ["", f"TTFT under load with the default (fitted) settings: {fitted:.2f}x quiet."]
     return "\n".join(lines)
 
 
