@@ -52,7 +52,8 @@ class TrainConfig:
                            "routed experts then stay frozen in the store)", choices=MODES)
     target_modules: tuple[str, ...] | None = _f(
         None, "modules to adapt (lora) or train (full), comma-separated names or suffixes (q_proj,o_proj; w1,w2,w3: "
-              "the routed experts') or one regex; default: lora q_proj,k_proj,v_proj,o_proj, full every parameter",
+              "the routed experts', lora only) or one regex; default: lora q_proj,k_proj,v_proj,o_proj, full every "
+              "parameter",
         "list",
         metavar="NAMES")
     router_bias_rate: float = _f(1e-3, "full mode with routed experts trained: K3's load balancing, each "

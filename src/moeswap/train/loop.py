@@ -274,7 +274,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
         with tuning.heap_for_training():  # a step's large buffers reused from the heap, not page-faulted afresh
             return _train(cfg, resume, progress, on_checkpoint, stop_after)
     except BaseException:
-        if made and out.is_dir() and _holds_no_run(out):  # refused or failed before its first checkpoint
+        # refused, failed or stopped before its first checkpoint: nothing to resume, so nothing is left
+        if made and out.is_dir() and _holds_no_run(out, also=record.LOSS_CSV):
             shutil.rmtree(out, ignore_errors=True)
             for parent in made[1:]:  # and the directories made above it, while nothing else went in
                 with contextlib.suppress(OSError):
