@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:  # a model name that is no directory and not cached (hub.resolve_model)
         print(f"moeswap: error: {err}", file=sys.stderr)
         return 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed (train's resume hint repeats it)
     if not args.debug:
         warnings.formatwarning = _one_line_warning
     if args.command == "bench":

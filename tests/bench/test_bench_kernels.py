@@ -1,8 +1,9 @@
 """`moeswap bench kernels`: one tiny run end to end (its measurements are benchmarks, not tests; this
-checks the plumbing: rows per variant, the arithmetic from time per call to GB/s and the goal line,
+checks the plumbing: rows per variant, the arithmetic from time per call to GB/s and the bandwidth-share lines,
 the markdown, the JSON)."""
 
 import functools
+import re
 
 import pytest
 
@@ -28,22 +29,23 @@ def test_tiny_kernel_bench_reports_every_variant(tmp_path, monkeypatch, capsys, 
         assert row["GBps"] == pytest.approx(row["bytes_per_call"] / seconds / 1e9)
         assert row["packed_GBps"] == pytest.approx(packed / seconds / 1e9)
         assert row["spread"][0] <= row["us_per_call"] <= row["spread"][1]
-    g = r["goal"]
+    g = r["bandwidth_share"]
     best = next(row for row in r["rows"] if row["tokens"] == 1 and row["variant"] == g["variant"])
     assert g["packed_GBps"] == best["packed_GBps"]
     assert g["fraction_of_read_bandwidth"] == pytest.approx(g["packed_GBps"] / r["bandwidth"]["read_GBps"])
-    assert g["met"] == (g["fraction_of_read_bandwidth"] >= 0.5)
-    assert "goal:" in md and "| tokens |" in md and f"(target >= 50%: {'met' if g['met'] else 'NOT met'})" in md
-    # block FP8 and INT4: their direct kernels over their own stored bytes, each with its goal line
+    assert "| tokens |" in md and (f"{g['variant']} at 1 token reads packed bytes at {g['packed_GBps']:.1f} GB/s = "
+                                   f"{g['fraction_of_read_bandwidth']:.0%} of the measured read bandwidth") in md
+    # measurements and ratios only: the project's goals are docs/benchmarks.md's, not the report's
+    assert not re.search(r"\b(goal|target|met)\b", md, re.IGNORECASE) and "met" not in g
+    # block FP8 and INT4: their direct kernels over their own stored bytes, each with its line
     assert {"fp8 direct (cpu_c)", "int4 direct (cpu_c)"} <= variants
     assert r["expert"]["stored_bytes"] == {"mxfp4": packed, "fp8": 3 * 64 * 96 + 3 * 4,  # one partial scale block each
                                            "int4": 3 * 64 * 96 // 2 + 3 * 2 * 64 * 96 // 32}
-    for kind, fg in r["format_goals"].items():
+    for kind, fg in r["format_bandwidth_shares"].items():
         row = next(row for row in r["rows"] if row["tokens"] == 1 and row["variant"] == f"{kind} direct (cpu_c)")
         assert row["bytes_per_call"] == fg["stored_bytes"] == r["expert"]["stored_bytes"][kind]
         assert fg["fraction_of_read_bandwidth"] == pytest.approx(row["GBps"] / r["bandwidth"]["read_GBps"])
-        assert fg["met"] == (fg["fraction_of_read_bandwidth"] >= 0.5)
-        assert f"goal: {kind} direct (cpu_c) at 1 token" in md
+        assert f"\n{kind} direct (cpu_c) at 1 token reads its" in md
 
 
 @pytest.mark.parametrize("bench", ["kernels", "gpu-kernels"])

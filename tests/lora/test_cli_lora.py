@@ -139,6 +139,34 @@ def test_merge_fp32_checkpoint(capsys, tmp_path, randomize_b, strict_json):
     assert (merged - adapted).abs().max() <= 1e-4 and (adapted - base_logits).abs().max() > 0.5
 
 
+def test_merge_writes_its_own_model_card(capsys, tiny_k3_dir, k3_adapter, tmp_path, strict_json):
+    """The base's README.md describes the base: the merge writes a card of its own (base, adapter, date, what
+    was merged, the report's counts), keeping only the base card's license lines."""
+    import datetime
+
+    import yaml
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_k3_dir, base)
+    (base / "README.md").write_text("---\nlicense: other\nlicense_name: tiny-license\npipeline_tag: text-generation\n"
+                                    "---\n# The tiny base\n\nThis card is about the base model.\n")
+    before = datetime.datetime.now(datetime.timezone.utc).date()
+    code, stdout, err = run(capsys, "merge", str(base), str(k3_adapter), str(tmp_path / "merged"), "--json")
+    after = datetime.datetime.now(datetime.timezone.utc).date()
+    assert code == 0, err
+    report = strict_json(stdout)
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "the base model" not in card and "The tiny base" not in card
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front == {"license": "other", "license_name": "tiny-license"}
+    assert any(f"on {d.isoformat()} (UTC)" in card for d in {before, after})
+    assert f"Base model: `{base}`" in card and f"Adapter: `{k3_adapter}` (LoRA r=4, alpha=8" in card
+    assert f"Merged: {report['merged_tensors']} dense weight tensors" in card and report["merged_tensors"] > 0
+    # a base without a card: the merge's card, no front matter
+    run(capsys, "merge", str(tiny_k3_dir), str(k3_adapter), str(tmp_path / "merged2"))
+    assert (tmp_path / "merged2" / "README.md").read_text().startswith("# A base model with a LoRA adapter merged in\n")
+
+
 def test_merge_bad_input(capsys, tiny_k3_dir, k3_adapter, tmp_path):
     out = tmp_path / "out"
     code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(tmp_path / "none"), str(out))

@@ -159,6 +159,23 @@ def test_full_mode_targets(tiny_k3_dir, small_run):
         store.close()
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_run_refused_for_a_bad_target_leaves_nothing(tiny_k3_dir, chains, tmp_path, capsys, mode):
+    """The pattern is checked after the model loads, the output directory already made: the refusal
+    removes it (and a directory the user made stays, empty)."""
+    from moeswap import cli
+
+    made = tmp_path / "mine"
+    made.mkdir()
+    for out in (tmp_path / "a" / "b", made):
+        assert cli.main(["train", "--model", str(tiny_k3_dir), "--train-data", str(chains), "--output", str(out),
+                         "--mode", mode, "--target-modules", "nope_proj", "--max-steps", "1", "--seq-len", "32",
+                         "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moeswap: error: ") and "'nope_proj' matches no module" in err and err.count("\n") == 1
+    assert not (tmp_path / "a").exists() and list(made.iterdir()) == []
+
+
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])
 def test_kda_backpropagates_when_its_state_is_written_back_in_place(form):
     """What a training forward does (models/layers/kda.py): run the core from state S0, then copy the final

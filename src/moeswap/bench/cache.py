@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from moeswap import jsonio
+from moeswap.bench import RESULTS_DIR
 from moeswap.experts.keys import Key
 from moeswap.experts.policy import POLICIES, lfru_half_life, make_policy, online_policies
 from moeswap.experts.stats import TierStats
@@ -143,7 +144,7 @@ def add_parser(benches) -> None:
                    help="fast-tier budgets in %% of all routed experts (default %(default)s)")
     b.add_argument("--policies", default=",".join(POLICIES), help="default %(default)s")
     b.add_argument("--profile", help="trace to profile the static policy on (default: the replayed trace itself)")
-    b.add_argument("--out-dir", default=".", help="where cache-hit-rate.{md,png,json} go (default: here)")
+    b.add_argument("--out-dir", default=RESULTS_DIR, help="where cache-hit-rate.{md,png,json} go (default: %(default)s)")
 
 
 def comma_list(text: str, flag: str, cast=str) -> list:

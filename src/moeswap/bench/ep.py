@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from moeswap import jsonio
+from moeswap.bench import RESULTS_DIR
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 
 BASELINE = "1 process"
@@ -263,7 +264,7 @@ def add_parser(benches) -> None:
                    help="replicated attention, data-parallel attention with token dispatch, or both (default)")
     add_load_flags(b, only=("dtype", "dense_weights", "expert_activations", "gemm_precision", "expert_memory",
                             "expert_policy", "prefetch"))
-    b.add_argument("--out-dir", default="bench-results", help="where ep-<time>.{md,json} go (default: %(default)s)")
+    b.add_argument("--out-dir", default=RESULTS_DIR, help="where ep-<time>.{md,json} go (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

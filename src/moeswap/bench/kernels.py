@@ -1,6 +1,7 @@
 """`moeswap bench kernels`: µs per routed-expert call from MXFP4, block-FP8 and INT4 bytes against named
-baselines, with the machine's read bandwidth measured in the same run; each format's goal is its direct
-kernel's stored bytes per second at the fewest tokens against that bandwidth. Entry points: `add_parser`, `run`.
+baselines, with the machine's read bandwidth measured in the same run; each format's headline is its direct
+kernel's stored bytes per second at the fewest tokens as a share of that bandwidth (the project's goals for it
+are in docs/benchmarks.md, not in the report). Entry points: `add_parser`, `run`.
 """
 
 from __future__ import annotations
@@ -178,24 +179,22 @@ def run_bench(in_dim: int = K3_EXPERT[0], expert_dim: int = K3_EXPERT[1], tokens
     selected = f"mxfp4 direct ({expert_mxfp4.best_name()})"
     best = next(r for r in rows if r["tokens"] == min(tokens) and r["variant"] == selected)
     kernel = cpu_kernels.kernel()
-    goals = {}
+    shares = {}
     for kind in (k for k in ("fp8", "int4") if k in formats):
         row = next(r for r in rows if r["tokens"] == min(tokens) and r["variant"] == f"{kind} direct (cpu_c)")
-        goals[kind] = {"tokens": row["tokens"], "variant": row["variant"], "stored_bytes": stored[kind],
-                       "GBps": row["GBps"], "fraction_of_read_bandwidth": row["GBps"] / bandwidth["read_GBps"],
-                       "fraction_per_cpu_s": (stored[kind] / (row["cpu_us_per_call"] * 1e-6) / 1e9)
-                       / bandwidth["read_GBps_per_cpu_s"], "target": 0.5,
-                       "met": row["GBps"] >= 0.5 * bandwidth["read_GBps"]}
+        shares[kind] = {"tokens": row["tokens"], "variant": row["variant"], "stored_bytes": stored[kind],
+                        "GBps": row["GBps"], "fraction_of_read_bandwidth": row["GBps"] / bandwidth["read_GBps"],
+                        "fraction_per_cpu_s": (stored[kind] / (row["cpu_us_per_call"] * 1e-6) / 1e9)
+                        / bandwidth["read_GBps_per_cpu_s"]}
     return {
         "expert": {"in_dim": in_dim, "expert_dim": expert_dim, "act": act, "packed_bytes": packed_bytes,
                    "stored_bytes": stored, "bf16_bytes": resident[0].nbytes, "experts_cycled": n_experts},
-        "format_goals": goals,
+        "format_bandwidth_shares": shares,
         "bandwidth": bandwidth, "rows": rows,
-        "goal": {"tokens": best["tokens"], "variant": best["variant"], "packed_GBps": best["packed_GBps"],
-                 "fraction_of_read_bandwidth": best["packed_GBps"] / bandwidth["read_GBps"],
-                 "fraction_per_cpu_s": (packed_bytes / (best["cpu_us_per_call"] * 1e-6) / 1e9)
-                 / bandwidth["read_GBps_per_cpu_s"],
-                 "target": 0.5, "met": best["packed_GBps"] >= 0.5 * bandwidth["read_GBps"]},
+        "bandwidth_share": {"tokens": best["tokens"], "variant": best["variant"], "packed_GBps": best["packed_GBps"],
+                            "fraction_of_read_bandwidth": best["packed_GBps"] / bandwidth["read_GBps"],
+                            "fraction_per_cpu_s": (packed_bytes / (best["cpu_us_per_call"] * 1e-6) / 1e9)
+                            / bandwidth["read_GBps_per_cpu_s"]},
         "machine": machine_facts(), "kernel_isa": kernel.isa if kernel else None, "compile_seconds": compile_seconds,
     }
 
@@ -218,7 +217,7 @@ def machine_facts() -> dict:
 
 
 def format_report(r: dict) -> str:
-    e, bw, g = r["expert"], r["bandwidth"], r["goal"]
+    e, bw, g = r["expert"], r["bandwidth"], r["bandwidth_share"]
     lines = [
         f"expert I={e['in_dim']} F={e['expert_dim']} ({e['act']}): {e['packed_bytes'] / 1e6:.2f} MB MXFP4, "
         f"{e['bf16_bytes'] / 1e6:.2f} MB bf16; {e['experts_cycled']} experts cycled; "
@@ -236,14 +235,13 @@ def format_report(r: dict) -> str:
                      f"{row['cpu_us_per_call']:,.0f} | "
                      f"{row['GBps']:.2f} | "
                      f"{row['packed_GBps']:.2f} | {base['us_per_call'] / row['us_per_call']:.2f}x |")
-    lines += ["", f"goal: {g['variant']} at {g['tokens']} token reads packed bytes at {g['packed_GBps']:.1f} GB/s = "
-              f"{g['fraction_of_read_bandwidth']:.0%} of the measured read bandwidth (target >= 50%: "
-              f"{'met' if g['met'] else 'NOT met'}); per CPU second: {g['fraction_per_cpu_s']:.0%}"]
-    for fg in r.get("format_goals", {}).values():
-        lines.append(f"goal: {fg['variant']} at {fg['tokens']} token reads its {fg['stored_bytes'] / 1e6:.2f} MB of "
+    lines += ["", f"{g['variant']} at {g['tokens']} token reads packed bytes at {g['packed_GBps']:.1f} GB/s = "
+              f"{g['fraction_of_read_bandwidth']:.0%} of the measured read bandwidth; per CPU second: "
+              f"{g['fraction_per_cpu_s']:.0%}"]
+    for fg in r.get("format_bandwidth_shares", {}).values():
+        lines.append(f"{fg['variant']} at {fg['tokens']} token reads its {fg['stored_bytes'] / 1e6:.2f} MB of "
                      f"stored bytes at {fg['GBps']:.1f} GB/s = {fg['fraction_of_read_bandwidth']:.0%} of the measured "
-                     f"read bandwidth (target >= 50%: {'met' if fg['met'] else 'NOT met'}); per CPU second: "
-                     f"{fg['fraction_per_cpu_s']:.0%}")
+                     f"read bandwidth; per CPU second: {fg['fraction_per_cpu_s']:.0%}")
     if r.get("compile_seconds") is not None:
         graphs = len({x["tokens"] for x in r["rows"]})
         lines.append(f"torch.compile variant: {r['compile_seconds']:.0f} s to compile {graphs} graphs")

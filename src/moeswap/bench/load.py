@@ -5,7 +5,8 @@ machine and under a background load of `--busy` spinning processes, with moeswap
 
 Each measurement is a fresh `moeswap generate --json` process (OpenMP reads its settings when it starts),
 all of them round-robin `--reps` times; each configuration keeps its best round. The busy processes are
-started before, and stopped after, each loaded measurement. Goal: TTFT under load within 3x of quiet.
+started before, and stopped after, each loaded measurement. The report states the ratios; the project's goal for
+them is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from moeswap.bench import RESULTS_DIR
 from moeswap.options import add_model_argument
 from moeswap.tuning import ENV_THREADS, OPENMP_VARIABLES
 
@@ -79,8 +81,7 @@ def format_markdown(r: dict) -> str:
         lines.append(f"| {row['settings']} | {q['ttft_ms']:.0f} | {b['ttft_ms']:.0f} | {row['ttft_busy_over_quiet']:.2f}x | "
                      f"{q['decode_tokens_per_s']:.1f} | {b['decode_tokens_per_s']:.1f} | {b['openmp'] or b['threads']} |")
     fitted = r["rows"][0]["ttft_busy_over_quiet"]
-    lines += ["", f"Goal: TTFT under load within 3x of quiet with the default (fitted) settings: "
-                  f"{fitted:.2f}x, {'met' if fitted <= 3 else 'not met'}."]
+    lines += ["", f"TTFT under load with the default (fitted) settings: {fitted:.2f}x quiet."]
     return "\n".join(lines)
 
 
@@ -92,7 +93,8 @@ def add_parser(benches) -> None:
     b.add_argument("--prompt-words", type=int, default=450, help="prompt length in words (default 450)")
     b.add_argument("--max-tokens", type=int, default=16)
     b.add_argument("--reps", type=int, default=2, help="rounds; each configuration keeps its best")
-    b.add_argument("--out-dir", default="bench-results", help="where load-<time>.{json,md} go ('' = only print)")
+    b.add_argument("--out-dir", default=RESULTS_DIR,
+                   help="where load-<time>.{json,md} go ('' = only print; default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeswap import jsonio
+from moeswap.bench import RESULTS_DIR
 from moeswap.options import LoadOptions, add_load_flags, add_model_argument
 from moeswap.procfs import cpu_model
 
@@ -334,7 +335,8 @@ def add_common_flags(b) -> None:
     b.add_argument("--omp-passive", action="store_true",
                    help="moeswap worker with OMP_WAIT_POLICY=PASSIVE (see docs/benchmarks.md)")
     b.add_argument("--gguf", help="an existing GGUF for llama.cpp (default: convert MODEL with llama.cpp's converter)")
-    b.add_argument("--out-dir", default="bench-results", help="where the JSON and markdown go ('' = only print)")
+    b.add_argument("--out-dir", default=RESULTS_DIR,
+                   help="where the JSON and markdown go ('' = only print; default %(default)s)")
     b.add_argument("--json", metavar="FILE", help="JSON path (default: OUT_DIR/<bench>-<time>.json)")
     b.add_argument("--markdown", metavar="FILE", help="markdown path (default: OUT_DIR/<bench>-<time>.md)")
 

@@ -299,7 +299,7 @@ def add_parser(benches) -> None:
     b = benches.add_parser("stream", help="experts larger than memory: decode/prefill under a memory limit, "
                                           "vs llama.cpp and the drive's read ceiling")
     sbs.add_common_flags(b)
-    b.set_defaults(peers="llama.cpp", out_dir="bench-results/stream")
+    b.set_defaults(peers="llama.cpp")
     b.add_argument("--memory-limit", type=parse_bytes, default=DEFAULT_LIMIT, help="memory each engine may use, page cache included "
                                                           "(a memory cgroup; default 5GiB)")
     b.add_argument("--prompt-tokens", type=int, default=256, help="prefill length (default 256)")

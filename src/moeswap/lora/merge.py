@@ -6,9 +6,10 @@ format (weights.registry: MXFP4, MXFP8 or float), gets its expert's update (Expe
 in fp32 and is stored again in the same format with the project's codec (compressed-tensors' MX encoding,
 `even` block exponents, as `moeswap quantize` writes); the error against the exact W + s · B A is reported
 per layer and projection, also relative to the update's size (quantisation to 4 bits can swallow most of a
-small update: the report says how much). Every other tensor and side file is copied as it is, shard by
-shard (a shard without merged tensors is copied whole; one with them is rewritten tensor by tensor, so peak
-memory is about one tensor). The adapter is mapped onto the model built on `meta` (lora.peft_io), so a key
+small update: the report says how much). The base's model card is not copied: OUT gets its own README.md
+(lora/merge_card.py: base, adapter, date, what was merged). Every other tensor and side file is copied as it
+is, shard by shard (a shard without merged tensors is copied whole; one with them is rewritten tensor by
+tensor, so peak memory is about one tensor). The adapter is mapped onto the model built on `meta` (lora.peft_io), so a key
 or shape that does not fit is refused before anything is written; a recorded base fingerprint must match
 BASE. OUT is written all at once (atomic_dir).
 Entry points: `merge_checkpoint(base, adapter, out)`, and add_parser / run for the CLI.
@@ -17,6 +18,7 @@ Entry points: `merge_checkpoint(base, adapter, out)`, and add_parser / run for t
 from __future__ import annotations
 
 import argparse
+import datetime
 import shutil
 import sys
 import time
@@ -33,6 +35,7 @@ from moeswap.formats.files import confined
 from moeswap.formats.writer import layout, write_shard
 from moeswap.lora.fingerprint import check_same_base
 from moeswap.lora.layer import lora_scaling
+from moeswap.lora.merge_card import CARD_NAME, card_text, is_card
 from moeswap.lora.peft_io import expert_lora_for, plan_adapter, read_adapter
 from moeswap.lora.targets import moe_blocks
 from moeswap.models.layers.expert_lora import ExpertLoRA
@@ -64,6 +67,9 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
     # them (a training run's record or a quantisation report describes the base, not the merge)
     side = [confined(base, n, ValueError, str(base)) for n in ("config.json", INDEX_NAME)
             if (base / n).exists()] + side_files(base)
+    # the base's card describes the base: the merge writes its own (its license lines kept)
+    base_card = next((p for p in side if is_card(p.name) and p.is_file()), None)
+    side = [p for p in side if not is_card(p.name)]
     adapter = read_adapter(adapter_dir)
     recorded = adapter.base_fingerprint
     if recorded is not None:
@@ -123,6 +129,10 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
                              time.perf_counter() - t0)
             with writing(tmp / REPORT_NAME):
                 (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
+            date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+            card = base_card.read_text(encoding="utf-8", errors="replace") if base_card is not None else None
+            with writing(tmp / CARD_NAME):
+                (tmp / CARD_NAME).write_text(card_text(report, adapter.raw, card, date), encoding="utf-8")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
     return report
 

@@ -1,13 +1,19 @@
 """`moeswap train [CONFIG.yaml] [flags]`, `--resume`, `--reproduce MANIFEST`: parses, runs train.loop, prints.
 
 Torch-free at import (cli.py builds every subcommand's parser). A config or data error is one line and
-exit 2 (cli.main); a reproduction whose curve differs exits 1.
+exit 2 (cli.main); a reproduction whose curve differs exits 1. A run stopped by Ctrl-C or SIGTERM says the
+command that continues it (exit 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shlex
+import signal
 import sys
+import threading
+from pathlib import Path
 
 from moeswap.train.config import add_train_flags, resolve
 
@@ -25,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--first-steps", type=int, metavar="N",
                    help="--reproduce: run and check only the first N steps, on the recorded schedule (minutes "
                         "instead of the whole run; writes no model)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one on a terminal)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (default: one on a terminal; without one, a line every --log-interval steps)")
     add_train_flags(p)
 
 
@@ -38,7 +45,13 @@ def run(args: argparse.Namespace) -> int:
     if args.first_steps is not None:
         raise ValueError("--first-steps goes with --reproduce MANIFEST")
     cfg = resolve(args.config, args)
-    result = loop.train(cfg, resume=args.resume, progress=progress)
+    try:
+        with _sigterm_interrupts():
+            result = loop.train(cfg, resume=args.resume, progress=progress)
+    except KeyboardInterrupt:
+        if cfg.output is not None:
+            print("\n" + resume_hint(cfg, getattr(args, "argv", None)), file=sys.stderr)
+        raise  # cli.main: "interrupted", exit 130
     m = result.manifest
     if not m:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
@@ -50,6 +63,42 @@ def run(args: argparse.Namespace) -> int:
              if m["eval_loss_before"] is not None else "")
           + f"; wrote {result.out_dir}")
     return 0
+
+
+def resume_hint(cfg, argv: list[str] | None) -> str:
+    """What to run next after an interruption: the command as typed plus --resume when a checkpoint holds the
+    run, else (no checkpoint yet) the same command, which starts it over."""
+    from moeswap.train.checkpoint import latest_checkpoint, read_state
+
+    found = latest_checkpoint(Path(cfg.output))
+    words = ["moeswap", *(argv if argv is not None else ["train", "..."])]
+    if found is None:
+        return ("moeswap: stopped before its first checkpoint (--save-interval N writes one every N steps); "
+                f"start it again with: {shlex.join(words)}")
+    try:
+        step = read_state(found)["step"]
+    except ValueError:  # damaged: --resume will say so and what to do
+        step = "?"
+    if "--resume" not in words:
+        words.append("--resume")
+    return f"moeswap: stopped; the newest checkpoint is step {step} ({found}); continue with: {shlex.join(words)}"
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (a batch system's stop, `kill`) ends the run as Ctrl-C does, so it says how to resume."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _reproduce(args: argparse.Namespace, progress) -> int:

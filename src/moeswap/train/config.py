@@ -55,7 +55,8 @@ class TrainConfig:
                            "routed experts then stay frozen in the store)", choices=MODES)
     target_modules: tuple[str, ...] | None = _f(
         None, "modules to adapt (lora) or train (full), comma-separated names or suffixes (q_proj,o_proj; w1,w2,w3: "
-              "the routed experts') or one regex; default: lora q_proj,k_proj,v_proj,o_proj, full every parameter",
+              "the routed experts', lora only) or one regex; default: lora q_proj,k_proj,v_proj,o_proj, full every "
+              "parameter",
         "list",
         metavar="NAMES")
     router_bias_rate: float = _f(1e-3, "full mode with routed experts trained: K3's load balancing, each "
@@ -95,6 +96,9 @@ class TrainConfig:
                             "int")
     save_interval: int = _f(0, "write a checkpoint every N optimizer steps (0: none; --resume needs them)", "int")
     keep_checkpoints: int = _f(2, "newest checkpoints kept (older ones are removed)", "int")
+    log_interval: int = _f(10, "where no progress bar shows (stderr not a terminal, or --no-progress): one line "
+                               "on stderr at the first step, every N optimizer steps and at the last (0: none)",
+                           "int")
     output: str | None = _f(None, "output directory: the adapter (or trained weights), manifest.json, "
                                   "loss.csv/png, checkpoints/", "path", metavar="DIR")
     load: LoadOptions = field(default_factory=LoadOptions, metadata={"kind": "load"})
@@ -125,6 +129,7 @@ class TrainConfig:
             (self.eval_interval >= 0, "--eval-interval must be >= 0"),
             (self.save_interval >= 0, "--save-interval must be >= 0"),
             (self.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1"),
+            (self.log_interval >= 0, "--log-interval must be >= 0"),
             (self.target_modules is None or len(self.target_modules) > 0, "--target-modules is empty"),
             # training's autograd path fetches each expert it computes through the store; hybrid compute is a
             # decode path (experts/hybrid.py), so a setting here would be ignored: refuse it rather

@@ -34,12 +34,13 @@ from moeswap.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkp
 from moeswap.train.config import TrainConfig
 from moeswap.train.data import IGNORE, Data, RowStream, batch, eval_rows, load_data
 from moeswap.train.experts import balance_routers, balanced_biases, load_report
+from moeswap.train.progress import LossLog, StepLines
 from moeswap.train.targets import lora_config, prepare_model, save_trained
 
 # Settings a resumed run may change: when and what it writes, where experts are kept. Anything else
 # changes the math, and the run would no longer be the one its checkpoint continues.
 # ep_mode too: like the number of ranks (not a setting), it changes only the order gradients are summed in.
-RESUME_MAY_CHANGE = {"eval_interval", "save_interval", "keep_checkpoints", "ep_mode"}
+RESUME_MAY_CHANGE = {"eval_interval", "save_interval", "keep_checkpoints", "ep_mode", "log_interval"}
 LOAD_MAY_CHANGE = {"expert_memory", "host_memory", "expert_policy", "prefetch", "expert_profile", "drop_page_cache",
                    "expert_reads", "read_threads"}
 
@@ -208,19 +209,25 @@ def _check_output(out: Path, resume: bool) -> tuple[Path, dict[str, Any]] | None
             raise ValueError(f"--resume: no checkpoint in {out / CHECKPOINTS} to resume from "
                              "(--save-interval N writes one every N steps; without --resume the run starts over)")
         return found, read_state(found)
-    if out.exists() and (not out.is_dir() or not _holds_no_run(out)):
+    if out.exists() and (not out.is_dir() or not _holds_no_run(out, also=record.LOSS_CSV)):
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue the run it holds, "
                               "or choose another --output")
     out.mkdir(parents=True, exist_ok=True)
     return None
 
 
-def _holds_no_run(out: Path) -> bool:
+def _holds_no_run(out: Path, also: str | None = None) -> bool:
     """Whether `out` is empty but for what a run that stopped before its first checkpoint leaves: an empty
-    checkpoints/ (a fresh run may start there; anything else is the user's and stays refused)."""
-    entries = list(out.iterdir())
-    return all(e.name == CHECKPOINTS and e.is_dir() and not e.is_symlink() and not any(e.iterdir())
-               for e in entries)
+    checkpoints/ and, with also=LOSS_CSV, its loss.csv so far (a fresh run may start there; anything else is
+    the user's and stays refused)."""
+    def leftover(e: Path) -> bool:
+        if e.is_symlink():
+            return False
+        if e.name == also and e.is_file():
+            return True
+        return e.name == CHECKPOINTS and e.is_dir() and not any(e.iterdir())
+
+    return all(leftover(e) for e in out.iterdir())
 
 
 def _check_same_settings(state: dict[str, Any], cfg: TrainConfig, path: Path) -> None:
@@ -255,18 +262,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
           on_checkpoint: Callable[[int, Path], None] | None = None, stop_after: int | None = None) -> TrainResult:
     """Runs `cfg` to the end (or continues its output's run with resume=True) and writes the trained
     weights or adapter, manifest.json, loss.csv and loss.png into cfg.output. stop_after=N: only the run's
-    first N steps, on its own schedule, writing nothing but checkpoints; the result's manifest then holds
-    just the curve and the evals so far (a prefix for `reproduce`)."""
+    first N steps, on its own schedule, writing nothing but checkpoints and loss.csv so far; the result's
+    manifest then holds just the curve and the evals so far (a prefix for `reproduce`). loss.csv grows a row
+    per step as the run goes (train/progress.py); without a progress bar, stderr gets a line every
+    cfg.log_interval steps."""
     from moeswap import tuning
 
     out = Path(cfg.output)
-    made = not out.exists()
+    made = [d for d in (out, *out.parents) if not d.exists()]  # what mkdir(parents=True) will make, deepest first
     try:
         with tuning.heap_for_training():  # a step's large buffers reused from the heap, not page-faulted afresh
             return _train(cfg, resume, progress, on_checkpoint, stop_after)
     except BaseException:
-        if made and out.is_dir() and _holds_no_run(out):  # refused or failed before its first checkpoint
+        # refused, failed or stopped before its first checkpoint: nothing to resume, so nothing is left
+        if made and out.is_dir() and _holds_no_run(out, also=record.LOSS_CSV):
             shutil.rmtree(out, ignore_errors=True)
+            for parent in made[1:]:  # and the directories made above it, while nothing else went in
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
         raise
 
 
@@ -286,7 +299,7 @@ def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint,
     # full mode trains the dense weights themselves: they load in the compute dtype, not kept as stored bf16
     options = cfg.load if cfg.mode == "lora" else cfg.load.replace(dense_weights="compute")
     model, store = load_model(cfg.model, options)
-    ep = None
+    ep, log = None, None
     try:
         ep = _join_expert_parallel(model, cfg, options)  # under torchrun: experts split, rank 0 writes
         lead = ep is None or ep.rank == 0
@@ -333,6 +346,9 @@ def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint,
         show = (sys.stderr.isatty() if progress is None else progress) and lead
         bar = tqdm(total=total, initial=history["step"], disable=not show, unit="step", dynamic_ncols=True,
                    desc="train", file=sys.stderr)
+        if lead:  # rewritten from the history: a resumed run's rows stop at its checkpoint's step
+            log = LossLog(out, history)
+        lines = StepLines(cfg.log_interval if lead and not show else 0, total, history["step"])
         segment_tokens, segment_s = 0, 0.0
         end = total if stop_after is None else min(total, stop_after)
         for step in range(history["step"], end):
@@ -380,11 +396,18 @@ def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint,
             bar.set_postfix(**shown, lr=f"{lr:.2e}", refresh=False)
             bar.update(1)
             last = step + 1 == total
+            loss_eval = None
             if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0 and not last:
                 loss_eval = evaluate(model, held_out, pad_id, cfg, device, ep)
                 history["eval"].append({"step": step + 1, "loss": loss_eval})
                 if loss_eval is not None and lead:
                     bar.write(f"step {step + 1}: eval loss {loss_eval:.4f}", file=sys.stderr)
+            if log is not None and not last:  # the last row waits for the final eval
+                log.append(history["curve"][-1], loss_eval)
+            if lines.due(step + 1, end):
+                done = step + 1 - lines.first
+                lines.show(step + 1, loss_mean, lr, segment_tokens / segment_s,
+                           history["wall_s"] + time.perf_counter() - started, segment_s / done * (total - step - 1))
             if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and not last:
                 # split expert LoRA: every rank hands its rows over, rank 0 writes one process's layout
                 whole, whole_opt = shards.whole(saved, optimizer, root=0) if shards is not None else (saved, optimizer)
@@ -403,6 +426,9 @@ def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint,
             return TrainResult(out, {"curve": history["curve"], "eval": evals})
         if not history["eval"] or history["eval"][-1]["step"] != total:
             history["eval"].append({"step": total, "loss": evaluate(model, held_out, pad_id, cfg, device, ep)})
+        if log is not None:
+            log.append(history["curve"][-1], history["eval"][-1]["loss"])
+            log.close()
         history["wall_s"] += time.perf_counter() - started
         if shards is not None:  # the adapter is one PEFT file: every expert's LoRA whole again, on rank 0
             params = shards.join(params, root=0)
@@ -415,6 +441,8 @@ def _train(cfg: TrainConfig, resume: bool, progress: bool | None, on_checkpoint,
         record.publish(out, lambda staging: save_trained(model, cfg, params, staging, base, meta), manifest)
         return TrainResult(out, record.read_manifest(out))
     finally:
+        if log is not None:
+            log.close()
         store.close()
         if ep is not None:
             from moeswap.distributed.runtime import shutdown

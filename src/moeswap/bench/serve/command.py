@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from moeswap.bench import RESULTS_DIR
 from moeswap.bench.serve.report import format_markdown, plot
 from moeswap.bench.serve.runner import PEERS, Setup, measure
 from moeswap.bench.serve.workload import Lengths, Level, Workload
@@ -55,7 +56,8 @@ def add_parser(benches) -> None:
     b.add_argument("--gguf", help="an existing GGUF for llama-server (default: convert the checkpoint)")
     b.add_argument("--check-greedy", type=int, nargs="?", const=8, metavar="N",
                    help="compare N completed requests per moeswap server (default 8) with `moeswap generate`")
-    b.add_argument("--out-dir", default="bench-results", help="where the JSON, markdown and PNG go ('' = only print)")
+    b.add_argument("--out-dir", default=RESULTS_DIR,
+                   help="where the JSON, markdown and PNG go ('' = only print; default %(default)s)")
     b.add_argument("--json", metavar="FILE", help="JSON path (default: OUT_DIR/serve-<time>.json)")
     b.add_argument("--markdown", metavar="FILE", help="markdown path (default: OUT_DIR/serve-<time>.md)")
     add_load_flags(b, defaults={"expert_memory": BENCH_LOAD.expert_memory},
