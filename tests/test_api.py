@@ -275,3 +275,23 @@ def test_the_chat_command_through_stdin(tiny_k3_dir, llm):
     assert counts == [n1, len(tok.encode_chat([system, u1, {"role": "assistant", "content": a1}, u2])), n1]
     assert "[conversation cleared]" in out.stderr
     assert out.stdout == f"> {a1}\n> {a2}\n> > {a1}\n> \n"
+
+
+def test_response_format(llm, strict_json):
+    """Structured output through the API (text/structured.py; the engine's part: tests/engine/test_constraints.py):
+    a batch of sampled answers each parse and follow the schema; greedy beside them is as alone; a bad
+    schema is a ValueError naming the field, before anything is submitted."""
+    schema = {"type": "object", "required": ["n", "ok"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    done = llm.generate(PROMPTS, max_tokens=200, temperature=1.0, seed=3, response_format=fmt)
+    for c in done:
+        value = strict_json(c.text)
+        assert c.finish_reason == "stop" and set(value) == {"n", "ok"} and 0 <= value["n"] <= 99
+        assert type(value["n"]) is int and type(value["ok"]) is bool
+    answer = llm.chat([{"role": "user", "content": "hi"}], temperature=1.0, seed=1,
+                      response_format={"type": "json_object"})
+    assert isinstance(strict_json(answer.text), dict) and answer.finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"'response_format.json_schema.schema'.*Invalid type: strin"):
+        llm.generate("hi", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}})
+    assert not llm.scheduler.busy
