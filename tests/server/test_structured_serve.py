@@ -99,6 +99,10 @@ def test_k3s_template_is_told_the_schema_and_reasoning_must_be_off(start_server,
     with pytest.raises(openai.BadRequestError) as e:  # K3's template opens `think` by default
         client.chat.completions.create(model=server.name, messages=MESSAGES, max_tokens=5, response_format=FORMAT)
     assert e.value.body["param"] == "response_format" and "thinking" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # a bad one is named there too, not a 500
+        client.chat.completions.create(model=server.name, messages=MESSAGES, max_tokens=5,
+                                       response_format={"type": "json_schema"})
+    assert e.value.body["param"] == "response_format.json_schema"
     r = client.chat.completions.create(model=server.name, messages=MESSAGES, max_tokens=300, temperature=1.0,
                                        seed=7, response_format=FORMAT,
                                        extra_body={"chat_template_kwargs": {"thinking": False},

@@ -159,7 +159,7 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         # the generation prompt may have opened the turn's reasoning (K3 with thinking on) or its response
         state = None if srv.layout is None else start_state(srv.layout, prompt_tail(tokenizer, prompt))
         if state is not None and srv.layout is not None and state in srv.layout.reasoning and \
-                response_schema(req.response_format) is not None:  # (the constraint would shape the reasoning)
+                _schema(req) is not None:  # (the constraint would shape the reasoning)
             raise P.APIError(400, "'response_format' applies to the answer from its first token, and this prompt "
                                   "opens a reasoning section first; turn reasoning off (Kimi K3: "
                                   "chat_template_kwargs {\"thinking\": false})", param="response_format",
@@ -333,10 +333,18 @@ def _gen_request(srv: _Server, req: P.GenerationFields, prompt: list[int], max_t
                          logprobs=logprobs, adapter=adapter, constraint=_constraint(srv, req)), stop
 
 
+def _schema(req: P.GenerationFields):
+    """The JSON schema the request's response_format asks for (None: free text)."""
+    try:
+        return response_schema(req.response_format)
+    except StructuredOutputError as e:
+        raise P.APIError(400, str(e), param=e.param, code=e.code) from None
+
+
 def _constraint(srv: _Server, req: P.GenerationFields):
     """The token constraint of the request's response_format (None: free text)."""
+    schema = _schema(req)
     try:
-        schema = response_schema(req.response_format)
         return None if schema is None else srv.structured.constraint(srv.structured.grammar(schema))
     except StructuredOutputError as e:
         raise P.APIError(400, str(e), param=e.param, code=e.code) from None
