@@ -8,8 +8,8 @@ grammar gets, and the adapter to llguidance (docs/decisions.md says why that lib
 token -> bytes table built once (`StructuredOutput`, on first use), a grammar compiled and checked per
 schema, a matcher per request (`GrammarConstraint`). JSON is written compactly ("," and ":", no
 whitespace): with free whitespace a model can pad an answer with blanks up to max_tokens. Entry points:
-`response_schema(response_format)`, `StructuredOutput(tokenizer, eos_ids, vocab_size)` with `.grammar(schema)`
-and `.constraint(grammar)`.
+`response_schema(response_format)`, `compile_schema(schema)`, `read_schema(path)`,
+`StructuredOutput(tokenizer, eos_ids, vocab_size)` with `.grammar(schema)` and `.constraint(grammar)`.
 """
 
 from __future__ import annotations
@@ -80,6 +80,49 @@ def response_schema(response_format: Mapping[str, Any] | None, where: str = "res
     return dict(schema) if isinstance(schema, Mapping) else schema
 
 
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+def compile_schema(schema: dict[str, Any] | bool, where: str = SCHEMA_PARAM, vocabulary=None) -> str:
+    """The checked llguidance grammar of a JSON schema (response_schema's); StructuredOutputError naming
+    `where` otherwise. vocabulary: an llguidance tokenizer to check it against as well (None: the schema only,
+    which needs no model)."""
+    import llguidance
+
+    try:
+        # no whitespace but the separators' (over anything the schema's own "x-guidance" says)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                overrides={"whitespace_flexible": False})
+    except ValueError as e:
+        raise StructuredOutputError(f"'{where}' is not a JSON schema llguidance reads: {_line(e)}", where) from None
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
+    if failed:
+        message = _line(messages[0])
+        if _UNSUPPORTED.search(message):
+            raise StructuredOutputError(f"'{where}': llguidance cannot follow this schema: {message}", where,
+                                        "unsupported_schema")
+        raise StructuredOutputError(f"'{where}' is not a valid JSON schema: {message}", where)
+    return grammar
+
+
+def read_schema(path: str, flag: str = "--json-schema") -> dict[str, Any] | bool:
+    """A JSON schema from a file (`generate --json-schema FILE`), checked as a response_format's is; errors
+    name the flag and the file."""
+    where = f"{flag} {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.loads(f.read())
+    except OSError as e:
+        raise StructuredOutputError(f"{where}: {e.strerror or e}", where) from None
+    except ValueError as e:  # not UTF-8, not JSON
+        raise StructuredOutputError(f"{where}: not a JSON file: {e}", where) from None
+    if not isinstance(schema, (dict, bool)):
+        raise StructuredOutputError(f"{where}: a JSON schema is an object (or true / false), found "
+                                    f"{type(schema).__name__}", where)
+    compile_schema(schema, where)
+    return schema
+
+
 class StructuredOutput:
     """A tokenizer's vocabulary as llguidance sees it (built on first use: ~0.5 s for 160k tokens, then
     kept), and the grammars and per-request constraints made with it. eos_ids: the ids that end an answer
@@ -102,24 +145,9 @@ class StructuredOutput:
         return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tok, self.eos_ids)),
                                       eos_token=list(self.eos_ids))
 
-    def grammar(self, schema: dict[str, Any] | bool, where: str = "response_format.json_schema.schema") -> str:
-        """The checked grammar of a JSON schema (response_schema's); StructuredOutputError naming `where`."""
-        import llguidance
-
-        try:
-            # no whitespace but the separators' (over anything the schema's own "x-guidance" says)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                                    overrides={"whitespace_flexible": False})
-        except ValueError as e:
-            raise StructuredOutputError(f"'{where}' is not a JSON schema llguidance reads: {_line(e)}", where) from None
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._vocabulary)
-        if failed:
-            message = _line(messages[0])
-            if _UNSUPPORTED.search(message):
-                raise StructuredOutputError(f"'{where}': llguidance cannot follow this schema: {message}", where,
-                                            "unsupported_schema")
-            raise StructuredOutputError(f"'{where}' is not a valid JSON schema: {message}", where)
-        return grammar
+    def grammar(self, schema: dict[str, Any] | bool, where: str = SCHEMA_PARAM) -> str:
+        """compile_schema, checked against this vocabulary too."""
+        return compile_schema(schema, where, self._vocabulary)
 
     def constraint(self, grammar: str) -> GrammarConstraint:
         """A fresh constraint for one request (grammar: from `grammar`)."""
