@@ -300,3 +300,23 @@ def test_chat_takes_generates_sampling_flags(tiny_k3_dir, llm, capsys):
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"> {want.text}\n> \n" and "finish: stop" in out.stderr
+
+
+def test_response_format(llm, strict_json):
+    """Structured output through the API (text/structured.py; the engine's part: tests/engine/test_constraints.py):
+    a batch of sampled answers each parse and follow the schema; greedy beside them is as alone; a bad
+    schema is a ValueError naming the field, before anything is submitted."""
+    schema = {"type": "object", "required": ["n", "ok"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    done = llm.generate(PROMPTS, max_tokens=200, temperature=1.0, seed=3, response_format=fmt)
+    for c in done:
+        value = strict_json(c.text)
+        assert c.finish_reason == "stop" and set(value) == {"n", "ok"} and 0 <= value["n"] <= 99
+        assert type(value["n"]) is int and type(value["ok"]) is bool
+    answer = llm.chat([{"role": "user", "content": "hi"}], temperature=1.0, seed=1,
+                      response_format={"type": "json_object"})
+    assert isinstance(strict_json(answer.text), dict) and answer.finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"'response_format.json_schema.schema'.*Invalid type: strin"):
+        llm.generate("hi", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}})
+    assert not llm.scheduler.busy

@@ -425,3 +425,30 @@ def test_warnings_are_one_line(tiny_linear_dir, copy_model):
     assert len(warning_lines) == 1 and warning_lines[0].startswith("moeswap: warning: ")
     assert warning_lines[0].endswith("config.json: ignoring unknown config keys: frobnicate_level")
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_generate_json_schema_and_json_object(generate_json, tiny_k3_dir, tmp_path, capsys, strict_json):
+    """--json-schema / --json-object: the server's response_format (text/structured.py) for generate; one
+    prompt and several; a bad schema file is a one-line error naming flag and file, before the model loads."""
+    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    flags = ("--max-tokens", "60", "--temperature", "1", "--seed", "2")
+    done = generate_json(tiny_k3_dir, "--json-schema", str(path), *flags)
+    value = strict_json(done["text"])
+    assert done["finish_reason"] == "stop" and set(value) == {"n"} and 0 <= value["n"] <= 9
+    assert isinstance(strict_json(generate_json(tiny_k3_dir, "--json-object", *flags)["text"]), dict)
+    code, out, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", "a", "--prompt", "b", "--json",
+                         "--json-schema", str(path), *flags)
+    assert code == 0, err
+    for o in strict_json(out)["outputs"]:
+        assert o["finish_reason"] == "stop" and set(strict_json(o["text"])) == {"n"}
+    for content, says in (('{"type": "strin"}', "is not a valid JSON schema: Invalid type: strin"),
+                          ('{"not": {}}', "llguidance cannot follow this schema"), ("[1", "not a JSON file"),
+                          ("[1]", "a JSON schema is an object")):
+        path.write_text(content)
+        code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", "hi", "--json-schema", str(path))
+        assert_one_line_error(code, err, f"--json-schema {path}", says)
+    code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", "hi", "--json-schema", str(tmp_path / "no"))
+    assert_one_line_error(code, err, f"--json-schema {tmp_path / 'no'}: No such file")

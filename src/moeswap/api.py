@@ -160,6 +160,9 @@ class Params:
     ignore_eos: bool = False  # do not stop at the tokenizer's end-of-sequence tokens
     skip_special_tokens: bool = True  # False: control tokens are text too
     adapter: str | None = _UNSET  # a served LoRA adapter's name; None: the base model; left out: LLM.adapter
+    # structured output, OpenAI's shape (text.structured): {"type": "json_object"}, or {"type": "json_schema",
+    # "json_schema": {"name": ..., "schema": {...}}}; the text then parses as JSON (that follows the schema)
+    response_format: Mapping[str, Any] | None = None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -265,7 +268,7 @@ class LLM:
         function specs), stopped at the tokenizer's end-of-sequence tokens and the template's end of turn,
         the reasoning of a layout the server knows (Kimi K3's) in `reasoning` and calls in `tool_calls`.
         Keywords: `Params` (max_tokens defaults to 256)."""
-        prompt = self.chat_prompt(messages, chat_template_kwargs, tools)
+        prompt = self.chat_prompt(messages, _template_kwargs(chat_template_kwargs, params), tools)
         return self._complete([prompt], _chat_params(params), prompt, tools)[0]
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *,
@@ -273,7 +276,7 @@ class LLM:
                     chat_template_kwargs: Mapping[str, Any] | None = None, **params: Any) -> TextStream:
         """chat's answer as stream gives text: the pieces are its text; the reasoning gathers in the stream's
         `reasoning`, and the calls in its `completion`."""
-        prompt = self.chat_prompt(messages, chat_template_kwargs, tools)
+        prompt = self.chat_prompt(messages, _template_kwargs(chat_template_kwargs, params), tools)
         return TextStream(self, self._submit(prompt, _chat_params(params), prompt, tools))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -345,25 +348,40 @@ class LLM:
         from moeswap.engine.sampling import SamplingParams
         from moeswap.engine.scheduler import Request
         from moeswap.text.reasoning import start_state
+        from moeswap.text.structured import response_schema
 
         stops, tok = params.stops(), self.tokenizer
         stop_ids = tok.stop_ids if chat is None else tok.chat_stop_ids  # a chat answer also ends at its turn's end
         eos = () if params.ignore_eos else stop_ids(self.model.config.eos_token_ids)
-        request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p,
-                                                                 params.presence_penalty, params.frequency_penalty,
-                                                                 params.repetition_penalty),
-                          tuple(dict.fromkeys([*params.stop_token_ids, *eos])), params.seed,
-                          adapter=self._slot(params.adapter))
+        schema = response_schema(params.response_format)
         out: TextOutput | ChatOutput
         if chat is None:
             out = TextOutput(tok, stops, params.skip_special_tokens)
         else:  # as the server's chat: tool calls parsed when tools are offered
             layout, fmt = self._chat_formats
             state = None if layout is None else start_state(layout, prompt_tail(tok, chat))
+            if schema is not None and layout is not None and state in layout.reasoning:
+                raise ValueError("response_format applies to the answer from its first token, and this prompt "
+                                 "opens a reasoning section first; turn reasoning off (Kimi K3: "
+                                 "chat_template_kwargs={'thinking': False})")
             out = ChatOutput(tok, layout, state, fmt if tools else None, stops, params.skip_special_tokens)
+        constraint = None if schema is None else self._structured.constraint(self._structured.grammar(schema))
+        request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p,
+                                                                 params.presence_penalty, params.frequency_penalty,
+                                                                 params.repetition_penalty),
+                          tuple(dict.fromkeys([*params.stop_token_ids, *eos])), params.seed,
+                          adapter=self._slot(params.adapter), constraint=constraint)
         rid = self.scheduler.submit(request)  # checks lengths, max_tokens, the seed
         job = self._jobs[rid] = _Job(request, out)
         return job
+
+    @functools.cached_property
+    def _structured(self):
+        """response_format's constraints (text.structured; the vocabulary is read at the first use)."""
+        from moeswap.text.structured import StructuredOutput
+
+        return StructuredOutput(self.tokenizer, self.tokenizer.stop_ids(self.model.config.eos_token_ids),
+                                self.model.config.vocab_size)
 
     @functools.cached_property
     def _chat_formats(self):
@@ -402,7 +420,7 @@ class LLM:
         not text; a stop string ends the text at once and the sequence at the next step."""
         if ev.token is not None:
             job.tokens.append(ev.token)
-            if ev.finish_reason != "stop":
+            if ev.finish_reason != "stop" or ev.token not in job.request.stop_ids:  # (a response_format's last is)
                 text, stopped = job.out.push(ev.token)
                 job.pending += text
                 if stopped:
@@ -453,6 +471,15 @@ class LLM:
 def _completion(job: _Job, text: str) -> Completion:
     calls = job.out.tool_calls if isinstance(job.out, ChatOutput) else []
     return Completion(text, job.tokens, job.finish_reason or "abort", list(job.request.prompt), job.reasoning, calls)
+
+
+def _template_kwargs(kwargs: Mapping[str, Any] | None, params: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's variables: the caller's, and the response_format (templates such as K3's tell the
+    model to answer in JSON, and the schema)."""
+    out = dict(kwargs or {})
+    if params.get("response_format") is not None:
+        out["response_format"] = params["response_format"]
+    return out
 
 
 def _chat_params(params: dict[str, Any]) -> Params:

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per step: each distinct routed expert is read once per chunk and "
                         "layer where the store keeps none (default 512)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    shaped = p.add_mutually_exclusive_group()
+    shaped.add_argument("--json-schema", metavar="FILE",
+                        help="generate JSON that follows the JSON schema in FILE (the server's response_format "
+                             "json_schema; docs/serve.md \"Structured output\")")
+    shaped.add_argument("--json-object", action="store_true",
+                        help="generate a JSON object (the server's response_format json_object)")
     p.add_argument("--lora", action="append", default=[], metavar="[NAME=]PATH",
                    help="apply a LoRA adapter in PEFT format (adapter_config.json + adapter_model.safetensors); "
                         "generate takes one")
@@ -137,6 +143,20 @@ def _stop_ids(args, tok, model) -> tuple[int, ...]:
     return (tok.chat_stop_ids if args.chat else tok.stop_ids)(model.config.eos_token_ids)
 
 
+def _structured(args, model, tok, ep):
+    """GenerationConfig.constraint for --json-schema / --json-object (None without them)."""
+    if args.json_schema is None and not args.json_object:
+        return None
+    if ep is not None:  # the constraint lives with the tokenizer on rank 0; every rank must choose alike
+        raise ValueError("--json-schema and --json-object are not supported under torchrun yet")
+    from moeswap.text.structured import ANY_OBJECT, StructuredOutput
+
+    so = StructuredOutput(tok, tok.stop_ids(model.config.eos_token_ids), model.config.vocab_size)
+    grammar = so.grammar(args.schema if args.json_schema is not None else ANY_OBJECT,
+                         f"--json-schema {args.json_schema}" if args.json_schema is not None else "--json-object")
+    return lambda: so.constraint(grammar)
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -153,6 +173,10 @@ def cmd_generate(args) -> int:
         check_text("--prompt", text)
     if args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if args.json_schema is not None:
+        from moeswap.text.structured import read_schema
+
+        args.schema = read_schema(args.json_schema)
     if len(args.prompt) > 1:
         return generate_many(args)
     args.prompt = args.prompt[0]
@@ -184,7 +208,7 @@ def cmd_generate(args) -> int:
 
         tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)  # every rank runs the same sequence
         load_s = time.perf_counter() - t0
-        cfg = dataclasses.replace(cfg, stop_ids=stop_ids, seed=seed)
+        cfg = dataclasses.replace(cfg, stop_ids=stop_ids, seed=seed, constraint=_structured(args, model, tok, ep))
         out = TextOutput(tok, args.stop, skip_specials=not args.special_tokens) if tok is not None else None
         text: list[str] = []
         on_token = None
@@ -284,6 +308,7 @@ def generate_many(args) -> int:
 
         tok, ids, stop_ids, seed = from_lead(ep, encode, cfg.seed)
         load_s = time.perf_counter() - t0
+        cfg = dataclasses.replace(cfg, constraint=_structured(args, model, tok, ep))
 
         def one(i: int) -> dict:
             c = dataclasses.replace(cfg, stop_ids=stop_ids, seed=None if seed is None else seed + i)

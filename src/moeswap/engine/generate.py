@@ -13,7 +13,7 @@ import numbers
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from moeswap.engine.sampling import SamplingParams
+from moeswap.engine.sampling import SamplingParams, TokenConstraint
 from moeswap.engine.scheduler import EngineConfig, Request, Scheduler, check_seed
 from moeswap.experts.executors import executor_names
 
@@ -30,6 +30,8 @@ class GenerationConfig:
     stop_ids: Sequence[int] | None = None  # None -> the model's eos ids; () -> never stop early
     max_prompt_tokens: int | None = None  # None -> config.max_position_embeddings
     adapter: int = 0  # the LoRA adapter slot every prompt uses (lora.serving.load_adapters; 0: none)
+    # structured output: makes each prompt's own constraint (they are stateful); None: free tokens
+    constraint: Callable[[], TokenConstraint] | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -106,7 +108,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], cfg: GenerationConfi
         engine = replace(engine, max_len=longest)
     sched = Scheduler(model, engine)
     requests = [Request(list(p), cfg.max_tokens, cfg.sampling, stop, None if cfg.seed is None else cfg.seed + i, i,
-                        adapter=cfg.adapter) for i, p in enumerate(prompts)]
+                        adapter=cfg.adapter, constraint=None if cfg.constraint is None else cfg.constraint())
+                for i, p in enumerate(prompts)]
     stopped: set[int] = set()
 
     def each(ev) -> None:

@@ -1,12 +1,14 @@
 """Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with a seeded generator,
-after the repetition penalties a request asks for.
+after the repetition penalties a request asks for, among the tokens a request's constraint allows.
 
 Owns the sampling parameters' validation (every caller gets it); logits that are NaN or infinite raise
 NonFiniteError (engine.nonfinite). Penalties (`penalize`): `repetition_penalty` p as in transformers and
 llama.cpp (a token of the prompt or the output so far: logit / p where the logit is > 0, logit * p otherwise),
 then `frequency_penalty` f and `presence_penalty` r as OpenAI defines them over the output so far
-(logit -= f * count + r * (count > 0)). Entry points: `SamplingParams`, `penalize(logits, params, prompt,
-generated)`, `sample(logits, params, generator)`.
+(logit -= f * count + r * (count > 0)). `TokenConstraint` is what a request's rule on its next token
+(structured output) must offer the scheduler; the rule itself lives outside the engine (text/structured.py:
+a JSON schema through llguidance), so the engine stays tokenizer-free. Entry points: `SamplingParams`,
+`TokenConstraint`, `penalize(logits, params, prompt, generated)`, `sample(logits, params, generator, allowed)`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -72,6 +74,23 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {p}")
 
 
+class TokenConstraint(Protocol):
+    """One request's rule on which tokens may come next (Request.constraint; stateful: one per request). The
+    scheduler asks `allowed` before each of the request's tokens, chooses among those, then calls `advance`
+    with the token; when `done` turns true the request ends there (finish reason "stop")."""
+
+    def allowed(self, mask_V: torch.Tensor) -> None:
+        """Set mask_V (bool, CPU, one entry per id of the model's vocabulary, all False) True at each token that
+        may come next; at least one."""
+
+    def advance(self, token: int) -> None:
+        """The request's next token is `token` (one `allowed` set)."""
+
+    @property
+    def done(self) -> bool:
+        """Nothing more may follow the tokens so far."""
+
+
 def penalize(logits_V: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
              generated: Sequence[int]) -> torch.Tensor:
     """One sequence's logits [V] after its penalties (fp32, a new tensor; the logits themselves where
@@ -92,10 +111,12 @@ def penalize(logits_V: torch.Tensor, params: SamplingParams, prompt: Sequence[in
     return out
 
 
-def sample(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [B] (int64, on the logits' device). Logits must be finite (NonFiniteError otherwise)."""
+def sample(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           allowed_BV: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [B] (int64, on the logits' device). Logits must be finite (NonFiniteError otherwise).
+    allowed_BV: bool, True where a token may be chosen (TokenConstraint.allowed); None: any."""
     if params.temperature == 0:
-        return logits_BV.argmax(dim=-1)
+        return _masked(logits_BV, allowed_BV).argmax(dim=-1)
     logits = logits_BV.float() / params.temperature
     if not all_finite(logits):
         if not all_finite(logits_BV):
@@ -103,6 +124,7 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Gen
         # a small temperature overflowed fp32: the same distribution from logits shifted to a maximum of 0
         shifted = logits_BV.float() - logits_BV.float().amax(dim=-1, keepdim=True)
         logits = shifted / params.temperature
+    logits = _masked(logits, allowed_BV)  # before top-k and top-p: they choose among the allowed tokens
     if params.top_k:
         kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -115,3 +137,10 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Gen
     if generator is not None and generator.device != probs.device:
         probs = probs.cpu()
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits_BV.device)
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """The logits with those of tokens not allowed at -inf (a new tensor; the logits themselves with no mask)."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))

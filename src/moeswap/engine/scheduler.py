@@ -15,7 +15,10 @@ not promise it. Time to first token and time per output token are measured here.
 and Inf (one reduction); a sequence whose logits are not finite fails alone (finish reason "error", with a
 NonFiniteError naming the step and the first non-finite layer) and the others go on.
 A model serving LoRA adapters (lora.serving) gets each forward's rows' adapters (Request.adapter) set
-around it; a decode step with an adapter row takes the model's forward instead of the C call.
+around it; a decode step with an adapter row takes the model's forward instead of the C call. A request with a
+constraint (Request.constraint, engine.sampling.TokenConstraint: structured output) chooses each token among
+those it allows, and ends ("stop") on the token that completes it; requests without one take the same path
+as before, and their tokens do not depend on a constrained request beside them.
 Tokenizer-free. Entry points: `Scheduler(model, EngineConfig)`, `.submit(Request)`, `.step()`, `.run()`,
 `.abort(id)`.
 """
@@ -34,7 +37,7 @@ import torch
 from moeswap.engine.cuda_graph import GraphedDecode
 from moeswap.engine.native_step import NativeDecode
 from moeswap.engine.nonfinite import NonFiniteError, all_finite, first_nonfinite
-from moeswap.engine.sampling import SamplingParams, penalize, sample
+from moeswap.engine.sampling import SamplingParams, TokenConstraint, penalize, sample
 from moeswap.engine.state import SlotStates
 from moeswap.models.layers.basic import fuse_projections  # noqa: F401 (imported from here too)
 
@@ -77,6 +80,8 @@ class Request:
     # the raw logits (before temperature, top-k and top-p, as OpenAI and vLLM report them)
     logprobs: int | None = None
     adapter: int = 0  # the LoRA adapter slot its rows use (lora.serving: 1..n; 0: the base model)
+    # which tokens may come next (structured output: text/structured.py); stateful, so one per request
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -373,19 +378,23 @@ class Scheduler:
     def _sample(self, logits_BV: torch.Tensor, seqs: list[_Seq], skip: set[int] = frozenset()) -> torch.Tensor:
         """Each sequence's next token; rows in `skip` (failed) get 0 and draw nothing from their generator.
         Sequences whose request asks for log-probabilities get them (seq.logprobs, for _emit), from the raw
-        logits; the tokens are chosen from the logits after each request's penalties (greedy ones too)."""
+        logits; the tokens are chosen from the logits after each request's penalties (greedy ones too), among
+        those its constraint allows."""
         raw_BV = logits_BV
+        allowed = {i: self._allowed(s.req.constraint, logits_BV.shape[-1]) for i, s in enumerate(seqs)
+                   if s.req.constraint is not None and i not in skip}
         if any(s.req.sampling.penalized for s in seqs):
             # fp32 holds every bf16 value exactly: unpenalized rows keep their argmax (ties included)
             logits_BV = logits_BV.to(torch.float32, copy=True)  # the raw ones stay for logprobs
             for i, s in enumerate(seqs):
                 if i not in skip and s.req.sampling.penalized:
                     logits_BV[i] = penalize(logits_BV[i], s.req.sampling, s.req.prompt, s.tokens)
-        if all(s.generator is None for s in seqs):
+        if not allowed and all(s.generator is None for s in seqs):
             tokens_B = logits_BV.argmax(dim=-1)  # one batched op, no host round trip
-        else:
+        else:  # (an unconstrained greedy row's argmax alone is the batched one's)
             none = torch.zeros(1, dtype=torch.long, device=logits_BV.device)
-            tokens_B = torch.cat([none if i in skip else sample(logits_BV[i:i + 1], s.req.sampling, s.generator)
+            tokens_B = torch.cat([none if i in skip else sample(logits_BV[i:i + 1], s.req.sampling, s.generator,
+                                                                allowed.get(i))
                                   for i, s in enumerate(seqs)])
         rows = [i for i, s in enumerate(seqs) if s.req.logprobs is not None and i not in skip]
         if rows:
@@ -398,6 +407,15 @@ class Scheduler:
                 n = seqs[i].req.logprobs
                 seqs[i].logprobs = chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))
         return tokens_B
+
+    @staticmethod
+    def _allowed(constraint: TokenConstraint, vocab: int) -> torch.Tensor:
+        """The constraint's mask over the vocabulary [1, V] (on the CPU: the constraint writes it)."""
+        mask = torch.zeros(1, vocab, dtype=torch.bool)
+        constraint.allowed(mask[0])
+        if not bool(mask.any()):
+            raise RuntimeError(f"{type(constraint).__name__} allowed no token")
+        return mask
 
     def _fail(self, slot: int, events: list[TokenEvent]) -> None:
         """The sequence in `slot` produced logits that are not finite: it ends with a NonFiniteError that
@@ -431,7 +449,11 @@ class Scheduler:
             seq.t_first = now
         seq.t_last = now
         seq.tokens.append(tok)
-        reason = "stop" if tok in seq.stop else "length" if len(seq.tokens) >= seq.req.max_tokens else None
+        constraint = seq.req.constraint
+        if constraint is not None:
+            constraint.advance(tok)
+        reason = ("stop" if tok in seq.stop or (constraint is not None and constraint.done) else
+                  "length" if len(seq.tokens) >= seq.req.max_tokens else None)
         logprob, top = seq.logprobs if seq.logprobs is not None else (None, None)
         seq.logprobs = None
         events.append(TokenEvent(seq.req.id, tok, reason, logprob, top))

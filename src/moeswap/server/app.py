@@ -2,14 +2,16 @@
 /v1/models, plus /health and /metrics; request checks, streaming (server-sent events) and error bodies.
 
 Every request is checked here before the engine sees it (model name, types, context length, sampling
-values, stop strings, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx. Text, reasoning
-and tool calls come from text.output, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer,
+values, stop strings, response_format, queue room, API key); a bad one gets OpenAI-style error JSON with a 4xx.
+Text, reasoning and tool calls come from text.output, a response_format's token constraint from
+text.structured, tokens from server.engine_loop. Entry point: `build_app(model, tokenizer,
 ServeOptions)`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -30,6 +32,7 @@ from moeswap.server.metrics import CONTENT_TYPE, ServerMetrics
 from moeswap.server.options import ServeOptions
 from moeswap.text.output import ChatOutput, TextOutput, prompt_tail
 from moeswap.text.reasoning import Layout, find_layout, start_state
+from moeswap.text.structured import StructuredOutput, StructuredOutputError, response_schema
 from moeswap.text.tokenizer import NORMALIZER_SLACK, PromptTooLong
 from moeswap.text.tool_calls import ToolCallFormat, find_format
 
@@ -59,6 +62,11 @@ class _Server:
     aliases: tuple[str, ...] = ()  # other names clients may give the base model as (ServeOptions.model_aliases)
     body_limit: int = MAX_BODY_BYTES  # body_limit(max_context, the tokenizer's max_token_chars), set by build_app
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def structured(self) -> StructuredOutput:
+        """response_format's constraints (the vocabulary is read for them at the first such request)."""
+        return StructuredOutput(self.tokenizer, self.eos_ids, self.vocab_size)
 
     def token_text(self, token: int) -> tuple[str, list[int]]:
         """A token's text and bytes, as logprobs show them."""
@@ -152,6 +160,12 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         tool_format = srv.tool_format if tools and req.tool_choice != "none" else None
         # the generation prompt may have opened the turn's reasoning (K3 with thinking on) or its response
         state = None if srv.layout is None else start_state(srv.layout, prompt_tail(tokenizer, prompt))
+        if state is not None and srv.layout is not None and state in srv.layout.reasoning and \
+                _schema(req) is not None:  # (the constraint would shape the reasoning)
+            raise P.APIError(400, "'response_format' applies to the answer from its first token, and this prompt "
+                                  "opens a reasoning section first; turn reasoning off (Kimi K3: "
+                                  "chat_template_kwargs {\"thinking\": false})", param="response_format",
+                             code="unsupported_parameter")
         return await _generate(srv, request, req, served, prompt, max_tokens, param, logprobs, chat=True,
                                tool_format=tool_format, state=state)
 
@@ -224,6 +238,11 @@ def _template_variables(req: P.ChatCompletionRequest) -> dict:
                                   f"from 'tool_choice' ({json.dumps(req.tool_choice)}); give it once",
                              param="chat_template_kwargs")
         kwargs["tool_choice"] = req.tool_choice
+    if req.response_format is not None:  # templates such as K3's tell the model to answer in JSON (and the schema)
+        if "response_format" in kwargs and kwargs["response_format"] != req.response_format:
+            raise P.APIError(400, "'chat_template_kwargs.response_format' differs from 'response_format'; give it once",
+                             param="chat_template_kwargs")
+        kwargs["response_format"] = req.response_format
     return kwargs
 
 
@@ -321,9 +340,36 @@ def _gen_requests(srv: _Server, req: P.GenerationFields, prompt: list[int], max_
                          param="stop_token_ids")
     eos = srv.chat_eos_ids if isinstance(req, P.ChatCompletionRequest) else srv.eos_ids
     stop_ids = tuple(dict.fromkeys(ids + ([] if req.ignore_eos else list(eos))))
+    grammar = _grammar(srv, req)  # compiled once; each choice follows it with a constraint of its own
     return [EngineRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids,
-                          None if req.seed is None else req.seed + i, logprobs=logprobs, adapter=adapter)
+                          None if req.seed is None else req.seed + i, logprobs=logprobs, adapter=adapter,
+                          constraint=None if grammar is None else _constraint(srv, grammar))
             for i in range(req.n)], stop
+
+
+def _schema(req: P.GenerationFields):
+    """The JSON schema the request's response_format asks for (None: free text)."""
+    try:
+        return response_schema(req.response_format)
+    except StructuredOutputError as e:
+        raise P.APIError(400, str(e), param=e.param, code=e.code) from None
+
+
+def _grammar(srv: _Server, req: P.GenerationFields):
+    """The compiled grammar of the request's response_format (None: free text)."""
+    schema = _schema(req)
+    try:
+        return None if schema is None else srv.structured.grammar(schema)
+    except StructuredOutputError as e:
+        raise P.APIError(400, str(e), param=e.param, code=e.code) from None
+
+
+def _constraint(srv: _Server, grammar):
+    """A token constraint that follows `grammar`, for one sequence."""
+    try:
+        return srv.structured.constraint(grammar)
+    except StructuredOutputError as e:
+        raise P.APIError(400, str(e), param=e.param, code=e.code) from None
 
 
 def _stops(stop) -> list[str]:
@@ -349,18 +395,19 @@ class _Piece:
     error: str | None = None
 
 
-async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, token_ids: list[int]
-                  ) -> AsyncIterator[_Piece]:
+async def _pieces(srv: _Server, handle: Handle, out: TextOutput | ChatOutput, token_ids: list[int],
+                  stop_ids: frozenset[int]) -> AsyncIterator[_Piece]:
     """The request's output as it comes. A stop string ends it at once: the engine is told to drop the
     sequence (it is freed at the next step) and what it still sends is not read. An answer that called tools
-    ends with finish reason "tool_calls"."""
+    ends with finish reason "tool_calls". stop_ids: the request's (its token that ended it by its id is not
+    text; one that completed its response_format is)."""
     async for batch in handle.batches():
         piece = _Piece()
         for item in batch:
             if item.token is not None:
                 token_ids.append(item.token)
                 # the token that ends a sequence by its id (eos, stop_token_ids) is not text
-                if item.finish_reason != "stop":
+                if item.finish_reason != "stop" or item.token not in stop_ids:
                     text, stopped = out.push(item.token)
                     piece.text += text
                     if item.logprob is not None:
@@ -392,6 +439,7 @@ class _Choice:
 
     handle: Handle
     out: TextOutput | ChatOutput
+    stop_ids: frozenset[int]  # the request's: its token that ended it by its id is not text
     ids: list[int] = field(default_factory=list)
 
 
@@ -410,7 +458,7 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, ser
                                                           parallel=req.parallel_tool_calls is not False)
             else:
                 out = TextOutput(srv.tokenizer, stops, skip_specials=req.skip_special_tokens)
-            choices.append(_Choice(srv.engine.submit(gen), out))
+            choices.append(_Choice(srv.engine.submit(gen), out, frozenset(gen.stop_ids)))
     except QueueFull as e:
         for c in choices:  # all of a request's choices run, or none
             srv.engine.abort(c.handle)
@@ -457,7 +505,7 @@ async def _collect(srv: _Server, c: _Choice) -> tuple[str, list[TokenEvent], str
     """A choice's whole answer: (text, logprobs, finish reason, error)."""
     text, lps, finish, error = "", [], None, None
     try:
-        async for piece in _pieces(srv, c.handle, c.out, c.ids):
+        async for piece in _pieces(srv, c.handle, c.out, c.ids, c.stop_ids):
             text += piece.text
             lps += piece.logprobs
             finish, error = piece.finish_reason, piece.error
@@ -498,7 +546,7 @@ async def _stream(srv: _Server, choices: list[_Choice], rid: str, req: P.Generat
 
     async def feed(i: int, c: _Choice) -> None:
         try:
-            async for piece in _pieces(srv, c.handle, c.out, c.ids):
+            async for piece in _pieces(srv, c.handle, c.out, c.ids, c.stop_ids):
                 await queue.put((i, piece))
         finally:
             await queue.put((i, None))

@@ -95,6 +95,9 @@ class GenerationFields(_Strict):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (vLLM): over the prompt and the output so far
     logit_bias: dict[str, float] | None = None
+    # text / json_object / json_schema (vLLM takes it on completions too); its shape is checked by
+    # text.structured.response_schema, the one owner of it
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -102,7 +105,6 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Tool] | None = None  # rendered by the checkpoint's chat template; calls parsed (text/tool_calls.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -132,7 +134,7 @@ class UnloadLoRARequest(_Strict):
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "echo": (False,),
     "suffix": (None, ""), "best_of": (None, 1), "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True, False),
 }
 
 
