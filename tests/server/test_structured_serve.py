@@ -111,3 +111,15 @@ def test_k3s_template_is_told_the_schema_and_reasoning_must_be_off(start_server,
     prompt = k3_tokenizer.decode(r.prompt_token_ids)
     legs = json.dumps(SCHEMA["properties"]["legs"], sort_keys=True, separators=(",", ":"))  # as it writes it
     assert "response_format=json_schema" in prompt and legs in prompt
+
+
+def test_n_choices_each_follow_the_schema_and_are_each_their_seed(server, client):
+    """n choices with a response_format: each follows the schema with a constraint of its own, and choice i is
+    the answer a request alone gives with seed + i."""
+    r = client.chat.completions.create(model=server.name, messages=MESSAGES, max_tokens=300, temperature=1.0,
+                                       seed=11, n=3, response_format=FORMAT)
+    alone = [client.chat.completions.create(model=server.name, messages=MESSAGES, max_tokens=300, temperature=1.0,
+                                            seed=11 + i, response_format=FORMAT).choices[0].message.content
+             for i in range(3)]
+    assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == alone
+    assert all(c.finish_reason == "stop" and _follows(json.loads(c.message.content)) for c in r.choices)
