@@ -224,3 +224,45 @@ def test_a_failing_step_fails_its_requests_not_the_server(http, server):
     assert r.status_code == 500 and "simulated kernel failure" in error_of(r)["message"]
     assert server.engine.sched is not failing and server.settle()
     assert post(http, server, "/v1/completions", TEXT).status_code == 200
+
+
+# A value that would change the answer, for each parameter docs/serve.md's table refuses or takes only neutral
+CHANGING = {"tool_choice": "required", "logit_bias": {"1": 5.0}, "echo": True, "suffix": "x", "best_of": 2,
+            "store": True, "metadata": {"k": "v"}, "service_tier": "flex", "modalities": ["text", "audio"],
+            "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "hi"},
+            "reasoning_effort": "low", "verbosity": "low", "web_search_options": {},
+            "functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}
+
+
+def _table_rows():
+    """(parameter, endpoints, verdict) of docs/serve.md's 'Every OpenAI parameter' table."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "serve.md").read_text(encoding="utf-8")
+    table = doc.split("### Every OpenAI parameter", 1)[1].split("\n\n")[2]
+    rows = []
+    for line in table.splitlines()[2:]:
+        names, endpoints, verdict = (cell.strip() for cell in line.strip("|").split("|"))
+        for name in names.replace("`", "").replace("/", ",").split(","):
+            rows.append((name.strip(), endpoints, verdict))
+    return rows
+
+
+@pytest.mark.parametrize("name,endpoints,verdict", [r for r in _table_rows()
+                                                    if r[2].startswith(("refused", "neutral only"))])
+def test_the_documented_refusals_are_unsupported_parameter(http, server, name, endpoints, verdict):
+    """Every parameter docs/serve.md lists as refused or neutral only: a value that would change the answer is a
+    400 `unsupported_parameter` naming it, on each endpoint the row names."""
+    for endpoint in (("chat/completions", "completions") if endpoints.startswith("both") else
+                     ("chat/completions",) if endpoints.startswith("chat") else ("completions",)):
+        r = post(http, server, f"/v1/{endpoint}", {**(CHAT if endpoint.startswith("chat") else TEXT),
+                                                   name: CHANGING[name]})
+        assert r.status_code == 400, (endpoint, r.text)
+        assert (error_of(r)["param"], error_of(r)["code"]) == (name, "unsupported_parameter"), (endpoint, r.text)
+
+
+def test_the_neutral_values_are_taken(http, server):
+    """What clients send by default at the neutral value: the request is served."""
+    body = {**CHAT, "store": False, "metadata": {}, "service_tier": "auto", "modalities": ["text"],
+            "safety_identifier": "u1", "prompt_cache_key": "k", "user": "u", "logit_bias": {}}
+    assert post(http, server, "/v1/chat/completions", body).status_code == 200

@@ -91,6 +91,8 @@ class GenerationFields(_Strict):
     return_token_ids: bool = False  # extension (vLLM): token ids of the prompt and of each choice
     skip_special_tokens: bool = True  # extension (vLLM): False keeps control tokens in the text
     user: str | None = None  # for the client's own records; not used
+    safety_identifier: str | None = None  # OpenAI's successor of `user` for abuse tracking: not used either
+    prompt_cache_key: str | None = None  # OpenAI's prompt-cache routing hint: one server, nothing to route
     presence_penalty: float = 0.0  # OpenAI's, over the output so far (engine/sampling.py)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (vLLM): over the prompt and the output so far
@@ -109,6 +111,12 @@ class ChatCompletionRequest(GenerationFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): the template's own switches
+    # OpenAI's, only at the value that changes nothing here (NEUTRAL): nothing is stored, one tier of service,
+    # text out
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
 
 
 class CompletionRequest(GenerationFields):
@@ -134,7 +142,8 @@ class UnloadLoRARequest(_Strict):
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "echo": (False,),
     "suffix": (None, ""), "best_of": (None, 1), "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
+    "parallel_tool_calls": (None, True, False), "store": (None, False), "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
 }
 
 
