@@ -21,7 +21,7 @@ import warnings
 from moeswap import tuning
 from moeswap.atomic_dir import OutOfSpaceError, UnwritableError
 from moeswap.jsonio import dumps
-from moeswap.options import LoadOptions, add_load_flags, add_model_argument, add_sampling_flags, sampling_params
+from moeswap.options import LoadOptions, add_load_flags, add_model_argument, add_sampling_flags
 from moeswap.units import human_bytes
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError, PermissionError,
@@ -161,6 +161,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.engine.sampling import from_flags
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
     from moeswap.text.output import TextOutput
@@ -182,7 +183,7 @@ def cmd_generate(args) -> int:
     args.prompt = args.prompt[0]
     # every flag is checked before the model loads
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
-                           sampling=sampling_params(args))
+                           sampling=from_flags(args))
     lora = read_lora_flag(args.lora, args.model)
     from moeswap.distributed.cli import bind_local_device, finish, from_lead, join_if_launched
 
@@ -284,6 +285,7 @@ def generate_many(args) -> int:
 
     from moeswap.distributed.cli import bind_local_device, data_parallel_map, finish, from_lead, join_if_launched
     from moeswap.engine.generate import GenerationConfig, generate
+    from moeswap.engine.sampling import from_flags
     from moeswap.engine.scheduler import EngineConfig
     from moeswap.models.loader import load_model
     from moeswap.text.output import TextOutput
@@ -292,7 +294,7 @@ def generate_many(args) -> int:
     if args.lora:
         raise ValueError("--lora takes a single --prompt")
     cfg = GenerationConfig(max_tokens=args.max_tokens, seed=args.seed,
-                           sampling=sampling_params(args))
+                           sampling=from_flags(args))
     bind_local_device(args)
     t0 = time.perf_counter()
     model, store = load_model(args.model, LoadOptions.from_args(args))

@@ -209,7 +209,7 @@ def add_model_argument(parser: argparse.ArgumentParser,
 
 def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int, seed_help: str = "sampling seed") -> None:
     """The sampling and stopping flags of the commands that generate (generate, chat), declared once;
-    `sampling_params(args)` reads them back as engine.sampling.SamplingParams, which owns their checks."""
+    engine.sampling.from_flags(args) reads them back as SamplingParams, which owns their checks."""
     p = parser
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -225,19 +225,3 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int, seed
     p.add_argument("--seed", type=int, default=None, help=seed_help)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the text where TEXT appears (left out of it); give it several times for several")
-
-
-def sampling_params(args: argparse.Namespace):
-    """add_sampling_flags' values as SamplingParams, every one checked (ValueError naming the flag's value),
-    and the seed and stop strings too: before a model loads."""
-    from moeswap.engine.sampling import SamplingParams
-    from moeswap.engine.scheduler import check_seed
-
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if any(not s for s in args.stop):
-        raise ValueError("--stop: an empty string would stop before any text; leave it out")
-    if args.seed is not None:
-        check_seed(args.seed, "--")
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.presence_penalty, args.frequency_penalty,
-                          args.repetition_penalty)

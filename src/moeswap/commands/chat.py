@@ -22,7 +22,6 @@ from moeswap.options import (
     add_model_argument,
     add_sampling_flags,
     load_flag_names,
-    sampling_params,
 )
 
 COMMANDS = {"/exit": "leave (end of input, Ctrl-D, too)", "/reset": "forget the conversation"}
@@ -116,7 +115,9 @@ def run(args) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401 (line editing and history for input())
-    sampling_params(args)  # every flag is checked before the model loads
+    from moeswap.engine.sampling import from_flags
+
+    from_flags(args)  # every flag is checked before the model loads
     options = LoadOptions.from_args(args)
     llm = load(args.model, lora=args.lora, **{n: getattr(options, n) for n in load_flag_names()})
     sampling = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",

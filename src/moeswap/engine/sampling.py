@@ -144,3 +144,18 @@ def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     if allowed is None:
         return logits
     return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+
+
+def from_flags(args) -> SamplingParams:
+    """options.add_sampling_flags' values as SamplingParams, every one checked (ValueError naming the flag's value),
+    and the seed and stop strings too: before a model loads."""
+    from moeswap.engine.scheduler import check_seed  # (it imports this module)
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if any(not s for s in args.stop):
+        raise ValueError("--stop: an empty string would stop before any text; leave it out")
+    if args.seed is not None:
+        check_seed(args.seed, "--")
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.presence_penalty, args.frequency_penalty,
+                          args.repetition_penalty)
