@@ -355,17 +355,16 @@ class LLM:
         eos = () if params.ignore_eos else stop_ids(self.model.config.eos_token_ids)
         schema = response_schema(params.response_format)
         out: TextOutput | ChatOutput
+        layout = state = None
         if chat is None:
             out = TextOutput(tok, stops, params.skip_special_tokens)
         else:  # as the server's chat: tool calls parsed when tools are offered
             layout, fmt = self._chat_formats
             state = None if layout is None else start_state(layout, prompt_tail(tok, chat))
-            if schema is not None and layout is not None and state in layout.reasoning:
-                raise ValueError("response_format applies to the answer from its first token, and this prompt "
-                                 "opens a reasoning section first; turn reasoning off (Kimi K3: "
-                                 "chat_template_kwargs={'thinking': False})")
             out = ChatOutput(tok, layout, state, fmt if tools else None, stops, params.skip_special_tokens)
-        constraint = None if schema is None else self._structured.constraint(self._structured.grammar(schema))
+        # (after the reasoning, where the prompt opened a reasoning section)
+        constraint = None if schema is None else self._structured.constraint(self._structured.grammar(schema),
+                                                                               layout, state)
         request = Request(ids, params.max_tokens, SamplingParams(params.temperature, params.top_k, params.top_p,
                                                                  params.presence_penalty, params.frequency_penalty,
                                                                  params.repetition_penalty),

@@ -1,8 +1,9 @@
 """Token constraints (engine.sampling.TokenConstraint, Request.constraint: structured output's hook), with a
 tokenizer-free stand-in: a constrained request chooses only allowed tokens, greedy among them is the masked
 argmax of the model's full forward, it ends ("stop") on the token that completes it; an unconstrained request
-beside it gives the tokens it gives alone (greedy and seeded sampling); sample() keeps its mask through top-k
-and top-p."""
+beside it gives the tokens it gives alone (greedy and seeded sampling); a constraint that allows any token for a
+while (no mask: structured output waiting for reasoning to end) leaves those tokens what they are without it;
+sample() keeps its mask through top-k and top-p."""
 
 import pytest
 import torch
@@ -17,9 +18,11 @@ class EveryKth:
     def __init__(self, k: int, n: int) -> None:
         self.k, self.n, self.seen, self.asked = k, n, [], 0
 
-    def allowed(self, mask_V: torch.Tensor) -> None:
+    def allowed(self, mask_V: torch.Tensor) -> bool:
+        assert not mask_V.any()  # every constraint is given a blank mask (the scheduler reuses untouched ones)
         self.asked += 1
         mask_V[::self.k] = True
+        return True
 
     def advance(self, token: int) -> None:
         self.seen.append(token)
@@ -76,13 +79,47 @@ def test_unconstrained_requests_beside_a_constrained_one_give_their_tokens_alone
 
 
 class NoneAllowed(EveryKth):
-    def allowed(self, mask_V: torch.Tensor) -> None:
-        pass
+    def allowed(self, mask_V: torch.Tensor) -> bool:
+        return True
 
 
 def test_a_constraint_that_allows_nothing_is_an_error_not_a_random_token(model):
     with pytest.raises(RuntimeError, match="NoneAllowed allowed no token"):
         _run(model, [Request(_prompt(3, 5), 4, constraint=NoneAllowed(1, 1))])
+
+
+class FreeFirst(EveryKth):
+    """Any token (no mask) for the first `free` tokens, then the ids divisible by k."""
+
+    def __init__(self, free: int, k: int, n: int) -> None:
+        super().__init__(k, n)
+        self.free = free
+
+    def allowed(self, mask_V: torch.Tensor) -> bool:
+        assert not mask_V.any()
+        return False if len(self.seen) < self.free else super().allowed(mask_V)
+
+
+def test_a_constraint_that_allows_any_token_leaves_the_tokens_as_they_are_without_it(model):
+    """The free tokens are the unconstrained request's, bit for bit (greedy rows alone take the batched argmax,
+    sampled ones draw as without a constraint), batched with other requests; the mask applies after them."""
+    greedy, other, sampled = _prompt(8, 6), _prompt(6, 7), _prompt(5, 8)
+    params = SamplingParams(temperature=1.2, top_k=50)
+
+    def requests(c0=None, c2=None):
+        return [Request(greedy, 12, constraint=c0), Request(other, 12), Request(sampled, 12, params, seed=9,
+                                                                                  constraint=c2)]
+
+    free = _run(model, requests())
+    for frees in ((12, 12), (5, 2)):  # (5, 2): steps where one row is free and the other masked
+        cs = [FreeFirst(n, 4, 99) for n in frees]
+        got = _run(model, requests(*cs))
+        assert got[1].tokens == free[1].tokens
+        for r, alone, c, n in zip((got[0], got[2]), (free[0], free[2]), cs, frees):
+            assert r.tokens[:n] == alone.tokens[:n] and c.asked == 12 - n
+            assert all(t % 4 == 0 for t in r.tokens[n:])
+    # greedy after the free tokens: the masked argmax of the full forward from there
+    assert got[0].tokens[5:] == _masked_greedy(model, greedy + got[0].tokens[:5], 7, 4)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=2.0),

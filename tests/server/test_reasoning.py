@@ -2,9 +2,12 @@
 template as the oracle: an assistant turn with `reasoning_content` is rendered, the tokens after the
 generation prompt are what the model says, and parsing them must give back that reasoning and content, with
 no markup. Token by token, split at every character, or cut at any token, the parts are the text of their
-own tokens; through the server (the openai client, the engine made to say the tokens) the same."""
+own tokens; through the server (the openai client, the engine made to say the tokens) the same. With a
+response_format, the scripted reasoning stays free and the random model's answer after it follows the schema."""
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
@@ -266,3 +269,62 @@ def test_api_tool_choice_reaches_the_template(server):
         server.client().chat.completions.create(**request(server, tools=TOOLS, tool_choice="none", extra_body={
             "chat_template_kwargs": {"tool_choice": "auto"}}))
     assert e.value.body["param"] == "chat_template_kwargs"
+
+
+# ----------------------------------------------------------------------------------------------------
+# response_format after the reasoning (text.structured.AfterReasoning)
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "rain"],
+          "properties": {"city": {"type": "string", "maxLength": 6}, "rain": {"type": "boolean"}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+
+
+def _follows(text: str) -> bool:
+    value = json.loads(text)
+    return (isinstance(value, dict) and set(value) == {"city", "rain"} and isinstance(value["city"], str)
+            and len(value["city"]) <= 6 and type(value["rain"]) is bool)
+
+
+def reasoning_script(tok) -> list[int]:
+    """The tokens of a reasoning section and its closing markup, as the template writes them (the reasoning
+    spells the closing markup as text first: that must not end it)."""
+    _, answer = answer_of(tok, turn())
+    return answer[:spans(tok, answer)["close think"][1]]
+
+
+def test_api_response_format_after_the_reasoning(server):
+    """The reasoning is the scripted one; the model's own answer after it (the markup into the response
+    forced, then the grammar) is content that follows the schema, ending where the JSON does."""
+    tok = server.tokenizer
+    script = reasoning_script(tok)
+    _, answer = answer_of(tok, turn())
+    opening = answer[slice(*spans(tok, answer)["open response"])]  # as the template writes it
+    for seed in (1, 2):
+        server.say(script)
+        r = server.client().chat.completions.create(**request(server, response_format=FORMAT, temperature=1.0,
+                                                              seed=seed, max_tokens=300))
+        m, ids = r.choices[0].message.model_dump(), r.choices[0].token_ids
+        assert (m["reasoning_content"], r.choices[0].finish_reason) == (REASONING_TEXT, "stop")
+        assert _follows(m["content"]) and ids[:len(script) + len(opening)] == script + opening
+        assert tok.decode(ids[len(script) + len(opening):]).startswith(m["content"])
+        assert "response_format=json_schema" in tok.decode(r.prompt_token_ids)  # the template was told
+    server.say(script)
+    reasoning, content, finish, _ = streamed(server, response_format=FORMAT, temperature=1.0, seed=3,
+                                             max_tokens=300)
+    assert (reasoning, finish) == (REASONING_TEXT, "stop") and _follows(content)
+
+
+def test_the_python_api_response_format_after_the_reasoning(tiny_model, k3_tokenizer, server):
+    from moeswap.api import LLM
+    from moeswap.engine.scheduler import EngineConfig
+
+    model, _, store = tiny_model
+    llm = LLM(model, k3_tokenizer, store, EngineConfig(max_batch=2, max_len=1024))
+    llm._scheduler = type(server.engine.sched)(model, llm.engine)
+    llm._scheduler.scripts.append(reasoning_script(k3_tokenizer))
+    done = llm.chat(USER, temperature=1.0, seed=4, max_tokens=300, response_format=FORMAT)
+    assert (done.reasoning, done.finish_reason) == (REASONING_TEXT, "stop") and _follows(done.text)
+    # thinking off: the grammar from the first token, as before
+    done = llm.chat(USER, temperature=1.0, seed=4, max_tokens=300, response_format=FORMAT,
+                    chat_template_kwargs={"thinking": False})
+    assert (done.reasoning, done.finish_reason) == ("", "stop") and _follows(done.text)

@@ -1,7 +1,9 @@
 """Structured output (text/structured.py through the scheduler): for generated JSON schemas, what a tiny random
 model samples under the schema's constraint parses as JSON and follows the schema (an oracle validator for the
 subset the strategy writes); json_object gives an object; specials never come inside the JSON; response_format's
-shape and the schema's problems are one-line errors naming the field, invalid apart from unsupported."""
+shape and the schema's problems are one-line errors naming the field, invalid apart from unsupported. After a
+reasoning section (Kimi K3's layout): no mask while the turn reasons (the tokens are an unconstrained
+request's), the markup into the response forced once the reasoning closes, then the grammar's mask."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from hypothesis import strategies as st
 from moeswap.engine.sampling import SamplingParams
 from moeswap.engine.scheduler import EngineConfig, Request, Scheduler
 from moeswap.models.loader import load_model
-from moeswap.text.structured import StructuredOutput, StructuredOutputError, response_schema
+from moeswap.text.reasoning import KIMI_K3
+from moeswap.text.structured import (
+    AfterReasoning,
+    GrammarConstraint,
+    StructuredOutput,
+    StructuredOutputError,
+    response_schema,
+)
 from moeswap.text.tokenizer import load_tokenizer
 
 
@@ -147,3 +156,62 @@ def test_text_and_none_ask_for_nothing():
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     assert response_schema({"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True,
                                                                    "description": None}}) == schema
+
+
+# -- after reasoning ----------------------------------------------------------------------------------
+OBJECT_K = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"], "additionalProperties": False}
+
+
+def _mask(constraint, vocab: int) -> torch.Tensor | None:
+    """The constraint's mask for its next token; None where it allows any (no mask)."""
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    return None if constraint.allowed(mask) is False else mask
+
+
+def test_after_reasoning_free_then_the_markup_into_the_response_then_the_grammar(tiny):
+    model, tok, so, eos = tiny
+    vocab, grammar = model.config.vocab_size, so.grammar(OBJECT_K)
+    # a prompt that left the turn anywhere but in reasoning: the grammar from the first token, as before
+    assert all(type(so.constraint(grammar, *at)) is GrammarConstraint
+               for at in ((), (KIMI_K3, "response"), (KIMI_K3, "open"), (None, "think")))
+    c = so.constraint(grammar, KIMI_K3, "think")
+    assert isinstance(c, AfterReasoning)
+    # reasoning: text (a split character, markup spelled as text) and specials that begin no markup of `think`
+    reasoning = (tok.encode("so 北京 <|close|>think<|sep|> ") + tok.encode("<|close|>thinker<|sep|>", specials=True)
+                 + tok.encode("ok<|open|>response<|sep|>", specials=True))
+    for t in reasoning + tok.encode("<|close|>think<|sep|>", specials=True):
+        assert _mask(c, vocab) is None and not c.done  # any token, end of sequence included
+        c.advance(t)
+    # the reasoning closed: the markup into the response, one forced token at a time
+    for t in tok.encode("<|open|>response<|sep|>", specials=True):
+        mask = _mask(c, vocab)
+        assert mask is not None and mask.nonzero().flatten().tolist() == [t] and not c.done
+        c.advance(t)
+    # then the grammar's own masks, from its start (no end of sequence before the JSON is complete)
+    fresh = so.constraint(grammar)
+    for t in tok.encode('{"k":12}'):
+        mask, want = _mask(c, vocab), _mask(fresh, vocab)
+        assert mask is not None and torch.equal(mask, want) and not mask[list(eos)].any()
+        c.advance(t)
+        fresh.advance(t)
+    assert c.done and _mask(c, vocab).nonzero().flatten().tolist() == sorted(eos)
+
+
+def test_reasoning_tokens_are_an_unconstrained_requests(tiny):
+    """Until the reasoning closes (the tiny random model never closes it), a constrained request's tokens are
+    those of the same request without a constraint, bit for bit, greedy and sampled, batched together."""
+    model, tok, so, eos = tiny
+    grammar = so.grammar(OBJECT_K)
+    prompt = tok.encode("Think first.<|open|>think<|sep|>", specials=True)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9)
+
+    def requests(constrained: bool) -> list[Request]:
+        def c():
+            return so.constraint(grammar, KIMI_K3, "think") if constrained else None
+        return [Request(prompt, 24, SamplingParams(), eos, constraint=c()),
+                Request(prompt, 24, sampled, eos, seed=5, constraint=c()),
+                Request(prompt[:-3], 24, sampled, eos, seed=6)]
+
+    run = [Scheduler(model, EngineConfig(max_batch=3, max_len=128)).run(requests(c)) for c in (False, True)]
+    assert [(r.tokens, r.finish_reason) for r in run[0]] == [(r.tokens, r.finish_reason) for r in run[1]]
+    assert all(len(r.tokens) == 24 for r in run[1][:2])  # (cut by max_tokens in the reasoning)

@@ -79,9 +79,11 @@ class TokenConstraint(Protocol):
     scheduler asks `allowed` before each of the request's tokens, chooses among those, then calls `advance`
     with the token; when `done` turns true the request ends there (finish reason "stop")."""
 
-    def allowed(self, mask_V: torch.Tensor) -> None:
+    def allowed(self, mask_V: torch.Tensor) -> bool:
         """Set mask_V (bool, CPU, one entry per id of the model's vocabulary, all False) True at each token that
-        may come next; at least one."""
+        may come next, at least one, and return True; or return False, leaving mask_V untouched (the scheduler
+        hands it to the next constraint), where any token may come: no mask this step, and the token is chosen
+        as a request without a constraint chooses it."""
 
     def advance(self, token: int) -> None:
         """The request's next token is `token` (one `allowed` set)."""

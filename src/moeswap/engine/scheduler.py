@@ -188,6 +188,7 @@ class Scheduler:
         self.finished: dict = {}
         self.stats = EngineStats()
         self._next_id = 0
+        self._blank: torch.Tensor | None = None  # an all-False mask for the next constraint (_allowed)
         self._aborted: list[_Seq] = []  # aborted while waiting: their "abort" event comes with the next step
         # served LoRA adapters (lora.serving): which slot each row of a forward uses is set around it
         self.rows = getattr(model, "adapter_rows", None)
@@ -381,8 +382,9 @@ class Scheduler:
         logits; the tokens are chosen from the logits after each request's penalties (greedy ones too), among
         those its constraint allows."""
         raw_BV = logits_BV
-        allowed = {i: self._allowed(s.req.constraint, logits_BV.shape[-1]) for i, s in enumerate(seqs)
-                   if s.req.constraint is not None and i not in skip}
+        masks = {i: self._allowed(s.req.constraint, logits_BV.shape[-1]) for i, s in enumerate(seqs)
+                 if s.req.constraint is not None and i not in skip}
+        allowed = {i: mask for i, mask in masks.items() if mask is not None}  # (None: any token, as unconstrained)
         if any(s.req.sampling.penalized for s in seqs):
             # fp32 holds every bf16 value exactly: unpenalized rows keep their argmax (ties included)
             logits_BV = logits_BV.to(torch.float32, copy=True)  # the raw ones stay for logprobs
@@ -408,11 +410,16 @@ class Scheduler:
                 seqs[i].logprobs = chosen[r], list(zip(top_i[r][:n], top_v[r][:n]))
         return tokens_B
 
-    @staticmethod
-    def _allowed(constraint: TokenConstraint, vocab: int) -> torch.Tensor:
-        """The constraint's mask over the vocabulary [1, V] (on the CPU: the constraint writes it)."""
-        mask = torch.zeros(1, vocab, dtype=torch.bool)
-        constraint.allowed(mask[0])
+    def _allowed(self, constraint: TokenConstraint, vocab: int) -> torch.Tensor | None:
+        """The constraint's mask over the vocabulary [1, V] (on the CPU: the constraint writes it); None where
+        it allows any token this step. A constraint that says so leaves its blank mask as it was, and the next
+        one gets it: a step without a mask allocates and clears nothing."""
+        mask, self._blank = self._blank, None  # (a constraint that raises may have written to it)
+        if mask is None or mask.shape[-1] != vocab:
+            mask = torch.zeros(1, vocab, dtype=torch.bool)
+        if constraint.allowed(mask[0]) is False:
+            self._blank = mask
+            return None
         if not bool(mask.any()):
             raise RuntimeError(f"{type(constraint).__name__} allowed no token")
         return mask

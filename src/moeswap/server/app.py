@@ -159,13 +159,8 @@ def build_app(model, tokenizer, options: ServeOptions = ServeOptions(), store=No
         # tool calls are parsed when the request offers tools and does not rule them out (OpenAI's "auto")
         tool_format = srv.tool_format if tools and req.tool_choice != "none" else None
         # the generation prompt may have opened the turn's reasoning (K3 with thinking on) or its response
+        # (a response_format then shapes the answer once its reasoning has ended)
         state = None if srv.layout is None else start_state(srv.layout, prompt_tail(tokenizer, prompt))
-        if state is not None and srv.layout is not None and state in srv.layout.reasoning and \
-                _schema(req) is not None:  # (the constraint would shape the reasoning)
-            raise P.APIError(400, "'response_format' applies to the answer from its first token, and this prompt "
-                                  "opens a reasoning section first; turn reasoning off (Kimi K3: "
-                                  "chat_template_kwargs {\"thinking\": false})", param="response_format",
-                             code="unsupported_parameter")
         return await _generate(srv, request, req, served, prompt, max_tokens, param, logprobs, chat=True,
                                tool_format=tool_format, state=state)
 
@@ -307,9 +302,11 @@ def _sampling(req: P.GenerationFields) -> SamplingParams:
 
 
 def _gen_requests(srv: _Server, req: P.GenerationFields, prompt: list[int], max_tokens: int | None, param: str,
-                  logprobs: int | None, adapter: int = 0) -> tuple[list[EngineRequest], list[str]]:
+                  logprobs: int | None, adapter: int = 0, state: str | None = None
+                  ) -> tuple[list[EngineRequest], list[str]]:
     """The engine's request for each of the `n` choices, and the stop strings; APIError (4xx) for anything the
-    engine could not take. Choice i samples with seed + i (each choice is what a request with that seed gives)."""
+    engine could not take. Choice i samples with seed + i (each choice is what a request with that seed gives).
+    state: where a chat prompt left the turn (a response_format applies after reasoning there)."""
     if not 1 <= req.n <= srv.engine.capacity:
         raise P.APIError(400, f"'n' must be between 1 and {srv.engine.capacity} (the sequences this server holds "
                               f"at once: --max-batch + --max-queue), got {req.n}", param="n")
@@ -343,7 +340,7 @@ def _gen_requests(srv: _Server, req: P.GenerationFields, prompt: list[int], max_
     grammar = _grammar(srv, req)  # compiled once; each choice follows it with a constraint of its own
     return [EngineRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids,
                           None if req.seed is None else req.seed + i, logprobs=logprobs, adapter=adapter,
-                          constraint=None if grammar is None else _constraint(srv, grammar))
+                          constraint=None if grammar is None else _constraint(srv, grammar, state))
             for i in range(req.n)], stop
 
 
@@ -364,10 +361,11 @@ def _grammar(srv: _Server, req: P.GenerationFields):
         raise P.APIError(400, str(e), param=e.param, code=e.code) from None
 
 
-def _constraint(srv: _Server, grammar):
-    """A token constraint that follows `grammar`, for one sequence."""
+def _constraint(srv: _Server, grammar, state: str | None):
+    """A token constraint that follows `grammar` (after the reasoning, where `state` is reasoning), for one
+    sequence."""
     try:
-        return srv.structured.constraint(grammar)
+        return srv.structured.constraint(grammar, srv.layout, state)
     except StructuredOutputError as e:
         raise P.APIError(400, str(e), param=e.param, code=e.code) from None
 
@@ -448,7 +446,7 @@ async def _generate(srv: _Server, request: Request, req: P.GenerationFields, ser
                     tool_format: ToolCallFormat | None = None, state: str | None = None):
     """served: the model's name as the request gave it (the base model or an adapter) and its adapter slot."""
     model_name, adapter = served
-    gens, stops = _gen_requests(srv, req, prompt, max_tokens, param, logprobs, adapter)
+    gens, stops = _gen_requests(srv, req, prompt, max_tokens, param, logprobs, adapter, state)
     choices: list[_Choice] = []
     try:
         for gen in gens:

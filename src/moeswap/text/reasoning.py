@@ -2,7 +2,8 @@
 `think` and `response` channels), which one a chat template writes, and an incremental parser that splits an
 answer into reasoning (vLLM's `reasoning_content`) and content, dropping the markup. Knows no HTTP; tool calls
 in the content are text.tool_calls' (pieces are its Piece). Entry points: `find_layout(tokenizer)`,
-`start_state(layout, prompt_pieces)`, `ChannelParser(layout, state).feed(piece) / .finish()`.
+`start_state(layout, prompt_pieces)`, `ChannelParser(layout, state).feed(piece) / .finish()`, `markup(layout,
+state, then)`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ REASONING, CONTENT = "reasoning", "content"
 @dataclass(frozen=True)
 class Layout:
     """A checkpoint's assistant turn: `moves` (state, markup, next state), `first` the state before any
-    markup, `reasoning` the states whose text is reasoning (all others' is content).
+    markup, `reasoning` the states whose text is reasoning (all others' is content), `answer` the state whose
+    text is the answer proper (what a response_format shapes, text.structured).
 
     A small state machine: in each state some markup (a sequence of pieces, always begun by a special token)
     moves to another state. The generation prompt has already opened a state (K3's template opens `think`, or
@@ -31,6 +33,7 @@ class Layout:
     first: str
     moves: tuple[tuple[str, tuple[Piece, ...], str], ...]
     reasoning: frozenset[str]
+    answer: str
 
 
 # -- Kimi K3 ------------------------------------------------------------------------------------------
@@ -57,7 +60,7 @@ KIMI_K3 = Layout(
      ("response", _k3_tag(False, "response"), "after"),
      ("after", _k3_tag(False, "message"), "after"),
      ("after", (Piece(K3_END_OF_MSG, True),), "after")),
-    frozenset({"think"}))
+    frozenset({"think"}), "response")
 
 LAYOUTS = (KIMI_K3,)
 
@@ -120,6 +123,11 @@ def start_state(layout: Layout, prompt: Sequence[Piece]) -> str:
         if state == layout.first and len(prompt) >= len(markup) and tuple(prompt[-len(markup):]) == markup:
             return then
     return layout.first
+
+
+def markup(layout: Layout, state: str, then: str) -> tuple[Piece, ...] | None:
+    """The markup that moves `state` to `then` (None: no move does)."""
+    return next((m for s, m, t in layout.moves if s == state and t == then), None)
 
 
 def split(pieces: Iterable[Piece], layout: Layout, state: str | None = None) -> tuple[str, str]:

@@ -6,10 +6,12 @@ Owns: the shape of `response_format` and its checks (the server and the Python A
 `response_schema`; a bad one is a `StructuredOutputError` naming the field), the JSON options every
 grammar gets, and the adapter to llguidance (docs/decisions.md says why that library): a tokenizer's
 token -> bytes table built once (`StructuredOutput`, on first use), a grammar compiled and checked per
-schema, a matcher per request (`GrammarConstraint`). JSON is written compactly ("," and ":", no
-whitespace): with free whitespace a model can pad an answer with blanks up to max_tokens. Entry points:
+schema, a matcher per request (`GrammarConstraint`), and the wait for a reasoning section to end before
+the grammar applies (`AfterReasoning`). JSON is written compactly ("," and ":", no whitespace): with free
+whitespace a model can pad an answer with blanks up to max_tokens. Entry points:
 `response_schema(response_format)`, `compile_schema(schema)`, `read_schema(path)`,
-`StructuredOutput(tokenizer, eos_ids, vocab_size)` with `.grammar(schema)` and `.constraint(grammar)`.
+`StructuredOutput(tokenizer, eos_ids, vocab_size)` with `.grammar(schema)` and `.constraint(grammar, layout,
+state)`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from moeswap.text.tokenizer import Tokenizer
+from moeswap.text.reasoning import ChannelParser, Layout, markup
+from moeswap.text.tokenizer import StreamDecoder, Tokenizer
+from moeswap.text.tool_calls import Piece
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # json_object: any JSON object
 FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -149,9 +153,15 @@ class StructuredOutput:
         """compile_schema, checked against this vocabulary too."""
         return compile_schema(schema, where, self._vocabulary)
 
-    def constraint(self, grammar: str) -> GrammarConstraint:
-        """A fresh constraint for one request (grammar: from `grammar`)."""
-        return GrammarConstraint(self._vocabulary, grammar, self.vocab_size)
+    def constraint(self, grammar: str, layout: Layout | None = None, state: str | None = None
+                   ) -> GrammarConstraint | AfterReasoning:
+        """A fresh constraint for one request (grammar: from `grammar`). A chat answer whose generation prompt
+        left the turn in a reasoning state of `layout` (text.reasoning.start_state) follows the grammar only
+        once its reasoning has ended (AfterReasoning); any other, from its first token."""
+        constraint = GrammarConstraint(self._vocabulary, grammar, self.vocab_size)
+        if layout is None or state not in layout.reasoning:
+            return constraint
+        return AfterReasoning(constraint, self.tokenizer, layout, state)
 
 
 class GrammarConstraint:
@@ -167,10 +177,11 @@ class GrammarConstraint:
                                         "response_format")
         self._vocab = vocab_size
 
-    def allowed(self, mask_V) -> None:
+    def allowed(self, mask_V) -> bool:
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), np.uint8), bitorder="little")
         n = min(len(bits), self._vocab)
         mask_V.numpy()[:n] = bits[:n]
+        return True
 
     def advance(self, token: int) -> None:
         self._matcher.consume_token(token)
@@ -178,6 +189,53 @@ class GrammarConstraint:
     @property
     def done(self) -> bool:
         return self._matcher.is_stopped()
+
+
+class AfterReasoning:
+    """A grammar that applies once the answer's reasoning has ended, as vLLM's structured outputs with a
+    reasoning parser: the reasoning is free, the answer's content is the JSON.
+
+    While the turn is in a reasoning state of the layout, every token is allowed (`allowed` says so, and the
+    scheduler applies no mask: the tokens are those of a request without a response_format). The layout's own
+    parser follows the tokens; when they leave reasoning (K3: the model writes `<|close|>think<|sep|>`), the
+    markup from that state into the layout's answer state is forced (K3: `<|open|>response<|sep|>`), so the
+    answer goes on where the model's own turns put it, and from then the grammar governs every token, the end
+    of the answer included: once the reasoning has ended, the answer cannot end before the JSON is complete
+    (max_tokens still cuts it, as it may cut the reasoning)."""
+
+    def __init__(self, grammar: GrammarConstraint, tokenizer: Tokenizer, layout: Layout, state: str) -> None:
+        self._grammar, self._tok, self._layout = grammar, tokenizer, layout
+        self._parser: ChannelParser | None = ChannelParser(layout, state)  # None: the reasoning has ended
+        self._decoder = StreamDecoder(tokenizer)
+        self._forced: list[int] = []  # the markup into the answer state still to come
+
+    def allowed(self, mask_V) -> bool:
+        if self._parser is not None:
+            return False
+        if self._forced:
+            mask_V[self._forced[0]] = True
+            return True
+        return self._grammar.allowed(mask_V)
+
+    def advance(self, token: int) -> None:
+        if self._parser is None:
+            if self._forced:
+                self._forced.pop(0)
+            else:
+                self._grammar.advance(token)
+            return
+        special = self._tok.id_to_special.get(token)
+        self._parser.feed(Piece(special, True) if special is not None else Piece(self._decoder.push(token)))
+        state = self._parser.state
+        if state not in self._layout.reasoning:
+            # (a state with no move into the answer state: the grammar starts at once, in it)
+            into = () if state == self._layout.answer else markup(self._layout, state, self._layout.answer) or ()
+            self._forced = self._tok.encode("".join(p.text for p in into), specials=True)
+            self._parser = None
+
+    @property
+    def done(self) -> bool:
+        return self._parser is None and not self._forced and self._grammar.done
 
 
 class _Vocab:
