@@ -95,6 +95,22 @@ def test_generate_by_name_gives_the_directorys_tokens(capsys, hf_cache, tiny_k3_
     assert generate_tokens(capsys, "org/tiny-k3") == generate_tokens(capsys, str(tiny_k3_dir))
 
 
+def test_merge_takes_a_name_for_its_base(capsys, hf_cache, tiny_k3_dir, tmp_path, make_lora_adapter):
+    """`moeswap merge ORG/NAME ADAPTER OUT`: the same merged tensors as with the directory."""
+    from safetensors.torch import load_file
+
+    put_in_cache(hf_cache, "org/tiny-k3", tiny_k3_dir, COMMIT_A)
+    adapter = make_lora_adapter(tiny_k3_dir, tmp_path / "adapter", ["q_proj", "w1"], seed=3)
+    for base, out in (("org/tiny-k3", tmp_path / "by-name"), (str(tiny_k3_dir), tmp_path / "by-path")):
+        assert main(["merge", base, str(adapter), str(out)]) == 0, capsys.readouterr().err
+
+    def tensors(d: Path) -> dict:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    by_name, by_path = tensors(tmp_path / "by-name"), tensors(tmp_path / "by-path")
+    assert by_name.keys() == by_path.keys() and all(by_name[k].equal(by_path[k]) for k in by_name)
+
+
 def test_a_revision_picks_its_snapshot(capsys, hf_cache, tiny_k3_dir, tmp_path):
     other = write_tiny_model(tmp_path / "seed1", "kimi_k3", "tiny", 1)
     put_in_cache(hf_cache, "org/tiny-k3", tiny_k3_dir, COMMIT_A)
