@@ -55,19 +55,3 @@ def assert_within_rounding(result: torch.Tensor, reference: torch.Tensor, exact:
     diff = (result.double() - reference.double()).abs().max().item()
     assert diff <= ROUNDING_UNITS * unit, (f"the result differs from the reference by {diff:.3g}, more than "
                                            f"{ROUNDING_UNITS} x the reference's fp32 rounding error {unit:.3g}")
-
-
-def mkl_takes_avx512() -> bool:
-    """Whether torch's fp32 GEMM (MKL) runs its AVX-512 kernels here: an Intel CPU with AVX-512 and no
-    MKL_ENABLE_INSTRUCTIONS below it. Elsewhere (AMD CPUs, older Intel ones) MKL takes its AVX2 kernels, whose
-    bits for a row change with the rows around it (docs/numerics.md)."""
-    import os
-
-    from moeswap.ops.cpu_kernels import cpu_flags
-
-    try:
-        intel = "GenuineIntel" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    capped = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "AVX512").upper()
-    return intel and "avx512f" in cpu_flags() and capped.startswith("AVX512")

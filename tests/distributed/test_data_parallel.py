@@ -26,7 +26,6 @@ from distributed.test_expert_parallel import (  # noqa: F401
 from moeswap.distributed.placement import contiguous
 from moeswap.engine.generate import GenerationConfig, generate
 from moeswap.models.loader import LoadOptions, load_model
-from numerics import mkl_takes_avx512
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -52,8 +51,6 @@ def one_process(model_dir, budget: int, prompts, max_tokens) -> list[dict]:
     return out
 
 
-@pytest.mark.xfail(not mkl_takes_avx512(), strict=False,
-                   reason="bit for bit only where torch's GEMM runs MKL's AVX-512 kernels (docs/numerics.md)")
 def test_each_rank_its_own_prompts_matches_one_process_bit_for_bit(arch_dir, tmp_path):
     config, budgets = config_and_budgets(arch_dir)
     results, codes, _ = launch({"model": str(arch_dir), "budgets": budgets, "data_parallel": True,

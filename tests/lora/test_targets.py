@@ -10,7 +10,6 @@ from moeswap.engine.scheduler import fuse_projections
 from moeswap.lora import LoRAConfig, attach_lora, detach_lora, lora_modules, resolve_targets, trainable_parameters
 from moeswap.lora.layer import LoRALinear
 from moeswap.models.layers.basic import fused_weight
-from numerics import assert_within_rounding
 
 
 def linear_names(model, leaf: str) -> list[str]:
@@ -92,21 +91,20 @@ def test_peft_init_changes_nothing_and_detach_restores(load, tiny_k3_dir, tokens
 ONE_Q = LoRAConfig(r=4, target_modules=("model.layers.0.self_attn.q_proj",))
 
 
-def test_fusion_respects_lora(load, tiny_k3_dir, tokens, randomize_b, float64_twin):
+def test_fusion_respects_lora(load, tiny_k3_dir, tokens, randomize_b):
     """A module whose input projections include a LoRA is left unfused (the others fuse), and a fusion made
-    before the LoRA stops applying: the adapted model computes the same either way, to fp32 rounding (fused
-    and split products sum in other orders; the bound: tests/numerics.py)."""
+    before the LoRA stops applying: the adapted model computes the same bits either way (42 rows: prefill's
+    GEMM, where fused modules run one product a projection, as unfused ones do)."""
     model = load(tiny_k3_dir)
     attach_lora(model, ONE_Q, generator=torch.Generator().manual_seed(0))
     randomize_b(model)
     with torch.no_grad():
         want = model(tokens)
-        exact = float64_twin(tiny_k3_dir, model, ONE_Q)(tokens)
         fuse_projections(model)
         kda0, kda1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
         assert fused_weight(kda0, kda0.input_projections()) is None
         assert fused_weight(kda1, kda1.input_projections()) is not None
-        assert_within_rounding(model(tokens), want, exact)
+        assert torch.equal(model(tokens), want)
 
     fused = load(tiny_k3_dir)
     fuse_projections(fused)
@@ -115,7 +113,7 @@ def test_fusion_respects_lora(load, tiny_k3_dir, tokens, randomize_b, float64_tw
     kda0 = fused.model.layers[0].self_attn
     assert fused_weight(kda0, kda0.input_projections()) is None
     with torch.no_grad():
-        assert_within_rounding(fused(tokens), want, exact)
+        assert torch.equal(fused(tokens), want)
 
 
 def test_a_fused_weight_being_trained_is_not_read_fused(load, tiny_k3_dir):

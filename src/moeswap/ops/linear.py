@@ -22,6 +22,16 @@ from moeswap.ops.kernel_abi import constant
 
 KERNEL_MAX_ROWS = constant("DENSE_KERNEL_MAX_ROWS")  # up to this many rows the kernel; above, GEMM (cpu_kernels.h)
 
+def row_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs csrc/linear_bf16.c, whose every output is one (row, token) sum in a
+    fixed order: the same bits whatever rows of `weight` or tokens of `x` share the call. Elsewhere it runs
+    torch's GEMM, where on MKL's AVX2 kernels an output can depend on the other rows of the weight (the
+    matrix's N) as well as on the other tokens (docs/numerics.md)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu and 0 < rows <= KERNEL_MAX_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in x's dtype, for a weight in x's dtype or (on the CPU) bf16 under fp32 x."""
     if weight.dtype == x.dtype:
@@ -29,7 +39,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu):
         return F.linear(x, weight.to(x.dtype))
-    if 0 < rows <= KERNEL_MAX_ROWS and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if row_kernel_takes(x, weight):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
             run = torch.ops.moeswap.bf16_linear  # fp32 (see gemm_precision above)
         else:

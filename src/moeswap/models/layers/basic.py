@@ -12,7 +12,7 @@ from torch import nn
 from moeswap.ops import cpu_kernels
 from moeswap.ops.activation import glu
 from moeswap.ops.gemm_precision import gemm_in_bf16
-from moeswap.ops.linear import KERNEL_MAX_ROWS, linear
+from moeswap.ops.linear import KERNEL_MAX_ROWS, linear, row_kernel_takes
 from moeswap.weights.dense import WeightLinear, codes_of, kernel_of, linear_method, plain_weight
 
 
@@ -158,10 +158,19 @@ def fused_weight(module: nn.Module, names: Sequence[str], unadapted_rows: bool =
 
 def project(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> list[torch.Tensor]:
     """[getattr(module, n)(x) for n in names], in one matmul while their fusion holds (`fused_weight`); served
-    adapters' wrappers (lora.multi) add their rows' deltas to their part of it."""
+    adapters' wrappers (lora.multi) add their rows' deltas to their part of it. On the CPU the same bits fused
+    or not: one matmul only where the row kernel computes it (`row_kernel_takes`: decode); torch's GEMM
+    (prefill, fp32 weights) gets one product a name, each on its rows of the fused weight (a name's own
+    weight), as on MKL's AVX2 kernels a column of the fused product can differ from that of the name's own,
+    and a forward would then depend on whether a scheduler had fused the model before it (docs/numerics.md).
+    Accelerators keep the one product (fewer launches); no claim on their bits rests on it."""
     weight = fused_weight(module, names, unadapted_rows=True)
     if weight is not None:
-        parts = linear(x, weight).split(module.__dict__["_fused_input"][3], dim=-1)
+        sizes = module.__dict__["_fused_input"][3]
+        if row_kernel_takes(x, weight) or not x.is_cpu:
+            parts = linear(x, weight).split(sizes, dim=-1)
+        else:
+            parts = [linear(x, w) for w in weight.split(sizes)]
         mods = [getattr(module, n) for n in names]
         return [m.add_deltas(x, y) if getattr(m, "row_adapters", False) else y for m, y in zip(mods, parts)]
     return [getattr(module, n)(x) for n in names]
