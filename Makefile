@@ -37,7 +37,7 @@ lint: install-test
 
 # The suites whose claims depend on the CPU's arithmetic (bit-exact batches and ranks, kernel = reference
 # within a bound), again at each instruction-set level this CPU runs below its own (MOESWAP_KERNEL_ISA), the
-# AVX2 level with MKL's AVX2 GEMM too (what AMD CPUs get): docs/numerics.md
+# AVX2 level with MKL's AVX2 GEMM too (an Intel CPU's without AVX-512): docs/numerics.md
 NUMERICS = tests/ops/test_batch_invariance.py tests/lora/test_serving.py tests/lora/test_grad.py \
            tests/lora/test_targets.py tests/experts/test_hybrid.py tests/engine/test_native_step.py \
            tests/distributed/test_data_parallel.py

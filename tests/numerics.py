@@ -1,7 +1,7 @@
 """Tolerances from error bounds, for tests that compare two fp32 computations of one function which differ in
 rounding only: summation order, fused or split products, moeswap's kernels against torch's GEMM. Torch's GEMM
-(MKL) sums in an order that depends on the CPU's code path (its AVX-512 and AVX2 kernels differ; on AMD it
-takes the AVX2 ones), so a tolerance picked where one CPU passed fails on another (docs/numerics.md).
+(MKL) sums in an order that depends on the CPU's code path (its AVX-512 and AVX2 kernels differ, and on
+AMD CPUs it takes paths of its own), so a tolerance picked where one CPU passed fails on another (docs/numerics.md).
 
 `glu_expert_bound`: an a-priori bound (Higham's gamma_n per dot product, propagated to first order) on a
 routed expert's fp32 result against the exact one. `assert_within_rounding`: for whole-model outputs, where

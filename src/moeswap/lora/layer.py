@@ -16,14 +16,27 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from moeswap.ops.linear import gemm_input
 from moeswap.weights.dense import linear_method, with_weight_values
 
 
 def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
     """PEFT's scaling of the update: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def add_update(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """y + scaling · B A x for x [..., in] (dropout already applied), A [r, in], B [out, r]: the one way every
+    LoRA wrapper adds its update (LoRALinear, and lora.multi's served adapters), so a row gets the same bits
+    from either, whatever x is a view of (ops.linear.gemm_input). Where y is in B's dtype, one addmm: the B
+    product, the scaling and the sum in one pass over [rows, out] and one backward node."""
+    a = F.linear(gemm_input(x.to(A.dtype)), A)
+    if y.dtype != B.dtype or y.dim() < 2:
+        return y + (F.linear(a, B) * scaling).to(y.dtype)
+    return torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), B.T, alpha=scaling).view(y.shape)
 
 
 class LoRALinear(nn.Module):
@@ -72,23 +85,12 @@ class LoRALinear(nn.Module):
         """What the wrapped Linear computes (ops.linear for a weight kept in its stored dtype)."""
         return linear_method(self.base).apply_values(x, self.weight, self.bias)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """s · B A dropout(x), in the LoRA dtype."""
-        x = x.to(self.lora_A.weight.dtype)
-        return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         if self.merged:
             return y
-        if y.dtype != self.lora_B.weight.dtype or y.dim() < 2:
-            return y + self.delta(x).to(y.dtype)
-        # y + s · B A dropout(x) as one addmm: the B product, the scaling and the sum in one pass over
-        # [rows, out] (three with `delta`), and one backward node
-        a = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), self.lora_B.weight.T,
-                          alpha=self.scaling)
-        return out.view(y.shape)
+        return add_update(y, self.lora_dropout(x.to(self.lora_A.weight.dtype)), self.lora_A.weight,
+                          self.lora_B.weight, self.scaling)
 
     # -- the update as a matrix --------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ from collections.abc import Container, Sequence
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moeswap.lora.layer import add_update
 from moeswap.weights.dense import linear_method, with_weight_values
 
 
@@ -167,10 +167,10 @@ class MultiLoRALinear(nn.Module):
         """What the wrapped Linear computes (ops.linear for a weight kept in its stored dtype), as LoRALinear."""
         return linear_method(self.base).apply_values(x, self.weight, self.bias)
 
-    def delta(self, slot: int, x: torch.Tensor) -> torch.Tensor:
-        """s · B A x for adapter `slot`, in the LoRA dtype (LoRALinear.delta's operations, without dropout)."""
+    def add_update(self, slot: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + s · B A x for adapter `slot` (LoRALinear's operations, without dropout: lora.layer.add_update)."""
         A, B, s = self.pair(slot)
-        return F.linear(F.linear(x.to(A.dtype), A), B) * s
+        return add_update(y, x, A, B, s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_deltas(x, self.base_forward(x))
@@ -182,9 +182,9 @@ class MultiLoRALinear(nn.Module):
             return y
         for slot, idx in self.rows.groups(x.shape[0], x.device, self.scalings):
             if idx is None:
-                y = y + self.delta(slot, x).to(y.dtype)
+                y = self.add_update(slot, x, y)
             else:  # into y in place (this call's own output), the rows of other slots untouched
-                y.index_add_(0, idx, self.delta(slot, x.index_select(0, idx)).to(y.dtype))
+                y.index_copy_(0, idx, self.add_update(slot, x.index_select(0, idx), y.index_select(0, idx)))
         return y
 
     def slot_groups(self, n: int, device: torch.device) -> list[tuple[int, torch.Tensor | None]] | None:

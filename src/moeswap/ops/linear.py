@@ -32,13 +32,26 @@ def row_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
+def gemm_input(x: torch.Tensor) -> torch.Tensor:
+    """x, or on the CPU a contiguous copy of it where its rows might not start on a 64-byte boundary. On an
+    AMD EPYC (Zen 4) MKL's GEMM gives other bits for a matrix whose rows are not 16-byte aligned (a column
+    slice of a fused product, rows 290 floats apart) than for the same values aligned (measured 2026-12-07,
+    scripts/gemm_split_bits.py, docs/numerics.md); a module's own output is aligned, so
+    the copy gives a slice's product the bits of the unfused module's. The copy is [rows, in], the product's
+    input: small beside the product it feeds."""
+    if x.is_cpu and not torch.compiler.is_compiling() and (not x.is_contiguous() or x.data_ptr() % 64):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T in x's dtype, for a weight in x's dtype or (on the CPU) bf16 under fp32 x."""
+    """x @ weight.T in x's dtype, for a weight in x's dtype or (on the CPU) bf16 under fp32 x. torch's GEMM
+    takes x with aligned rows (`gemm_input`)."""
     if weight.dtype == x.dtype:
-        return F.linear(x, weight)
+        return F.linear(gemm_input(x), weight)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.is_cpu):
-        return F.linear(x, weight.to(x.dtype))
+        return F.linear(gemm_input(x), weight.to(x.dtype))
     if row_kernel_takes(x, weight):
         if torch.compiler.is_compiling():  # the kernel as a torch op: a ctypes call would break the graph
             run = torch.ops.moeswap.bf16_linear  # fp32 (see gemm_precision above)
@@ -55,6 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return y.reshape(*x.shape[:-1], weight.shape[0])
     if gemm_in_bf16():  # llama.cpp's arithmetic: inputs rounded to bf16, products exact, fp32 sums and outputs
         x = x.to(torch.bfloat16).to(x.dtype)
+    x = gemm_input(x)
     if (weight.numel() <= WIDEN_SCRATCH_MAX and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, _widened(weight))
