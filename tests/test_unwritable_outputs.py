@@ -30,14 +30,16 @@ if not _namespaces():
     pytest.skip("no private mount namespace here (unshare -rm)", allow_module_level=True)
 
 
-def run_on(tmp_path: Path, options: str, argv: list[str]) -> tuple[int, str, list[str]]:
-    """(exit code, stderr, files left) of `moeswap ARGV` with tmp_path/mnt a fresh tmpfs mounted `options`;
-    MNT in ARGV stands for its path."""
+def run_on(tmp_path: Path, options: str, argv: list[str], full: bool = False) -> tuple[int, str, list[str]]:
+    """(exit code, stderr, files left) of `moeswap ARGV` with tmp_path/mnt a fresh tmpfs mounted `options`
+    (full: filled to the last byte by a file that is removed after the command); MNT in ARGV stands for its
+    path."""
     mnt = tmp_path / "mnt"
     mnt.mkdir(exist_ok=True)
     left = tmp_path / "left.txt"
     argv = [a.replace("MNT", str(mnt)) for a in argv]
-    script = (f'mount -t tmpfs -o {options} tmpfs "{mnt}" || exit 99; "$@"; code=$?; '
+    fill, unfill = (f'cat /dev/zero > "{mnt}/.fill" 2>/dev/null; ', f'rm "{mnt}/.fill"; ') if full else ("", "")
+    script = (f'mount -t tmpfs -o {options} tmpfs "{mnt}" || exit 99; {fill}"$@"; code=$?; {unfill}'
               f'find "{mnt}" -type f > "{left}"; exit $code')
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, "-m", "moeswap", *argv],
                           capture_output=True, text=True, timeout=300)
@@ -81,6 +83,16 @@ def test_a_read_only_place_is_one_line_and_exit_2(tmp_path, inputs, command):
 @pytest.mark.parametrize("command", ["init-tiny", "quantize", "merge", "train"])
 def test_a_disk_that_fills_up_is_one_line_and_leaves_no_file(tmp_path, inputs, command):
     code, err, left = run_on(tmp_path, "size=96k", [a.format(**inputs) for a in COMMANDS[command]])
+    lines = err.strip().splitlines()
+    assert code == 2 and lines and lines[-1].startswith("moeswap: error: "), err[-3000:]
+    assert "no space left on device" in lines[-1].lower(), lines[-1]
+    assert left == [], left
+
+
+@pytest.mark.parametrize("command", ["trace", "bench cache"])
+def test_a_disk_already_full_is_one_line_and_leaves_no_file(tmp_path, inputs, command):
+    """The commands whose output is too small to fill even a few KiB: the disk is full before they start."""
+    code, err, left = run_on(tmp_path, "size=96k", [a.format(**inputs) for a in COMMANDS[command]], full=True)
     lines = err.strip().splitlines()
     assert code == 2 and lines and lines[-1].startswith("moeswap: error: "), err[-3000:]
     assert "no space left on device" in lines[-1].lower(), lines[-1]

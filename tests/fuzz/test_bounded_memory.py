@@ -2,7 +2,8 @@
 address-space cap (RLIMIT_AS, what `ulimit -v` sets) and a time limit: each must end with one line
 `moeswap: error: ...` and exit 2, well inside both. Before their fixes: /dev/zero as prompts grew to 8.5 GB, an
 added token id of 10^8 built 5.6 GB of names, `'x' * 300000000` in a chat template aborted the process, a
-plan over 10^11 devices ran for minutes, a LoRA rank of 10^9 failed deep in torch's allocator."""
+plan over 10^11 devices ran for minutes, a LoRA rank or a micro-batch of 10^9 failed deep in torch's
+allocator."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ CASES = {
     "a plan over 10^11 devices": ["plan", "--model", "kimi-k3", "--hardware", "h200", "--devices", "99999999999"],
     "a LoRA rank of 10^9": ["train", "--model", "{k3}", "--train-data", "{data}", "--output", "{out}", "--rank",
                             "1000000000", "--no-progress"],
+    "a micro-batch of 10^9": ["train", "--model", "{k3}", "--train-data", "{data}", "--output", "{out}",
+                              "--micro-batch", "1000000000", "--no-progress"],
 }
 
 

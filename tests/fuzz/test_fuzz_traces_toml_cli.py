@@ -156,7 +156,7 @@ def test_any_hardware_file_plans_or_fails_with_one_line(tmp_path, capsys, text):
     ["--devices", "0"],
     ["--devices", "8", "--isl", "1000000000000000", "--concurrency", "100000000000"],
     ["--devices", "8", "--workload", "lora", "--rank", "1000000000000", "--micro-batch", "100000000000"],
-])
+], ids=["devices-10^11", "devices-0", "isl-10^15", "lora-rank-10^12"])
 def test_plan_with_huge_or_empty_inputs_answers_at_once(capsys, extra):
     """Inputs far past any real cluster are refused (or found not to fit) in one line, not enumerated."""
     import signal

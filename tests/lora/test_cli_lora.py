@@ -191,6 +191,24 @@ def test_merge_bad_input(capsys, tiny_k3_dir, k3_adapter, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("linked", ["adapter_config.json", "adapter_model.safetensors"])
+def test_an_adapter_file_linked_out_of_its_directory_is_one_line_for_merge_and_generate(capsys, tiny_k3_dir,
+                                                                                        k3_adapter, tmp_path, linked):
+    """A valid file, moved out and linked back: only its place can stop it (the model directories' rule)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(k3_adapter / linked, elsewhere / linked)
+    (k3_adapter / linked).symlink_to(elsewhere / linked)
+    out = tmp_path / "merged"
+    code, _, err = run(capsys, "merge", str(tiny_k3_dir), str(k3_adapter), str(out))
+    assert_one_line_error(code, err, f"'{linked}' is a link that resolves outside")
+    assert not out.exists()
+    code, out_text, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", PROMPT, "--max-tokens", "1",
+                              "--lora", str(k3_adapter))
+    assert_one_line_error(code, err, f"'{linked}' is a link that resolves outside")
+    assert out_text == ""
+
+
 EXPERT_TARGETS = ("q_proj", "o_proj", "w1", "w3")  # w2 left alone: its tensors must come through unchanged
 
 

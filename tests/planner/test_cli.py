@@ -23,10 +23,11 @@ def test_plan_prints_table_and_writes_files(tmp_path, capsys):
 def test_errors_are_one_line_without_traceback(capsys):
     rc = main(["--hardware", "h300", "--devices", "8"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("moeswap: error: ")  # every command's prefix
     assert "unknown hardware 'h300'" in err and "mi350x" in err and "Traceback" not in err
     assert main(["--hardware", "h200", "--devices", "8", "--layout", "tp8"]) == 2
-    assert "routed experts need" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("moeswap: error: ") and err.count("\n") == 1 and "routed experts need" in err
 
 
 def test_lora_and_show_rejected(capsys):

@@ -58,9 +58,6 @@ BAD = [
     ("chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "model"),
     ("completions", {**TEXT, "prompt": "hi " * 300}, 400, "prompt"),  # prompt over the context (256)
     ("completions", {**TEXT, "prompt": list(range(300))}, 400, "prompt"),
-    ("completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # was a 500
-    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters":
-                                            json.loads('{"a":' * 70 + "1" + "}" * 70)}}]}, 400, None),
     ("completions", {**TEXT, "n": 0}, 400, "n"),
     ("chat/completions", {**CHAT, "n": 10 ** 6}, 400, "n"),  # more than the server holds at once
     ("completions", {**TEXT, "n": 2, "seed": 2 ** 64 - 1}, 400, "seed"),  # choice 1's seed is out of range
@@ -117,6 +114,18 @@ def test_still_serving_after_bad_requests(http, server):
     assert post(http, server, "/v1/completions", TEXT).status_code == 200
     assert post(http, server, "/v1/chat/completions", CHAT).status_code == 200
     assert server.engine.alive and server.settle()
+
+
+@pytest.mark.parametrize("endpoint,body", [
+    ("completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),  # was a 500 (the parser's recursion)
+    ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters":
+                                            json.loads('{"a":' * 70 + "1" + "}" * 70)}}]}),
+], ids=["prompt-100k-deep", "tools-70-deep"])
+def test_a_body_nested_past_64_levels_is_a_400_and_the_server_serves_on(http, server, endpoint, body):
+    r = post(http, server, f"/v1/{endpoint}", body)
+    assert r.status_code == 400 and error_of(r)["type"] == "invalid_request_error", r.text[:500]
+    assert error_of(r)["message"] == "the request body nests deeper than 64 levels", error_of(r)
+    assert post(http, server, "/v1/completions", TEXT).status_code == 200
 
 
 def test_a_prompt_past_the_context_is_refused_before_it_is_tokenized(http, server, monkeypatch):
@@ -266,3 +275,26 @@ def test_the_neutral_values_are_taken(http, server):
     body = {**CHAT, "store": False, "metadata": {}, "service_tier": "auto", "modalities": ["text"],
             "safety_identifier": "u1", "prompt_cache_key": "k", "user": "u", "logit_bias": {}}
     assert post(http, server, "/v1/chat/completions", body).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def server_512(start_server):
+    return start_server(max_batch=1, max_context=512)
+
+
+@pytest.mark.parametrize("megabytes", [8, 60], ids=["8MB", "60MB"])
+def test_a_prompt_of_megabytes_at_a_512_token_context_is_refused_and_the_server_serves_on(server_512, http,
+                                                                                       monkeypatch, megabytes):
+    """The incidents as they came: an 8 MB prompt at --max-context 512 took 1.4 GiB (tokenized whole), a
+    60 MB one aborted the server. Both are over the body limit that context implies: a 413, unread."""
+    served = server_512
+    encoded = []
+    monkeypatch.setattr(type(served.tokenizer), "_encode", lambda self, text, specials: encoded.append(len(text)) or [1])
+    prompt = "a" * (megabytes << 20)
+    for endpoint, body in (("completions", {**TEXT, "prompt": prompt}),
+                           ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": prompt}]})):
+        r = post(http, served, f"/v1/{endpoint}", body)
+        assert r.status_code == 413 and error_of(r)["code"] == "body_too_large", r.text[:500]
+    assert encoded == []
+    monkeypatch.undo()
+    assert post(http, served, "/v1/completions", TEXT).status_code == 200

@@ -273,7 +273,7 @@ def test_generate_chat_builtin_and_k3_template(capsys, tmp_path, tiny_k3_dir):
                                              return_dict=False)
 
 
-@pytest.mark.parametrize("source, refusal", [
+HOSTILE_TEMPLATES = pytest.mark.parametrize("source, refusal", [
     ("{{ 'x' * 300000000 }}", "repeats a str into more than"),  # used to abort the process
     ("{{ 'a' * 10**12 }}", "repeats a str into more than"),  # a MemoryError
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recurses too deeply"),  # a RecursionError
@@ -282,7 +282,10 @@ def test_generate_chat_builtin_and_k3_template(capsys, tmp_path, tiny_k3_dir):
     ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "ran for more than"),  # hung
     ("{% set ns = namespace(s=[1]) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
      "builds a list of more than"),
-])
+], ids=["x-times-3e8", "a-times-10^12", "recursive-macro", "doubled-str", "nested-range-loops", "doubled-list"])
+
+
+@HOSTILE_TEMPLATES
 def test_a_hostile_template_is_refused_in_bounded_time_and_memory(monkeypatch, source, refusal):
     """A template is the checkpoint's code: its size, recursion and time are bounded, and a bound passed is
     one ChatTemplateError naming the template, never a crash, a hang or a MemoryError."""
@@ -320,3 +323,18 @@ def test_the_templates_turn_end_is_found(tmp_path, template, turn_end):
     want = None if turn_end is None else tok.special_to_id[turn_end]
     assert tok.turn_end_id == want
     assert tok.chat_stop_ids(()) == tuple(dict.fromkeys([*tok.stop_ids(()), *([] if want is None else [want])]))
+
+
+@HOSTILE_TEMPLATES
+def test_a_hostile_template_is_one_line_and_exit_2_through_generate(tiny_k3_dir, copy_model, monkeypatch, capsys,
+                                                                     source, refusal):
+    """The same templates as a checkpoint's chat_template.jinja under `generate --chat`."""
+    from moeswap.text import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 1.0)
+    model = copy_model(tiny_k3_dir)
+    (model / "chat_template.jinja").write_text(source)
+    capsys.readouterr()
+    assert main(["generate", str(model), "--prompt", "hi", "--chat", "--max-tokens", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeswap: error: ") and f"refused: it {refusal}" in lines[0], lines

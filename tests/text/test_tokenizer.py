@@ -240,16 +240,58 @@ def test_loading_a_tiktoken_model_writes_nothing_outside_the_model(tmp_path):
     assert list(tmp.iterdir()) == []
 
 
-@pytest.mark.parametrize("decoder, message", [
+def test_loading_a_tiktoken_model_reads_nothing_from_tiktoken_s_cache(tmp_path):
+    """The read half: an entry planted in $TMPDIR/data-gym-cache under the model file's key (tiktoken's
+    loader opened it before its own file) is never opened. Planted as a FIFO, whose open blocks: a loader
+    that reads it hangs past the timeout instead of passing."""
+    import hashlib
+
+    model, tmp = tmp_path / "m", tmp_path / "tmp"
+    model.mkdir(), tmp.mkdir()
+    build_tiny_tiktoken(model, 300)
+    cache = tmp / "data-gym-cache"
+    cache.mkdir()
+    for path in {str(model / "tiktoken.model"), str((model / "tiktoken.model").resolve())}:
+        os.mkfifo(cache / hashlib.sha1(path.encode()).hexdigest())
+    planted = sorted(cache.iterdir())
+    env = {k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    code = f"from moeswap.text.tokenizer import load_tokenizer; print(load_tokenizer({str(model)!r}).encode('hi'))"
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "TMPDIR": str(tmp)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(cache.iterdir()) == planted and list(tmp.iterdir()) == [cache]
+
+
+HOSTILE_DECODERS = pytest.mark.parametrize("decoder, message", [
     ('{"100000000": {"content": "<|far|>"}}', r"has id '100000000', outside the vocabulary"),
     ('[{"content": "<|x|>"}]', r"added_tokens_decoder must be an object .* found list"),
-])
+], ids=["id-10^8", "a-list"])
+
+
+@HOSTILE_DECODERS
 def test_a_hostile_added_tokens_decoder_is_refused_before_building(tmp_path, decoder, message):
     """An id of 10^8 used to name every id up to it (5.6 GB); a list was an AttributeError."""
     build_tiny_tiktoken(tmp_path, 300)
     (tmp_path / "tokenizer_config.json").write_text(f'{{"added_tokens_decoder": {decoder}}}')
     with pytest.raises(TokenizerError, match=message):
         load_tokenizer(tmp_path)
+
+
+@HOSTILE_DECODERS
+def test_a_hostile_added_tokens_decoder_is_one_line_through_the_cli(tiny_k3_dir, copy_model, capsys, decoder,
+                                                                    message):
+    import re
+
+    from moeswap.cli import main
+
+    model = copy_model(tiny_k3_dir)
+    (model / "tokenizer.json").unlink()  # Kimi's layout: tiktoken.model and tokenizer_config.json
+    build_tiny_tiktoken(model, json.loads((model / "config.json").read_text())["text_config"]["vocab_size"])
+    (model / "tokenizer_config.json").write_text(f'{{"added_tokens_decoder": {decoder}}}')
+    capsys.readouterr()
+    assert main(["generate", str(model), "--prompt", "hi", "--max-tokens", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeswap: error: ") and re.search(message, lines[0]), lines
 
 
 def test_tiktoken_missing_is_a_clear_error(tmp_path, monkeypatch):

@@ -166,3 +166,25 @@ def test_a_run_killed_while_staging_its_first_checkpoint_can_start_again(small_r
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="is not empty"):  # the user's files are never taken over
         train(cfg.replace(output=str(tmp_path / "other")), progress=False)
+
+
+@pytest.mark.parametrize("linked", ["state.json", "optimizer.pt", "params.safetensors", "checkpoint directory"])
+def test_a_checkpoint_file_linked_out_of_the_output_is_refused_on_resume(small_run, tmp_path, capsys, linked):
+    """A training output follows the model and adapter directories' rule: --resume reads nothing that
+    resolves outside it, even the checkpoint's own valid file moved out and linked back."""
+    import shutil
+
+    cfg = small_run(save_interval=2)
+    with pytest.raises(Stop):
+        train(cfg, progress=False, on_checkpoint=stop_at(2))
+    ckpt = all_checkpoints(tmp_path / "out")[-1]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved = ckpt if linked == "checkpoint directory" else ckpt / linked
+    shutil.move(moved, elsewhere / moved.name)
+    moved.symlink_to(elsewhere / moved.name)
+    capsys.readouterr()
+    assert cli.main(["train", as_yaml(cfg, tmp_path / "c.yaml"), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeswap: error: ") and "\n" not in err, err
+    assert "is a link that resolves outside" in err, err

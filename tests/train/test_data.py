@@ -128,6 +128,39 @@ def test_a_fifo_or_a_line_nested_too_deep_is_an_error_naming_it(k3_tok, tmp_path
     assert len(samples) == 1 and len(info.skipped) == 1
 
 
+@pytest.mark.parametrize("kind", ["fifo", "line-nested-100k-deep"])
+def test_train_on_a_fifo_or_a_line_nested_too_deep_is_one_line_and_leaves_nothing(tiny_k3_dir, tmp_path, capsys,
+                                                                                 kind):
+    """`moeswap train` as a user runs it: exit 2 at once (an alarm fails a hang), no output directory left."""
+    import os
+    import signal
+
+    from moeswap import cli
+
+    data = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        os.mkfifo(data)
+        expected = f"{data} is not a regular file; expected a JSONL file"
+    else:
+        write(data, [json.dumps({"text": "a b"}), "[" * 100_000 + "]" * 100_000])
+        expected = f"{data}:2: not a sample (JSON nested too deeply)"
+
+    def hang(signum, frame):
+        raise TimeoutError("moeswap train did not answer within 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    try:
+        code = cli.main(["train", "--model", str(tiny_k3_dir), "--train-data", str(data), "--output",
+                         str(tmp_path / "out"), "--max-steps", "1", "--seq-len", "32", "--no-progress"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("moeswap: error: ") and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_sample_longer_than_seq_len_is_an_error_naming_it_or_truncated(k3_tok, tmp_path):
     path = write(tmp_path / "d.jsonl", [json.dumps({"text": "the"}), json.dumps({"text": " the" * 40})])
     with pytest.raises(DataError, match=rf"^{path}:2: the sample is 41 tokens, longer than --seq-len 16"):

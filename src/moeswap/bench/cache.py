@@ -14,12 +14,14 @@ import argparse
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from moeswap import jsonio
+from moeswap.atomic_dir import atomic_directory, move_into, writing
 from moeswap.bench import RESULTS_DIR
 from moeswap.experts.keys import Key
 from moeswap.experts.policy import POLICIES, lfru_half_life, make_policy, online_policies
@@ -176,13 +178,20 @@ def run(args: argparse.Namespace) -> int:
     md = (f"Fast-tier hit rate by budget, replayed from `{args.trace}` ({title}). Belady is the offline optimum; "
           f"{static_note}.\n\n{table}\n")
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cache-hit-rate.md").write_text(md)
     result = {"bench": "cache", "trace": str(args.trace), "trace_meta": trace.meta, "accesses": len(trace.accesses()),
               "steps": trace.num_steps, "total_experts": total, "rows": rows, "replay_s": elapsed,
               "static_profile": args.profile or "same trace", "environment": environment()}
-    (out / "cache-hit-rate.json").write_text(jsonio.dumps(result, indent=2) + "\n")
-    png = plot(rows, policies, out / "cache-hit-rate.png", title)
+    # the three files as one set, complete or absent: a disk that fills up leaves none of them behind
+    staging = out / ".cache-hit-rate.staging"
+    shutil.rmtree(staging, ignore_errors=True)  # from a run killed between publishing and moving
+    with atomic_directory(staging) as tmp:
+        with writing(out / "cache-hit-rate.md"):
+            (tmp / "cache-hit-rate.md").write_text(md)
+        with writing(out / "cache-hit-rate.json"):
+            (tmp / "cache-hit-rate.json").write_text(jsonio.dumps(result, indent=2) + "\n")
+        with writing(out / "cache-hit-rate.png"):
+            png = plot(rows, policies, tmp / "cache-hit-rate.png", title)
+    move_into(staging, out)
     print(md)
     print(f"wrote {out / 'cache-hit-rate.md'}, {out / 'cache-hit-rate.json'}"
           + (f", {out / 'cache-hit-rate.png'}" if png else " (no PNG: matplotlib is not installed)")

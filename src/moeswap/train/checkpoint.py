@@ -22,7 +22,7 @@ import torch
 
 from moeswap import jsonio
 from moeswap.atomic_dir import atomic_directory, writing
-from moeswap.formats.files import show
+from moeswap.formats.files import confined, show
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -83,9 +83,12 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """state.json of checkpoint `path`, its binary files checked against the hashes it records."""
+    """state.json of checkpoint `path`, its binary files checked against the hashes it records; none of the
+    three may resolve outside the run's output directory (a link there is refused, whatever it points to)."""
     damaged = f"checkpoint {path} is damaged"
     hint = "; delete it to resume from an earlier checkpoint, or start the run again"
+    for name in (STATE, PARAMS, OPTIMIZER):  # the model and adapter directories' rule, for the run's output
+        confined(path.parent.parent, f"{CHECKPOINTS}/{path.name}/{name}", CheckpointError, f"checkpoint {path}")
     try:
         state = json.loads((path / STATE).read_text(encoding="utf-8"))
     except FileNotFoundError:
