@@ -7,6 +7,8 @@ template is told the schema, and its reasoning (on by default) is free: the sche
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pydantic
@@ -134,3 +136,33 @@ def test_n_choices_each_follow_the_schema_and_are_each_their_seed(server, client
              for i in range(3)]
     assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == alone
     assert all(c.finish_reason == "stop" and _follows(json.loads(c.message.content)) for c in r.choices)
+
+
+def test_a_schema_compiles_off_the_event_loop(start_server):
+    """While the first response_format request reads the vocabulary (held here until the test lets it go), the
+    server goes on answering others: the compile runs off the event loop, not in it."""
+    srv = start_server(max_batch=2)
+    structured = srv.app.state.server.structured
+    go, started = threading.Event(), threading.Event()
+    build = type(structured).grammar
+
+    def held(self, *args, **kwargs):
+        started.set()
+        assert go.wait(30), "never released"
+        return build(self, *args, **kwargs)
+
+    client = srv.client()
+    with ThreadPoolExecutor(1) as pool:
+        type(structured).grammar = held
+        try:
+            done = pool.submit(client.chat.completions.create, model=srv.name, messages=MESSAGES, max_tokens=300,
+                               response_format=FORMAT)
+            assert started.wait(30)
+            other = client.with_options(timeout=10).chat.completions.create(model=srv.name, messages=MESSAGES,
+                                                                            max_tokens=2)
+            assert other.choices[0].finish_reason == "length" and not done.done()
+        finally:
+            go.set()
+            type(structured).grammar = build
+        answer = done.result(60)
+    assert answer.choices[0].finish_reason == "stop" and _follows(json.loads(answer.choices[0].message.content))
