@@ -382,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         handler = COMMANDS[args.command]
     try:
         return handler(args)
-    except KeyboardInterrupt:
-        print("\nmoeswap: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C: 130; a SIGTERM a command turned into one says so (train.cli.Terminated)
+        print(f"\nmoeswap: {getattr(e, 'what', 'interrupted')}", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
     except BrokenPipeError:
         if args.debug or _reader_gone(sys.stdout) is False:
             raise  # not our output's reader leaving (some other pipe): a failure

@@ -2,7 +2,7 @@
 
 Torch-free at import (cli.py builds every subcommand's parser). A config or data error is one line and
 exit 2 (cli.main); a reproduction whose curve differs exits 1. A run stopped by Ctrl-C or SIGTERM says the
-command that continues it (exit 130).
+command that continues it (exit 130; 143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if cfg.output is not None:
             print("\n" + resume_hint(cfg, getattr(args, "argv", None)), file=sys.stderr)
-        raise  # cli.main: "interrupted", exit 130
+        raise  # cli.main: "interrupted", exit 130 (SIGTERM: "terminated", 143)
     m = result.manifest
     if not m:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
@@ -84,6 +84,14 @@ def resume_hint(cfg, argv: list[str] | None) -> str:
     return f"moeswap: stopped; the newest checkpoint is step {step} ({found}); continue with: {shlex.join(words)}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM's stop: a Ctrl-C for the run (it says how to resume), which cli.main reports as "terminated",
+    exit 143 (128 + SIGTERM, what a shell reports for a process the signal ended; Ctrl-C is 130)."""
+
+    exit_code = 128 + signal.SIGTERM
+    what = "terminated"
+
+
 @contextlib.contextmanager
 def _sigterm_interrupts():
     """SIGTERM (a batch system's stop, `kill`) ends the run as Ctrl-C does, so it says how to resume."""
@@ -92,7 +100,7 @@ def _sigterm_interrupts():
         return
 
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     before = signal.signal(signal.SIGTERM, stop)
     try:
