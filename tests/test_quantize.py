@@ -493,3 +493,30 @@ def test_experts_to_block_fp8_from_bf16_int4_and_block_fp8(tmp_path):
     with Checkpoint.open(fp8_src) as a, Checkpoint.open(tmp_path / "copy") as b:
         assert sorted(a.names()) == sorted(b.names())
         assert all(torch.equal(bits(a.read(n)), bits(b.read(n))) for n in a.names())
+
+
+def test_the_output_gets_a_card_of_its_own(tiny_linear_dir, copy_model, tmp_path):
+    """The source's README.md describes the source: DST gets a card of its own (source, date, formats, the
+    report's counts and errors), keeping only the source card's license lines; a source without a card gets
+    one without front matter."""
+    import datetime
+
+    import yaml
+
+    src = copy_model(tiny_linear_dir)
+    (src / "README.md").write_text("---\nlicense: apache-2.0\ntags: [moe]\n---\n# The tiny source\n\nAbout it.\n")
+    before = datetime.datetime.now(datetime.timezone.utc).date()
+    report = quantize(src, tmp_path / "q", QuantizeOptions("mxfp4", "even", dense="int8"))
+    after = datetime.datetime.now(datetime.timezone.utc).date()
+    card = (tmp_path / "q" / "README.md").read_text()
+    assert "The tiny source" not in card and "About it" not in card
+    assert yaml.safe_load(card.split("---\n")[1]) == {"license": "apache-2.0"}
+    assert any(f"on {d.isoformat()} (UTC)" in card for d in {before, after})
+    s, d = report["summary"], report["dense"]["summary"]
+    assert f"Source model: `{src}`" in card
+    assert f"Routed experts: {report['format']}, {s['encoded']} of {s['expert_weights']} weight tensors" in card
+    assert f"largest {s['max_rel_error']:.3g}" in card and s["encoded"] > 0
+    assert f"Dense weights: {report['dense']['format']}, {d['encoded']} tensors encoded" in card and d["encoded"] > 0
+    plain = quantize(tiny_linear_dir, tmp_path / "p", QuantizeOptions("mxfp4", "even"))
+    card = (tmp_path / "p" / "README.md").read_text()
+    assert not card.startswith("---") and "Dense weights" not in card and plain["summary"]["encoded"] > 0

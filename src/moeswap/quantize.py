@@ -9,7 +9,8 @@ weight, written and dropped: peak memory is about one tensor), into a temporary 
 only when everything is written, so a failure leaves no output. A source value that is NaN or infinite
 is refused, naming the tensor. Sources: bf16/fp16/fp32, DeepSeek block FP8 (non-expert FP8 weights are
 written dequantised to bf16, or copied when the target is block FP8) and compressed-tensors MX or INT4
-(same-format experts are copied byte for byte).
+(same-format experts are copied byte for byte). DST gets a model card of its own (model_card.py: source, date,
+formats, errors) in place of the source's.
 Entry points: `quantize(src, dst, QuantizeOptions)` and `compare_models` (logit error); the command is
 commands/quantize.py.
 """
@@ -17,6 +18,7 @@ commands/quantize.py.
 from __future__ import annotations
 
 import copy
+import datetime
 import math
 import os
 import re
@@ -35,6 +37,7 @@ from moeswap.formats import mx
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint, CheckpointError
 from moeswap.formats.files import confined, read_json
 from moeswap.formats.writer import layout, write_index, write_shard
+from moeswap.model_card import CARD_NAME, is_card, quantize_card
 from moeswap.weights import dense_quant, registry
 from moeswap.weights.floating import FLOAT
 from moeswap.weights.format import WeightFormat
@@ -83,6 +86,8 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
     src, dst = Path(src), Path(dst)
     raw = _read_config(src)
     extra_files = side_files(src)
+    source_card = next((p for p in extra_files if is_card(p.name) and p.is_file()), None)
+    extra_files = [p for p in extra_files if not is_card(p.name)]  # the new card is written instead
     _check_destination(src, dst)
     t0 = time.perf_counter()
     with Checkpoint.open(src) as ckpt:
@@ -97,6 +102,10 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, options: QuantizeOp
             copy_side_files(extra_files, tmp)
             with writing(tmp / REPORT_NAME):
                 (tmp / REPORT_NAME).write_text(jsonio.dumps(report, indent=2) + "\n")
+            card = source_card.read_text(encoding="utf-8", errors="replace") if source_card is not None else None
+            date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+            with writing(tmp / CARD_NAME):
+                (tmp / CARD_NAME).write_text(quantize_card(report, card, date), encoding="utf-8")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
     return report
 

@@ -7,7 +7,7 @@ in fp32 and is stored again in the same format with the project's codec (compres
 `even` block exponents, as `moeswap quantize` writes); the error against the exact W + s · B A is reported
 per layer and projection, also relative to the update's size (quantisation to 4 bits can swallow most of a
 small update: the report says how much). The base's model card is not copied: OUT gets its own README.md
-(lora/merge_card.py: base, adapter, date, what was merged). Every other tensor and side file is copied as it
+(model_card.py: base, adapter, date, what was merged). Every other tensor and side file is copied as it
 is, shard by shard (a shard without merged tensors is copied whole; one with them is rewritten tensor by
 tensor, so peak memory is about one tensor). The adapter is mapped onto the model built on `meta` (lora.peft_io), so a key
 or shape that does not fit is refused before anything is written; a recorded base fingerprint must match
@@ -36,9 +36,9 @@ from moeswap.formats.writer import layout, write_shard
 from moeswap.hub import model_argument
 from moeswap.lora.fingerprint import check_same_base
 from moeswap.lora.layer import lora_scaling
-from moeswap.lora.merge_card import CARD_NAME, card_text, is_card
 from moeswap.lora.peft_io import expert_lora_for, plan_adapter, read_adapter
 from moeswap.lora.targets import moe_blocks
+from moeswap.model_card import CARD_NAME, is_card, merge_card
 from moeswap.models.layers.expert_lora import ExpertLoRA
 from moeswap.quantize import copy_side_files, side_files
 from moeswap.weights import registry
@@ -133,7 +133,7 @@ def merge_checkpoint(base: str | Path, adapter_dir: str | Path, out: str | Path,
             date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
             card = base_card.read_text(encoding="utf-8", errors="replace") if base_card is not None else None
             with writing(tmp / CARD_NAME):
-                (tmp / CARD_NAME).write_text(card_text(report, adapter.raw, card, date), encoding="utf-8")
+                (tmp / CARD_NAME).write_text(merge_card(report, adapter.raw, card, date), encoding="utf-8")
             Checkpoint.open(tmp).close()  # every header parses and the index resolves
     return report
 
