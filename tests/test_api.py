@@ -73,6 +73,29 @@ def test_a_batch_equals_each_prompt_alone(llm):
         for i, p in enumerate(PROMPTS)]
 
 
+def test_n_answers_are_each_their_seed_alone(llm):
+    """n > 1: a list of n Completion per prompt, answer k of the call (prompt i, answer j: k = i·n + j)
+    equal to one call with seed + k; chat too; streams refuse n > 1."""
+    kw = dict(max_tokens=N, temperature=0.9, top_p=0.95, ignore_eos=True)
+    got = llm.generate(PROMPTS[:2], n=3, seed=5, **kw)
+    assert [len(answers) for answers in got] == [3, 3]
+    assert [[c.token_ids for c in answers] for answers in got] == [
+        [llm.generate(p, seed=5 + 3 * i + j, **kw).token_ids for j in range(3)] for i, p in enumerate(PROMPTS[:2])]
+    assert len({tuple(c.token_ids) for c in got[0]}) > 1  # sampled: the answers differ
+    one = llm.generate(PROMPTS[0], n=2, seed=5, **kw)
+    assert [c.token_ids for c in one] == [c.token_ids for c in got[0][:2]]
+    messages = [{"role": "user", "content": "hi"}]
+    chats = llm.chat(messages, n=2, seed=3, max_tokens=N, temperature=0.9)
+    assert [c.token_ids for c in chats] == [llm.chat(messages, seed=3 + j, max_tokens=N, temperature=0.9).token_ids
+                                            for j in range(2)]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="n: expected a whole number of answers"):
+            llm.generate("hi", n=bad)
+    with pytest.raises(ValueError, match="n: a stream gives one answer"):
+        llm.stream("hi", n=2)
+    assert not llm.scheduler.busy
+
+
 def test_stream_pieces_join_to_generates_text(llm):
     for prompt in PROMPTS:
         whole = llm.generate(prompt, max_tokens=24, ignore_eos=True)

@@ -154,7 +154,8 @@ class Params:
     presence_penalty: float = 0.0  # [-2, 2]; these three as the server's (engine/sampling.py), 0/0/1: off
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None  # sampling seed; generate's prompt i gets seed + i, so a batch is each alone
+    seed: int | None = None  # sampling seed; answer k of a call gets seed + k, so a batch is each alone
+    n: int = 1  # answers per prompt (generate and chat: a list of n Completion in place of one; not streams)
     stop: str | Sequence[str] = ()  # strings that end the text (left out of it)
     stop_token_ids: Sequence[int] = ()  # token ids that end it, besides the tokenizer's end of sequence
     ignore_eos: bool = False  # do not stop at the tokenizer's end-of-sequence tokens
@@ -241,11 +242,12 @@ class LLM:
 
     # -- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
-                 **params: Any) -> Completion | list[Completion]:
+                 **params: Any) -> Any:
         """Completes a prompt (a string, or a list of token ids) -> Completion, or a list of prompts -> a
         list of Completion, all submitted at once and decoded together (continuous batching: max_batch at a
         time). Keywords: `Params` (max_tokens=64, temperature=0 greedy, top_p, top_k, seed, stop, ...).
-        Generation stops at the tokenizer's end-of-sequence tokens unless ignore_eos."""
+        With n > 1 each prompt's Completion becomes a list of n (answer j of prompt i samples with seed +
+        i·n + j). Generation stops at the tokenizer's end-of-sequence tokens unless ignore_eos."""
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and bool(prompts)
                                               and all(_is_id(t) for t in prompts))
         batch = [prompts] if single else list(prompts)
@@ -258,7 +260,7 @@ class LLM:
         tokens comes whole in a later piece; text that may begin a stop string is held back until it cannot).
         Closing the stream (or leaving a `for` loop over it with break) aborts the request; once it has ended,
         its `completion` is what generate would have returned. Keywords: `Params`."""
-        return TextStream(self, self._submit(self._encode(prompt, "prompt"), Params(**params)))
+        return TextStream(self, self._submit(self._encode(prompt, "prompt"), _one(Params(**params))))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None, **params: Any) -> Completion:
@@ -267,7 +269,7 @@ class LLM:
         markup becomes special tokens; chat_template_kwargs are the template's switches, `tools` OpenAI-style
         function specs), stopped at the tokenizer's end-of-sequence tokens and the template's end of turn,
         the reasoning of a layout the server knows (Kimi K3's) in `reasoning` and calls in `tool_calls`.
-        Keywords: `Params` (max_tokens defaults to 256)."""
+        Keywords: `Params` (max_tokens defaults to 256; n > 1: a list of n Completion)."""
         prompt = self.chat_prompt(messages, _template_kwargs(chat_template_kwargs, params), tools)
         return self._complete([prompt], _chat_params(params), prompt, tools)[0]
 
@@ -277,7 +279,7 @@ class LLM:
         """chat's answer as stream gives text: the pieces are its text; the reasoning gathers in the stream's
         `reasoning`, and the calls in its `completion`."""
         prompt = self.chat_prompt(messages, _template_kwargs(chat_template_kwargs, params), tools)
-        return TextStream(self, self._submit(prompt, _chat_params(params), prompt, tools))
+        return TextStream(self, self._submit(prompt, _one(_chat_params(params)), prompt, tools))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None,
                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
@@ -329,19 +331,22 @@ class LLM:
         return self.adapters.index(name) + 1
 
     def _complete(self, prompts: list[list[int]], params: Params, chat: list[int] | None = None,
-                  tools=None) -> list[Completion]:
+                  tools=None) -> list[Any]:
+        """Each prompt's Completion (n > 1: its list of n), answer k of the call sampling with seed + k."""
+        n = _check_n(params.n)
         jobs: list[_Job] = []
         try:
-            for i, ids in enumerate(prompts):  # a request the scheduler refuses ends the ones submitted before it
-                seed = None if params.seed is None else params.seed + i
-                jobs.append(self._submit(ids, replace(params, seed=seed), chat, tools))
+            for k in range(len(prompts) * n):  # a request the scheduler refuses ends the ones submitted before it
+                seed = None if params.seed is None else params.seed + k
+                jobs.append(self._submit(prompts[k // n], replace(params, seed=seed), chat, tools))
             while any(job.finish_reason is None for job in jobs):
                 self._step()
         finally:
             self._abandon(jobs)
         for job in jobs:
             self._raise(job)
-        return [_completion(job, job.pending) for job in jobs]
+        done = [_completion(job, job.pending) for job in jobs]
+        return done if params.n == 1 else [done[i:i + n] for i in range(0, len(done), n)]
 
     def _submit(self, ids: list[int], params: Params, chat: list[int] | None = None, tools=None) -> _Job:
         """chat: the prompt of a chat answer (ChatOutput reads where its generation prompt left the turn)."""
@@ -465,6 +470,19 @@ class LLM:
             if isinstance(job.error, BaseException):
                 raise job.error
             raise RuntimeError(f"generation failed: {job.error}")
+
+
+def _check_n(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected a whole number of answers >= 1, got {n!r}")
+    return n
+
+
+def _one(params: Params) -> Params:
+    """A stream's params: one answer."""
+    if _check_n(params.n) != 1:
+        raise ValueError(f"n: a stream gives one answer, got n={params.n} (generate and chat give n)")
+    return params
 
 
 def _completion(job: _Job, text: str) -> Completion:
