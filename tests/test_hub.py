@@ -309,10 +309,10 @@ def test_a_snapshot_link_that_leaves_its_blobs_is_refused(capsys, hf_cache, tiny
     secret.write_text((tiny_k3_dir / "config.json").read_text())
     (snapshot / "config.json").unlink()
     (snapshot / "config.json").symlink_to(secret)
-    one_line_error(capsys, ["inspect", "org/tiny-k3"], "a link that resolves outside the model directory")
+    one_line_error(capsys, ["inspect", "org/tiny-k3"], "a link that resolves outside its directory")
     # nor is a snapshots/ folder outside a models--ORG--NAME repository given the blobs exception
     fake_root = tmp_path / "not-a-repo"
     put_in_cache(fake_root, "org/x", tiny_k3_dir, COMMIT_A)
     renamed = fake_root / "plain"
     (fake_root / "models--org--x").rename(renamed)
-    one_line_error(capsys, ["inspect", str(renamed / "snapshots" / COMMIT_A)], "resolves outside the model directory")
+    one_line_error(capsys, ["inspect", str(renamed / "snapshots" / COMMIT_A)], "resolves outside its directory")

@@ -89,7 +89,7 @@ def test_relative_traversal_is_refused(layout, opened, shard, reason):
     model, outside = layout
     write_index(model, {"a.weight": "model-00001-of-00002.safetensors", "b.weight": shard})
     refused(model, outside, opened, str(model / INDEX_NAME), "weight_map entry 'b.weight'", reason,
-            "a checkpoint may only name files inside")
+            "moeswap reads only files inside")
 
 
 @pytest.mark.parametrize("target", ["valid shard", "secret", "missing", "os interface"])
@@ -101,8 +101,8 @@ def test_absolute_paths_are_refused_whatever_is_there(layout, opened, target):
     write_index(model, {"a.weight": "model-00001-of-00002.safetensors", "b.weight": shard})
     message = refused(model, outside, opened, "weight_map entry 'b.weight'", "is an absolute path")
     assert message.replace(repr(shard), "PATH") == (
-        f"{model / INDEX_NAME}: weight_map entry 'b.weight': PATH is an absolute path; a checkpoint may only "
-        f"name files inside {model}")
+        f"{model / INDEX_NAME}: weight_map entry 'b.weight': PATH is an absolute path; moeswap reads only "
+        f"files inside {model}")
 
 
 @pytest.mark.parametrize("how", ["shard link", "directory link", "absolute link", "dangling link"])
@@ -121,7 +121,7 @@ def test_symlinks_that_resolve_outside_are_refused(layout, opened, how):
         (model / shard).symlink_to(outside / "nothing-here")
     write_index(model, {"a.weight": "model-00001-of-00002.safetensors", "b.weight": shard})
     refused(model, outside, opened, "weight_map entry 'b.weight'", repr(shard),
-            "is a link that resolves outside the model directory")
+            "is a link that resolves outside its directory")
 
 
 def test_the_refusal_is_the_same_whether_the_target_exists_or_not(layout, opened):
@@ -141,7 +141,7 @@ def test_single_shard_directory_link_outside_is_refused(tmp_path, opened):
     outside.mkdir()
     save_file(tensors_a(), outside / "secret.safetensors")
     (model / "model.safetensors").symlink_to(outside / "secret.safetensors")
-    refused(model, outside, opened, "'model.safetensors' is a link that resolves outside the model directory")
+    refused(model, outside, opened, "'model.safetensors' is a link that resolves outside its directory")
 
 
 def test_symlinks_inside_the_model_directory_are_followed(layout, opened):
@@ -179,7 +179,7 @@ def test_hugging_face_cache_snapshots_may_not_link_into_another_repository(tmp_p
     link = snapshot / "model-00002-of-00002.safetensors"
     link.unlink()
     link.symlink_to(Path("../../../models--someone--else/blobs/blob1"))
-    refused(snapshot, other.parent.parent, opened, "is a link that resolves outside the model directory")
+    refused(snapshot, other.parent.parent, opened, "is a link that resolves outside its directory")
 
 
 def test_a_file_that_is_not_safetensors_is_described_by_what_was_expected(layout, opened):
@@ -202,7 +202,7 @@ def test_config_json_linked_from_outside_is_refused_without_reading_its_keys(tmp
     (outside / "settings.json").write_text(json.dumps({"private_key_name": 1}))
     (model / "config.json").symlink_to(outside / "settings.json")
     opened.clear()
-    with pytest.raises(ConfigError, match="config.json' is a link that resolves outside the model directory") as caught:
+    with pytest.raises(ConfigError, match="config.json' is a link that resolves outside its directory") as caught:
         load_config(model)
     assert "private_key_name" not in str(caught.value)
     assert not [p for p in opened if p.is_relative_to(outside.resolve())]
@@ -424,8 +424,8 @@ def test_quantize_copies_nothing_from_outside_the_source(tiny_k3_dir, copy_model
     opened.clear()
     assert main(["quantize", str(model), str(tmp_path / "out"), "--experts", "mxfp8"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"moeswap: error: {model}: {name!r} is a link that resolves outside the model directory; "
-                   f"a checkpoint may only name files inside {model}\n")
+    assert err == (f"moeswap: error: {model}: {name!r} is a link that resolves outside its directory; "
+                   f"moeswap reads only files inside {model}\n")
     assert not (tmp_path / "out").exists()
     assert not [p for p in opened if p.is_relative_to(outside.resolve())]
 

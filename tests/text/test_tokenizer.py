@@ -513,7 +513,7 @@ def test_tokenizer_files_linking_outside_the_model_are_refused(tmp_path, name):
     secret.write_text('{"chat_template": "stolen"}')
     (model / name).unlink(missing_ok=True)
     (model / name).symlink_to(secret)
-    with pytest.raises(ValueError, match=f"'{name}' is a link that resolves outside the model directory") as err:
+    with pytest.raises(ValueError, match=f"'{name}' is a link that resolves outside its directory") as err:
         load_tokenizer(model)
     assert "stolen" not in str(err.value)
 

@@ -31,7 +31,7 @@ def confined(root: Path, relative: object, error: type[ValueError], where: str) 
     exists, its size or its bytes)."""
     reason = escape_reason(root, relative)
     if reason:
-        raise error(f"{where}: {show(relative)} is {reason}; a checkpoint may only name files inside {root}")
+        raise error(f"{where}: {show(relative)} is {reason}; moeswap reads only files inside {root}")
     return root / str(relative)
 
 
@@ -52,7 +52,7 @@ def escape_reason(root: Path, relative: object) -> str | None:
     except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
         return "a path that cannot be resolved (a symlink loop?)"
     if not any(real.is_relative_to(r) for r in allowed):
-        return "a link that resolves outside the model directory"
+        return "a link that resolves outside its directory"
     return None
 
 
