@@ -159,3 +159,42 @@ def test_quant_linear_rows_do_not_depend_on_the_batch(flags, kind):
     W = fp8_block.decode(q, scale, dtype=torch.float32) if kind == "fp8" else int4.decode(q, scale, (O, I), torch.float32)
     want = x @ W.T
     torch.testing.assert_close(alone, want, rtol=2e-6, atol=4e-6 * want.abs().max().item())
+
+
+def _assert_tiles(call, x_TI: torch.Tensor, T_from: int) -> None:
+    """call(x[:T]) == the same tokens in calls of at most 8 (one tile each), bit for bit, for T = T_from..len(x)."""
+    tiles = torch.cat([call(x_TI[t:t + 8]) for t in range(0, x_TI.shape[0], 8)])
+    for T in range(T_from, x_TI.shape[0] + 1):
+        got = call(x_TI[:T])
+        assert torch.equal(got, tiles[:T]), f"{T} tokens: max |diff| {(got - tiles[:T]).abs().max().item()}"
+
+
+@pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
+def test_mxfp4_prefill_rows_equal_the_8_token_tiles(flags):
+    """Prefill gives an expert 9-40 tokens: each token's row equals the same token's in calls of at most 8 tokens
+    (one tile each), bit for bit, so a kernel that takes more tokens at once (a block decoded once for more of
+    them) must keep the tiles' sums. Widths of 3, 9 and 16 blocks; odd row counts (row pairs and the odd row);
+    an expert and a layer step whose 160- and 288-row chunks hold several 32-row groups."""
+    kernel = _kernel(flags)
+    gen = torch.Generator().manual_seed(15)
+    T_MAX = 40
+    for O, I in ((39, 96), (71, 288), (33, 512)):
+        mats = [mxfp4.encode(torch.randn(O, I, generator=gen)), mxfp4.encode(torch.randn(O + 2, I, generator=gen))]
+        x = torch.randn(T_MAX, I, generator=gen)
+        _assert_tiles(lambda xt, mats=mats: torch.cat(kernel.linear(xt.contiguous(), mats), dim=1), x, 9)
+    I, F = 288, 160
+    (w,) = _experts("mxfp4", I, F, 1, gen)
+    x = torch.randn(T_MAX, I, generator=gen)
+    _assert_tiles(lambda xt: kernel_experts.expert(kernel, xt.contiguous(), w, "situ", BETAS), x, 9)
+    table = torch.tensor([kernel_experts.resident_row(w, I, "mxfp4")[1]], dtype=torch.int64)
+    weight = torch.rand(T_MAX, 1, generator=gen)
+
+    def routed(xt: torch.Tensor, rows: slice) -> torch.Tensor:  # one expert: it gets every token of the call
+        y = torch.zeros(xt.shape[0], I)
+        assert kernel.moe_resident(xt.contiguous(), table, torch.zeros(xt.shape[0], 1, dtype=torch.int64),
+                                   weight[rows].contiguous(), F, "mxfp4", "situ", BETAS, y) is not None
+        return y
+
+    tiles = torch.cat([routed(x[t:t + 8], slice(t, t + 8)) for t in range(0, T_MAX, 8)])
+    for T in range(9, T_MAX + 1):
+        assert torch.equal(routed(x[:T], slice(0, T)), tiles[:T]), f"layer step, {T} tokens"
