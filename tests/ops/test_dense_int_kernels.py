@@ -72,6 +72,29 @@ def test_the_kernels_products_are_within_fp32_summation_error(flags, kind, rows)
     assert ((got - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("flags", BUILDS, ids=BUILD_IDS)
+def test_int4_decode_is_the_decoder_bit_for_bit(flags):
+    """csrc/quant.c's int4_decode (the dense method's prefill chunks) against formats.int4.decode in fp32: every
+    code under scales from tiny to huge, subnormal and NaN scales and their rounding to bf16 included."""
+    kernel = _kernel(flags)
+    gen = torch.Generator().manual_seed(3)
+    O, I = 40, 320
+    w = torch.randn(O, I, generator=gen) * torch.logspace(-38, 37, O).unsqueeze(1)
+    q, scale = int4.encode(w)
+    q[0, :2] = int4.pack(torch.arange(-8, 8, dtype=torch.int8).repeat(1, 1))  # every code once
+    scale[1, 3], scale[2, 0], scale[3, 9] = float("nan"), 3e-39, -1e-40  # NaN, subnormal scales
+    scale[4] = torch.randn(I // 32, generator=gen).to(torch.bfloat16) * 1.01  # mantissas that round
+    expected = int4.decode(q, scale, (O, I), torch.float32)
+    got = kernel.int4_decode(q, scale)
+    assert torch.equal(got.isnan(), expected.isnan()) and expected.isnan().any()
+    assert torch.equal(got.nan_to_num() + 0.0, expected.nan_to_num() + 0.0)
+    out = torch.full((O * I,), 7.0)
+    assert kernel.int4_decode(q[5:9], scale[5:9], out=out[: 4 * I]).data_ptr() == out.data_ptr()
+    assert torch.equal(out[: 4 * I].view(4, I), expected[5:9])
+    with pytest.raises(ValueError, match="int4_decode"):
+        kernel.int4_decode(q, scale.float())
+
+
 @pytest.mark.parametrize("method, fmt", [(INT8_KEPT, INT8), (INT4_KEPT, INT4)], ids=["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS, 100])
 def test_the_dense_methods_multiply_the_decoded_weight(method, fmt, rows, monkeypatch):

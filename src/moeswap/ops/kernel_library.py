@@ -217,6 +217,25 @@ class CpuKernels:
             self._fail(status, f"quant_linear ({kind}, x {tuple(x_TI.shape)}, weights {tuple(q.shape)})")
         return y
 
+    def int4_decode(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """INT4 words [O, I/8] (int32) + bf16 scales [O, I/32] -> fp32 [O, I], equal to formats.int4.decode's
+        fp32 (each weight bf16(code * scale)); written into `out` (fp32, contiguous, O * I elements) when given."""
+        O = q.shape[0] if q.ndim == 2 else 0
+        I = q.shape[1] * 8 if q.ndim == 2 else 0
+        if (q.ndim != 2 or q.dtype != torch.int32 or tuple(scale.shape) != (O, I // 32) or scale.dtype != torch.bfloat16
+                or not all(t.is_cpu and t.is_contiguous() for t in (q, scale))):
+            raise ValueError(f"int4_decode: words {tuple(q.shape)} {q.dtype} with scales {tuple(scale.shape)} "
+                             f"{scale.dtype} (expected contiguous CPU int32 [O, I/8] and bf16 [O, I/32])")
+        if out is None:
+            out = torch.empty(O, I, dtype=torch.float32)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != O * I:
+            raise ValueError(f"int4_decode: out {tuple(out.shape)} {out.dtype} cannot hold [{O}, {I}] fp32")
+        out = out.view(O, I)
+        status = self.lib.moeswap_int4_decode(q.data_ptr(), scale.data_ptr(), O, I, out.data_ptr(), self._threads())
+        if status:
+            self._fail(status, f"int4_decode (words {tuple(q.shape)})")
+        return out
+
     def int8_linear(self, x_TI: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """INT8 channel weights (int8 codes [O, I] + fp32 scales [O, 1]): x fp32 contiguous [T, I] -> x W^T fp32
         [T, O] with W = q * scale, each weight one fp32 product (csrc/int8.c)."""

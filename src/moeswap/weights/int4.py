@@ -3,7 +3,7 @@
 (through formats/compressed_tensors.py); experts are kept as their codes and scales (KeptBytesFormat). Dense
 method `INT4_KEPT` (weights.codes_linear: `--dense-weights int4`, `quantize --dense int4`): a Linear keeps
 `weight_packed`, `weight_scale` and `weight_shape` (checked at load), decode-sized inputs run
-csrc/quant.c's INT4 product.
+csrc/quant.c's INT4 product, prefill-sized ones GEMMs on row chunks decoded by csrc/quant.c's int4_decode.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from moeswap.formats import compressed_tensors as ct
 from moeswap.formats import int4
 from moeswap.formats.checkpoint import CheckpointError
+from moeswap.ops import cpu_kernels
 from moeswap.ops.expert import Int4ExpertWeights
 from moeswap.weights.codes_linear import CodesLinear
 from moeswap.weights.dense import LinearMethod
@@ -27,8 +28,13 @@ class Int4KeptLinear(CodesLinear):
     dtypes = {"weight_packed": torch.int32, "weight_scale": torch.bfloat16}  # csrc/quant.c's INT4
 
     def decode_rows(self, layer, start, stop, dtype):
-        return int4.decode(layer.weight_packed[start:stop], layer.weight_scale[start:stop],
-                           (stop - start, layer.in_features), dtype)
+        packed, scale = layer.weight_packed[start:stop], layer.weight_scale[start:stop]
+        if (dtype == torch.float32 and packed.is_cpu and packed.dtype == torch.int32 and scale.dtype == torch.bfloat16
+                and layer.in_features % 32 == 0 and packed.is_contiguous() and scale.is_contiguous()):
+            kernel = cpu_kernels.kernel()
+            if kernel is not None:  # the same values in one pass instead of torch's eight (prefill: every chunk)
+                return kernel.int4_decode(packed, scale)
+        return int4.decode(packed, scale, (stop - start, layer.in_features), dtype)
 
     def run_kernel(self, kernel, layer, x_TI):
         return kernel.quant_linear("int4", x_TI, layer.weight_packed, layer.weight_scale)

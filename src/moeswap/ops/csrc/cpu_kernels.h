@@ -235,6 +235,7 @@ int moeswap_quant_moe(int format, const float *x, int64_t T, int64_t I, int64_t 
 /* ---- quant.c: block-FP8 (FORMAT FP8) and INT4 (FORMAT INT4) weights straight from their stored bytes ---- */
 int moeswap_quant_linear(int format, const float *x, int64_t T, int64_t I, const void *q, const void *scale,
                          int64_t O, float *y, int nthreads);
+int moeswap_int4_decode(const void *q, const void *scale, int64_t O, int64_t I, float *out, int nthreads);
 
 /* ---- int8.c: INT8 channel weights (int8 codes [O, I], fp32 scale per row) straight from their bytes ---- */
 int moeswap_int8_linear(const float *x, int64_t T, int64_t I, const int8_t *q, const float *s, int64_t O, float *y,
