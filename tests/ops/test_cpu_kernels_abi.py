@@ -49,9 +49,11 @@ def test_the_c_definitions_take_the_parameters_the_header_declares():
 
 def test_the_header_parses_into_every_function_and_field():
     abi = cpu_kernels.abi()
-    assert len(abi.functions) == 33 and abi.functions["moeswap_glu"] == (ctypes.c_int, [
+    assert len(abi.functions) == 34 and abi.functions["moeswap_glu"] == (ctypes.c_int, [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float,
         ctypes.c_float, ctypes.c_int])
+    assert abi.functions["moeswap_int4_decode"] == (ctypes.c_int, [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int])
     fields = dict(abi.layer_fields)
     assert len(fields) == 73 and fields["s_in"] is ctypes.c_void_p and fields["off"] == ctypes.c_int64 * 6 and fields["lower"] is ctypes.c_double
     assert fields["table"] is ctypes.c_void_p and fields["stop"] is ctypes.c_int64 and fields["chosen"] is ctypes.c_void_p
