@@ -206,18 +206,22 @@ def body_limit(max_context: int, max_token_chars: int) -> int:
 
 
 async def _body(request: Request) -> bytes:
-    limit = request.app.state.server.body_limit
+    srv = request.app.state.server
+    return await read_body(request, srv.body_limit, f"it follows from the {srv.max_context}-token context")
+
+
+async def read_body(request: Request, limit: int, why: str) -> bytes:
+    """The request's body, read no further than `limit` bytes: 413 (`why` says where the limit comes from) when
+    its Content-Length says more, or once the stream passes it."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
-        raise P.APIError(413, f"the request body is {int(size)} bytes, more than the limit of {limit} "
-                              f"(it follows from the {request.app.state.server.max_context}-token context)",
+        raise P.APIError(413, f"the request body is {int(size)} bytes, more than the limit of {limit} ({why})",
                          code="body_too_large")
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > limit:
-            raise P.APIError(413, f"the request body is more than the limit of {limit} bytes (it follows "
-                                  f"from the {request.app.state.server.max_context}-token context)",
+            raise P.APIError(413, f"the request body is more than the limit of {limit} bytes ({why})",
                              code="body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
@@ -337,35 +341,22 @@ def _gen_requests(srv: _Server, req: P.GenerationFields, prompt: list[int], max_
                          param="stop_token_ids")
     eos = srv.chat_eos_ids if isinstance(req, P.ChatCompletionRequest) else srv.eos_ids
     stop_ids = tuple(dict.fromkeys(ids + ([] if req.ignore_eos else list(eos))))
-    grammar = _grammar(srv, req)  # compiled once; each choice follows it with a constraint of its own
+    constraints = _constraints(srv, req, state)
     return [EngineRequest(prompt, room if max_tokens is None else max_tokens, sampling, stop_ids,
                           None if req.seed is None else req.seed + i, logprobs=logprobs, adapter=adapter,
-                          constraint=None if grammar is None else _constraint(srv, grammar, state))
-            for i in range(req.n)], stop
+                          constraint=constraint) for i, constraint in enumerate(constraints)], stop
 
 
-def _schema(req: P.GenerationFields):
-    """The JSON schema the request's response_format asks for (None: free text)."""
+def _constraints(srv: _Server, req: P.GenerationFields, state: str | None) -> list:
+    """Each of the `n` choices' token constraint for the request's response_format (None each: free text): one
+    grammar, compiled once, and a constraint of its own per choice (they are stateful), followed after the
+    reasoning where `state` is reasoning. A schema that is not valid or not followable is a 400."""
     try:
-        return response_schema(req.response_format)
-    except StructuredOutputError as e:
-        raise P.APIError(400, str(e), param=e.param, code=e.code) from None
-
-
-def _grammar(srv: _Server, req: P.GenerationFields):
-    """The compiled grammar of the request's response_format (None: free text)."""
-    schema = _schema(req)
-    try:
-        return None if schema is None else srv.structured.grammar(schema)
-    except StructuredOutputError as e:
-        raise P.APIError(400, str(e), param=e.param, code=e.code) from None
-
-
-def _constraint(srv: _Server, grammar, state: str | None):
-    """A token constraint that follows `grammar` (after the reasoning, where `state` is reasoning), for one
-    sequence."""
-    try:
-        return srv.structured.constraint(grammar, srv.layout, state)
+        schema = response_schema(req.response_format)
+        if schema is None:
+            return [None] * req.n
+        grammar = srv.structured.grammar(schema)
+        return [srv.structured.constraint(grammar, srv.layout, state) for _ in range(req.n)]
     except StructuredOutputError as e:
         raise P.APIError(400, str(e), param=e.param, code=e.code) from None
 

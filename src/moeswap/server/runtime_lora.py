@@ -82,14 +82,9 @@ BODY_LIMIT = 1 << 16  # a name and a path
 
 
 async def _small_body(request: Request) -> bytes:
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > BODY_LIMIT:
-            raise P.APIError(413, f"the request body is more than {BODY_LIMIT} bytes; it holds a name and a path",
-                             code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    from moeswap.server.app import read_body  # (app imports this module when it adds these routes)
+
+    return await read_body(request, BODY_LIMIT, "it holds a name and a path")
 
 
 def _one_line(e: BaseException) -> str:
