@@ -262,8 +262,7 @@ def _add_fused(name: str, pair: dict[str, torch.Tensor], blocks: Mapping[str, nn
                experts: dict[str, dict[str, torch.Tensor]]) -> list[str]:
     """Files one fused-expert pair (lora.fused_experts) under its MoE block in `experts`; the problems."""
     module = FUSED.fullmatch(name)["experts"]
-    candidates = [module] + [re.fullmatch(p, module).expand(t) for p, t in aliases if re.fullmatch(p, module)]
-    block = next((c.removesuffix(".experts") for c in candidates if c.removesuffix(".experts") in blocks), None)
+    block = next((b for b in (c.removesuffix(".experts") for c in _names(module, aliases)) if b in blocks), None)
     if block is None:
         return [f"{name}: target_parameters LoRA of a module that is no routed-expert set of this model "
                 f"(moeswap applies target_parameters to fused routed experts only)"]
@@ -287,11 +286,15 @@ def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return archs.get(config.arch).module_aliases
 
 
+def _names(name: str, aliases) -> list[str]:
+    """`name` (ours), then what it means where it is transformers' name (the architecture's module_aliases)."""
+    return [name] + [re.fullmatch(p, name).expand(t) for p, t in aliases if re.fullmatch(p, name)]
+
+
 def _resolve(name: str, modules: Mapping[str, nn.Module], aliases) -> str | None:
     """The model's Linear that `name` (ours, or transformers' name for it) refers to; one a served-adapter wrapper
     holds counts (lora.serving adds adapters to a model serving others)."""
-    candidates = [name] + [re.fullmatch(p, name).expand(t) for p, t in aliases if re.fullmatch(p, name)]
-    for c in candidates:
+    for c in _names(name, aliases):
         module = modules.get(c)
         if module is not None and isinstance(unadapted(module), nn.Linear) and ".lora_" not in c:
             return c
@@ -307,8 +310,7 @@ def _base_copy(name: str, tensor: torch.Tensor, base_weight: Callable[[str], tor
         module, attr = name.removesuffix(".base_layer.weight"), "weight"
     else:
         module, _, attr = name.rpartition(".")
-    candidates = [module] + [re.fullmatch(p, module).expand(t) for p, t in aliases if re.fullmatch(p, module)]
-    for c in candidates:
+    for c in _names(module, aliases):
         param = base_weight(f"{c}.{attr}")
         if param is None:
             continue
