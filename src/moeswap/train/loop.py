@@ -209,21 +209,21 @@ def _check_output(out: Path, resume: bool) -> tuple[Path, dict[str, Any]] | None
             raise ValueError(f"--resume: no checkpoint in {out / CHECKPOINTS} to resume from "
                              "(--save-interval N writes one every N steps; without --resume the run starts over)")
         return found, read_state(found)
-    if out.exists() and (not out.is_dir() or not _holds_no_run(out, also=record.LOSS_CSV)):
+    if out.exists() and (not out.is_dir() or not _holds_no_run(out)):
         raise FileExistsError(f"{out} exists and is not empty; pass --resume to continue the run it holds, "
                               "or choose another --output")
     out.mkdir(parents=True, exist_ok=True)
     return None
 
 
-def _holds_no_run(out: Path, also: str | None = None) -> bool:
+def _holds_no_run(out: Path) -> bool:
     """Whether `out` is empty but for what a run that stopped before its first checkpoint leaves: an empty
-    checkpoints/ and, with also=LOSS_CSV, its loss.csv so far (a fresh run may start there; anything else is
-    the user's and stays refused)."""
+    checkpoints/ and its loss.csv so far (a fresh run may start there; anything else is the user's and stays
+    refused)."""
     def leftover(e: Path) -> bool:
         if e.is_symlink():
             return False
-        if e.name == also and e.is_file():
+        if e.name == record.LOSS_CSV and e.is_file():
             return True
         return e.name == CHECKPOINTS and e.is_dir() and not any(e.iterdir())
 
@@ -275,7 +275,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool | None = Non
             return _train(cfg, resume, progress, on_checkpoint, stop_after)
     except BaseException:
         # refused, failed or stopped before its first checkpoint: nothing to resume, so nothing is left
-        if made and out.is_dir() and _holds_no_run(out, also=record.LOSS_CSV):
+        if made and out.is_dir() and _holds_no_run(out):
             shutil.rmtree(out, ignore_errors=True)
             for parent in made[1:]:  # and the directories made above it, while nothing else went in
                 with contextlib.suppress(OSError):

@@ -95,21 +95,14 @@ def write_record(out_dir: Path, manifest: dict[str, Any]) -> list[str]:
     return written + [MANIFEST]
 
 
-LOSS_CSV_HEADER = "step,lr,loss,tokens,eval_loss"
-
-
 def loss_csv(curve: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
     """loss.csv: the header, the eval before training (step 0) when there is one, then a row per step."""
     eval_at = {e["step"]: e["loss"] for e in evals}
-    lines = [LOSS_CSV_HEADER]
+    lines = ["step,lr,loss,tokens,eval_loss"]
     if 0 in eval_at:
-        lines.append(loss_csv_eval0(eval_at[0]))
+        lines.append(f"0,,,,{eval_at[0]!r}")
     lines += [loss_csv_row(point, eval_at.get(point["step"])) for point in curve]
     return "\n".join(lines) + "\n"
-
-
-def loss_csv_eval0(loss: float) -> str:
-    return f"0,,,,{loss!r}"
 
 
 def loss_csv_row(point: dict[str, Any], eval_loss: float | None) -> str:

@@ -45,9 +45,8 @@ class StepLines:
     last, each with step/total, loss, learning rate, tokens/s over the segment, elapsed time and ETA.
     interval 0: none."""
 
-    def __init__(self, interval: int, total: int, first: int, stream: TextIO | None = None):
+    def __init__(self, interval: int, total: int, first: int):
         self.interval, self.total, self.first = interval, total, first
-        self.stream = stream
 
     def due(self, step: int, end: int) -> bool:
         """Whether step `step` (1-based, just done) gets a line in a segment that stops at `end`."""
@@ -55,8 +54,7 @@ class StepLines:
 
     def show(self, step: int, loss: float, lr: float, tokens_per_s: float, elapsed_s: float,
              eta_s: float) -> None:
-        print(step_line(step, self.total, loss, lr, tokens_per_s, elapsed_s, eta_s),
-              file=self.stream or sys.stderr, flush=True)
+        print(step_line(step, self.total, loss, lr, tokens_per_s, elapsed_s, eta_s), file=sys.stderr, flush=True)
 
 
 def step_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, elapsed_s: float,
