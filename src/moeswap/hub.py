@@ -84,11 +84,6 @@ def resolve_model(arg: str) -> str:
                               + (f" --revision {revision}`" if revision else "`"))
 
 
-def model_argument(arg: str) -> str:
-    """argparse `type=` of a command's model argument (options.add_model_argument): resolve_model."""
-    return resolve_model(arg)
-
-
 def repo_id_of(path: str | os.PathLike) -> str | None:
     """`org/name` of a hub cache snapshot directory (models--org--name/snapshots/<commit>), else None."""
     real = Path(path).resolve()

@@ -17,7 +17,7 @@ from typing import Any
 
 from moeswap.experts.hybrid import EXPERT_COMPUTE, EXPERT_GPU_MIN_TOKENS  # torch-free, as is everything here
 from moeswap.experts.read_modes import DEFAULT_THREADS, EXPERT_READS
-from moeswap.hub import model_argument
+from moeswap.hub import resolve_model
 from moeswap.ops.gemm_precision import GEMM_PRECISIONS
 from moeswap.units import human_bytes, parse_bytes
 from moeswap.weights import dense_quant
@@ -202,7 +202,7 @@ def add_model_argument(parser: argparse.ArgumentParser,
                        help: str = "model directory (config.json + safetensors + tokenizer)") -> None:
     """The MODEL positional of the commands that run a model, optional: the shipped default model. A name
     `org/name[@revision]` that is no directory is the Hugging Face cache's snapshot (hub.resolve_model)."""
-    parser.add_argument("model", nargs="?", default=default_model_dir(), type=model_argument,
+    parser.add_argument("model", nargs="?", default=default_model_dir(), type=resolve_model,
                         help=f"{help}, or a Hugging Face name ORG/NAME[@REVISION] from its cache (`moeswap "
                              f"download`) (default: the shipped {DEFAULT_MODEL}, models/{DEFAULT_MODEL})")
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeswap.hub import model_argument
+from moeswap.hub import resolve_model
 from moeswap.jsonio import dumps
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="architecture summary, parameters and bytes by component and precision")
-    p.add_argument("model", type=model_argument, help="model directory, or a Hugging Face name ORG/NAME[@REVISION] "
+    p.add_argument("model", type=resolve_model, help="model directory, or a Hugging Face name ORG/NAME[@REVISION] "
                                                       "from its cache")
     p.add_argument("--json", action="store_true")
     p.add_argument("--verify", action="store_true",

@@ -33,7 +33,7 @@ from moeswap.config import load_config
 from moeswap.formats.checkpoint import INDEX_NAME, Checkpoint
 from moeswap.formats.files import confined
 from moeswap.formats.writer import layout, write_shard
-from moeswap.hub import model_argument
+from moeswap.hub import resolve_model
 from moeswap.lora.fingerprint import check_same_base
 from moeswap.lora.layer import lora_scaling
 from moeswap.lora.peft_io import expert_lora_for, plan_adapter, read_adapter
@@ -254,7 +254,7 @@ def _report(rows: list[dict], experts: list[dict], base: Path, adapter: Path, ou
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("merge", help="add a LoRA adapter (PEFT format) into a checkpoint's weights")
-    p.add_argument("base", type=model_argument,
+    p.add_argument("base", type=resolve_model,
                    help="base model directory, or a Hugging Face name ORG/NAME[@REVISION] from its cache")
     p.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("out", help="output directory (must not exist or be empty)")
