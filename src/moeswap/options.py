@@ -49,7 +49,8 @@ class LoadOptions:
     dense_weights: str = _option(
         "auto", "auto: keep bf16-stored Linear weights in bf16, and block-FP8 ones as their codes and scales, "
                 "under fp32 math where a CPU kernel runs them (fewer bytes per decode step, same values); "
-                "compute: convert to --dtype (torch's GEMM then: a row's numbers may depend on its batch, docs/numerics.md); int8 / int4: store the large dense matrices as int8 codes per row "
+                "compute: convert to --dtype (torch's GEMM then: a row's numbers may depend on its batch, "
+                "docs/numerics.md); int8 / int4: store the large dense matrices as int8 codes per row "
                 "(int4: per 32 inputs) with a scale, quantised at load (compressed-tensors names, C kernels for "
                 "decode; a checkpoint from `moeswap quantize --dense` loads as is)", choices=DENSE_WEIGHTS)
     expert_activations: str = _option(

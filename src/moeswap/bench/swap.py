@@ -239,8 +239,8 @@ def format_report(r: dict) -> str:
     online = [c for c in r["runs"] if c["budget_pct"] == 25 and c["prefetch"] != "none" and c["policy"] != "belady"]
     if online:
         best = max(online, key=lambda c: c["tokens_per_s"])
-        lines.append(f"Best non-oracle policy + prefetch at 25%: {best['name']}: {best['vs_resident']:.2f}x all-resident, "
-                     f"{best['vs_no_cache']:.2f}x no-cache (all-resident itself is "
+        lines.append(f"Best non-oracle policy + prefetch at 25%: {best['name']}: {best['vs_resident']:.2f}x "
+                     f"all-resident, {best['vs_no_cache']:.2f}x no-cache (all-resident itself is "
                      f"{1 / no_cache['vs_resident']:.2f}x no-cache here).")
     return "\n".join(lines)
 

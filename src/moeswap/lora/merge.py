@@ -9,9 +9,9 @@ per layer and projection, also relative to the update's size (quantisation to 4 
 small update: the report says how much). The base's model card is not copied: OUT gets its own README.md
 (model_card.py: base, adapter, date, what was merged). Every other tensor and side file is copied as it
 is, shard by shard (a shard without merged tensors is copied whole; one with them is rewritten tensor by
-tensor, so peak memory is about one tensor). The adapter is mapped onto the model built on `meta` (lora.peft_io), so a key
-or shape that does not fit is refused before anything is written; a recorded base fingerprint must match
-BASE. OUT is written all at once (atomic_dir).
+tensor, so peak memory is about one tensor). The adapter is mapped onto the model built on `meta`
+(lora.peft_io), so a key or shape that does not fit is refused before anything is written; a recorded base
+fingerprint must match BASE. OUT is written all at once (atomic_dir).
 Entry points: `merge_checkpoint(base, adapter, out)`, and add_parser / run for the CLI.
 """
 

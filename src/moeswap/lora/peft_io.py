@@ -2,8 +2,8 @@
 `base_model.model.<checkpoint module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], and moeswap's own
 fields in `moeswap_adapter.json` beside them (lora.config); loading also takes the module names of
 transformers' port (an architecture's `module_aliases`) and PEFT's LoRA of transformers' fused routed experts
-(`target_parameters`, lora.fused_experts). An adapter is checked whole before anything is applied. Entry points: `save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`,
-`adapter_state_dict`.
+(`target_parameters`, lora.fused_experts). An adapter is checked whole before anything is applied. Entry points:
+`save_adapter`, `write_adapter`, `read_adapter`, `load_adapter`, `adapter_state_dict`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def write_adapter(model: nn.Module, directory: str | os.PathLike, base_model: st
     path = directory / WEIGHTS_NAME
     with writing(path):
         write_shard(path, specs, ((name, tensors[name]) for name, _, _ in layout(specs)))
-    for name, content in ((CONFIG_NAME, config.to_peft(base_model)), (MOESWAP_NAME, config.to_moeswap(base_fingerprint))):
+    for name, content in ((CONFIG_NAME, config.to_peft(base_model)),
+                          (MOESWAP_NAME, config.to_moeswap(base_fingerprint))):
         with writing(directory / name):
             (directory / name).write_text(jsonio.dumps(content, indent=2) + "\n")
 

@@ -30,7 +30,8 @@ from moeswap.text.tool_calls import Piece
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # json_object: any JSON object
 FORMAT_TYPES = ("text", "json_object", "json_schema")
-_SCHEMA_FIELDS: dict[str, type | tuple[type, ...]] = {"name": str, "description": str, "schema": (dict, bool), "strict": bool}
+_SCHEMA_FIELDS: dict[str, type | tuple[type, ...]] = {"name": str, "description": str, "schema": (dict, bool),
+                                                      "strict": bool}
 # llguidance's words for a schema it reads but cannot follow (as opposed to one that is not valid)
 _UNSUPPORTED = re.compile(r"Unimplemented|not supported|Unknown format|retriev", re.IGNORECASE)
 
