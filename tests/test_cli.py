@@ -326,6 +326,7 @@ def test_parse_bytes():
     (("--device", "floppy"), ("--device 'floppy' is not a torch device",)),
     (("--temperature", "-1"), ("temperature must be >= 0, got -1.0",)),
     (("--top-p", "0"), ("top_p must be in (0, 1], got 0.0",)),
+    (("--stop", "</s>", "--stop", ""), ("--stop: an empty string would stop before any text",)),
 ])
 def test_bad_generate_flags(capsys, tiny_k3_dir, flags, fragments):
     code, _, err = run(capsys, "generate", str(tiny_k3_dir), "--prompt", "hi", *flags)

@@ -73,6 +73,7 @@ def test_the_resolved_config_round_trips_through_json(tmp_path):
     ("lr: 0\n", "--lr must be > 0"),
     ("eval_split: 1.0\n", "--eval-split must be in [0, 1)"),
     ("router_bias_rate: -0.001\n", "--router-bias-rate must be >= 0"),
+    ("log_interval: -1\n", "--log-interval must be >= 0"),
     ("expert_compute: cpu\n", "--expert-compute cpu: training computes every expert where the model runs"),
     ("- a\n- b\n", "expected a mapping of settings"),
     ("rank: [\n", "not valid YAML"),
